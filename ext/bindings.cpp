@@ -1,0 +1,214 @@
+// The Python binding of the core: argument conversion, GIL release around every blocking call, and the
+// mapping of ds::Error to Python exceptions. No logic lives here.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "crc32c.hpp"
+#include "cuda.hpp"
+#include "engine.hpp"
+#include "plan.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+void set_python_error(const ds::Error& e) {
+  switch (e.kind) {
+    case ds::Error::Kind::Os: {
+      nb::object args = e.path.empty() ? nb::make_tuple(e.os_errno, e.message)
+                                       : nb::make_tuple(e.os_errno, e.message, e.path);
+      PyErr_SetObject(PyExc_OSError, args.ptr());
+      break;
+    }
+    case ds::Error::Kind::Value:
+      PyErr_SetString(PyExc_ValueError, (e.path.empty() ? e.message : e.path + ": " + e.message).c_str());
+      break;
+    default:
+      PyErr_SetString(PyExc_RuntimeError, (e.path.empty() ? e.message : e.path + ": " + e.message).c_str());
+  }
+}
+
+int device_of(const nb::ndarray<>& a, const std::string& name) {
+  if (a.device_type() == nb::device::cpu::value) return -1;
+  if (a.device_type() == nb::device::cuda::value) return a.device_id();
+  throw ds::ErrorException(
+      ds::Error::value("tensor '" + name + "' is on an unsupported device (CPU and CUDA only)"));
+}
+
+ds::TensorSrc to_src(const nb::ndarray<>& a, std::string name, std::string dtype) {
+  ds::TensorSrc t;
+  t.device = device_of(a, name);
+  t.name = std::move(name);
+  t.dtype = std::move(dtype);
+  t.itemsize = a.itemsize();
+  t.data = static_cast<const char*>(a.data());
+  std::size_t numel = 1;
+  std::int64_t expect = 1;
+  t.contiguous = true;
+  t.shape.resize(a.ndim());
+  t.strides.resize(a.ndim());
+  for (std::size_t d = a.ndim(); d-- > 0;) {
+    t.shape[d] = a.shape(d);
+    t.strides[d] = a.stride(d);
+    numel *= a.shape(d);
+    if (a.shape(d) != 1 && a.stride(d) != expect) t.contiguous = false;
+    expect *= a.shape(d);
+  }
+  if (numel == 0) t.contiguous = true;
+  t.nbytes = numel * t.itemsize;
+  return t;
+}
+
+nb::dict job_stats(ds::SaveJob& j) {
+  const ds::JobStats s = j.stats();
+  nb::dict d;
+  d["file_bytes"] = s.file_bytes;
+  d["tensor_bytes"] = s.tensor_bytes;
+  d["t_submit_ns"] = s.t_submit_ns;
+  d["t_snapshot_ns"] = s.t_snapshot_ns;
+  d["t_persisted_ns"] = s.t_persisted_ns;
+  d["direct_io"] = s.direct_io;
+  return d;
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() =
+      "nanotron_datastates core: host cache, copy, io_uring flush, restore (private; use the package API)";
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const ds::ErrorException& e) {
+      set_python_error(e.error);
+    }
+  });
+
+  nb::class_<ds::SaveJob>(m, "Job")
+      .def_prop_ro("path", &ds::SaveJob::path)
+      .def("wait_snapshot", &ds::SaveJob::wait_snapshot, "timeout"_a = -1.0,
+           nb::call_guard<nb::gil_scoped_release>(), "False on timeout")
+      .def("wait_persisted", &ds::SaveJob::wait_persisted, "timeout"_a = -1.0,
+           nb::call_guard<nb::gil_scoped_release>(), "False on timeout")
+      .def("snapshot_done", &ds::SaveJob::snapshot_done)
+      .def("persisted_done", &ds::SaveJob::persisted_done)
+      .def("failed", &ds::SaveJob::failed)
+      .def(
+          "raise_error",
+          [](ds::SaveJob& j) {
+            if (ds::Error e = j.error()) throw ds::ErrorException(e);
+          },
+          "Raises the job's error (OSError, ValueError or RuntimeError), if any")
+      .def("stats", &job_stats);
+
+  nb::class_<ds::Engine>(m, "Engine")
+      .def(
+          "__init__",
+          [](ds::Engine* self, std::size_t cache_bytes, std::size_t chunk_bytes, int pin_device,
+             unsigned parser_threads, unsigned flush_threads, unsigned queue_depth, std::size_t read_bytes,
+             const std::string& io_backend, bool direct_io, bool fsync, bool checksums) {
+            ds::EngineOptions o;
+            o.cache_bytes = cache_bytes;
+            o.chunk_bytes = chunk_bytes;
+            o.pin_device = pin_device;
+            o.parser_threads = parser_threads;
+            o.flush_threads = flush_threads;
+            o.queue_depth = queue_depth;
+            o.read_bytes = read_bytes;
+            o.io_backend = io_backend;
+            o.save = {direct_io, fsync, checksums};
+            nb::gil_scoped_release release;  // allocating and pinning the cache can take seconds
+            new (self) ds::Engine(o);
+          },
+          "cache_bytes"_a, "chunk_bytes"_a, "pin_device"_a, "parser_threads"_a, "flush_threads"_a,
+          "queue_depth"_a, "read_bytes"_a, "io_backend"_a, "direct_io"_a, "fsync"_a, "checksums"_a)
+      .def(
+          "save",
+          [](ds::Engine& e, std::string path, const std::vector<std::string>& names,
+             const std::vector<std::string>& dtypes, const std::vector<nb::ndarray<>>& arrays,
+             ds::Metadata metadata, const std::vector<std::pair<int, std::uintptr_t>>& streams) {
+            if (names.size() != arrays.size() || dtypes.size() != arrays.size())
+              throw ds::ErrorException(ds::Error::value("names, dtypes and arrays differ in length"));
+            std::vector<ds::TensorSrc> srcs;
+            srcs.reserve(arrays.size());
+            for (std::size_t i = 0; i < arrays.size(); ++i)
+              srcs.push_back(to_src(arrays[i], names[i], dtypes[i]));
+            nb::gil_scoped_release release;
+            return e.save(std::move(path), std::move(srcs), std::move(metadata), streams);
+          },
+          "path"_a, "names"_a, "dtypes"_a, "arrays"_a, "metadata"_a, "streams"_a)
+      .def(
+          "restore",
+          [](ds::Engine& e, const std::string& path, const std::vector<std::uint64_t>& offsets,
+             const std::vector<nb::ndarray<>>& dests, bool verify) {
+            if (offsets.size() != dests.size())
+              throw ds::ErrorException(ds::Error::value("offsets and destinations differ in length"));
+            std::vector<ds::RestoreTensor> ts(dests.size());
+            for (std::size_t i = 0; i < dests.size(); ++i) {
+              ts[i].offset = offsets[i];
+              ts[i].nbytes = dests[i].nbytes();
+              ts[i].dst = static_cast<char*>(dests[i].data());
+              ts[i].device = device_of(dests[i], "destination " + std::to_string(i));
+            }
+            nb::gil_scoped_release release;
+            return e.restore(path, ts, verify);
+          },
+          "path"_a, "offsets"_a, "dests"_a, "verify"_a)
+      .def("wait_idle", &ds::Engine::wait_idle, "timeout"_a = -1.0, nb::call_guard<nb::gil_scoped_release>())
+      .def("close", &ds::Engine::close, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("in_flight", &ds::Engine::in_flight)
+      .def_prop_ro("backend", &ds::Engine::backend)
+      .def_prop_ro("fallback_reason", &ds::Engine::fallback_reason)
+      .def_prop_ro("pinned", [](ds::Engine& e) { return e.cache().pinned(); })
+      .def_prop_ro("pin_error", [](ds::Engine& e) { return e.cache().pin_error(); })
+      .def_prop_ro("chunk_bytes", [](ds::Engine& e) { return e.cache().chunk_bytes(); })
+      .def_prop_ro("num_chunks", [](ds::Engine& e) { return e.cache().num_chunks(); })
+      .def(
+          "cache_stats",
+          [](ds::Engine& e, bool reset) {
+            const ds::CacheStats s = e.cache().stats(reset);
+            nb::dict d;
+            d["chunks"] = s.chunks;
+            d["chunk_bytes"] = s.chunk_bytes;
+            d["in_use"] = s.in_use;
+            d["high_water"] = s.high_water;
+            d["wait_ns"] = s.wait_ns;
+            d["pinned"] = s.pinned;
+            return d;
+          },
+          "reset"_a = false);
+
+  m.def(
+      "crc32c", [](nb::bytes data, std::uint32_t crc) { return ds::crc32c(crc, data.c_str(), data.size()); },
+      "data"_a, "crc"_a = 0, "CRC-32C of `data`, continuing from `crc`");
+  m.def("crc32c_combine", &ds::crc32c_combine, "crc_a"_a, "crc_b"_a, "len_b"_a);
+  m.def(
+      "encode_header",
+      [](const std::vector<std::string>& names, const std::vector<std::string>& dtypes,
+         const std::vector<std::vector<std::int64_t>>& shapes, const std::vector<std::size_t>& itemsizes,
+         const ds::Metadata& metadata, bool checksums) {
+        std::vector<ds::TensorSrc> ts(names.size());
+        for (std::size_t i = 0; i < ts.size(); ++i) {
+          ts[i].name = names[i];
+          ts[i].dtype = dtypes[i];
+          ts[i].shape = shapes[i];
+          ts[i].itemsize = itemsizes[i];
+          std::size_t n = itemsizes[i];
+          for (auto s : shapes[i]) n *= static_cast<std::size_t>(s);
+          ts[i].nbytes = n;
+        }
+        const ds::Layout l = ds::plan_layout(ts, metadata, checksums);
+        return nb::bytes(l.header.data(), l.header.size());
+      },
+      "names"_a, "dtypes"_a, "shapes"_a, "itemsizes"_a, "metadata"_a, "checksums"_a,
+      "The header bytes the engine writes for these tensors (checksums as zeros): for tests and tools");
+  m.def("cuda_available", [] { return ds::cuda::api() != nullptr; });
+  m.def("cuda_unavailable_reason", &ds::cuda::unavailable_reason);
+}

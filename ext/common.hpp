@@ -1,0 +1,58 @@
+// Shared vocabulary of the core: alignment helpers, the Error value carried to Python, monotonic time.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <string>
+
+namespace ds {
+
+// O_DIRECT needs buffers, offsets and lengths aligned to the logical block size; 4096 covers every device.
+constexpr std::size_t kPage = 4096;
+
+inline std::size_t align_up(std::size_t x, std::size_t a) {
+  return (x + a - 1) / a * a;
+}
+inline std::size_t align_down(std::size_t x, std::size_t a) {
+  return x / a * a;
+}
+
+inline std::uint64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// An error as it reaches Python. Os: OSError(errno, message, path); Cuda/Internal: RuntimeError;
+// Value: ValueError. Errors are values inside the core; they are thrown only as ErrorException, and the
+// binding translates that exception, so nothing escapes into Python as a C++ exception.
+struct Error {
+  enum class Kind { None, Os, Cuda, Value, Internal };
+  Kind kind = Kind::None;
+  int os_errno = 0;
+  std::string message;
+  std::string path;
+
+  explicit operator bool() const { return kind != Kind::None; }
+
+  // message reads "No space left on device (writing data)"; Python's OSError adds errno and path.
+  static Error os(int err, const std::string& what, const std::string& path) {
+    return {Kind::Os, err, std::string(std::strerror(err)) + " (" + what + ")", path};
+  }
+  static Error cuda(const std::string& message) { return {Kind::Cuda, 0, message, {}}; }
+  static Error value(const std::string& message, const std::string& path = {}) {
+    return {Kind::Value, 0, message, path};
+  }
+  static Error internal(const std::string& message) { return {Kind::Internal, 0, message, {}}; }
+};
+
+struct ErrorException : std::exception {
+  Error error;
+  explicit ErrorException(Error e) : error(std::move(e)) {}
+  const char* what() const noexcept override { return error.message.c_str(); }
+};
+
+}  // namespace ds

@@ -1,0 +1,108 @@
+#include "copy.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+namespace ds {
+namespace {
+
+// One non-blocking stream per device per thread, created on first use; each parser thread copies on its own
+// stream so several chunks are in flight on the copy engines at once.
+cuda::CUstream thread_stream(int device, Error* err) {
+  thread_local std::unordered_map<int, cuda::CUstream> streams;
+  auto it = streams.find(device);
+  if (it != streams.end()) return it->second;
+  cuda::CUstream s = nullptr;
+  *err = cuda::check(cuda::api()->cuStreamCreate(&s, cuda::kStreamNonBlocking), "cuStreamCreate");
+  if (*err) return nullptr;
+  streams.emplace(device, s);
+  return s;
+}
+
+}  // namespace
+
+void gather_host(const TensorSrc& t, std::size_t begin, std::size_t end, char* dst) {
+  if (t.contiguous) {
+    std::memcpy(dst, t.data + begin, end - begin);
+    return;
+  }
+  const std::size_t isz = t.itemsize;
+  const std::size_t nd = t.shape.size();
+  std::vector<std::int64_t> idx(nd, 0);
+  std::int64_t rem = static_cast<std::int64_t>(begin / isz);
+  for (std::size_t d = nd; d-- > 0;) {
+    idx[d] = rem % t.shape[d];
+    rem /= t.shape[d];
+  }
+  std::size_t skip = begin % isz;  // the range may start inside an element
+  std::size_t left = end - begin;
+  const bool inner_contig = nd > 0 && t.strides[nd - 1] == 1;
+  while (left > 0) {
+    std::int64_t off = 0;
+    for (std::size_t d = 0; d < nd; ++d) off += idx[d] * t.strides[d];
+    const std::int64_t run = inner_contig ? t.shape[nd - 1] - idx[nd - 1] : 1;
+    const std::size_t take = std::min(static_cast<std::size_t>(run) * isz - skip, left);
+    std::memcpy(dst, t.data + off * static_cast<std::int64_t>(isz) + skip, take);
+    dst += take;
+    left -= take;
+    skip = 0;
+    if (nd == 0) break;
+    idx[nd - 1] += run;
+    for (std::size_t d = nd - 1; d > 0 && idx[d] >= t.shape[d]; --d) {
+      idx[d] = 0;
+      ++idx[d - 1];
+    }
+  }
+}
+
+Error PieceCopier::copy(const TensorSrc& t, std::size_t begin, std::size_t end, char* dst) {
+  if (end <= begin) return {};
+  if (t.device < 0) {
+    gather_host(t, begin, end, dst);
+    return {};
+  }
+  if (!t.contiguous) return Error::internal("non-contiguous CUDA tensor reached the copy stage: " + t.name);
+  if (Error e = cuda::make_current(t.device)) return e;
+  Error err;
+  cuda::CUstream s = thread_stream(t.device, &err);
+  if (err) return err;
+  const cuda::Api* a = cuda::api();
+  auto known = std::find_if(pending_.begin(), pending_.end(), [&](auto& p) { return p.first == t.device; });
+  if (known == pending_.end()) {
+    // Order this stream after everything the caller had queued when it called save().
+    const auto ev =
+        events_ ? events_->find(t.device) : std::unordered_map<int, cuda::CUevent>::const_iterator{};
+    if (!events_ || ev == events_->end())
+      return Error::internal("no CUDA event recorded for device " + std::to_string(t.device));
+    if (Error e = cuda::check(a->cuStreamWaitEvent(s, ev->second, 0), "cuStreamWaitEvent")) return e;
+    pending_.emplace_back(t.device, s);
+  }
+  return cuda::check(
+      a->cuMemcpyDtoHAsync(dst, reinterpret_cast<cuda::CUdeviceptr>(t.data + begin), end - begin, s),
+      "cuMemcpyDtoHAsync");
+}
+
+Error PieceCopier::finish() {
+  Error first;
+  for (auto& [device, s] : pending_) {
+    Error e = cuda::make_current(device);
+    if (!e) e = cuda::check(cuda::api()->cuStreamSynchronize(s), "cuStreamSynchronize");
+    if (e && !first) first = e;
+  }
+  pending_.clear();
+  return first;
+}
+
+Error copy_to_device(int device, char* dst_device, const char* src, std::size_t n) {
+  if (Error e = cuda::make_current(device)) return e;
+  Error err;
+  cuda::CUstream s = thread_stream(device, &err);
+  if (err) return err;
+  const cuda::Api* a = cuda::api();
+  if (Error e = cuda::check(a->cuMemcpyHtoDAsync(reinterpret_cast<cuda::CUdeviceptr>(dst_device), src, n, s),
+                            "cuMemcpyHtoDAsync"))
+    return e;
+  return cuda::check(a->cuStreamSynchronize(s), "cuStreamSynchronize");
+}
+
+}  // namespace ds

@@ -1,0 +1,40 @@
+// Stage 2 of a save: copy tensor bytes into a chunk of the host cache.
+//
+// Host tensors are copied by the calling parser thread (memcpy, or a strided gather for non-contiguous
+// views, so nothing is copied on the caller's thread). CUDA tensors are copied device-to-host on this
+// thread's own stream, after the event the caller recorded on its stream at save(); finish() waits for
+// them, so when it returns the chunk holds the bytes and the source may change.
+#pragma once
+
+#include <cstddef>
+#include <unordered_map>
+#include <vector>
+
+#include "common.hpp"
+#include "cuda.hpp"
+#include "plan.hpp"
+
+namespace ds {
+
+class PieceCopier {
+ public:
+  // `events[d]` is the event recorded on the caller's stream for device d (absent: no CUDA tensors).
+  explicit PieceCopier(const std::unordered_map<int, cuda::CUevent>* events) : events_(events) {}
+
+  // Copies bytes [begin, end) of `t`'s row-major image to `dst`.
+  Error copy(const TensorSrc& t, std::size_t begin, std::size_t end, char* dst);
+  // Waits for the device-to-host copies issued since the last finish().
+  Error finish();
+
+ private:
+  const std::unordered_map<int, cuda::CUevent>* events_;
+  std::vector<std::pair<int, cuda::CUstream>> pending_;  // devices with copies in flight
+};
+
+// Host-to-device copy from `src` (ideally pinned) on this thread's stream for `device`; waits for it.
+Error copy_to_device(int device, char* dst_device, const char* src, std::size_t n);
+
+// Strided gather of bytes [begin, end) of a host tensor's row-major image.
+void gather_host(const TensorSrc& t, std::size_t begin, std::size_t end, char* dst);
+
+}  // namespace ds

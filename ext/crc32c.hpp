@@ -1,0 +1,15 @@
+// CRC-32C (Castagnoli), the per-tensor checksum of the file format. Hardware (SSE 4.2) when the CPU has it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ds {
+
+// Standard CRC-32C: crc32c(0, "123456789", 9) == 0xE3069283; pass the previous value to continue.
+std::uint32_t crc32c(std::uint32_t crc, const void* data, std::size_t n);
+
+// The CRC of A||B from crc(A), crc(B) and len(B): lets pieces of one tensor be summed in any order.
+std::uint32_t crc32c_combine(std::uint32_t crc_a, std::uint32_t crc_b, std::size_t len_b);
+
+}  // namespace ds

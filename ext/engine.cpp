@@ -1,0 +1,127 @@
+#include "engine.hpp"
+
+namespace ds {
+
+Engine::Engine(const EngineOptions& opts)
+    : opts_(opts),
+      cache_(opts.cache_bytes, opts.chunk_bytes, opts.pin_device),
+      parsers_(opts.parser_threads) {
+  if (opts_.io_backend != "pwrite") {
+    for (unsigned i = 0; i < opts_.flush_threads; ++i) {
+      std::string why;
+      auto w = make_uring_worker(opts_.queue_depth, &why);
+      if (!w) {
+        flushers_.clear();
+        if (opts_.io_backend == "io_uring") {
+          parsers_.stop();
+          throw ErrorException(Error::value("io_backend='io_uring' but io_uring is refused here: " + why));
+        }
+        fallback_reason_ = why;
+        break;
+      }
+      flushers_.push_back(std::move(w));
+    }
+  }
+  if (flushers_.empty()) {
+    // One pool, as many threads as the io_uring workers would keep writes in flight (bounded).
+    flushers_.push_back(
+        make_pwrite_worker(std::min(16u, opts_.flush_threads * std::max(1u, opts_.queue_depth / 2))));
+    backend_ = "pwrite";
+  } else {
+    backend_ = "io_uring";
+  }
+}
+
+Engine::~Engine() {
+  close();
+}
+
+std::shared_ptr<SaveJob> Engine::save(std::string path, std::vector<TensorSrc> tensors, Metadata metadata,
+                                      const std::vector<std::pair<int, std::uintptr_t>>& streams) {
+  auto job = std::make_shared<SaveJob>(std::move(path), std::move(tensors), std::move(metadata), opts_.save,
+                                       &cache_, this);
+  if (Error e = job->record_events(streams)) throw ErrorException(e);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closing_) throw ErrorException(Error::value("the engine is closed; create a new DataStatesEngine"));
+    ++in_flight_;
+  }
+  job->start();
+  parsers_.submit([this, job] { run_plan(job); });
+  return job;
+}
+
+void Engine::run_plan(const std::shared_ptr<SaveJob>& job) {
+  const SaveJob::Planned p = job->plan();
+  if (p.first_op) next_flusher()->submit(p.first_op);
+  for (std::size_t i = 0; i < p.pieces; ++i) parsers_.submit([this, job, i] { run_piece(job, i); });
+}
+
+void Engine::run_piece(const std::shared_ptr<SaveJob>& job, std::size_t i) {
+  if (job->failed()) {
+    job->skip_piece(i);
+    return;
+  }
+  char* chunk = cache_.acquire();  // backpressure: waits for a flush to give one back
+  PieceCopier copier(job->events());
+  if (IoOp* op = job->copy_piece(i, chunk, copier)) next_flusher()->submit(op);
+}
+
+FlushWorker* Engine::next_flusher() {
+  return flushers_[rr_.fetch_add(1, std::memory_order_relaxed) % flushers_.size()].get();
+}
+
+std::vector<std::uint32_t> Engine::restore(const std::string& path, const std::vector<RestoreTensor>& tensors,
+                                           bool verify) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closing_) throw ErrorException(Error::value("the engine is closed; create a new DataStatesEngine"));
+    ++in_flight_;  // close() waits for restores too
+  }
+  struct Done {
+    Engine* e;
+    ~Done() { e->job_finished(); }
+  } done{this};
+  RestoreOptions ro;
+  ro.use_uring = backend_ == "io_uring";
+  ro.depth = opts_.queue_depth;
+  ro.read_bytes = opts_.read_bytes;
+  ro.verify = verify;
+  return restore_file(path, tensors, ro, parsers_, cache_);
+}
+
+void Engine::job_finished() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--in_flight_ == 0) idle_cv_.notify_all();  // under the lock: close() cannot return before we are done
+}
+
+std::size_t Engine::in_flight() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return in_flight_;
+}
+
+bool Engine::wait_idle(double timeout_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto idle = [&] { return in_flight_ == 0; };
+  if (timeout_s < 0) {
+    idle_cv_.wait(lock, idle);
+    return true;
+  }
+  return idle_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), idle);
+}
+
+void Engine::close() {
+  std::lock_guard<std::mutex> serial(close_mu_);  // a second close waits for the first one's drain
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return;
+    closing_ = true;
+  }
+  wait_idle(-1);
+  parsers_.stop();
+  for (auto& f : flushers_) f->stop();
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_ = true;
+}
+
+}  // namespace ds

@@ -1,0 +1,79 @@
+// The engine: owns the host cache, the parser threads and the flush workers, and drives each SaveJob through
+// plan -> copy -> flush -> commit. Restore runs read -> verify -> scatter on the same threads.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "flush.hpp"
+#include "host_cache.hpp"
+#include "restore.hpp"
+#include "save_job.hpp"
+#include "task_pool.hpp"
+
+namespace ds {
+
+struct EngineOptions {
+  std::size_t cache_bytes = std::size_t{1} << 30;
+  std::size_t chunk_bytes = std::size_t{64} << 20;
+  int pin_device = -1;  // CUDA ordinal whose context pins the cache; -1: do not pin
+  unsigned parser_threads = 2;
+  unsigned flush_threads = 2;
+  unsigned queue_depth = 8;
+  std::size_t read_bytes = std::size_t{16} << 20;
+  std::string io_backend = "auto";  // auto | io_uring | pwrite
+  SaveOptions save;
+};
+
+class Engine final : public JobObserver {
+ public:
+  explicit Engine(const EngineOptions& opts);
+  ~Engine() override;
+
+  // Returns at once; the job runs on the engine's threads. Throws ErrorException (Value) once closed.
+  std::shared_ptr<SaveJob> save(std::string path, std::vector<TensorSrc> tensors, Metadata metadata,
+                                const std::vector<std::pair<int, std::uintptr_t>>& streams);
+
+  std::vector<std::uint32_t> restore(const std::string& path, const std::vector<RestoreTensor>& tensors,
+                                     bool verify);
+
+  // Waits until no save or restore is in flight; false on timeout (< 0: none).
+  bool wait_idle(double timeout_s);
+  // Drains every save, then stops the threads. Idempotent.
+  void close();
+
+  const std::string& backend() const { return backend_; }
+  const std::string& fallback_reason() const { return fallback_reason_; }
+  HostCache& cache() { return cache_; }
+  std::size_t in_flight();
+
+  void job_finished() override;
+
+ private:
+  void run_plan(const std::shared_ptr<SaveJob>& job);
+  void run_piece(const std::shared_ptr<SaveJob>& job, std::size_t i);
+  FlushWorker* next_flusher();
+
+  EngineOptions opts_;
+  HostCache cache_;
+  std::string backend_;
+  std::string fallback_reason_;
+  std::vector<std::unique_ptr<FlushWorker>> flushers_;
+  std::atomic<std::size_t> rr_{0};
+  TaskPool parsers_;
+
+  std::mutex close_mu_;  // serializes close()
+  std::mutex mu_;
+  std::condition_variable idle_cv_;
+  std::size_t in_flight_ = 0;
+  bool closing_ = false;
+  bool closed_ = false;
+};
+
+}  // namespace ds

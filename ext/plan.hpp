@@ -1,0 +1,55 @@
+// Stage 1 of a save: lay a file out as a safetensors image.
+//
+//   [u64 little-endian N][JSON header, padded with spaces to N bytes][tensor bytes, back to back]
+//
+// 8 + N is a multiple of 4096, so the data section (and every chunk-sized piece of it) can be written with
+// O_DIRECT. Tensors are ordered by element size, largest first, which keeps every tensor naturally aligned
+// without leaving holes (the format forbids them). The header holds "datastates.crc32c": 8 hex digits per
+// tensor in file order, written as zeros here and patched in once the data has been summed.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ds {
+
+// A tensor as the copy stage reads it: its bytes are the row-major image of `shape` over `strides`.
+struct TensorSrc {
+  std::string name;
+  std::string dtype;  // safetensors spelling: "F32", "BF16", ...
+  std::vector<std::int64_t> shape;
+  std::vector<std::int64_t> strides;  // in elements
+  std::size_t itemsize = 1;
+  const char* data = nullptr;  // host pointer, or device pointer when device >= 0
+  int device = -1;             // CUDA ordinal, -1 for host memory
+  std::size_t nbytes = 0;
+  bool contiguous = true;
+};
+
+using Metadata = std::vector<std::pair<std::string, std::string>>;
+
+struct Layout {
+  std::string header;          // bytes [0, data_start): length prefix, JSON, space padding
+  std::size_t data_start = 0;  // multiple of 4096
+  std::size_t file_size = 0;
+  std::vector<std::size_t> order;   // tensor indices in file order
+  std::vector<std::size_t> offset;  // per tensor index: start in the data section
+  std::size_t crc_pos = 0;          // where the checksum hex digits start in `header`
+  bool has_crc = false;
+};
+
+constexpr const char* kCrcKey = "datastates.crc32c";
+
+// Pure function of its inputs; throws ErrorException (Value) on a header over safetensors' 100 MB limit.
+Layout plan_layout(const std::vector<TensorSrc>& tensors, const Metadata& metadata, bool checksums);
+
+// JSON string body escaping (no quotes added).
+void json_escape(std::string& out, const std::string& s);
+
+// Writes the checksums, in file order, into the header's placeholder.
+void patch_checksums(Layout& layout, const std::vector<std::uint32_t>& crc_in_file_order);
+
+}  // namespace ds

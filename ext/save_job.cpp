@@ -1,0 +1,422 @@
+#include "save_job.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "crc32c.hpp"
+
+namespace ds {
+namespace {
+
+std::atomic<std::uint64_t> g_seq{0};
+
+// mkdir -p; returns 0 or errno.
+int make_dirs(const std::string& dir) {
+  if (dir.empty()) return 0;
+  struct stat st;
+  if (stat(dir.c_str(), &st) == 0) return S_ISDIR(st.st_mode) ? 0 : ENOTDIR;
+  const auto slash = dir.find_last_of('/');
+  if (slash != std::string::npos && slash > 0)
+    if (int e = make_dirs(dir.substr(0, slash))) return e;
+  if (mkdir(dir.c_str(), 0777) != 0 && errno != EEXIST) return errno;
+  return 0;
+}
+
+void split_path(const std::string& path, std::string* dir, std::string* base) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) {
+    *dir = ".";
+    *base = path;
+  } else {
+    *dir = slash == 0 ? "/" : path.substr(0, slash);
+    *base = path.substr(slash + 1);
+  }
+}
+
+bool wait_flag(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, const bool& flag,
+               double timeout_s) {
+  if (timeout_s < 0) {
+    cv.wait(lock, [&] { return flag; });
+    return true;
+  }
+  return cv.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return flag; });
+}
+
+}  // namespace
+
+SaveJob::SaveJob(std::string path, std::vector<TensorSrc> tensors, Metadata metadata, SaveOptions opts,
+                 HostCache* cache, JobObserver* observer)
+    : path_(std::move(path)),
+      tensors_(std::move(tensors)),
+      metadata_(std::move(metadata)),
+      opts_(opts),
+      cache_(cache),
+      observer_(observer) {
+  stats_.t_submit_ns = now_ns();
+}
+
+SaveJob::~SaveJob() {
+  for (auto& [device, ev] : events_)
+    if (!cuda::make_current(device)) cuda::api()->cuEventDestroy(ev);
+  std::free(header_buf_);
+  if (fd_ >= 0) close(fd_);
+  if (dirfd_ >= 0) close(dirfd_);
+}
+
+Error SaveJob::record_events(const std::vector<std::pair<int, std::uintptr_t>>& streams) {
+  for (const auto& [device, stream] : streams) {
+    if (Error e = cuda::make_current(device)) return e;
+    const cuda::Api* a = cuda::api();
+    cuda::CUevent ev = nullptr;
+    if (Error e = cuda::check(a->cuEventCreate(&ev, cuda::kEventDisableTiming), "cuEventCreate")) return e;
+    events_.emplace(device, ev);
+    if (Error e =
+            cuda::check(a->cuEventRecord(ev, reinterpret_cast<cuda::CUstream>(stream)), "cuEventRecord"))
+      return e;
+  }
+  return {};
+}
+
+SaveJob::Planned SaveJob::plan() {
+  Planned out;
+  try {
+    layout_ = plan_layout(tensors_, metadata_, opts_.checksums);
+  } catch (const ErrorException& e) {
+    fail(Error{e.error.kind, e.error.os_errno, e.error.message, path_});
+  } catch (const std::bad_alloc&) {
+    fail(Error::os(ENOMEM, "planning the header", path_));
+  }
+  if (failed()) {
+    finish();
+    return out;
+  }
+  chunk_ = cache_->chunk_bytes();
+  data_bytes_ = layout_.file_size - layout_.data_start;
+  npieces_ = (data_bytes_ + chunk_ - 1) / chunk_;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.file_bytes = layout_.file_size;
+    stats_.tensor_bytes = data_bytes_;
+  }
+
+  // Checksum bookkeeping: which pieces each tensor spans.
+  crc_parts_.resize(tensors_.size());
+  for (std::size_t k = 0; k < layout_.order.size(); ++k) {
+    const TensorSrc& t = tensors_[layout_.order[k]];
+    if (t.nbytes == 0) continue;
+    const std::size_t off = layout_.offset[layout_.order[k]];
+    crc_parts_[k].assign((off + t.nbytes - 1) / chunk_ - off / chunk_ + 1, 0);
+  }
+
+  std::string base;
+  split_path(path_, &dir_, &base);
+  tmp_path_ =
+      dir_ + "/." + base + ".dstmp." + std::to_string(getpid()) + "." + std::to_string(g_seq.fetch_add(1));
+  if (int e = make_dirs(dir_)) {
+    fail(Error::os(e, "creating the checkpoint directory", dir_));
+    finish();
+    return out;
+  }
+  const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC;
+  if (opts_.direct_io) {
+    fd_ = open(tmp_path_.c_str(), flags | O_DIRECT, 0666);
+    direct_ = fd_ >= 0;
+    if (fd_ < 0 && errno != EINVAL) {  // EINVAL: this filesystem has no O_DIRECT (tmpfs); write buffered
+      fail(Error::os(errno, "creating the temporary file " + tmp_path_, path_));
+      finish();
+      return out;
+    }
+  }
+  if (fd_ < 0) {
+    fd_ = open(tmp_path_.c_str(), flags, 0666);
+    if (fd_ < 0) {
+      fail(Error::os(errno, "creating the temporary file " + tmp_path_, path_));
+      finish();
+      return out;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.direct_io = direct_;
+  }
+
+  piece_ops_.resize(npieces_);
+  to_capture_.store(npieces_);
+  to_write_.store(npieces_);
+  out.pieces = npieces_;
+  if (npieces_ == 0) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      snapshot_ = true;
+      stats_.t_snapshot_ns = now_ns();
+      cv_.notify_all();
+    }
+    out.first_op = header_op();
+    if (!out.first_op) abort_commit();
+  }
+  return out;
+}
+
+IoOp* SaveJob::copy_piece(std::size_t i, char* chunk, PieceCopier& copier) {
+  const std::size_t lo = i * chunk_, hi = std::min(lo + chunk_, data_bytes_);
+  const auto& order = layout_.order;
+  // First tensor (in file order) that ends after `lo`.
+  auto it = std::partition_point(order.begin(), order.end(),
+                                 [&](std::size_t t) { return layout_.offset[t] + tensors_[t].nbytes <= lo; });
+  Error err;
+  for (; it != order.end() && layout_.offset[*it] < hi && !err; ++it) {
+    const TensorSrc& t = tensors_[*it];
+    const std::size_t off = layout_.offset[*it];
+    const std::size_t b = std::max(lo, off) - off, e = std::min(hi, off + t.nbytes) - off;
+    err = copier.copy(t, b, e, chunk + (off + b - lo));
+  }
+  if (Error e = copier.finish(); e && !err) err = e;
+  if (err) {
+    cache_->release(chunk);
+    fail(Error{err.kind, err.os_errno, err.message, path_});
+    piece_captured();
+    if (IoOp* op = piece_finished()) return op;  // never: the job has failed
+    return nullptr;
+  }
+  std::size_t len = hi - lo;
+  if (direct_) {  // O_DIRECT writes whole blocks: zero the tail padding, ftruncate removes it at commit
+    const std::size_t padded = align_up(len, kPage);
+    std::memset(chunk + len, 0, padded - len);
+    len = padded;
+  }
+  IoOp& op = piece_ops_[i];
+  op.kind = IoOp::Kind::Write;
+  op.fd = fd_;
+  op.buf = chunk;
+  op.len = len;
+  op.offset = layout_.data_start + lo;
+  op.target = this;
+  op.tag = i;
+  piece_captured();
+  return &op;
+}
+
+void SaveJob::skip_piece(std::size_t i) {
+  piece_captured();
+  piece_finished();
+}
+
+void SaveJob::piece_captured() {
+  if (to_capture_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  snapshot_ = true;
+  stats_.t_snapshot_ns = now_ns();
+  cv_.notify_all();
+}
+
+void SaveJob::on_io_prepare(IoOp& op) {
+  if (&op == &header_op_ || op.kind != IoOp::Kind::Write || !opts_.checksums) return;
+  // Sum each tensor range of this piece; pieces are summed on different workers and combined at commit.
+  const std::size_t i = op.tag;
+  const std::size_t lo = i * chunk_, hi = std::min(lo + chunk_, data_bytes_);
+  const auto& order = layout_.order;
+  std::size_t k =
+      std::partition_point(order.begin(), order.end(),
+                           [&](std::size_t t) { return layout_.offset[t] + tensors_[t].nbytes <= lo; }) -
+      order.begin();
+  for (; k < order.size() && layout_.offset[order[k]] < hi; ++k) {
+    const std::size_t off = layout_.offset[order[k]], n = tensors_[order[k]].nbytes;
+    if (n == 0) continue;
+    const std::size_t b = std::max(lo, off), e = std::min(hi, off + n);
+    crc_parts_[k][i - off / chunk_] = crc32c(0, op.buf + (b - lo), e - b);
+  }
+}
+
+IoOp* SaveJob::on_io_complete(IoOp& op, int err) {
+  if (&op == &header_op_) {
+    if (err) {
+      fail(Error::os(err, "writing the header of " + tmp_path_, path_));
+      abort_commit();
+      return nullptr;
+    }
+    if (ftruncate(fd_, static_cast<off_t>(layout_.file_size)) != 0) {
+      fail(Error::os(errno, "truncating " + tmp_path_, path_));
+      abort_commit();
+      return nullptr;
+    }
+    if (!opts_.fsync) return after_data_synced();
+    fsync_op_ = IoOp{};
+    fsync_op_.kind = IoOp::Kind::Fsync;
+    fsync_op_.fd = fd_;
+    fsync_op_.target = this;
+    return &fsync_op_;
+  }
+  if (&op == &fsync_op_) {
+    if (err) {
+      fail(Error::os(err, "fsync of " + tmp_path_, path_));
+      abort_commit();
+      return nullptr;
+    }
+    return after_data_synced();
+  }
+  if (&op == &dirsync_op_) {
+    close(dirfd_);
+    dirfd_ = -1;
+    if (err) {
+      // Renamed but not known to be durable: do not leave it looking committed.
+      fail(Error::os(err, "fsync of directory " + dir_, path_));
+      unlink(path_.c_str());
+    }
+    finish();
+    return nullptr;
+  }
+  // A data piece.
+  cache_->release(op.buf);
+  if (err)
+    fail(Error::os(err,
+                   "writing " + std::to_string(op.len) + " bytes at offset " + std::to_string(op.offset) +
+                       " of " + tmp_path_,
+                   path_));
+  return piece_finished();
+}
+
+IoOp* SaveJob::piece_finished() {
+  if (to_write_.fetch_sub(1, std::memory_order_acq_rel) != 1) return nullptr;
+  if (failed()) {
+    abort_commit();
+    return nullptr;
+  }
+  IoOp* op = header_op();
+  if (!op) abort_commit();
+  return op;
+}
+
+IoOp* SaveJob::header_op() {
+  if (layout_.has_crc) {
+    std::vector<std::uint32_t> crcs(layout_.order.size(), 0);
+    for (std::size_t k = 0; k < layout_.order.size(); ++k) {
+      const std::size_t n = tensors_[layout_.order[k]].nbytes;
+      if (n == 0) continue;
+      const std::size_t off = layout_.offset[layout_.order[k]];
+      const std::size_t first = off / chunk_;
+      std::uint32_t c = crc_parts_[k][0];
+      for (std::size_t j = 1; j < crc_parts_[k].size(); ++j) {
+        const std::size_t piece_lo = (first + j) * chunk_;
+        const std::size_t len = std::min(piece_lo + chunk_, off + n) - piece_lo;
+        c = crc32c_combine(c, crc_parts_[k][j], len);
+      }
+      crcs[k] = c;
+    }
+    patch_checksums(layout_, crcs);
+  }
+  if (posix_memalign(reinterpret_cast<void**>(&header_buf_), kPage, layout_.data_start) != 0) {
+    fail(Error::os(ENOMEM, "allocating the header", path_));
+    return nullptr;
+  }
+  std::memcpy(header_buf_, layout_.header.data(), layout_.data_start);
+  header_op_ = IoOp{};
+  header_op_.kind = IoOp::Kind::Write;
+  header_op_.fd = fd_;
+  header_op_.buf = header_buf_;
+  header_op_.len = layout_.data_start;
+  header_op_.offset = 0;
+  header_op_.target = this;
+  return &header_op_;
+}
+
+IoOp* SaveJob::after_data_synced() {
+  const int fd = fd_;
+  fd_ = -1;
+  if (close(fd) != 0) {
+    fail(Error::os(errno, "closing " + tmp_path_, path_));
+    unlink(tmp_path_.c_str());
+    finish();
+    return nullptr;
+  }
+  if (rename(tmp_path_.c_str(), path_.c_str()) != 0) {
+    fail(Error::os(errno, "renaming " + tmp_path_ + " into place", path_));
+    unlink(tmp_path_.c_str());
+    finish();
+    return nullptr;
+  }
+  if (!opts_.fsync) {
+    finish();
+    return nullptr;
+  }
+  dirfd_ = open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dirfd_ < 0) {
+    fail(Error::os(errno, "opening directory " + dir_ + " to fsync it", path_));
+    unlink(path_.c_str());
+    finish();
+    return nullptr;
+  }
+  dirsync_op_ = IoOp{};
+  dirsync_op_.kind = IoOp::Kind::Fsync;
+  dirsync_op_.fd = dirfd_;
+  dirsync_op_.target = this;
+  return &dirsync_op_;
+}
+
+void SaveJob::abort_commit() {
+  if (fd_ >= 0) {
+    close(fd_);
+    fd_ = -1;
+  }
+  if (!tmp_path_.empty()) unlink(tmp_path_.c_str());
+  finish();
+}
+
+void SaveJob::fail(Error e) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!error_) error_ = std::move(e);
+  failed_.store(true, std::memory_order_release);
+}
+
+void SaveJob::finish() {
+  std::shared_ptr<SaveJob> keep = std::move(self_);  // this may be the last reference: it dies on return
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::uint64_t t = now_ns();
+    if (!snapshot_) {
+      snapshot_ = true;
+      stats_.t_snapshot_ns = t;
+    }
+    persisted_ = true;
+    stats_.t_persisted_ns = t;
+    cv_.notify_all();
+  }
+  if (observer_) observer_->job_finished();
+}
+
+bool SaveJob::wait_snapshot(double timeout_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return wait_flag(cv_, lock, snapshot_, timeout_s);
+}
+
+bool SaveJob::wait_persisted(double timeout_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return wait_flag(cv_, lock, persisted_, timeout_s);
+}
+
+bool SaveJob::snapshot_done() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return snapshot_;
+}
+
+bool SaveJob::persisted_done() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return persisted_;
+}
+
+Error SaveJob::error() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+JobStats SaveJob::stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+}  // namespace ds

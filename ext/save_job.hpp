@@ -1,0 +1,142 @@
+// One save of one file, from plan to commit. The engine drives it:
+//
+//   1. plan()        parser thread: layout and header, parent directories, temporary file opened (O_DIRECT
+//                    when it can), so no byte is queued before the file exists and nothing truncates later;
+//   2. copy_piece()  parser threads: piece i (a chunk-sized, 4096-aligned slice of the data section) copied
+//                    into a cache chunk; when every piece is copied or dropped the snapshot is done;
+//   3. flush         flush workers: on_io_prepare() sums the piece (CRC-32C per tensor range), the worker
+//                    writes it; its chunk goes back to the cache when the write completes;
+//   4. commit        after the last piece: header (with checksums) written, ftruncate to the exact size
+//   (O_DIRECT
+//                    pads the tail), fsync, rename onto the final path, fsync of the directory; persisted.
+//
+// An error at any step is stored (the first one wins), later pieces are dropped, the temporary file is
+// removed, and both waits resolve: nothing is ever left at the final path, and earlier files are untouched.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "common.hpp"
+#include "copy.hpp"
+#include "cuda.hpp"
+#include "flush.hpp"
+#include "host_cache.hpp"
+#include "plan.hpp"
+
+namespace ds {
+
+struct SaveOptions {
+  bool direct_io = true;
+  bool fsync = true;
+  bool checksums = true;
+};
+
+struct JobStats {
+  std::uint64_t file_bytes = 0;
+  std::uint64_t tensor_bytes = 0;
+  std::uint64_t t_submit_ns = 0;
+  std::uint64_t t_snapshot_ns = 0;   // 0 until done
+  std::uint64_t t_persisted_ns = 0;  // 0 until done
+  bool direct_io = false;            // whether O_DIRECT was used for this file
+};
+
+// Told when a job has finished (persisted or failed).
+class JobObserver {
+ public:
+  virtual ~JobObserver() = default;
+  virtual void job_finished() = 0;
+};
+
+class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJob> {
+ public:
+  SaveJob(std::string path, std::vector<TensorSrc> tensors, Metadata metadata, SaveOptions opts,
+          HostCache* cache, JobObserver* observer);
+  ~SaveJob() override;
+
+  // On the caller's thread, at save(): an event on each CUDA device's current stream of the caller.
+  Error record_events(const std::vector<std::pair<int, std::uintptr_t>>& streams);
+
+  struct Planned {
+    std::size_t pieces = 0;
+    IoOp* first_op = nullptr;  // the header write, when there is no data to copy
+  };
+  // Call once, after construction through make_shared: the job keeps itself alive until it has finished.
+  void start() { self_ = shared_from_this(); }
+  Planned plan();
+
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  // Copies piece i into `chunk`; returns its write op, or nullptr after a failure (chunk released, counted).
+  IoOp* copy_piece(std::size_t i, char* chunk, PieceCopier& copier);
+  // A piece not copied because the job had failed already.
+  void skip_piece(std::size_t i);
+
+  const std::unordered_map<int, cuda::CUevent>* events() const { return &events_; }
+
+  void on_io_prepare(IoOp& op) override;
+  IoOp* on_io_complete(IoOp& op, int err) override;
+
+  // Waits: false on timeout (< 0: no timeout). Call without the GIL.
+  bool wait_snapshot(double timeout_s);
+  bool wait_persisted(double timeout_s);
+  bool snapshot_done();
+  bool persisted_done();
+  Error error();
+  JobStats stats();
+  const std::string& path() const { return path_; }
+
+ private:
+  void fail(Error e);
+  void piece_captured();
+  IoOp* piece_finished();
+  IoOp* header_op();
+  IoOp* after_data_synced();
+  void abort_commit();
+  void finish();
+
+  const std::string path_;
+  std::string tmp_path_;
+  std::string dir_;
+  std::vector<TensorSrc> tensors_;
+  Metadata metadata_;
+  const SaveOptions opts_;
+  HostCache* const cache_;
+  JobObserver* const observer_;
+
+  Layout layout_;
+  std::size_t chunk_ = 0;
+  std::size_t data_bytes_ = 0;
+  std::size_t npieces_ = 0;
+  int fd_ = -1;
+  int dirfd_ = -1;
+  bool direct_ = false;
+  std::unordered_map<int, cuda::CUevent> events_;
+
+  std::vector<IoOp> piece_ops_;
+  IoOp header_op_, fsync_op_, dirsync_op_;
+  char* header_buf_ = nullptr;
+  // Per tensor, in file order: CRC of its bytes in each piece it spans (filled by flush workers).
+  std::vector<std::vector<std::uint32_t>> crc_parts_;
+
+  std::atomic<std::size_t> to_capture_{0};
+  std::atomic<std::size_t> to_write_{0};
+  std::atomic<bool> failed_{false};
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  Error error_;
+  bool snapshot_ = false;
+  bool persisted_ = false;
+  JobStats stats_;
+  std::shared_ptr<SaveJob> self_;  // dropped as the last act of finish()
+};
+
+}  // namespace ds

@@ -1,0 +1,140 @@
+"""DataStatesConfig: every knob of the engine, validated, with defaults that suit a laptop and an 8-GPU node.
+
+Nanotron's YAML `datastates:` section maps onto this dataclass key for key (see `from_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+_IO_BACKENDS = ("auto", "io_uring", "pwrite")
+ENV_PREFIX = "DATASTATES_"
+
+
+def _default_parser_threads() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class DataStatesConfig:
+    """Configuration of a :class:`DataStatesEngine`.
+
+    Sizes are in GiB (cache) and MiB (chunks, reads), as users write them in YAML.
+    """
+
+    host_cache_size: float = 2.0
+    """GiB of host memory for the cache, allocated once at engine start. A checkpoint smaller than this is
+    captured without waiting for the disk; a larger one streams through with backpressure."""
+    parser_threads: int = field(default_factory=_default_parser_threads)
+    """Threads that serialize on save (copy into the cache) and read/verify on restore."""
+    pin_host_cache: bool = True
+    """Page-lock the cache for DMA from GPUs (fast device-to-host copies). Ignored without a GPU."""
+    flush_threads: int = 2
+    """Flush workers; each owns an io_uring with `queue_depth` writes in flight."""
+    queue_depth: int = 8
+    """I/O requests in flight per flush worker (and per parser thread on restore)."""
+    chunk_size: int = 64
+    """MiB per cache chunk: the unit of copy and of write. Clamped to a quarter of the cache."""
+    read_size: int = 16
+    """MiB per read request on restore."""
+    direct_io: bool = True
+    """Write with O_DIRECT (bypasses the page cache); file systems without it (tmpfs) are written buffered."""
+    fsync: bool = True
+    """fsync each file and its directory before a save counts as persisted. Turn off only for scratch data."""
+    checksums: bool = True
+    """Store a CRC-32C per tensor in the header."""
+    verify_checksums: bool = True
+    """Verify stored checksums on load."""
+    io_backend: str = "auto"
+    """'auto' (io_uring, else pwrite with a warning), 'io_uring' (error if refused) or 'pwrite'."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"datastates.{name}={getattr(self, name)!r} is invalid: {rule}")
+
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kind = f.type if isinstance(f.type, str) else f.type.__name__
+            if kind == "bool":
+                need(isinstance(value, bool), f.name, "expected true or false")
+            elif kind == "int":
+                need(isinstance(value, int) and not isinstance(value, bool), f.name, "expected an integer")
+            elif kind == "float":
+                need(
+                    isinstance(value, (int, float)) and not isinstance(value, bool),
+                    f.name,
+                    "expected a number",
+                )
+            elif kind == "str":
+                need(isinstance(value, str), f.name, "expected a string")
+        need(
+            1 / 1024 <= self.host_cache_size <= 1 << 20, "host_cache_size", "expected GiB in [1/1024, 2**20]"
+        )
+        need(1 <= self.parser_threads <= 256, "parser_threads", "expected an integer in [1, 256]")
+        need(1 <= self.flush_threads <= 64, "flush_threads", "expected an integer in [1, 64]")
+        need(1 <= self.queue_depth <= 1024, "queue_depth", "expected an integer in [1, 1024]")
+        need(1 <= self.chunk_size <= 4096, "chunk_size", "expected MiB in [1, 4096]")
+        need(1 <= self.read_size <= 4096, "read_size", "expected MiB in [1, 4096]")
+        need(self.io_backend in _IO_BACKENDS, "io_backend", f"expected one of {', '.join(_IO_BACKENDS)}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None = None, *, env: bool = True) -> DataStatesConfig:
+        """Builds a config from a mapping (e.g. Nanotron's `datastates:` YAML section).
+
+        Unknown keys raise ValueError naming them. With `env`, variables `DATASTATES_<KEY>` (e.g.
+        `DATASTATES_HOST_CACHE_SIZE=8`) override the mapping: one job can be tuned without editing its YAML.
+        """
+        d = dict(d or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ValueError(
+                f"unknown datastates key(s): {', '.join(unknown)}; known keys: {', '.join(sorted(known))}"
+            )
+        if env:
+            for name, f in known.items():
+                raw = os.environ.get(ENV_PREFIX + name.upper())
+                if raw is not None:
+                    d[name] = _parse_env(name, f.type if isinstance(f.type, str) else f.type.__name__, raw)
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # Derived sizes, in bytes, as the core takes them.
+    @property
+    def cache_bytes(self) -> int:
+        return int(self.host_cache_size * (1 << 30))
+
+    @property
+    def chunk_bytes(self) -> int:
+        # At least two chunks must fit; 4096-aligned for O_DIRECT.
+        chunk = min(self.chunk_size << 20, self.cache_bytes // 4)
+        return max(4096, chunk // 4096 * 4096)
+
+    @property
+    def read_bytes(self) -> int:
+        return self.read_size << 20
+
+
+def _parse_env(name: str, kind: str, raw: str) -> Any:
+    var = ENV_PREFIX + name.upper()
+    try:
+        if kind == "bool":
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ValueError(f"environment variable {var}={raw!r} is not a valid {kind}") from None

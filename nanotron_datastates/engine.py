@@ -1,0 +1,303 @@
+"""DataStatesEngine: the Python face of the core.
+
+A save goes through four stages; only the first runs on the caller's thread::
+
+    plan (flatten, caller) -> copy (parser threads, into the host cache) -> flush (io_uring) -> commit
+
+and resolves two futures, as PyTorch DCP's ``AsyncSaveResponse`` does: *snapshot* (every tensor captured, the
+caller may mutate them) and *persisted* (fsync'd, renamed into place, directory fsync'd).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from typing import Any, Mapping
+
+import torch
+
+from . import _core
+from . import format as fmt
+from .config import DataStatesConfig
+from .plan import plan_save
+from .restore import load_file
+
+log = logging.getLogger("nanotron_datastates")
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
+
+
+class SaveHandle:
+    """One save in flight. Returned by :meth:`DataStatesEngine.save`.
+
+    Both waits raise the save's error (OSError with errno and path, for I/O) once it is known, and
+    TimeoutError when `timeout` (seconds) passes first.
+    """
+
+    def __init__(self, job: Any, path: str, keepalive: list[torch.Tensor], nbytes: int) -> None:
+        self._job = job
+        self.path = path
+        self.nbytes = nbytes
+        self._keepalive: list[torch.Tensor] | None = keepalive
+        self._reported = False
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Returns once every tensor of the state has been captured: the caller may mutate them now."""
+        if not self._job.wait_snapshot(-1.0 if timeout is None else timeout):
+            raise TimeoutError(f"snapshot of {self.path} not done within {timeout} s")
+        self._keepalive = None  # the engine no longer reads them
+        self._raise()
+
+    def wait_persisted(self, timeout: float | None = None) -> None:
+        """Returns once the file is durable at :attr:`path` (fsync'd, renamed, directory fsync'd)."""
+        if not self._job.wait_persisted(-1.0 if timeout is None else timeout):
+            raise TimeoutError(f"{self.path} not persisted within {timeout} s")
+        self._keepalive = None
+        self._raise()
+
+    def snapshot_done(self) -> bool:
+        return self._job.snapshot_done()
+
+    def done(self) -> bool:
+        """True once persisted or failed."""
+        return self._job.persisted_done()
+
+    def exception(self) -> BaseException | None:
+        """The save's error once it has failed, else None; never raises it."""
+        if not self._job.failed() or not self.done():
+            return None
+        try:
+            self._job.raise_error()
+        except Exception as e:
+            return e
+        return None
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Bytes and seconds since submission: ``snapshot_s`` and ``persisted_s`` (None until done)."""
+        s = self._job.stats()
+        t0 = s["t_submit_ns"]
+        return {
+            "path": self.path,
+            "file_bytes": s["file_bytes"],
+            "tensor_bytes": s["tensor_bytes"],
+            "snapshot_s": (s["t_snapshot_ns"] - t0) / 1e9 if s["t_snapshot_ns"] else None,
+            "persisted_s": (s["t_persisted_ns"] - t0) / 1e9 if s["t_persisted_ns"] else None,
+            "direct_io": s["direct_io"],
+        }
+
+    def _raise(self) -> None:
+        if self._job.failed():
+            self._reported = True
+            self._job.raise_error()
+
+    def __repr__(self) -> str:
+        state = "persisted" if self.done() else ("captured" if self.snapshot_done() else "copying")
+        if self.done() and self._job.failed():
+            state = "failed"
+        return f"<SaveHandle {self.path} {state}>"
+
+
+class DataStatesEngine:
+    """Lazy asynchronous checkpointing into valid safetensors files.
+
+    ``save`` returns at once; tensors are copied into a pinned host cache by parser threads and flushed by
+    io_uring workers. ``load`` reads files (ours or any safetensors) in parallel. Use as a context manager, or
+    call :meth:`close`, which drains every save.
+    """
+
+    def __init__(self, config: DataStatesConfig | None = None, **overrides: Any) -> None:
+        if config is None:
+            config = DataStatesConfig(**overrides)
+        elif overrides:
+            config = DataStatesConfig(**{**config.to_dict(), **overrides})
+        self.config = config
+        _check_memory(config)
+        pin_device = -1
+        if config.pin_host_cache and torch.cuda.is_available():
+            pin_device = torch.cuda.current_device()
+        self._core = _core.Engine(
+            cache_bytes=config.cache_bytes,
+            chunk_bytes=config.chunk_bytes,
+            pin_device=pin_device,
+            parser_threads=config.parser_threads,
+            flush_threads=config.flush_threads,
+            queue_depth=config.queue_depth,
+            read_bytes=config.read_bytes,
+            io_backend=config.io_backend,
+            direct_io=config.direct_io,
+            fsync=config.fsync,
+            checksums=config.checksums,
+        )
+        if self._core.fallback_reason:
+            _warn_once(
+                f"io_uring is refused here ({self._core.fallback_reason}); flushing with a pwrite thread pool"
+            )
+        if pin_device >= 0 and not self._core.pinned:
+            _warn_once(
+                f"could not page-lock the host cache ({self._core.pin_error}); GPU copies will be slower"
+            )
+        self._lock = threading.Lock()
+        self._handles: collections.deque[SaveHandle] = collections.deque()
+        self._closed = False
+
+    # -- saving -------------------------------------------------------------------------------------------
+
+    def save(
+        self,
+        state: Any,
+        path: str | os.PathLike,
+        *,
+        metadata: Mapping[str, str] | None = None,
+        allow_pickle: bool = False,
+    ) -> SaveHandle:
+        """Starts saving `state` (nested dicts/lists/tuples of tensors and plain values) to `path`.
+
+        Returns before any byte is copied. Until :meth:`SaveHandle.wait_snapshot` returns, the caller must not
+        modify the tensors. `metadata` (str to str) lands in the file's ``__metadata__``. Objects other than
+        tensors and plain values raise TypeError naming their key, unless `allow_pickle`.
+        """
+        if self._closed:
+            raise ValueError("the engine is closed; create a new DataStatesEngine")
+        path = os.path.abspath(os.fspath(path))
+        plan = plan_save(state, metadata=metadata, allow_pickle=allow_pickle)
+        job = self._core.save(path, plan.names, plan.dtypes, plan.arrays, plan.metadata, plan.streams)
+        handle = SaveHandle(job, path, plan.arrays, plan.nbytes)
+        with self._lock:
+            self._prune()
+            self._handles.append(handle)
+        return handle
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Waits for the snapshot of every save in flight; raises the first error not yet reported."""
+        self._wait_all(lambda h, t: h.wait_snapshot(t), timeout)
+
+    def wait_persisted(self, timeout: float | None = None) -> None:
+        """Waits until every save in flight is persisted; raises the first error not yet reported."""
+        self._wait_all(lambda h, t: h.wait_persisted(t), timeout)
+
+    def _wait_all(self, wait: Any, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            handles = list(self._handles)
+        first: BaseException | None = None
+        for h in handles:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                wait(h, left)
+            except TimeoutError:
+                raise
+            except Exception as e:
+                if not h._reported or first is None:
+                    pass
+                if first is None:
+                    first = e
+        with self._lock:
+            self._prune()
+        if first is not None:
+            raise first
+
+    def _prune(self) -> None:
+        # Drop handles that are persisted and have nothing left to report (oldest first).
+        while (
+            self._handles
+            and self._handles[0].done()
+            and (self._handles[0]._reported or not self._handles[0]._job.failed())
+        ):
+            self._handles.popleft()
+
+    # -- loading ------------------------------------------------------------------------------------------
+
+    def load(
+        self,
+        path: str | os.PathLike,
+        device: str | torch.device = "cpu",
+        *,
+        verify: bool | None = None,
+        allow_pickle: bool = False,
+    ) -> Any:
+        """Reads a file written by :meth:`save` (or any safetensors file) onto `device`, in parallel.
+
+        Returns the saved structure (a dict of tensors for a plain safetensors file). Checksums are verified
+        when present (``verify`` defaults to ``config.verify_checksums``): ChecksumError names the tensor.
+        """
+        if self._closed:
+            raise ValueError("the engine is closed; create a new DataStatesEngine")
+        verify = self.config.verify_checksums if verify is None else verify
+        state, _ = load_file(self._core, path, device, verify=verify, allow_pickle=allow_pickle)
+        return state
+
+    def read_metadata(self, path: str | os.PathLike) -> dict[str, str]:
+        """The file's ``__metadata__`` without the engine's own keys (no tensor is read)."""
+        return fmt.read_header(path).user_metadata()
+
+    # -- lifetime -----------------------------------------------------------------------------------------
+
+    @property
+    def io_backend(self) -> str:
+        """'io_uring' or 'pwrite' (the fallback where io_uring is refused)."""
+        return self._core.backend
+
+    @property
+    def pinned(self) -> bool:
+        return self._core.pinned
+
+    def cache_stats(self, reset: bool = False) -> dict[str, Any]:
+        """Chunks, chunks in use, high-water mark and time spent waiting for a free chunk."""
+        return self._core.cache_stats(reset)
+
+    def close(self) -> None:
+        """Drains every save, stops the threads and frees the cache. Idempotent.
+
+        Raises the first save error that no wait has reported yet, so that no failure goes unnoticed.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._core.close()
+        with self._lock:
+            pending = [h for h in self._handles if not h._reported and h._job.failed()]
+            self._handles.clear()
+        if pending:
+            for h in pending[1:]:
+                log.error("checkpoint save failed: %s", h.exception())
+            pending[0]._raise()
+
+    def __enter__(self) -> DataStatesEngine:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # do not mask the exception in flight
+            self.close()
+        except Exception as e:
+            log.error("while closing after %s: %s", exc_type.__name__, e)
+
+    def __del__(self) -> None:
+        try:
+            if not getattr(self, "_closed", True):
+                self.close()
+        except Exception:
+            pass
+
+
+def _check_memory(config: DataStatesConfig) -> None:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return
+    if config.cache_bytes > 0.9 * total:
+        raise ValueError(
+            f"datastates.host_cache_size={config.host_cache_size} GiB does not fit in this machine's "
+            f"{total / 2**30:.1f} GiB of memory; use at most {0.9 * total / 2**30:.1f}"
+        )

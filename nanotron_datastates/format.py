@@ -1,0 +1,202 @@
+"""The file format: safetensors, with the engine's extras in `__metadata__`.
+
+A file is ``u64 N`` (little endian), then N bytes of JSON padded with spaces (``8 + N`` is a multiple of
+4096), then the tensors back to back. The JSON maps each tensor name to
+``{"dtype", "shape", "data_offsets"}`` and ``"__metadata__"`` to a string-to-string map. The engine's keys
+there:
+
+- ``datastates.version``: format version (``"1"``);
+- ``datastates.skeleton``: JSON of the saved structure (see :mod:`nanotron_datastates.skeleton`);
+- ``datastates.crc32c``: 8 lowercase hex digits (CRC-32C) per tensor, in file (data offset) order.
+
+:func:`parse_header` accepts any valid safetensors file, and rejects anything else with a FormatError naming
+the file: it is the only code that trusts nothing about its input.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import FormatError
+
+FORMAT_VERSION = 1
+KEY_VERSION = "datastates.version"
+KEY_SKELETON = "datastates.skeleton"
+KEY_CRC = "datastates.crc32c"
+RESERVED_PREFIX = "datastates."
+MAX_HEADER = 100_000_000  # the safetensors limit
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str  # safetensors spelling
+    torch: torch.dtype
+    itemsize: int
+
+
+def _dtypes() -> dict[str, DType]:
+    table = [
+        ("F64", "float64", 8), ("F32", "float32", 4), ("F16", "float16", 2), ("BF16", "bfloat16", 2),
+        ("I64", "int64", 8), ("I32", "int32", 4), ("I16", "int16", 2), ("I8", "int8", 1),
+        ("U64", "uint64", 8), ("U32", "uint32", 4), ("U16", "uint16", 2), ("U8", "uint8", 1),
+        ("BOOL", "bool", 1), ("C64", "complex64", 8),
+        ("F8_E4M3", "float8_e4m3fn", 1), ("F8_E5M2", "float8_e5m2", 1),
+        ("F8_E4M3FNUZ", "float8_e4m3fnuz", 1), ("F8_E5M2FNUZ", "float8_e5m2fnuz", 1),
+        ("F8_E8M0", "float8_e8m0fnu", 1),
+    ]  # fmt: skip
+    out = {}
+    for name, attr, size in table:
+        dt = getattr(torch, attr, None)  # older torch lacks some
+        if dt is not None:
+            out[name] = DType(name, dt, size)
+    return out
+
+
+DTYPES: dict[str, DType] = _dtypes()
+_BY_TORCH: dict[torch.dtype, DType] = {d.torch: d for d in DTYPES.values()}
+
+
+def dtype_of(t: torch.dtype) -> DType:
+    """The safetensors dtype of a torch dtype; TypeError if the format has none."""
+    try:
+        return _BY_TORCH[t]
+    except KeyError:
+        raise TypeError(f"{t} has no safetensors dtype") from None
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    begin: int  # offsets in the data section
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class Header:
+    path: str
+    tensors: tuple[TensorEntry, ...]  # file order
+    metadata: dict[str, str]
+    data_start: int
+    file_size: int
+
+    def checksums(self) -> dict[str, int] | None:
+        """Stored CRC-32C per tensor name, or None when the file has none."""
+        raw = self.metadata.get(KEY_CRC)
+        if raw is None:
+            return None
+        return {t.name: int(raw[8 * i : 8 * i + 8], 16) for i, t in enumerate(self.tensors)}
+
+    def user_metadata(self) -> dict[str, str]:
+        """`__metadata__` without the engine's own keys."""
+        return {k: v for k, v in self.metadata.items() if not k.startswith(RESERVED_PREFIX)}
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """Reads and validates the header of the safetensors file at `path`."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) == 8:
+            (n,) = struct.unpack("<Q", head)
+            if n <= MAX_HEADER and 8 + n <= size:
+                head += f.read(n)
+    return parse_header(head, size, path)
+
+
+def _fail(path: str, msg: str) -> FormatError:
+    return FormatError(f"{path}: not a valid safetensors file: {msg}")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {dup!r}")
+    return d
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_header(buf: bytes, file_size: int, path: str = "<buffer>") -> Header:
+    """Validates `buf` (the first 8 + N bytes of a file of `file_size` bytes) as a safetensors header."""
+    if file_size < 8 or len(buf) < 8:
+        raise _fail(path, f"{file_size} bytes is too short for the 8-byte header length")
+    (n,) = struct.unpack("<Q", buf[:8])
+    if n > MAX_HEADER:
+        raise _fail(path, f"header length {n} exceeds the format's limit of {MAX_HEADER}")
+    if 8 + n > file_size or len(buf) < 8 + n:
+        raise _fail(path, f"header length {n} runs past the end of the file ({file_size} bytes); truncated?")
+    raw = buf[8 : 8 + n]
+    if not raw.startswith(b"{"):
+        raise _fail(path, "header does not start with '{'")
+    try:
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _fail(path, f"header is not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise _fail(path, "header is not a JSON object")
+
+    meta = doc.pop("__metadata__", {})
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise _fail(path, "__metadata__ must map strings to strings")
+
+    entries = []
+    for name, info in doc.items():
+        if not isinstance(info, dict):
+            raise _fail(path, f"tensor {name!r}: entry is not an object")
+        dtype = DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+        if dtype is None:
+            raise _fail(path, f"tensor {name!r}: unknown dtype {info.get('dtype')!r}")
+        shape, offs = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
+            raise _fail(path, f"tensor {name!r}: shape must be a list of non-negative integers")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)):
+            raise _fail(path, f"tensor {name!r}: data_offsets must be two integers")
+        begin, end = offs
+        if not 0 <= begin <= end:
+            raise _fail(path, f"tensor {name!r}: bad data_offsets {offs}")
+        if math.prod(shape) * dtype.itemsize != end - begin:
+            raise _fail(
+                path, f"tensor {name!r}: {end - begin} bytes cannot hold {dtype.name} of shape {tuple(shape)}"
+            )
+        entries.append(TensorEntry(name, dtype, tuple(shape), begin, end))
+
+    entries.sort(key=lambda e: (e.begin, e.end))
+    pos = 0
+    for e in entries:
+        if e.begin != pos:
+            what = "overlaps the previous one" if e.begin < pos else "leaves a hole before it"
+            raise _fail(path, f"tensor {e.name!r} at offset {e.begin} {what} (expected {pos})")
+        pos = e.end
+    data_len = file_size - 8 - n
+    if pos != data_len:
+        raise _fail(path, f"tensors cover {pos} bytes but the data section has {data_len}; truncated?")
+
+    version = meta.get(KEY_VERSION)
+    if version is not None and (not version.isdigit() or int(version) > FORMAT_VERSION):
+        raise _fail(path, f"written by a newer nanotron-datastates (format {version!r}); upgrade to read it")
+    crc = meta.get(KEY_CRC)
+    if crc is not None and (len(crc) != 8 * len(entries) or not all(c in "0123456789abcdef" for c in crc)):
+        raise _fail(path, f"{KEY_CRC} must hold 8 lowercase hex digits per tensor")
+    return Header(path, tuple(entries), meta, 8 + n, file_size)

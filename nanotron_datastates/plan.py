@@ -1,0 +1,98 @@
+"""Save, stage 0 (caller's thread): flatten a state into named tensors plus its skeleton.
+
+This is the only work a save does on the caller's thread, so it does the least it can: walk the structure,
+take a reference to each tensor (so it stays alive until it is copied), make CUDA views contiguous on the
+caller's stream, and note each CUDA device's current stream (the core records an event there). Layout, header
+and every byte copy happen on the engine's threads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from . import format as fmt
+from . import skeleton
+
+# Dtypes every supported torch exports through DLPack; others are exported as a same-size integer view.
+_EXPORTABLE = {torch.float16, torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.int16,
+               torch.int32, torch.int64, torch.uint8}  # fmt: skip
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass
+class SavePlan:
+    names: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    arrays: list[torch.Tensor] = field(default_factory=list)  # what the core reads (keeps them alive)
+    streams: list[tuple[int, int]] = field(default_factory=list)
+    metadata: list[tuple[str, str]] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def export_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over the same memory that DLPack can carry, on any torch >= 2.1."""
+    t = t.detach()
+    if t.dtype in _EXPORTABLE:
+        return t
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def plan_save(
+    state: Any, *, metadata: Mapping[str, str] | None = None, allow_pickle: bool = False
+) -> SavePlan:
+    plan = SavePlan()
+    by_id: dict[int, str] = {}
+    taken: set[str] = {"__metadata__"}
+    devices: set[int] = set()
+
+    def on_tensor(t: torch.Tensor, path: str) -> str:
+        known = by_id.get(id(t))
+        if known is not None:  # the same tensor twice (tied weights): stored once, aliased on load
+            return known
+        if t.device.type not in ("cpu", "cuda"):
+            raise TypeError(f"cannot save the tensor at {path!r}: it is on {t.device} (CPU and CUDA only)")
+        if t.is_sparse or t.layout != torch.strided:
+            raise TypeError(f"cannot save the tensor at {path!r}: layout {t.layout} is not strided")
+        try:
+            dt = fmt.dtype_of(t.dtype)
+        except TypeError:
+            raise TypeError(
+                f"cannot save the tensor at {path!r}: {t.dtype} has no safetensors dtype"
+            ) from None
+        name = path or "tensor"
+        if name in taken:
+            k = 1
+            while f"{name}#{k}" in taken:
+                k += 1
+            name = f"{name}#{k}"
+        taken.add(name)
+        by_id[id(t)] = name
+        src = t
+        if t.device.type == "cuda":
+            devices.add(t.device.index)
+            if not t.is_contiguous():
+                src = t.contiguous()  # queued on the caller's stream, before the event the core records
+        plan.names.append(name)
+        plan.dtypes.append(dt.name)
+        plan.arrays.append(export_view(src))
+        plan.nbytes += t.numel() * dt.itemsize
+        return name
+
+    skel = skeleton.encode(state, on_tensor, allow_pickle=allow_pickle)
+    plan.streams = [(d, torch.cuda.current_stream(d).cuda_stream) for d in sorted(devices)]
+
+    user = dict(metadata or {})
+    for k, v in user.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"metadata must map str to str; got {k!r}: {type(v).__name__}")
+        if k.startswith(fmt.RESERVED_PREFIX):
+            raise ValueError(f"metadata key {k!r} is reserved (prefix {fmt.RESERVED_PREFIX!r})")
+    md = [] if "format" in user else [("format", "pt")]  # what safetensors' torch writer puts there
+    md.extend(user.items())
+    md.append((fmt.KEY_VERSION, str(fmt.FORMAT_VERSION)))
+    md.append((fmt.KEY_SKELETON, skel))
+    plan.metadata = md
+    return plan

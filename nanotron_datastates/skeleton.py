@@ -1,0 +1,152 @@
+"""The skeleton: a JSON description of a saved state with its tensors replaced by their names.
+
+Plain JSON values stand for themselves (None, bool, int, str, finite float). Everything else is an object with
+exactly one tag key, so decoding is unambiguous:
+
+=====  =====================================================
+``t``  tensor, by name in the file
+``d``  dict, as ``[[key, value], ...]`` (keys may be any non-tensor node)
+``o``  collections.OrderedDict, same form
+``l``  list          ``u``  tuple          ``s``  torch.Size
+``f``  float that JSON cannot spell: ``"nan"``, ``"inf"``, ``"-inf"``
+``b``  bytes, base64
+``y``  torch.dtype, by name (``"float32"``)
+``p``  pickled object, base64 (only with ``allow_pickle``)
+=====  =====================================================
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import json
+import math
+import pickle
+from typing import Any, Callable
+
+import torch
+
+from .errors import FormatError
+
+_SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def encode(state: Any, on_tensor: Callable[[torch.Tensor, str], str], *, allow_pickle: bool = False) -> str:
+    """JSON skeleton of `state`. `on_tensor(tensor, path)` returns the name the tensor is stored under."""
+
+    def node(x: Any, path: str, in_key: bool = False) -> Any:
+        tx = type(x)
+        if x is None or tx in (bool, int, str):
+            return x
+        if tx is float:
+            if math.isfinite(x):
+                return x
+            return {"f": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
+        if isinstance(x, torch.Tensor) and not in_key:
+            return {"t": on_tensor(x, path)}
+        if tx in (dict, collections.OrderedDict):
+            tag = "d" if tx is dict else "o"
+            return {tag: [[node(k, f"{path}[key]", True), node(v, _join(path, k))] for k, v in x.items()]}
+        if tx is list:
+            return {"l": [node(v, _join(path, i), in_key) for i, v in enumerate(x)]}
+        if tx is tuple:
+            return {"u": [node(v, _join(path, i), in_key) for i, v in enumerate(x)]}
+        if tx is torch.Size:
+            return {"s": list(x)}
+        if tx is bytes:
+            return {"b": base64.b64encode(x).decode("ascii")}
+        if tx is torch.dtype:
+            return {"y": str(x).removeprefix("torch.")}
+        if allow_pickle:
+            try:
+                return {"p": base64.b64encode(pickle.dumps(x)).decode("ascii")}
+            except Exception as e:
+                raise TypeError(f"cannot pickle {tx.__name__} at {path or '<root>'!r}: {e}") from e
+        raise TypeError(
+            f"cannot save a {tx.__module__}.{tx.__qualname__} at {path or '<root>'!r}: only tensors, "
+            "dicts, lists, tuples, int, float, str, bool, None and bytes are stored as data; pass "
+            "allow_pickle=True to pickle other objects"
+        )
+
+    return json.dumps(node(state, ""), separators=(",", ":"), allow_nan=False)
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def uses_pickle(skeleton: str) -> bool:
+    return '"p":' in skeleton
+
+
+def decode(
+    skeleton: str, tensors: dict[str, torch.Tensor], *, allow_pickle: bool = False, path: str = ""
+) -> Any:
+    """Rebuilds the state from its skeleton and the loaded tensors. FormatError on anything malformed."""
+    try:
+        doc = json.loads(skeleton)
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"{path}: skeleton is not valid JSON ({e})") from None
+
+    def bad(msg: str) -> FormatError:
+        return FormatError(f"{path}: malformed skeleton: {msg}")
+
+    def node(x: Any) -> Any:
+        if x is None or type(x) in (bool, int, str, float):
+            return x
+        if type(x) is not dict or len(x) != 1:
+            raise bad(f"unexpected {type(x).__name__}")
+        ((tag, v),) = x.items()
+        if tag == "t":
+            if type(v) is not str or v not in tensors:
+                raise bad(f"names tensor {v!r}, which the file does not hold")
+            return tensors[v]
+        if tag in ("d", "o"):
+            if type(v) is not list or not all(type(p) is list and len(p) == 2 for p in v):
+                raise bad("a dict must be a list of [key, value] pairs")
+            out = {} if tag == "d" else collections.OrderedDict()
+            for k, val in v:
+                key = node(k)
+                try:
+                    out[key] = node(val)
+                except TypeError:
+                    raise bad(f"unhashable key {key!r}") from None
+            return out
+        if tag in ("l", "u", "s"):
+            if type(v) is not list:
+                raise bad(f"'{tag}' must hold a list")
+            items = [node(i) for i in v]
+            if tag == "s":
+                if not all(type(i) is int for i in items):
+                    raise bad("torch.Size must hold integers")
+                return torch.Size(items)
+            return items if tag == "l" else tuple(items)
+        if tag == "f":
+            if v not in _SPECIAL_FLOATS:
+                raise bad(f"unknown float {v!r}")
+            return _SPECIAL_FLOATS[v]
+        if tag in ("b", "p"):
+            if type(v) is not str:
+                raise bad(f"'{tag}' must hold base64 text")
+            try:
+                raw = base64.b64decode(v, validate=True)
+            except ValueError:
+                raise bad("invalid base64") from None
+            if tag == "b":
+                return raw
+            if not allow_pickle:
+                raise FormatError(
+                    f"{path}: holds pickled objects; pass allow_pickle=True to load it (only if you trust it)"
+                )
+            return pickle.loads(raw)
+        if tag == "y":
+            dt = getattr(torch, v, None) if type(v) is str else None
+            if not isinstance(dt, torch.dtype):
+                raise bad(f"unknown dtype {v!r}")
+            return dt
+        raise bad(f"unknown tag {tag!r}")
+
+    try:
+        return node(doc)
+    except RecursionError:
+        raise bad("nested too deeply") from None
