@@ -178,32 +178,27 @@ class DataStatesEngine:
 
     def wait_snapshot(self, timeout: float | None = None) -> None:
         """Waits for the snapshot of every save in flight; raises the first error not yet reported."""
-        self._wait_all(lambda h, t: h.wait_snapshot(t), timeout)
+        self._wait_all("snapshot", timeout)
 
     def wait_persisted(self, timeout: float | None = None) -> None:
         """Waits until every save in flight is persisted; raises the first error not yet reported."""
-        self._wait_all(lambda h, t: h.wait_persisted(t), timeout)
+        self._wait_all("persisted", timeout)
 
-    def _wait_all(self, wait: Any, timeout: float | None) -> None:
+    def _wait_all(self, what: str, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             handles = list(self._handles)
-        first: BaseException | None = None
         for h in handles:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                wait(h, left)
-            except TimeoutError:
-                raise
-            except Exception as e:
-                if not h._reported or first is None:
-                    pass
-                if first is None:
-                    first = e
+            left = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            wait = h._job.wait_snapshot if what == "snapshot" else h._job.wait_persisted
+            if not wait(left):
+                raise TimeoutError(f"{what} of {h.path} not done within {timeout} s")
+            h._keepalive = None
         with self._lock:
+            failed = next((h for h in self._handles if h._job.failed() and not h._reported), None)
             self._prune()
-        if first is not None:
-            raise first
+        if failed is not None:
+            failed._raise()  # the others stay for the next wait, or close()
 
     def _prune(self) -> None:
         # Drop handles that are persisted and have nothing left to report (oldest first).

@@ -1,0 +1,123 @@
+"""The engine's API contract: handles and their two waits, engine-wide waits, errors reported once and never
+lost, close() drains and is idempotent, the context manager, stats."""
+
+import threading
+
+import pytest
+import torch
+
+from nanotron_datastates import DataStatesConfig, DataStatesEngine
+
+from helpers import same, small_config
+
+
+def test_handle_lifecycle_and_stats(engine, tmp_path):
+    h = engine.save({"x": torch.randn(1000, 300)}, tmp_path / "x.safetensors")
+    h.wait_snapshot()
+    assert h.snapshot_done()
+    h.wait_persisted()
+    assert h.done() and h.exception() is None
+    s = h.stats
+    assert s["tensor_bytes"] == 1000 * 300 * 4 and s["file_bytes"] == s["tensor_bytes"] + 4096
+    assert 0 < s["snapshot_s"] <= s["persisted_s"]
+    assert "persisted" in repr(h)
+
+
+def test_engine_waits_cover_every_save(engine, tmp_path):
+    hs = [
+        engine.save({"x": torch.full((50_000,), float(i))}, tmp_path / f"{i}.safetensors") for i in range(8)
+    ]
+    engine.wait_snapshot()
+    assert all(h.snapshot_done() for h in hs)
+    engine.wait_persisted()
+    assert all(h.done() for h in hs)
+    for i in range(8):
+        assert engine.load(tmp_path / f"{i}.safetensors")["x"][0] == i
+
+
+def test_close_is_idempotent_and_drains(tmp_path):
+    engine = DataStatesEngine(small_config())
+    hs = [engine.save({"x": torch.randn(1 << 20)}, tmp_path / f"{i}.safetensors") for i in range(4)]
+    engine.close()
+    engine.close()
+    assert all(h.done() and h.exception() is None for h in hs)
+    with pytest.raises(ValueError, match="closed"):
+        engine.save({}, tmp_path / "late.safetensors")
+    with pytest.raises(ValueError, match="closed"):
+        engine.load(tmp_path / "0.safetensors")
+
+
+def test_context_manager_closes(tmp_path):
+    with DataStatesEngine(small_config()) as e:
+        h = e.save({"x": torch.ones(10)}, tmp_path / "c.safetensors")
+    assert h.done() and e._closed
+
+
+def test_timeouts_raise_timeout_error(tmp_path):
+    # A 1 MiB cache of 256 KiB chunks and a 64 MiB state: the save cannot finish in a millisecond.
+    with DataStatesEngine(DataStatesConfig(host_cache_size=1 / 1024)) as e:
+        h = e.save({"x": torch.randn(16 << 20)}, tmp_path / "slow.safetensors")
+        with pytest.raises(TimeoutError, match="slow.safetensors"):
+            h.wait_persisted(timeout=0.001)
+        with pytest.raises(TimeoutError):
+            e.wait_persisted(timeout=0.001)
+        h.wait_persisted()
+
+
+def test_an_error_is_raised_by_every_wait_of_its_save_and_once_by_the_engine(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    with DataStatesEngine(small_config()) as e:
+        h = e.save({"x": torch.ones(4)}, tmp_path / "file" / "x.safetensors")
+        with pytest.raises(NotADirectoryError) as err:
+            h.wait_snapshot()
+        assert err.value.filename == str(tmp_path / "file")
+        with pytest.raises(NotADirectoryError):
+            h.wait_persisted()
+        assert isinstance(h.exception(), NotADirectoryError)
+        e.wait_persisted()  # already reported through the handle
+
+        e.save({"x": torch.ones(4)}, tmp_path / "file" / "y.safetensors")
+        with pytest.raises(NotADirectoryError):
+            e.wait_persisted()
+        e.wait_persisted()  # reported once
+        e.save({"x": torch.ones(4)}, tmp_path / "ok.safetensors").wait_persisted()  # still usable
+
+
+def test_unreported_errors_surface_at_close(tmp_path):
+    (tmp_path / "file").write_text("")
+    e = DataStatesEngine(small_config())
+    e.save({"x": torch.ones(4)}, tmp_path / "file" / "x.safetensors")
+    with pytest.raises(NotADirectoryError):
+        e.close()
+
+
+def test_saves_from_several_threads(engine, tmp_path):
+    errors = []
+
+    def worker(k):
+        try:
+            for i in range(5):
+                t = torch.full((30_000 + i,), float(k * 10 + i))
+                engine.save({"t": t, "k": k}, tmp_path / f"{k}_{i}.safetensors").wait_snapshot()
+        except Exception as ex:  # surfaced by the assert below
+            errors.append(ex)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    engine.wait_persisted()
+    assert not errors
+    for k in range(4):
+        for i in range(5):
+            back = engine.load(tmp_path / f"{k}_{i}.safetensors")
+            assert back["k"] == k and same(back["t"], torch.full((30_000 + i,), float(k * 10 + i)))
+
+
+def test_cache_stats_show_backpressure(tmp_path):
+    with DataStatesEngine(DataStatesConfig(host_cache_size=1 / 1024)) as e:
+        assert e.cache_stats()["chunks"] == 4
+        e.save({"x": torch.randn(4 << 20)}, tmp_path / "s.safetensors").wait_persisted()
+        s = e.cache_stats(reset=True)
+        assert s["high_water"] == 4 and s["wait_ns"] > 0 and s["in_use"] == 0

@@ -1,0 +1,68 @@
+"""CUDA tensors: device-to-host copies on the engine's stream, ordered after the caller's stream; restore to a
+device through pinned chunks. Run on the GPU machine (`pytest -m gpu`); skipped where there is no GPU."""
+
+import pytest
+import torch
+
+from nanotron_datastates import DataStatesConfig, DataStatesEngine
+from nanotron_datastates import format as fmt
+
+from helpers import random_tensor, same
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture
+def gpu_engine():
+    with DataStatesEngine(DataStatesConfig(host_cache_size=64 / 1024, chunk_size=4)) as e:
+        yield e
+
+
+def test_cache_is_pinned(gpu_engine):
+    assert gpu_engine.pinned
+
+
+@pytest.mark.parametrize("dtype_name", sorted(fmt.DTYPES))
+def test_cuda_round_trip_every_dtype(gpu_engine, tmp_path, dtype_name):
+    dtype = fmt.DTYPES[dtype_name].torch
+    state = {
+        f"s{i}": random_tensor(dtype, s, seed=i).cuda() for i, s in enumerate([(), (0,), (7,), (33, 65)])
+    }
+    gpu_engine.save(state, tmp_path / "g.safetensors").wait_persisted()
+    for device in ("cpu", "cuda"):
+        back = gpu_engine.load(tmp_path / "g.safetensors", device)
+        for k, v in state.items():
+            assert back[k].device.type == device and same(back[k], v), (k, device)
+
+
+def test_copies_are_ordered_after_the_callers_stream(gpu_engine, tmp_path):
+    # Queue a long kernel that writes x, then save x at once: the file must hold the kernel's result.
+    x = torch.zeros(16 << 20, device="cuda")
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        a = a @ a / 64
+    x.add_(1.0)  # queued after the matmuls on the current stream
+    h = gpu_engine.save({"x": x, "v": x[::2]}, tmp_path / "o.safetensors")
+    h.wait_snapshot()
+    x.add_(1.0)  # after the snapshot: must not reach the file
+    h.wait_persisted()
+    back = gpu_engine.load(tmp_path / "o.safetensors")
+    assert bool((back["x"] == 1.0).all()) and bool((back["v"] == 1.0).all())
+
+
+def test_state_larger_than_the_cache_streams_from_the_gpu(tmp_path):
+    with DataStatesEngine(DataStatesConfig(host_cache_size=8 / 1024, chunk_size=1)) as e:
+        state = {"big": torch.randn(10 << 20, device="cuda"), "small": torch.arange(10, device="cuda")}
+        e.save(state, tmp_path / "big.safetensors").wait_persisted()
+        back = e.load(tmp_path / "big.safetensors", "cuda")
+        assert same(back["big"], state["big"]) and same(back["small"], state["small"])
+
+
+def test_mixed_cpu_and_cuda_state(gpu_engine, tmp_path):
+    state = {"gpu": torch.randn(1000, device="cuda"), "cpu": torch.randn(1000), "step": 3}
+    gpu_engine.save(state, tmp_path / "m.safetensors").wait_persisted()
+    back = gpu_engine.load(tmp_path / "m.safetensors")
+    assert same(back["gpu"], state["gpu"]) and same(back["cpu"], state["cpu"]) and back["step"] == 3

@@ -1,0 +1,59 @@
+"""The package as users get it: a wheel built by pip (scikit-build-core + nanobind) with the private extension
+and its generated stub, installed into a fresh virtual environment and used from outside the source tree."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_works_outside_the_tree(tmp_path):
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = wheels.glob("nanotron_datastates-*.whl")
+    zf = zipfile.ZipFile(wheel)
+    names = zf.namelist()
+    (so,) = [n for n in names if n.startswith("nanotron_datastates/_core") and n.endswith(".so")]
+    assert "nanotron_datastates/_core.pyi" in names and "nanotron_datastates/engine.py" in names
+    # One build serves every torch and every machine: no torch, CUDA or Python library among its dependencies.
+    needed = subprocess.run(
+        ["readelf", "-d", zf.extract(so, tmp_path)], capture_output=True, text=True
+    ).stdout
+    libs = [line.split("[")[1].rstrip("]") for line in needed.splitlines() if "(NEEDED)" in line]
+    assert libs and not [lib for lib in libs if any(k in lib for k in ("torch", "c10", "cuda", "python"))], (
+        libs
+    )
+
+    # A venv of its own, so that a development (editable) install cannot shadow the wheel; torch comes from
+    # the directory it is installed in, added by a .pth line (which does not run that directory's .pth hooks).
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    site = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    Path(site, "host_torch.pth").write_text(str(Path(torch.__file__).parents[1]) + "\n")
+    subprocess.run(
+        [py, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)], check=True
+    )
+    script = (
+        "import torch, nanotron_datastates as n; from nanotron_datastates import DataStatesEngine;"
+        "assert 'site-packages' in n.__file__, n.__file__;"
+        "e = DataStatesEngine(host_cache_size=0.01); x = torch.randn(1000);"
+        "e.save({'x': x}, 'w.safetensors').wait_persisted();"
+        "assert torch.equal(e.load('w.safetensors')['x'], x); e.close(); print('ok')"
+    )
+    r = subprocess.run([py, "-c", script], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

@@ -1,0 +1,124 @@
+"""Round trips through save and load: every dtype and shape, non-contiguous views, nested structures; the
+safetensors library reads our files, and we read its files."""
+
+import collections
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+
+from nanotron_datastates import format as fmt
+
+from helpers import random_tensor, same
+
+SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (3, 5), (2, 3, 4, 5), (65537,)]
+
+
+@pytest.mark.parametrize("dtype_name", sorted(fmt.DTYPES))
+def test_every_dtype_and_shape(engine, tmp_path, dtype_name):
+    dtype = fmt.DTYPES[dtype_name].torch
+    state = {f"s{i}": random_tensor(dtype, s, seed=i) for i, s in enumerate(SHAPES)}
+    engine.save(state, tmp_path / "f.safetensors").wait_persisted()
+    back = engine.load(tmp_path / "f.safetensors")
+    assert list(back) == list(state)
+    for k in state:
+        assert same(back[k], state[k]), k
+
+
+def test_non_contiguous_views(engine, tmp_path):
+    base = torch.randn(64, 48)
+    state = {
+        "transposed": base.t(),
+        "strided": base[:, ::3],
+        "offset": base[5:9, 7:40],
+        "expanded": torch.arange(5.0).expand(6, 5),
+        "permuted": torch.randn(4, 5, 6).permute(2, 0, 1),
+        "bf16_slice": base.bfloat16()[::2, 1::2],
+        "bool_t": (base > 0).t(),
+    }
+    engine.save(state, tmp_path / "v.safetensors").wait_persisted()
+    back = engine.load(tmp_path / "v.safetensors")
+    for k, v in state.items():
+        assert same(back[k], v.contiguous()), k
+        assert back[k].is_contiguous()
+
+
+def test_nested_state_with_plain_values(engine, tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    state = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "step": 7,
+        "lr": 1e-3,
+        "name": "run",
+        "flags": (True, None),
+        "rng": torch.get_rng_state(),
+        "blob": b"\x00\x01",
+    }
+    engine.save(state, tmp_path / "n.safetensors").wait_persisted()
+    back = engine.load(tmp_path / "n.safetensors")
+    assert type(back["model"]) is collections.OrderedDict
+    assert list(back["model"]) == list(state["model"])
+    assert back["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
+    assert set(back["optimizer"]["state"]) == set(state["optimizer"]["state"])  # int keys
+    for i, s in state["optimizer"]["state"].items():
+        for k, v in s.items():
+            assert same(back["optimizer"]["state"][i][k], v)
+    assert (back["step"], back["lr"], back["name"], back["flags"], back["blob"]) == (
+        7,
+        1e-3,
+        "run",
+        (True, None),
+        b"\0\1",
+    )
+    assert same(back["rng"], state["rng"])
+    # The restored optimizer steps exactly like the original.
+    opt2 = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt2.load_state_dict(back["optimizer"])
+
+
+def test_tied_tensors_stay_tied(engine, tmp_path):
+    w = torch.randn(10, 4)
+    engine.save({"embed": w, "head": w}, tmp_path / "t.safetensors").wait_persisted()
+    back = engine.load(tmp_path / "t.safetensors")
+    assert back["embed"] is back["head"] and same(back["embed"], w)
+
+
+def test_safetensors_reads_our_files(engine, tmp_path):
+    state = {name: random_tensor(d.torch, (4, 3), seed=1) for name, d in fmt.DTYPES.items()}
+    state = {
+        k: v for k, v in state.items() if k in safetensors.torch._TYPES
+    }  # what this safetensors can load
+    p = str(tmp_path / "ours.safetensors")
+    engine.save(state, p, metadata={"origin": "test"}).wait_persisted()
+    theirs = safetensors.torch.load_file(p)
+    assert set(theirs) == set(state)
+    for k in state:
+        assert same(theirs[k], state[k]), k
+    with safetensors.safe_open(p, framework="pt") as f:
+        md = f.metadata()
+        assert md["format"] == "pt" and md["origin"] == "test"
+        assert same(f.get_slice("F32")[1:3], state["F32"][1:3])
+    assert engine.read_metadata(p) == {"format": "pt", "origin": "test"}
+    with open(p, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+    assert (8 + n) % 4096 == 0
+
+
+def test_we_read_safetensors_files(engine, tmp_path):
+    state = {"a": torch.randn(100, 3), "b": torch.arange(10, dtype=torch.int16), "c": torch.zeros(0)}
+    p = str(tmp_path / "theirs.safetensors")
+    safetensors.torch.save_file(state, p, metadata={"x": "y"})
+    back = engine.load(p)
+    assert set(back) == set(state) and all(same(back[k], state[k]) for k in state)
+
+
+def test_load_without_verification_and_to_an_explicit_device(engine, tmp_path):
+    engine.save({"a": torch.ones(3)}, tmp_path / "a.safetensors").wait_persisted()
+    assert same(engine.load(tmp_path / "a.safetensors", "cpu", verify=False)["a"], torch.ones(3))
+    with pytest.raises(ValueError, match="CPU and CUDA"):
+        engine.load(tmp_path / "a.safetensors", "meta")
