@@ -51,7 +51,7 @@ from nanotron_datastates import DataStatesConfig, DataStatesEngine, SaveHandle
 class ModelConfig:
     vocab: int = 256
     seq_len: int = 64
-    d_model: int = 256
+    d_model: int = 192
     n_layers: int = 4
     n_heads: int = 4
     dropout: float = 0.1
@@ -298,7 +298,7 @@ def train(
         losses[step] = loss.item()
         if step % 25 == 0 or step == first_step:
             print(f"step {step:4d}  loss {losses[step]:.4f}  lr {tr.scheduler.get_last_lr()[0]:.2e}")
-        if step % ckpt_every == 0:
+        if step % ckpt_every == 0 or step == last_step:  # the final state is saved too, as a real job would
             state = capture_state(tr, step)
             t0 = time.perf_counter()
             handle = engine.save(state, checkpoint_path(ckpt_dir, step))
@@ -415,17 +415,8 @@ def default_resume_step(steps: int, every: int) -> int:
     return step
 
 
-def run_all(args: argparse.Namespace, cfg: ModelConfig) -> int:
-    out = Path(args.out)
-    clear_outputs(out)
-    (out / "ckpt").mkdir(parents=True, exist_ok=True)
-    resume_step = args.resume_at
-    if resume_step is None:
-        resume_step = default_resume_step(args.steps, args.ckpt_every)
-    if resume_step % args.ckpt_every or not 0 < resume_step < args.steps:
-        raise SystemExit(f"--resume-at {resume_step}: no checkpoint is saved there before the end")
-    print(f"model {asdict(cfg)}, batch {args.batch}, {args.steps} steps, torch threads {args.threads}")
-
+def run_train_phase(args: argparse.Namespace, cfg: ModelConfig, out: Path) -> list[CheckpointRecord]:
+    """The first run: trains from scratch, checkpointing as it goes, and writes its losses."""
     t0 = time.perf_counter()
     tr = build_trainer(args, cfg)
     n_params = sum(p.numel() for p in tr.model.parameters()) / 1e6
@@ -435,9 +426,25 @@ def run_all(args: argparse.Namespace, cfg: ModelConfig) -> int:
         losses, records = train(tr, engine, 1, args.steps, args.ckpt_every, out / "ckpt")
     write_losses(out / "train_losses.json", losses)
     print(f"training: {time.perf_counter() - t0:.1f} s")
+    return records
 
+
+def run_all(args: argparse.Namespace, cfg: ModelConfig) -> int:
+    """Train, resume in a new process, compare; 0 if the resumed run is bit-for-bit the first one."""
+    out = Path(args.out)
+    resume_step = args.resume_at
+    if resume_step is None:
+        resume_step = default_resume_step(args.steps, args.ckpt_every)
+    if resume_step % args.ckpt_every or not 0 < resume_step < args.steps:
+        raise SystemExit(f"--resume-at {resume_step}: no checkpoint is saved there before the end")
+    clear_outputs(out)
+    (out / "ckpt").mkdir(parents=True, exist_ok=True)
+    print(f"model {asdict(cfg)}, batch {args.batch}, {args.steps} steps, torch threads {args.threads}")
+
+    records = run_train_phase(args, cfg, out)
     launch_resume(args, checkpoint_path(out / "ckpt", resume_step))
-    ok = compare_losses(losses, read_losses(out / "resume_losses.json"), resume_step)
+    first, resumed = read_losses(out / "train_losses.json"), read_losses(out / "resume_losses.json")
+    ok = compare_losses(first, resumed, resume_step)
     ok = compare_final_checkpoints(args, out) and ok
     print_summary(records)
     return 0 if ok else 1

@@ -145,22 +145,45 @@ NB_MODULE(_core, m) {
           },
           "path"_a, "names"_a, "dtypes"_a, "arrays"_a, "metadata"_a, "streams"_a)
       .def(
-          "restore",
-          [](ds::Engine& e, const std::string& path, const std::vector<std::uint64_t>& offsets,
-             const std::vector<nb::ndarray<>>& dests, bool verify) {
-            if (offsets.size() != dests.size())
-              throw ds::ErrorException(ds::Error::value("offsets and destinations differ in length"));
-            std::vector<ds::RestoreTensor> ts(dests.size());
-            for (std::size_t i = 0; i < dests.size(); ++i) {
-              ts[i].offset = offsets[i];
-              ts[i].nbytes = dests[i].nbytes();
-              ts[i].dst = static_cast<char*>(dests[i].data());
-              ts[i].device = device_of(dests[i], "destination " + std::to_string(i));
+          "restore_host",
+          [](ds::Engine& e, const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
+             const std::vector<std::uint64_t>& begins, const std::vector<std::uint64_t>& ends, bool verify) {
+            if (begins.size() != ends.size())
+              throw ds::ErrorException(ds::Error::value("begins and ends differ in length"));
+            std::vector<ds::RestoreSpan> spans(begins.size());
+            for (std::size_t i = 0; i < spans.size(); ++i) spans[i] = {begins[i], ends[i], nullptr, -1};
+            ds::RestoreResult r;
+            {
+              nb::gil_scoped_release release;
+              r = e.restore(path, data_start, data_len, spans, false, verify);
+            }
+            // The buffer becomes a uint8 tensor that owns it; torch frees it with its last view.
+            ds::HostBuffer* buf = r.buffer.release();
+            nb::capsule owner(buf, [](void* p) noexcept { delete static_cast<ds::HostBuffer*>(p); });
+            const std::size_t shape[1] = {buf->size()};
+            auto arr = nb::ndarray<nb::pytorch, std::uint8_t, nb::ndim<1>>(buf->data(), 1, shape, owner);
+            return nb::make_tuple(arr, r.data_offset, r.crcs);
+          },
+          "path"_a, "data_start"_a, "data_len"_a, "begins"_a, "ends"_a, "verify"_a,
+          "Reads the data section into one new host buffer: (uint8 tensor, offset of the data in it, crcs)")
+      .def(
+          "restore_device",
+          [](ds::Engine& e, const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
+             const std::vector<std::uint64_t>& begins, const std::vector<nb::ndarray<>>& dests, bool verify) {
+            if (begins.size() != dests.size())
+              throw ds::ErrorException(ds::Error::value("begins and destinations differ in length"));
+            std::vector<ds::RestoreSpan> spans(begins.size());
+            for (std::size_t i = 0; i < spans.size(); ++i) {
+              spans[i] = {begins[i], begins[i] + dests[i].nbytes(), static_cast<char*>(dests[i].data()),
+                          device_of(dests[i], "destination " + std::to_string(i))};
+              if (spans[i].device < 0)
+                throw ds::ErrorException(ds::Error::value("restore_device needs CUDA destinations"));
             }
             nb::gil_scoped_release release;
-            return e.restore(path, ts, verify);
+            return e.restore(path, data_start, data_len, spans, true, verify).crcs;
           },
-          "path"_a, "offsets"_a, "dests"_a, "verify"_a)
+          "path"_a, "data_start"_a, "data_len"_a, "begins"_a, "dests"_a, "verify"_a,
+          "Reads the data section into CUDA tensors through pinned chunks; returns the crcs")
       .def("wait_idle", &ds::Engine::wait_idle, "timeout"_a = -1.0, nb::call_guard<nb::gil_scoped_release>())
       .def("close", &ds::Engine::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("in_flight", &ds::Engine::in_flight)

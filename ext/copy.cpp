@@ -93,16 +93,27 @@ Error PieceCopier::finish() {
   return first;
 }
 
-Error copy_to_device(int device, char* dst_device, const char* src, std::size_t n) {
+Error DeviceUploader::copy(int device, char* dst_device, const char* src, std::size_t n) {
   if (Error e = cuda::make_current(device)) return e;
   Error err;
   cuda::CUstream s = thread_stream(device, &err);
   if (err) return err;
-  const cuda::Api* a = cuda::api();
-  if (Error e = cuda::check(a->cuMemcpyHtoDAsync(reinterpret_cast<cuda::CUdeviceptr>(dst_device), src, n, s),
-                            "cuMemcpyHtoDAsync"))
-    return e;
-  return cuda::check(a->cuStreamSynchronize(s), "cuStreamSynchronize");
+  if (std::none_of(pending_.begin(), pending_.end(), [&](auto& p) { return p.first == device; }))
+    pending_.emplace_back(device, s);
+  return cuda::check(
+      cuda::api()->cuMemcpyHtoDAsync(reinterpret_cast<cuda::CUdeviceptr>(dst_device), src, n, s),
+      "cuMemcpyHtoDAsync");
+}
+
+Error DeviceUploader::finish() {
+  Error first;
+  for (auto& [device, s] : pending_) {
+    Error e = cuda::make_current(device);
+    if (!e) e = cuda::check(cuda::api()->cuStreamSynchronize(s), "cuStreamSynchronize");
+    if (e && !first) first = e;
+  }
+  pending_.clear();
+  return first;
 }
 
 }  // namespace ds

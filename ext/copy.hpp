@@ -31,8 +31,16 @@ class PieceCopier {
   std::vector<std::pair<int, cuda::CUstream>> pending_;  // devices with copies in flight
 };
 
-// Host-to-device copy from `src` (ideally pinned) on this thread's stream for `device`; waits for it.
-Error copy_to_device(int device, char* dst_device, const char* src, std::size_t n);
+// Restore's host-to-device copies from (pinned) chunks, on this thread's stream per device.
+class DeviceUploader {
+ public:
+  Error copy(int device, char* dst_device, const char* src, std::size_t n);
+  // Waits for the copies issued since the last finish(): the source chunk may then be reused.
+  Error finish();
+
+ private:
+  std::vector<std::pair<int, cuda::CUstream>> pending_;
+};
 
 // Strided gather of bytes [begin, end) of a host tensor's row-major image.
 void gather_host(const TensorSrc& t, std::size_t begin, std::size_t end, char* dst);

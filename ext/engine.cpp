@@ -71,8 +71,8 @@ FlushWorker* Engine::next_flusher() {
   return flushers_[rr_.fetch_add(1, std::memory_order_relaxed) % flushers_.size()].get();
 }
 
-std::vector<std::uint32_t> Engine::restore(const std::string& path, const std::vector<RestoreTensor>& tensors,
-                                           bool verify) {
+RestoreResult Engine::restore(const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
+                              const std::vector<RestoreSpan>& spans, bool to_device, bool verify) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closing_) throw ErrorException(Error::value("the engine is closed; create a new DataStatesEngine"));
@@ -84,10 +84,11 @@ std::vector<std::uint32_t> Engine::restore(const std::string& path, const std::v
   } done{this};
   RestoreOptions ro;
   ro.use_uring = backend_ == "io_uring";
+  ro.direct_io = opts_.save.direct_io;
   ro.depth = opts_.queue_depth;
   ro.read_bytes = opts_.read_bytes;
   ro.verify = verify;
-  return restore_file(path, tensors, ro, parsers_, cache_);
+  return restore_file(path, data_start, data_len, spans, to_device, ro, parsers_, cache_);
 }
 
 void Engine::job_finished() {

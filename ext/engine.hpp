@@ -40,8 +40,8 @@ class Engine final : public JobObserver {
   std::shared_ptr<SaveJob> save(std::string path, std::vector<TensorSrc> tensors, Metadata metadata,
                                 const std::vector<std::pair<int, std::uintptr_t>>& streams);
 
-  std::vector<std::uint32_t> restore(const std::string& path, const std::vector<RestoreTensor>& tensors,
-                                     bool verify);
+  RestoreResult restore(const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
+                        const std::vector<RestoreSpan>& spans, bool to_device, bool verify);
 
   // Waits until no save or restore is in flight; false on timeout (< 0: none).
   bool wait_idle(double timeout_s);

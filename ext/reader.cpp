@@ -38,7 +38,8 @@ int read_sync(int fd, const std::vector<ReadRange>& ranges) {
     op.buf = r.dst;
     op.len = r.len;
     op.offset = r.offset;
-    if (int err = run_op_sync(op)) return err;
+    const int err = run_op_sync(op);
+    if (err && !(err == ENODATA && op.done >= r.need)) return err;
   }
   return 0;
 }
@@ -83,7 +84,7 @@ int read_ranges(int fd, const std::vector<ReadRange>& ranges, bool use_uring, un
       } else if (res < 0) {
         if (!first_err) first_err = -res;
       } else if (res == 0) {
-        if (!first_err) first_err = ENODATA;
+        if (q->done < q->r->need && !first_err) first_err = ENODATA;  // else: the file ended where allowed
       } else {
         q->done += static_cast<std::size_t>(res);
         if (q->done < q->r->len) todo.push_front(q);  // short read: resume

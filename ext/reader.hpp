@@ -11,10 +11,11 @@ namespace ds {
 struct ReadRange {
   char* dst;
   std::uint64_t offset;
-  std::size_t len;
+  std::size_t len;   // requested (block-aligned for O_DIRECT, so it may run past the end of the file)
+  std::size_t need;  // bytes that must arrive; the file may end after them
 };
 
-// Returns 0 or the first positive errno (ENODATA: the file ended early). Blocks until every read is done.
+// Returns 0 or the first positive errno (ENODATA: the file ended before `need`). Blocks until all are done.
 int read_ranges(int fd, const std::vector<ReadRange>& ranges, bool use_uring, unsigned depth);
 
 }  // namespace ds

@@ -1,6 +1,7 @@
 #include "restore.hpp"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,153 +15,207 @@
 #include "reader.hpp"
 
 namespace ds {
+
+HostBuffer::HostBuffer(std::size_t bytes) : size_(bytes) {
+  if (bytes == 0) return;
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED)
+    throw ErrorException(Error::os(errno, "allocating " + std::to_string(bytes) + " bytes", ""));
+  data_ = static_cast<char*>(p);
+  madvise(data_, bytes, MADV_HUGEPAGE);  // 512x fewer faults where transparent huge pages are on
+}
+
+HostBuffer::~HostBuffer() {
+  if (data_) munmap(data_, size_);
+}
+
 namespace {
 
-struct Slice {
-  std::size_t tensor;
-  std::uint64_t offset;  // in the file
-  std::size_t len;
-  char* dst;
-  int device;
-};
+struct Restore {
+  Restore(const std::string& path_, std::uint64_t data_start_, std::uint64_t data_len_,
+          const std::vector<RestoreSpan>& spans_, bool to_device_, const RestoreOptions& opts_,
+          HostCache& cache_)
+      : path(path_),
+        data_start(data_start_),
+        data_len(data_len_),
+        base(align_down(data_start_, kPage)),
+        file_end(data_start_ + data_len_),
+        piece(to_device_ ? cache_.chunk_bytes() : std::max(kPage, align_up(opts_.read_bytes, kPage))),
+        spans(spans_),
+        opts(opts_),
+        to_device(to_device_),
+        cache(cache_) {
+    order.resize(spans.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(),
+              [&](std::size_t a, std::size_t b) { return spans[a].begin < spans[b].begin; });
+    first_piece.resize(spans.size());
+    parts.resize(spans.size());
+    for (std::size_t i = 0; i < spans.size(); ++i) {
+      if (spans[i].end <= spans[i].begin) continue;
+      first_piece[i] = (data_start + spans[i].begin - base) / piece;
+      const std::size_t last = (data_start + spans[i].end - 1 - base) / piece;
+      parts[i].assign(last - first_piece[i] + 1, 0);
+    }
+  }
 
-struct Shared {
+  std::size_t num_pieces() const { return data_len ? (file_end - base + piece - 1) / piece : 0; }
+
+  // Each piece's sums folded into one CRC per span.
+  std::vector<std::uint32_t> combine() const {
+    std::vector<std::uint32_t> crcs(spans.size(), 0);
+    for (std::size_t s = 0; s < spans.size(); ++s) {
+      for (std::size_t j = 0; j < parts[s].size(); ++j) {
+        const std::uint64_t lo = std::max(piece_lo(first_piece[s] + j), data_start + spans[s].begin);
+        const std::uint64_t hi = std::min(piece_lo(first_piece[s] + j) + piece, data_start + spans[s].end);
+        crcs[s] = j == 0 ? parts[s][0] : crc32c_combine(crcs[s], parts[s][j], hi - lo);
+      }
+    }
+    return crcs;
+  }
+
+  const std::string& path;
+  int fd = -1;
+  const std::uint64_t data_start, data_len;
+  const std::uint64_t base;      // file offset of piece 0: data_start rounded down to a block
+  const std::uint64_t file_end;  // data_start + data_len
+  const std::size_t piece;       // bytes per piece (a multiple of 4096)
+  const std::vector<RestoreSpan>& spans;
+  std::vector<std::size_t> order;  // span indices by begin
+  std::vector<std::size_t> first_piece;
+  std::vector<std::vector<std::uint32_t>> parts;  // per span: CRC of its bytes in each piece it spans
+  const RestoreOptions& opts;
+  const bool to_device;
+  char* host = nullptr;  // host mode: buffer holding file bytes [base, ...)
+  HostCache& cache;
+
   std::mutex mu;
   std::condition_variable cv;
   std::size_t groups_left = 0;
   Error error;
-  bool failed = false;
 
   void fail(Error e) {
     std::lock_guard<std::mutex> lock(mu);
-    if (!failed) error = std::move(e);
-    failed = true;
+    if (!error) error = std::move(e);
   }
-  bool has_failed() {
+  bool failed() {
     std::lock_guard<std::mutex> lock(mu);
-    return failed;
+    return static_cast<bool>(error);
+  }
+
+  std::uint64_t piece_lo(std::size_t i) const { return base + i * piece; }
+  // Block-aligned length to request, and the bytes that must arrive (the file may end inside the last block).
+  ReadRange range(std::size_t i, char* dst) const {
+    const std::uint64_t lo = piece_lo(i);
+    const std::uint64_t hi = std::min<std::uint64_t>(lo + piece, align_up(file_end, kPage));
+    return {dst, lo, hi - lo, static_cast<std::size_t>(std::min<std::uint64_t>(hi, file_end) - lo)};
+  }
+
+  Error io_error(int err) const {
+    if (err == ENODATA)
+      return Error::value("file ended before the end of its data section (truncated?)", path);
+    return Error::os(err, "reading", path);
+  }
+
+  // Sums (and, to a device, uploads) every span's bytes in piece i, whose file bytes are at `mem`.
+  Error scatter(std::size_t i, const char* mem, DeviceUploader* up) {
+    const std::uint64_t lo = piece_lo(i), hi = lo + piece;
+    auto it = std::partition_point(order.begin(), order.end(),
+                                   [&](std::size_t s) { return data_start + spans[s].end <= lo; });
+    for (; it != order.end() && data_start + spans[*it].begin < hi; ++it) {
+      const RestoreSpan& sp = spans[*it];
+      const std::uint64_t b = std::max(lo, data_start + sp.begin), e = std::min(hi, data_start + sp.end);
+      if (e <= b) continue;
+      const char* src = mem + (b - lo);
+      if (opts.verify) parts[*it][i - first_piece[*it]] = crc32c(0, src, e - b);
+      if (up)
+        if (Error err = up->copy(sp.device, sp.dst + (b - data_start - sp.begin), src, e - b)) return err;
+    }
+    return {};
+  }
+
+  void run_group(std::size_t pb, std::size_t pe) {
+    if (!to_device) {
+      // Several pieces in flight at once, straight into the host buffer.
+      for (std::size_t i = pb; i < pe && !failed(); i += opts.depth) {
+        std::vector<ReadRange> batch;
+        const std::size_t end = std::min<std::size_t>(pe, i + opts.depth);
+        for (std::size_t j = i; j < end; ++j) batch.push_back(range(j, host + (piece_lo(j) - base)));
+        if (int err = read_ranges(fd, batch, opts.use_uring, opts.depth)) return fail(io_error(err));
+        for (std::size_t j = i; j < end; ++j) scatter(j, host + (piece_lo(j) - base), nullptr);
+      }
+      return;
+    }
+    DeviceUploader up;
+    for (std::size_t i = pb; i < pe && !failed(); ++i) {
+      char* chunk = cache.acquire();
+      // One piece per chunk, read as several block-aligned requests in flight.
+      const ReadRange whole = range(i, chunk);
+      const std::size_t part = align_up(whole.len / opts.depth + 1, kPage);
+      std::vector<ReadRange> parts_of_piece;
+      for (std::size_t o = 0; o < whole.len; o += part) {
+        const std::size_t len = std::min(part, whole.len - o);
+        const std::size_t need = whole.need > o ? std::min(len, whole.need - o) : 0;
+        parts_of_piece.push_back({chunk + o, whole.offset + o, len, need});
+      }
+      Error err;
+      if (int e = read_ranges(fd, parts_of_piece, opts.use_uring, opts.depth)) err = io_error(e);
+      if (!err) err = scatter(i, chunk, &up);
+      if (Error e = up.finish(); e && !err) err = e;
+      cache.release(chunk);
+      if (err) return fail(err);
+    }
   }
 };
 
-Error io_error(int err, const std::string& path) {
-  if (err == ENODATA) return Error::value("file ended before the end of its data section (truncated?)", path);
-  return Error::os(err, "reading", path);
-}
-
-void read_group(int fd, const std::string& path, std::vector<Slice>& slices, std::size_t begin,
-                std::size_t end, std::vector<std::uint32_t>& sums, const RestoreOptions& opts,
-                HostCache& cache, Shared& shared) {
-  std::vector<ReadRange> batch;
-  std::vector<std::size_t> batch_ids;
-  auto flush_host_batch = [&]() -> bool {
-    if (batch.empty()) return true;
-    if (int err = read_ranges(fd, batch, opts.use_uring, opts.depth)) {
-      shared.fail(io_error(err, path));
-      return false;
-    }
-    if (opts.verify)
-      for (std::size_t id : batch_ids) sums[id] = crc32c(0, slices[id].dst, slices[id].len);
-    batch.clear();
-    batch_ids.clear();
-    return true;
-  };
-  for (std::size_t i = begin; i < end; ++i) {
-    if (shared.has_failed()) return;
-    Slice& s = slices[i];
-    if (s.device < 0) {
-      batch.push_back({s.dst, s.offset, s.len});
-      batch_ids.push_back(i);
-      if (batch.size() >= opts.depth && !flush_host_batch()) return;
-      continue;
-    }
-    if (!flush_host_batch()) return;
-    char* chunk = cache.acquire();
-    // Split the chunk's read so that several requests are in flight.
-    std::vector<ReadRange> parts;
-    const std::size_t part = std::max<std::size_t>(kPage, align_up(s.len / opts.depth + 1, kPage));
-    for (std::size_t o = 0; o < s.len; o += part)
-      parts.push_back({chunk + o, s.offset + o, std::min(part, s.len - o)});
-    Error err;
-    if (int e = read_ranges(fd, parts, opts.use_uring, opts.depth)) err = io_error(e, path);
-    if (!err && opts.verify) sums[i] = crc32c(0, chunk, s.len);
-    if (!err) err = copy_to_device(s.device, s.dst, chunk, s.len);
-    cache.release(chunk);
-    if (err) {
-      shared.fail(err);
-      return;
-    }
+int open_for_read(const std::string& path, bool direct) {
+  if (direct) {
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+    if (fd >= 0 || errno != EINVAL) return fd;  // EINVAL: no O_DIRECT on this file system
   }
-  flush_host_batch();
+  return open(path.c_str(), O_RDONLY | O_CLOEXEC);
 }
 
 }  // namespace
 
-std::vector<std::uint32_t> restore_file(const std::string& path, const std::vector<RestoreTensor>& tensors,
-                                        const RestoreOptions& opts, TaskPool& pool, HostCache& cache) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw ErrorException(Error::os(errno, "opening for restore", path));
-
-  // Slices in file order; CUDA slices must fit a cache chunk.
-  std::vector<std::size_t> order(tensors.size());
-  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(),
-            [&](std::size_t a, std::size_t b) { return tensors[a].offset < tensors[b].offset; });
-  std::vector<Slice> slices;
-  std::size_t total = 0;
-  for (std::size_t t : order) {
-    const RestoreTensor& rt = tensors[t];
-    const std::size_t step =
-        rt.device >= 0 ? std::min(opts.read_bytes, cache.chunk_bytes()) : opts.read_bytes;
-    for (std::size_t o = 0; o < rt.nbytes; o += step)
-      slices.push_back({t, rt.offset + o, std::min(step, rt.nbytes - o), rt.dst + o, rt.device});
-    total += rt.nbytes;
+RestoreResult restore_file(const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
+                           const std::vector<RestoreSpan>& spans, bool to_device, const RestoreOptions& opts,
+                           TaskPool& pool, HostCache& cache) {
+  Restore r(path, data_start, data_len, spans, to_device, opts, cache);
+  RestoreResult out;
+  out.data_offset = data_start - r.base;
+  if (!to_device) {
+    out.buffer = std::make_unique<HostBuffer>(align_up(r.file_end, kPage) - r.base);
+    r.host = out.buffer->data();
   }
-
-  // Contiguous groups of about equal bytes, one per parser thread.
-  const std::size_t ngroups = std::max<std::size_t>(1, std::min<std::size_t>(pool.size(), slices.size()));
-  std::vector<std::size_t> bounds{0};
-  std::size_t acc = 0, g = 1;
-  for (std::size_t i = 0; i < slices.size() && g < ngroups; ++i) {
-    acc += slices[i].len;
-    if (acc >= total * g / ngroups) {
-      bounds.push_back(i + 1);
-      ++g;
+  const std::size_t n = r.num_pieces();
+  if (n > 0) {
+    r.fd = open_for_read(path, opts.direct_io);
+    if (r.fd < 0) throw ErrorException(Error::os(errno, "opening for restore", path));
+    // Contiguous runs of pieces, one per parser thread.
+    const std::size_t groups = std::min<std::size_t>(pool.size(), n);
+    r.groups_left = groups;
+    for (std::size_t g = 0; g < groups; ++g) {
+      const std::size_t pb = n * g / groups, pe = n * (g + 1) / groups;
+      pool.submit([&r, pb, pe] {
+        try {
+          r.run_group(pb, pe);
+        } catch (const ErrorException& ex) {
+          r.fail(ex.error);
+        } catch (const std::exception& ex) {
+          r.fail(Error::internal(std::string("restore failed: ") + ex.what()));
+        }
+        std::lock_guard<std::mutex> lock(r.mu);
+        if (--r.groups_left == 0) r.cv.notify_all();
+      });
     }
+    std::unique_lock<std::mutex> lock(r.mu);
+    r.cv.wait(lock, [&] { return r.groups_left == 0; });
+    close(r.fd);
+    if (r.error) throw ErrorException(r.error);
   }
-  bounds.push_back(slices.size());
-
-  std::vector<std::uint32_t> sums(slices.size(), 0);
-  Shared shared;
-  shared.groups_left = bounds.size() - 1;
-  for (std::size_t k = 0; k + 1 < bounds.size(); ++k) {
-    const std::size_t b = bounds[k], e = bounds[k + 1];
-    pool.submit([&, b, e] {
-      try {
-        read_group(fd, path, slices, b, e, sums, opts, cache, shared);
-      } catch (const std::exception& ex) {
-        shared.fail(Error::internal(std::string("restore failed: ") + ex.what()));
-      }
-      std::lock_guard<std::mutex> lock(shared.mu);
-      if (--shared.groups_left == 0) shared.cv.notify_all();
-    });
-  }
-  {
-    std::unique_lock<std::mutex> lock(shared.mu);
-    shared.cv.wait(lock, [&] { return shared.groups_left == 0; });
-  }
-  close(fd);
-  if (shared.failed) throw ErrorException(shared.error);
-
-  std::vector<std::uint32_t> crcs(tensors.size(), 0);
-  if (opts.verify) {
-    std::vector<bool> seen(tensors.size(), false);
-    for (std::size_t i = 0; i < slices.size(); ++i) {
-      const std::size_t t = slices[i].tensor;
-      crcs[t] = seen[t] ? crc32c_combine(crcs[t], sums[i], slices[i].len) : sums[i];
-      seen[t] = true;
-    }
-  }
-  return crcs;
+  if (opts.verify) out.crcs = r.combine();
+  return out;
 }
 
 }  // namespace ds

@@ -1,9 +1,10 @@
 """Load: read -> parse -> scatter.
 
-The header is read and validated here (it is small); the tensors are allocated on the target device and the
-core fills them in parallel (io_uring reads straight into host tensors, through pinned cache chunks into CUDA
-ones), returning one CRC-32C per tensor, which is checked against the header. The skeleton then puts the
-tensors back into the saved structure.
+The header is read and validated here (it is small). The core then reads the data section in parallel with
+large O_DIRECT requests: for the CPU, into one new page-aligned buffer whose slices become the tensors (they
+share it, as tensors loaded by safetensors share its memory map); for a GPU, through pinned cache chunks into
+tensors allocated there. It returns one CRC-32C per tensor, checked against the header. The skeleton then
+puts the tensors back into the saved structure.
 """
 
 from __future__ import annotations
@@ -34,37 +35,43 @@ def load_file(
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"cannot load {path} to {device}: CPU and CUDA only")
 
-    tensors: dict[str, torch.Tensor] = {}
-    offsets: list[int] = []
-    dests: list[torch.Tensor] = []
-    index: list[fmt.TensorEntry] = []
-    for e in header.tensors:
-        t = torch.empty(e.shape, dtype=e.dtype.torch, device=device)
-        tensors[e.name] = t
-        if e.nbytes:
-            offsets.append(header.data_start + e.begin)
-            dests.append(t.reshape(-1).view(torch.uint8))
-            index.append(e)
-    if device.type == "cuda":
-        # The core copies on its own stream: memory just handed out by the caching allocator may still be
-        # in use by work queued on the current stream.
+    data_len = header.file_size - header.data_start
+    begins = [e.begin for e in header.tensors]
+    verify = verify and fmt.KEY_CRC in header.metadata
+    if device.type == "cpu":
+        buf, offset, sums = core.restore_host(
+            path, header.data_start, data_len, begins, [e.end for e in header.tensors], verify
+        )
+        tensors = {e.name: _view(buf, offset + e.begin, e) for e in header.tensors}
+    else:
+        tensors = {e.name: torch.empty(e.shape, dtype=e.dtype.torch, device=device) for e in header.tensors}
+        # The core copies on its own stream: memory just handed out by the caching allocator may still be in
+        # use by work queued on the current stream.
         torch.cuda.current_stream(device).synchronize()
+        dests = [t.reshape(-1).view(torch.uint8) for t in tensors.values()]
+        sums = core.restore_device(path, header.data_start, data_len, begins, dests, verify)
 
-    expected = header.checksums() if verify else None
-    sums = core.restore(path, offsets, dests, expected is not None)
-    if expected is not None:
-        for e, got in zip(index, sums):
-            want = expected[e.name]
-            if got != want:
+    if verify:
+        expected = header.checksums()
+        for e, got in zip(header.tensors, sums):
+            if got != expected[e.name]:
                 raise ChecksumError(
-                    f"{path}: tensor {e.name!r} fails its checksum (stored {want:08x}, read {got:08x}); "
-                    "the file is corrupt"
+                    f"{path}: tensor {e.name!r} fails its checksum (stored {expected[e.name]:08x}, read "
+                    f"{got:08x}); the file is corrupt"
                 )
-        for e in header.tensors:  # empty tensors sum to 0
-            if not e.nbytes and expected[e.name] != 0:
-                raise ChecksumError(f"{path}: tensor {e.name!r} fails its checksum; the file is corrupt")
 
     skel = header.metadata.get(fmt.KEY_SKELETON)
     if skel is None:  # a plain safetensors file: a flat dict, in file order
         return tensors, header
     return skeleton.decode(skel, tensors, allow_pickle=allow_pickle, path=path), header
+
+
+def _view(buf: torch.Tensor, at: int, e: fmt.TensorEntry) -> torch.Tensor:
+    """The tensor at byte `at` of the restore buffer: a view when naturally aligned (always, for files written
+    by the engine or by safetensors), else a copy."""
+    raw = buf[at : at + e.nbytes]
+    if at % e.dtype.itemsize == 0:
+        return raw.view(e.dtype.torch).view(e.shape)
+    out = torch.empty(e.shape, dtype=e.dtype.torch)
+    out.reshape(-1).view(torch.uint8).copy_(raw)
+    return out

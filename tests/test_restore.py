@@ -122,3 +122,32 @@ def test_load_without_verification_and_to_an_explicit_device(engine, tmp_path):
     assert same(engine.load(tmp_path / "a.safetensors", "cpu", verify=False)["a"], torch.ones(3))
     with pytest.raises(ValueError, match="CPU and CUDA"):
         engine.load(tmp_path / "a.safetensors", "meta")
+
+
+def test_unaligned_foreign_files_are_copied_into_aligned_tensors(engine, tmp_path):
+    # A valid safetensors file whose data section starts at an odd offset: no float can be a view there.
+    import json
+    import struct
+
+    a, b = torch.randn(1000), torch.arange(7, dtype=torch.int64)
+    header = {
+        "a": {"dtype": "F32", "shape": [1000], "data_offsets": [0, 4000]},
+        "b": {"dtype": "I64", "shape": [7], "data_offsets": [4000, 4056]},
+    }
+    h = json.dumps(header).encode()
+    h += b" " * (1 - len(h) % 2)  # 8 + len(h) odd
+    p = tmp_path / "odd.safetensors"
+    p.write_bytes(struct.pack("<Q", len(h)) + h + a.numpy().tobytes() + b.numpy().tobytes())
+    back = engine.load(p)
+    assert same(back["a"], a) and same(back["b"], b)
+    assert back["a"].data_ptr() % 4 == 0 and back["b"].data_ptr() % 8 == 0
+
+
+def test_cpu_loads_share_one_aligned_buffer(engine, tmp_path):
+    state = {"a": torch.randn(5000), "b": torch.randn(3, 3).double()}
+    engine.save(state, tmp_path / "s.safetensors").wait_persisted()
+    back = engine.load(tmp_path / "s.safetensors")
+    assert back["a"].untyped_storage().data_ptr() == back["b"].untyped_storage().data_ptr()
+    assert back["b"].untyped_storage().data_ptr() % 4096 == 0
+    back["a"].add_(1)  # writable
+    assert same(back["b"], state["b"])

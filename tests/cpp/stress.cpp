@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
@@ -108,26 +109,28 @@ void verify_file(ds::Engine& engine, const std::string& path, const State& s) {
   CHECK((8 + n) % 4096 == 0, "data of %s starts at %llu", path.c_str(),
         static_cast<unsigned long long>(8 + n));
 
-  std::vector<ds::RestoreTensor> rts;
-  std::vector<std::vector<char>> got;
+  struct stat st;
+  stat(path.c_str(), &st);
+  std::vector<ds::RestoreSpan> spans;
   for (const auto& t : s.tensors) {
     std::size_t b = 0, e = 0;
     CHECK(find_offsets(header, t.name, &b, &e), "%s lacks %s", path.c_str(), t.name.c_str());
     CHECK(e - b == t.nbytes, "%s: %s has %zu bytes", path.c_str(), t.name.c_str(), e - b);
-    got.emplace_back(t.nbytes);
-    rts.push_back({8 + n + b, t.nbytes, got.back().data(), -1});
+    spans.push_back({b, e, nullptr, -1});
   }
-  std::vector<std::uint32_t> crcs;
+  ds::RestoreResult r;
   try {
-    crcs = engine.restore(path, rts, true);
+    r = engine.restore(path, 8 + n, st.st_size - 8 - n, spans, false, true);
   } catch (const ds::ErrorException& ex) {
     CHECK(false, "restore of %s: %s", path.c_str(), ex.what());
     return;
   }
   for (std::size_t i = 0; i < s.tensors.size(); ++i) {
     const auto want = image_of(s.tensors[i]);
-    CHECK(want == got[i], "%s: bytes of %s differ", path.c_str(), s.tensors[i].name.c_str());
-    CHECK(crcs[i] == ds::crc32c(0, want.data(), want.size()), "%s: crc of %s", path.c_str(),
+    const char* got = r.buffer->data() + r.data_offset + spans[i].begin;
+    CHECK(std::equal(want.begin(), want.end(), got), "%s: bytes of %s differ", path.c_str(),
+          s.tensors[i].name.c_str());
+    CHECK(r.crcs[i] == ds::crc32c(0, want.data(), want.size()), "%s: crc of %s", path.c_str(),
           s.tensors[i].name.c_str());
   }
 }
