@@ -110,9 +110,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda", "both"), help="default: cpu, plus cuda if available")
     p.add_argument("--host-cache-gib", type=float, default=2.0, help="engine host cache, GiB (default 2)")
     p.add_argument("--parser-threads", type=int, help="engine copy/restore threads (default: the engine's)")
-    p.add_argument("--flush-threads", type=int, default=2, help="engine flush workers (default 2)")
-    p.add_argument("--queue-depth", type=int, default=8, help="I/Os in flight per worker (default 8)")
-    p.add_argument("--chunk-mib", type=int, default=64, help="engine cache chunk, MiB (default 64)")
+    p.add_argument("--flush-threads", type=int, help="engine flush workers (default: the engine's)")
+    p.add_argument("--queue-depth", type=int, help="I/Os in flight per worker (default: the engine's)")
+    p.add_argument("--chunk-mib", type=int, help="engine cache chunk, MiB (default: the engine's)")
+    p.add_argument("--read-mib", type=int, help="engine restore read size, MiB (default: the engine's)")
     args = p.parse_args(argv)
     if args.repeat < 1 or args.size_gib <= 0:
         p.error("--repeat must be >= 1 and --size-gib > 0")
@@ -628,13 +629,13 @@ def main(argv: list[str] | None = None) -> int:
 
     knobs = {
         "host_cache_size": args.host_cache_gib,
+        "parser_threads": args.parser_threads,
         "flush_threads": args.flush_threads,
         "queue_depth": args.queue_depth,
         "chunk_size": args.chunk_mib,
+        "read_size": args.read_mib,
     }
-    if args.parser_threads is not None:
-        knobs["parser_threads"] = args.parser_threads
-    config = nds.DataStatesConfig(**knobs)
+    config = nds.DataStatesConfig(**{k: v for k, v in knobs.items() if v is not None})
     t0 = time.perf_counter()
     engine = nds.DataStatesEngine(config)
     result["engine"] = {

@@ -148,6 +148,8 @@ def sample_batch(tables: torch.Tensor, gen: torch.Generator, batch: int, seq_len
 
 @dataclass
 class Trainer:
+    """Everything a training step touches; all of its state goes into each checkpoint."""
+
     model: TinyLM
     optimizer: torch.optim.AdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR

@@ -65,6 +65,11 @@ ds::TensorSrc to_src(const nb::ndarray<>& a, std::string name, std::string dtype
   return t;
 }
 
+ds::HostCache& open_cache(ds::Engine& e) {
+  if (!e.cache()) throw ds::ErrorException(ds::Error::value("the engine is closed"));
+  return *e.cache();
+}
+
 nb::dict job_stats(ds::SaveJob& j) {
   const ds::JobStats s = j.stats();
   nb::dict d;
@@ -157,15 +162,23 @@ NB_MODULE(_core, m) {
               nb::gil_scoped_release release;
               r = e.restore(path, data_start, data_len, spans, false, verify);
             }
-            // The buffer becomes a uint8 tensor that owns it; torch frees it with its last view.
-            ds::HostBuffer* buf = r.buffer.release();
-            nb::capsule owner(buf, [](void* p) noexcept { delete static_cast<ds::HostBuffer*>(p); });
-            const std::size_t shape[1] = {buf->size()};
-            auto arr = nb::ndarray<nb::pytorch, std::uint8_t, nb::ndim<1>>(buf->data(), 1, shape, owner);
-            return nb::make_tuple(arr, r.data_offset, r.crcs);
+            // One uint8 tensor per span, each with its own storage (storage_offset 0: some torch calls, such
+            // as set_rng_state, ignore offsets) holding a reference to the shared buffer, freed with the last
+            // one.
+            auto shared = std::shared_ptr<ds::HostBuffer>(std::move(r.buffer));
+            nb::list out;
+            for (const ds::RestoreSpan& sp : spans) {
+              char* p = shared->data() + r.data_offset + sp.begin;
+              const std::size_t shape[1] = {static_cast<std::size_t>(sp.end - sp.begin)};
+              auto* ref = new std::shared_ptr<ds::HostBuffer>(shared);
+              nb::capsule owner(
+                  ref, [](void* q) noexcept { delete static_cast<std::shared_ptr<ds::HostBuffer>*>(q); });
+              out.append(nb::ndarray<nb::pytorch, std::uint8_t, nb::ndim<1>>(p, 1, shape, owner));
+            }
+            return nb::make_tuple(out, r.crcs);
           },
           "path"_a, "data_start"_a, "data_len"_a, "begins"_a, "ends"_a, "verify"_a,
-          "Reads the data section into one new host buffer: (uint8 tensor, offset of the data in it, crcs)")
+          "Reads the data section into one new host buffer: ([uint8 tensor per span], crcs)")
       .def(
           "restore_device",
           [](ds::Engine& e, const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
@@ -189,14 +202,14 @@ NB_MODULE(_core, m) {
       .def_prop_ro("in_flight", &ds::Engine::in_flight)
       .def_prop_ro("backend", &ds::Engine::backend)
       .def_prop_ro("fallback_reason", &ds::Engine::fallback_reason)
-      .def_prop_ro("pinned", [](ds::Engine& e) { return e.cache().pinned(); })
-      .def_prop_ro("pin_error", [](ds::Engine& e) { return e.cache().pin_error(); })
-      .def_prop_ro("chunk_bytes", [](ds::Engine& e) { return e.cache().chunk_bytes(); })
-      .def_prop_ro("num_chunks", [](ds::Engine& e) { return e.cache().num_chunks(); })
+      .def_prop_ro("pinned", &ds::Engine::pinned)
+      .def_prop_ro("pin_error", &ds::Engine::pin_error)
+      .def_prop_ro("chunk_bytes", [](ds::Engine& e) { return open_cache(e).chunk_bytes(); })
+      .def_prop_ro("num_chunks", [](ds::Engine& e) { return open_cache(e).num_chunks(); })
       .def(
           "cache_stats",
           [](ds::Engine& e, bool reset) {
-            const ds::CacheStats s = e.cache().stats(reset);
+            const ds::CacheStats s = open_cache(e).stats(reset);
             nb::dict d;
             d["chunks"] = s.chunks;
             d["chunk_bytes"] = s.chunk_bytes;

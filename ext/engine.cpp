@@ -4,8 +4,10 @@ namespace ds {
 
 Engine::Engine(const EngineOptions& opts)
     : opts_(opts),
-      cache_(opts.cache_bytes, opts.chunk_bytes, opts.pin_device),
+      cache_(std::make_unique<HostCache>(opts.cache_bytes, opts.chunk_bytes, opts.pin_device)),
       parsers_(opts.parser_threads) {
+  pinned_ = cache_->pinned();
+  pin_error_ = cache_->pin_error();
   if (opts_.io_backend != "pwrite") {
     for (unsigned i = 0; i < opts_.flush_threads; ++i) {
       std::string why;
@@ -39,7 +41,7 @@ Engine::~Engine() {
 std::shared_ptr<SaveJob> Engine::save(std::string path, std::vector<TensorSrc> tensors, Metadata metadata,
                                       const std::vector<std::pair<int, std::uintptr_t>>& streams) {
   auto job = std::make_shared<SaveJob>(std::move(path), std::move(tensors), std::move(metadata), opts_.save,
-                                       &cache_, this);
+                                       cache_.get(), this);
   if (Error e = job->record_events(streams)) throw ErrorException(e);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -62,7 +64,7 @@ void Engine::run_piece(const std::shared_ptr<SaveJob>& job, std::size_t i) {
     job->skip_piece(i);
     return;
   }
-  char* chunk = cache_.acquire();  // backpressure: waits for a flush to give one back
+  char* chunk = cache_->acquire();  // backpressure: waits for a flush to give one back
   PieceCopier copier(job->events());
   if (IoOp* op = job->copy_piece(i, chunk, copier)) next_flusher()->submit(op);
 }
@@ -88,7 +90,7 @@ RestoreResult Engine::restore(const std::string& path, std::uint64_t data_start,
   ro.depth = opts_.queue_depth;
   ro.read_bytes = opts_.read_bytes;
   ro.verify = verify;
-  return restore_file(path, data_start, data_len, spans, to_device, ro, parsers_, cache_);
+  return restore_file(path, data_start, data_len, spans, to_device, ro, parsers_, *cache_);
 }
 
 void Engine::job_finished() {
@@ -121,6 +123,7 @@ void Engine::close() {
   wait_idle(-1);
   parsers_.stop();
   for (auto& f : flushers_) f->stop();
+  cache_.reset();  // unpins and unmaps: a closed engine holds no memory
   std::lock_guard<std::mutex> lock(mu_);
   closed_ = true;
 }

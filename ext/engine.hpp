@@ -25,7 +25,7 @@ struct EngineOptions {
   int pin_device = -1;  // CUDA ordinal whose context pins the cache; -1: do not pin
   unsigned parser_threads = 2;
   unsigned flush_threads = 2;
-  unsigned queue_depth = 8;
+  unsigned queue_depth = 16;
   std::size_t read_bytes = std::size_t{16} << 20;
   std::string io_backend = "auto";  // auto | io_uring | pwrite
   SaveOptions save;
@@ -50,7 +50,10 @@ class Engine final : public JobObserver {
 
   const std::string& backend() const { return backend_; }
   const std::string& fallback_reason() const { return fallback_reason_; }
-  HostCache& cache() { return cache_; }
+  bool pinned() const { return pinned_; }
+  const std::string& pin_error() const { return pin_error_; }
+  // Null once closed: close() gives the cache's memory back.
+  HostCache* cache() { return cache_.get(); }
   std::size_t in_flight();
 
   void job_finished() override;
@@ -61,9 +64,11 @@ class Engine final : public JobObserver {
   FlushWorker* next_flusher();
 
   EngineOptions opts_;
-  HostCache cache_;
+  std::unique_ptr<HostCache> cache_;
   std::string backend_;
   std::string fallback_reason_;
+  bool pinned_ = false;
+  std::string pin_error_;
   std::vector<std::unique_ptr<FlushWorker>> flushers_;
   std::atomic<std::size_t> rr_{0};
   TaskPool parsers_;

@@ -136,14 +136,14 @@ struct Restore {
 
   void run_group(std::size_t pb, std::size_t pe) {
     if (!to_device) {
-      // Several pieces in flight at once, straight into the host buffer.
-      for (std::size_t i = pb; i < pe && !failed(); i += opts.depth) {
-        std::vector<ReadRange> batch;
-        const std::size_t end = std::min<std::size_t>(pe, i + opts.depth);
-        for (std::size_t j = i; j < end; ++j) batch.push_back(range(j, host + (piece_lo(j) - base)));
-        if (int err = read_ranges(fd, batch, opts.use_uring, opts.depth)) return fail(io_error(err));
-        for (std::size_t j = i; j < end; ++j) scatter(j, host + (piece_lo(j) - base), nullptr);
-      }
+      // The whole run in one sliding window, straight into the host buffer; each piece is summed as it lands
+      // while the following ones are still in flight.
+      std::vector<ReadRange> run;
+      for (std::size_t j = pb; j < pe; ++j) run.push_back(range(j, host + (piece_lo(j) - base)));
+      const int err = read_ranges(fd, run, opts.use_uring, opts.depth, [&](std::size_t k) {
+        scatter(pb + k, host + (piece_lo(pb + k) - base), nullptr);
+      });
+      if (err) fail(io_error(err));
       return;
     }
     DeviceUploader up;

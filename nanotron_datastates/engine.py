@@ -250,7 +250,7 @@ class DataStatesEngine:
         return self._core.cache_stats(reset)
 
     def close(self) -> None:
-        """Drains every save, stops the threads and frees the cache. Idempotent.
+        """Drains every save, stops the threads and frees the cache (its memory goes back). Idempotent.
 
         Raises the first save error that no wait has reported yet, so that no failure goes unnoticed.
         """

@@ -34,7 +34,8 @@ class SavePlan:
 
 def export_view(t: torch.Tensor) -> torch.Tensor:
     """A tensor over the same memory that DLPack can carry, on any torch >= 2.1."""
-    t = t.detach()
+    if t.requires_grad:  # DLPack refuses them; detach() costs microseconds, so only where needed
+        t = t.detach()
     if t.dtype in _EXPORTABLE:
         return t
     return t.view(_INT_OF_SIZE[t.element_size()])

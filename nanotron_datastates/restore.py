@@ -1,8 +1,8 @@
 """Load: read -> parse -> scatter.
 
 The header is read and validated here (it is small). The core then reads the data section in parallel with
-large O_DIRECT requests: for the CPU, into one new page-aligned buffer whose slices become the tensors (they
-share it, as tensors loaded by safetensors share its memory map); for a GPU, through pinned cache chunks into
+large O_DIRECT requests: for the CPU, into one new page-aligned buffer, each tensor a separate storage over
+its slice (the buffer is freed with the last of them); for a GPU, through pinned cache chunks into
 tensors allocated there. It returns one CRC-32C per tensor, checked against the header. The skeleton then
 puts the tensors back into the saved structure.
 """
@@ -39,10 +39,12 @@ def load_file(
     begins = [e.begin for e in header.tensors]
     verify = verify and fmt.KEY_CRC in header.metadata
     if device.type == "cpu":
-        buf, offset, sums = core.restore_host(
+        raws, sums = core.restore_host(
             path, header.data_start, data_len, begins, [e.end for e in header.tensors], verify
         )
-        tensors = {e.name: _view(buf, offset + e.begin, e) for e in header.tensors}
+        tensors = {
+            e.name: _typed(raw, header.data_start + e.begin, e) for e, raw in zip(header.tensors, raws)
+        }
     else:
         tensors = {e.name: torch.empty(e.shape, dtype=e.dtype.torch, device=device) for e in header.tensors}
         # The core copies on its own stream: memory just handed out by the caching allocator may still be in
@@ -66,11 +68,10 @@ def load_file(
     return skeleton.decode(skel, tensors, allow_pickle=allow_pickle, path=path), header
 
 
-def _view(buf: torch.Tensor, at: int, e: fmt.TensorEntry) -> torch.Tensor:
-    """The tensor at byte `at` of the restore buffer: a view when naturally aligned (always, for files written
-    by the engine or by safetensors), else a copy."""
-    raw = buf[at : at + e.nbytes]
-    if at % e.dtype.itemsize == 0:
+def _typed(raw: torch.Tensor, file_offset: int, e: fmt.TensorEntry) -> torch.Tensor:
+    """The tensor over its bytes in the restore buffer, or a copy where they are not naturally aligned (never
+    for files written by the engine or by safetensors: only when the file offset is misaligned)."""
+    if file_offset % e.dtype.itemsize == 0:
         return raw.view(e.dtype.torch).view(e.shape)
     out = torch.empty(e.shape, dtype=e.dtype.torch)
     out.reshape(-1).view(torch.uint8).copy_(raw)

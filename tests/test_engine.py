@@ -35,10 +35,18 @@ def test_engine_waits_cover_every_save(engine, tmp_path):
         assert engine.load(tmp_path / f"{i}.safetensors")["x"][0] == i
 
 
-def test_close_is_idempotent_and_drains(tmp_path):
-    engine = DataStatesEngine(small_config())
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_close_is_idempotent_drains_and_frees_the_cache(tmp_path):
+    before = _rss()
+    engine = DataStatesEngine(small_config(host_cache_size=0.25))
+    assert _rss() - before > 200 << 20  # the cache is faulted in at start
     hs = [engine.save({"x": torch.randn(1 << 20)}, tmp_path / f"{i}.safetensors") for i in range(4)]
     engine.close()
+    assert _rss() - before < 100 << 20
     engine.close()
     assert all(h.done() and h.exception() is None for h in hs)
     with pytest.raises(ValueError, match="closed"):
