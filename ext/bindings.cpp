@@ -165,20 +165,20 @@ NB_MODULE(_core, m) {
             // One uint8 tensor per span, each with its own storage (storage_offset 0: some torch calls, such
             // as set_rng_state, ignore offsets) holding a reference to the shared buffer, freed with the last
             // one.
-            auto shared = std::shared_ptr<ds::HostBuffer>(std::move(r.buffer));
+            auto shared = std::shared_ptr<ds::FileMapping>(std::move(r.mapping));
             nb::list out;
             for (const ds::RestoreSpan& sp : spans) {
-              char* p = shared->data() + r.data_offset + sp.begin;
+              char* p = shared->data() + data_start + sp.begin;
               const std::size_t shape[1] = {static_cast<std::size_t>(sp.end - sp.begin)};
-              auto* ref = new std::shared_ptr<ds::HostBuffer>(shared);
+              auto* ref = new std::shared_ptr<ds::FileMapping>(shared);
               nb::capsule owner(
-                  ref, [](void* q) noexcept { delete static_cast<std::shared_ptr<ds::HostBuffer>*>(q); });
+                  ref, [](void* q) noexcept { delete static_cast<std::shared_ptr<ds::FileMapping>*>(q); });
               out.append(nb::ndarray<nb::pytorch, std::uint8_t, nb::ndim<1>>(p, 1, shape, owner));
             }
             return nb::make_tuple(out, r.crcs);
           },
           "path"_a, "data_start"_a, "data_len"_a, "begins"_a, "ends"_a, "verify"_a,
-          "Reads the data section into one new host buffer: ([uint8 tensor per span], crcs)")
+          "Maps the file and reads its data section in parallel: ([uint8 tensor per span], crcs)")
       .def(
           "restore_device",
           [](ds::Engine& e, const std::string& path, std::uint64_t data_start, std::uint64_t data_len,

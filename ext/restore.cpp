@@ -16,20 +16,33 @@
 
 namespace ds {
 
-HostBuffer::HostBuffer(std::size_t bytes) : size_(bytes) {
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22  // Linux 5.14
+#endif
+
+FileMapping::FileMapping(int fd, std::size_t bytes, const std::string& path) : size_(bytes) {
   if (bytes == 0) return;
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED)
-    throw ErrorException(Error::os(errno, "allocating " + std::to_string(bytes) + " bytes", ""));
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+  if (p == MAP_FAILED) throw ErrorException(Error::os(errno, "mapping for restore", path));
   data_ = static_cast<char*>(p);
-  madvise(data_, bytes, MADV_HUGEPAGE);  // 512x fewer faults where transparent huge pages are on
 }
 
-HostBuffer::~HostBuffer() {
+FileMapping::~FileMapping() {
   if (data_) munmap(data_, size_);
 }
 
 namespace {
+
+// Faults in [p, p + n) of a file mapping (p page-aligned): the kernel reads the file, with readahead, into
+// the page cache.
+int populate(char* p, std::size_t n) {
+  if (n == 0) return 0;
+  if (madvise(p, n, MADV_POPULATE_READ) == 0) return 0;
+  if (errno != EINVAL) return errno == EFAULT ? ENODATA : errno;  // EFAULT: past the end of the file
+  volatile char sink = 0;                                         // kernels before 5.14: touch every page
+  for (std::size_t o = 0; o < n; o += kPage) sink = sink + p[o];
+  return 0;
+}
 
 struct Restore {
   Restore(const std::string& path_, std::uint64_t data_start_, std::uint64_t data_len_,
@@ -86,7 +99,7 @@ struct Restore {
   std::vector<std::vector<std::uint32_t>> parts;  // per span: CRC of its bytes in each piece it spans
   const RestoreOptions& opts;
   const bool to_device;
-  char* host = nullptr;  // host mode: buffer holding file bytes [base, ...)
+  char* host = nullptr;  // host mode: the file mapping (file offset x at host + x)
   HostCache& cache;
 
   std::mutex mu;
@@ -136,14 +149,11 @@ struct Restore {
 
   void run_group(std::size_t pb, std::size_t pe) {
     if (!to_device) {
-      // The whole run in one sliding window, straight into the host buffer; each piece is summed as it lands
-      // while the following ones are still in flight.
-      std::vector<ReadRange> run;
-      for (std::size_t j = pb; j < pe; ++j) run.push_back(range(j, host + (piece_lo(j) - base)));
-      const int err = read_ranges(fd, run, opts.use_uring, opts.depth, [&](std::size_t k) {
-        scatter(pb + k, host + (piece_lo(pb + k) - base), nullptr);
-      });
-      if (err) fail(io_error(err));
+      for (std::size_t j = pb; j < pe && !failed(); ++j) {
+        const ReadRange r = range(j, host + piece_lo(j));
+        if (int err = populate(r.dst, r.need)) return fail(io_error(err));
+        scatter(j, r.dst, nullptr);
+      }
       return;
     }
     DeviceUploader up;
@@ -183,15 +193,19 @@ RestoreResult restore_file(const std::string& path, std::uint64_t data_start, st
                            TaskPool& pool, HostCache& cache) {
   Restore r(path, data_start, data_len, spans, to_device, opts, cache);
   RestoreResult out;
-  out.data_offset = data_start - r.base;
+  r.fd = open_for_read(path, to_device && opts.direct_io);
+  if (r.fd < 0) throw ErrorException(Error::os(errno, "opening for restore", path));
   if (!to_device) {
-    out.buffer = std::make_unique<HostBuffer>(align_up(r.file_end, kPage) - r.base);
-    r.host = out.buffer->data();
+    try {
+      out.mapping = std::make_unique<FileMapping>(r.fd, r.file_end, path);
+    } catch (...) {
+      close(r.fd);
+      throw;
+    }
+    r.host = out.mapping->data();
   }
   const std::size_t n = r.num_pieces();
   if (n > 0) {
-    r.fd = open_for_read(path, opts.direct_io);
-    if (r.fd < 0) throw ErrorException(Error::os(errno, "opening for restore", path));
     // Contiguous runs of pieces, one per parser thread.
     const std::size_t groups = std::min<std::size_t>(pool.size(), n);
     r.groups_left = groups;
@@ -211,9 +225,9 @@ RestoreResult restore_file(const std::string& path, std::uint64_t data_start, st
     }
     std::unique_lock<std::mutex> lock(r.mu);
     r.cv.wait(lock, [&] { return r.groups_left == 0; });
-    close(r.fd);
-    if (r.error) throw ErrorException(r.error);
   }
+  close(r.fd);  // a mapping stays valid without its descriptor
+  if (r.error) throw ErrorException(r.error);
   if (opts.verify) out.crcs = r.combine();
   return out;
 }

@@ -1,9 +1,12 @@
 // Restore: read -> verify -> scatter, the mirror of a save. The file's data section is cut into 4096-aligned
-// pieces, grouped into contiguous runs (one per parser thread, so each thread reads sequentially), and read
-// with O_DIRECT and several requests in flight:
-//   - to host: straight into one page-aligned, huge-page-backed buffer, whose slices become the tensors (no
-//     copy after the read, as safetensors' own memory map);
-//   - to a GPU: into pinned cache chunks, then host-to-device copies into the destination tensors.
+// pieces, grouped into contiguous runs (one per parser thread, so each thread reads sequentially):
+//   - to host: the file is mapped privately (copy on write) and each thread populates its run with
+//     MADV_POPULATE_READ, so the kernel reads ahead in large requests, several threads at once, into
+//     page-cache pages that become the tensors' memory with no further copy. Reading into fresh anonymous
+//     memory instead (O_DIRECT) makes the kernel zero every page first, which measured slower and erratic
+//     (benchmarks/NOTES.md);
+//   - to a GPU: O_DIRECT reads (io_uring, several in flight) into pinned cache chunks, then host-to-device
+//   copies.
 // Each piece is summed (CRC-32C per tensor range) where it lands; the sums are combined per tensor at the
 // end.
 #pragma once
@@ -29,17 +32,17 @@ struct RestoreOptions {
   bool use_uring = true;
   bool direct_io = true;
   bool verify = true;
-  unsigned depth = 8;
+  unsigned depth = 16;
   std::size_t read_bytes = 16 << 20;
 };
 
-// An anonymous, page-aligned mapping advised to use huge pages (fewer page faults as reads land in it).
-class HostBuffer {
+// A private, writable (copy-on-write) mapping of a whole file; unmapped on destruction.
+class FileMapping {
  public:
-  explicit HostBuffer(std::size_t bytes);
-  ~HostBuffer();
-  HostBuffer(const HostBuffer&) = delete;
-  HostBuffer& operator=(const HostBuffer&) = delete;
+  FileMapping(int fd, std::size_t bytes, const std::string& path);
+  ~FileMapping();
+  FileMapping(const FileMapping&) = delete;
+  FileMapping& operator=(const FileMapping&) = delete;
   char* data() const { return data_; }
   std::size_t size() const { return size_; }
 
@@ -49,9 +52,8 @@ class HostBuffer {
 };
 
 struct RestoreResult {
-  std::unique_ptr<HostBuffer> buffer;  // host mode: the data section starts at data() + data_offset
-  std::size_t data_offset = 0;
-  std::vector<std::uint32_t> crcs;  // per span, when verifying
+  std::unique_ptr<FileMapping> mapping;  // host mode: file offset x is at data() + x
+  std::vector<std::uint32_t> crcs;       // per span, when verifying
 };
 
 // Blocks until everything is in place. `to_device`: every span has a CUDA destination. Throws ErrorException

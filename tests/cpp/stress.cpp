@@ -127,7 +127,7 @@ void verify_file(ds::Engine& engine, const std::string& path, const State& s) {
   }
   for (std::size_t i = 0; i < s.tensors.size(); ++i) {
     const auto want = image_of(s.tensors[i]);
-    const char* got = r.buffer->data() + r.data_offset + spans[i].begin;
+    const char* got = r.mapping->data() + 8 + n + spans[i].begin;
     CHECK(std::equal(want.begin(), want.end(), got), "%s: bytes of %s differ", path.c_str(),
           s.tensors[i].name.c_str());
     CHECK(r.crcs[i] == ds::crc32c(0, want.data(), want.size()), "%s: crc of %s", path.c_str(),
