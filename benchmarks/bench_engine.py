@@ -36,6 +36,7 @@ table is printed at the end. Throughputs are in GB/s (1e9 bytes/s), as dd prints
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -43,9 +44,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from _common import (
@@ -186,27 +186,67 @@ def make_resident(state: dict[str, torch.Tensor]) -> None:
             t.reshape(-1).view(torch.uint8)[::4096].sum()
 
 
+# A cold load is timed in a fresh process, as at a restart: in a long-lived process that has churned through
+# gigabytes, this VM charges microseconds for the first touch of each page the kernel hands out (measured:
+# 1 GiB of freshly read page cache took 1.7 s to touch once in such a process, 0.04 s in a fresh one),
+# whichever loader touches it. The child loads, makes the data resident (CPU) or synchronizes (CUDA), and
+# reports.
+_PROBE = r"""
+import json, sys, time
+import torch
+loader, path, device, knobs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+t0 = time.perf_counter()
+if loader == "engine":
+    from nanotron_datastates import DataStatesConfig, DataStatesEngine
+    engine = DataStatesEngine(DataStatesConfig(**knobs))
+    load = lambda: engine.load(path, device=device)
+elif loader == "safetensors":
+    from safetensors.torch import load_file
+    load = lambda: load_file(path, device=device)
+else:
+    load = lambda: torch.load(path, map_location=device, weights_only=True)
+setup = time.perf_counter() - t0
+t0 = time.perf_counter()
+out = load()
+returned = time.perf_counter() - t0
+if device.startswith("cuda"):
+    torch.cuda.synchronize()
+else:
+    for t in out.values():  # safetensors maps the file: its pages are read on first touch
+        if t.numel():
+            t.reshape(-1).view(torch.uint8)[::4096].sum()
+print(json.dumps({"total": time.perf_counter() - t0, "returned": returned, "setup": setup}))
+"""
+
+
 def cold_load(
     raw: dict[str, list[Any]],
     key: str,
-    load: Callable[[], dict[str, torch.Tensor]],
-    dropper: CacheDropper,
+    loader: str,
     path: Path,
-    cuda: bool = False,
-) -> dict[str, torch.Tensor]:
-    """Drops the page cache for `path`, times `load()` until its data is resident (CPU) or on the device
-    (CUDA), and appends that to raw[key] (and the time until `load` returned to raw[key + "_returned"])."""
+    dropper: CacheDropper,
+    device: str = "cpu",
+    knobs: dict[str, Any] | None = None,
+) -> None:
+    """Drops the page cache for `path`, loads it with `loader` (engine, safetensors, torch) in a fresh process
+    and appends the time until the data is resident or on the device to raw[key]; the time until the call
+    returned goes to raw[key + "_returned"], the loader's start-up (the engine's cache) to
+    raw[key + "_setup"].
+    """
     dropper.drop([path])
-    t0 = time.perf_counter()
-    out = load()
-    t1 = time.perf_counter()
-    if cuda:
-        torch.cuda.synchronize()
-    else:
-        make_resident(out)
-    raw.setdefault(key, []).append(time.perf_counter() - t0)
-    raw.setdefault(key + "_returned", []).append(t1 - t0)
-    return out
+    argv = [sys.executable, "-c", _PROBE, loader, str(path), device, json.dumps(knobs or {})]
+    r = subprocess.run(argv, capture_output=True, text=True, cwd=REPO_ROOT)
+    if r.returncode != 0:
+        raise RuntimeError(f"{loader} load of {path} failed:\n{r.stderr[-4000:]}")
+    times = json.loads(r.stdout.strip().splitlines()[-1])
+    raw.setdefault(key, []).append(times["total"])
+    raw.setdefault(key + "_returned", []).append(times["returned"])
+    raw.setdefault(key + "_setup", []).append(times["setup"])
+
+
+def restore_knobs(engine: Any) -> dict[str, Any]:
+    """The benchmarked engine's config for a restore-only engine: a small cache is enough to restore."""
+    return {**engine.config.to_dict(), "host_cache_size": 0.25}
 
 
 def torch_save_fsync(state: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
@@ -296,8 +336,9 @@ def run_cpu(
     args: argparse.Namespace,
     dropper: CacheDropper,
 ) -> dict[str, list[Any]]:
-    """Every CPU-side measurement, interleaved per repeat so that drift in the machine hits all alike."""
-    from safetensors.torch import load_file
+    """Every CPU-side measurement, interleaved per repeat so that drift in the machine hits all alike: first
+    the saves (each format's last file is kept), then the cold loads of those files, one loader after another.
+    """
 
     nbytes = state_nbytes(state)
     keys = ("engine_save", "engine_shm_save", "dd_shm_write", "dd", "verified")
@@ -310,11 +351,8 @@ def run_cpu(
             print(f"repeat {r + 1}/{args.repeat}: engine", flush=True)
             path = workdir / "engine.safetensors"
             raw["engine_save"].append(engine_save(engine, state, path))
-            loaded = cold_load(raw, "engine_restore_s", partial(engine.load, path), dropper, path)
             if r == 0:
-                raw["verified"].append({"engine_cpu_roundtrip": same_tensors(state, loaded)})
-            del loaded
-            remove(path)
+                raw["verified"].append({"engine_cpu_roundtrip": same_tensors(state, engine.load(path))})
 
             if shm is not None:
                 raw["engine_shm_save"].append(engine_save(engine, state, shm / "engine.safetensors"))
@@ -323,17 +361,24 @@ def run_cpu(
 
             if not args.skip_baselines:
                 print(f"repeat {r + 1}/{args.repeat}: torch, safetensors", flush=True)
-                path = workdir / "torch.pt"
-                raw["torch_save"].append(torch_save_fsync(state, path))
-                cold_load(raw, "torch_load_s", partial(torch.load, path, weights_only=True), dropper, path)
-                remove(path)
-                path = workdir / "safetensors.safetensors"
-                raw["safetensors_save"].append(safetensors_save_fsync(state, path))
-                cold_load(raw, "safetensors_load_s", partial(load_file, str(path)), dropper, path)
-                remove(path)
+                raw["torch_save"].append(torch_save_fsync(state, workdir / "torch.pt"))
+                st_path = workdir / "safetensors.safetensors"
+                raw["safetensors_save"].append(safetensors_save_fsync(state, st_path))
 
             print(f"repeat {r + 1}/{args.repeat}: dd", flush=True)
             raw["dd"].append([dd_write_read(workdir, nbytes, s, dropper) for s in DD_STREAMS])
+
+        loads = [("engine_restore_s", "engine", workdir / "engine.safetensors", restore_knobs(engine))]
+        if not args.skip_baselines:
+            loads += [
+                ("safetensors_load_s", "safetensors", workdir / "safetensors.safetensors", None),
+                ("torch_load_s", "torch", workdir / "torch.pt", None),
+            ]
+        for r in range(args.repeat):
+            print(f"repeat {r + 1}/{args.repeat}: cold loads", flush=True)
+            for key, loader, path, knobs in loads:
+                cold_load(raw, key, loader, path, dropper, knobs=knobs)
+        remove(*(path for _, _, path, _ in loads))
     finally:
         if shm is not None:
             shutil.rmtree(shm, ignore_errors=True)
@@ -354,7 +399,6 @@ def run_cuda(
     dropper: CacheDropper,
 ) -> dict[str, list[Any]]:
     """The GPU part: D2H snapshot against pinned copy_, and cold restores onto the GPU."""
-    from safetensors.torch import load_file
 
     dev = "cuda:0"
     gstate = {k: v.to(dev) for k, v in state.items()}
@@ -368,15 +412,13 @@ def run_cuda(
         print(f"repeat {r + 1}/{args.repeat}: cuda", flush=True)
         raw["engine_save"].append(engine_save(engine, gstate, path, cuda=True))
         raw["pinned_copy_s"].append(pinned_copy(gstate, dests))
-        loaded = cold_load(
-            raw, "engine_restore_s", partial(engine.load, path, device=dev), dropper, path, True
-        )
+        cold_load(raw, "engine_restore_s", "engine", path, dropper, dev, restore_knobs(engine))
         if r == 0:
-            raw["verified"].append({"engine_gpu_roundtrip": same_tensors(gstate, loaded)})
-        del loaded
+            raw["verified"].append(
+                {"engine_gpu_roundtrip": same_tensors(gstate, engine.load(path, device=dev))}
+            )
         if not args.skip_baselines:
-            load = partial(load_file, str(path), device=dev)
-            cold_load(raw, "safetensors_load_s", load, dropper, path, cuda=True)
+            cold_load(raw, "safetensors_load_s", "safetensors", path, dropper, dev)
         remove(path)
     del gstate, dests
     torch.cuda.empty_cache()

@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 _IO_BACKENDS = ("auto", "io_uring", "pwrite")
 ENV_PREFIX = "DATASTATES_"
-
-
-def _default_parser_threads() -> int:
-    return max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -28,8 +24,9 @@ class DataStatesConfig:
     host_cache_size: float = 2.0
     """GiB of host memory for the cache, allocated once at engine start. A checkpoint smaller than this is
     captured without waiting for the disk; a larger one streams through with backpressure."""
-    parser_threads: int = field(default_factory=_default_parser_threads)
-    """Threads that serialize on save (copy into the cache) and read/verify on restore."""
+    parser_threads: int = 4
+    """Threads that serialize on save (copy into the cache) and read/verify on restore. Restores wait on the
+    disk, so more threads than cores still help (measured on 2 cores: 4 threads beat 2)."""
     pin_host_cache: bool = True
     """Page-lock the cache for DMA from GPUs (fast device-to-host copies). Ignored without a GPU."""
     flush_threads: int = 2
