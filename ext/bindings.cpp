@@ -111,7 +111,8 @@ NB_MODULE(_core, m) {
             if (ds::Error e = j.error()) throw ds::ErrorException(e);
           },
           "Raises the job's error (OSError, ValueError or RuntimeError), if any")
-      .def("stats", &job_stats);
+      .def("stats", &job_stats)
+      .def("checksums", &ds::SaveJob::checksums, "[(tensor name, CRC-32C)] in file order, once persisted");
 
   nb::class_<ds::Engine>(m, "Engine")
       .def(
@@ -138,7 +139,8 @@ NB_MODULE(_core, m) {
           "save",
           [](ds::Engine& e, std::string path, const std::vector<std::string>& names,
              const std::vector<std::string>& dtypes, const std::vector<nb::ndarray<>>& arrays,
-             ds::Metadata metadata, const std::vector<std::pair<int, std::uintptr_t>>& streams) {
+             ds::Metadata metadata, const std::vector<std::pair<int, std::uintptr_t>>& streams,
+             bool embed_checksums) {
             if (names.size() != arrays.size() || dtypes.size() != arrays.size())
               throw ds::ErrorException(ds::Error::value("names, dtypes and arrays differ in length"));
             std::vector<ds::TensorSrc> srcs;
@@ -146,9 +148,9 @@ NB_MODULE(_core, m) {
             for (std::size_t i = 0; i < arrays.size(); ++i)
               srcs.push_back(to_src(arrays[i], names[i], dtypes[i]));
             nb::gil_scoped_release release;
-            return e.save(std::move(path), std::move(srcs), std::move(metadata), streams);
+            return e.save(std::move(path), std::move(srcs), std::move(metadata), streams, embed_checksums);
           },
-          "path"_a, "names"_a, "dtypes"_a, "arrays"_a, "metadata"_a, "streams"_a)
+          "path"_a, "names"_a, "dtypes"_a, "arrays"_a, "metadata"_a, "streams"_a, "embed_checksums"_a = true)
       .def(
           "restore_host",
           [](ds::Engine& e, const std::string& path, std::uint64_t data_start, std::uint64_t data_len,

@@ -39,9 +39,10 @@ Engine::~Engine() {
 }
 
 std::shared_ptr<SaveJob> Engine::save(std::string path, std::vector<TensorSrc> tensors, Metadata metadata,
-                                      const std::vector<std::pair<int, std::uintptr_t>>& streams) {
+                                      const std::vector<std::pair<int, std::uintptr_t>>& streams,
+                                      bool embed_checksums) {
   auto job = std::make_shared<SaveJob>(std::move(path), std::move(tensors), std::move(metadata), opts_.save,
-                                       cache_.get(), this);
+                                       embed_checksums, cache_.get(), this);
   if (Error e = job->record_events(streams)) throw ErrorException(e);
   {
     std::lock_guard<std::mutex> lock(mu_);

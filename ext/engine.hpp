@@ -38,7 +38,8 @@ class Engine final : public JobObserver {
 
   // Returns at once; the job runs on the engine's threads. Throws ErrorException (Value) once closed.
   std::shared_ptr<SaveJob> save(std::string path, std::vector<TensorSrc> tensors, Metadata metadata,
-                                const std::vector<std::pair<int, std::uintptr_t>>& streams);
+                                const std::vector<std::pair<int, std::uintptr_t>>& streams,
+                                bool embed_checksums = true);
 
   RestoreResult restore(const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
                         const std::vector<RestoreSpan>& spans, bool to_device, bool verify);

@@ -51,11 +51,12 @@ bool wait_flag(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, 
 }  // namespace
 
 SaveJob::SaveJob(std::string path, std::vector<TensorSrc> tensors, Metadata metadata, SaveOptions opts,
-                 HostCache* cache, JobObserver* observer)
+                 bool embed_checksums, HostCache* cache, JobObserver* observer)
     : path_(std::move(path)),
       tensors_(std::move(tensors)),
       metadata_(std::move(metadata)),
       opts_(opts),
+      embed_checksums_(embed_checksums),
       cache_(cache),
       observer_(observer) {
   stats_.t_submit_ns = now_ns();
@@ -86,7 +87,7 @@ Error SaveJob::record_events(const std::vector<std::pair<int, std::uintptr_t>>& 
 SaveJob::Planned SaveJob::plan() {
   Planned out;
   try {
-    layout_ = plan_layout(tensors_, metadata_, opts_.checksums);
+    layout_ = plan_layout(tensors_, metadata_, opts_.checksums && embed_checksums_);
   } catch (const ErrorException& e) {
     fail(Error{e.error.kind, e.error.os_errno, e.error.message, path_});
   } catch (const std::bad_alloc&) {
@@ -293,7 +294,7 @@ IoOp* SaveJob::piece_finished() {
 }
 
 IoOp* SaveJob::header_op() {
-  if (layout_.has_crc) {
+  if (opts_.checksums) {
     std::vector<std::uint32_t> crcs(layout_.order.size(), 0);
     for (std::size_t k = 0; k < layout_.order.size(); ++k) {
       const std::size_t n = tensors_[layout_.order[k]].nbytes;
@@ -308,7 +309,9 @@ IoOp* SaveJob::header_op() {
       }
       crcs[k] = c;
     }
-    patch_checksums(layout_, crcs);
+    patch_checksums(layout_, crcs);  // a no-op where they are not embedded
+    std::lock_guard<std::mutex> lock(mu_);
+    crcs_ = std::move(crcs);
   }
   if (posix_memalign(reinterpret_cast<void**>(&header_buf_), kPage, layout_.data_start) != 0) {
     fail(Error::os(ENOMEM, "allocating the header", path_));
@@ -412,6 +415,15 @@ bool SaveJob::persisted_done() {
 Error SaveJob::error() {
   std::lock_guard<std::mutex> lock(mu_);
   return error_;
+}
+
+std::vector<std::pair<std::string, std::uint32_t>> SaveJob::checksums() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<std::string, std::uint32_t>> out;
+  if (!persisted_ || error_ || crcs_.size() != layout_.order.size()) return out;
+  out.reserve(crcs_.size());
+  for (std::size_t k = 0; k < crcs_.size(); ++k) out.emplace_back(tensors_[layout_.order[k]].name, crcs_[k]);
+  return out;
 }
 
 JobStats SaveJob::stats() {

@@ -58,8 +58,10 @@ class JobObserver {
 
 class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJob> {
  public:
+  // `embed_checksums` false: the CRCs are computed (see checksums()) but the header holds `metadata` only,
+  // for readers that reject unknown metadata keys.
   SaveJob(std::string path, std::vector<TensorSrc> tensors, Metadata metadata, SaveOptions opts,
-          HostCache* cache, JobObserver* observer);
+          bool embed_checksums, HostCache* cache, JobObserver* observer);
   ~SaveJob() override;
 
   // On the caller's thread, at save(): an event on each CUDA device's current stream of the caller.
@@ -91,6 +93,8 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   bool persisted_done();
   Error error();
   JobStats stats();
+  // Tensor name and CRC-32C, in file order, once persisted (empty before, or without checksums).
+  std::vector<std::pair<std::string, std::uint32_t>> checksums();
   const std::string& path() const { return path_; }
 
  private:
@@ -108,6 +112,7 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   std::vector<TensorSrc> tensors_;
   Metadata metadata_;
   const SaveOptions opts_;
+  const bool embed_checksums_;
   HostCache* const cache_;
   JobObserver* const observer_;
 
@@ -136,7 +141,8 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   bool snapshot_ = false;
   bool persisted_ = false;
   JobStats stats_;
-  std::shared_ptr<SaveJob> self_;  // dropped as the last act of finish()
+  std::vector<std::uint32_t> crcs_;  // file order, set with the header
+  std::shared_ptr<SaveJob> self_;    // dropped as the last act of finish()
 };
 
 }  // namespace ds

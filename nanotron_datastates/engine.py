@@ -94,6 +94,11 @@ class SaveHandle:
             "direct_io": s["direct_io"],
         }
 
+    def checksums(self) -> dict[str, int]:
+        """CRC-32C of each tensor, by name, once persisted (empty when checksums are off)."""
+        self.wait_persisted()
+        return dict(self._job.checksums())
+
     def _raise(self) -> None:
         if self._job.failed():
             self._reported = True
@@ -158,18 +163,25 @@ class DataStatesEngine:
         *,
         metadata: Mapping[str, str] | None = None,
         allow_pickle: bool = False,
+        exact_metadata: bool = False,
     ) -> SaveHandle:
         """Starts saving `state` (nested dicts/lists/tuples of tensors and plain values) to `path`.
 
         Returns before any byte is copied. Until :meth:`SaveHandle.wait_snapshot` returns, the caller must not
         modify the tensors. `metadata` (str to str) lands in the file's ``__metadata__``. Objects other than
         tensors and plain values raise TypeError naming their key, unless `allow_pickle`.
+
+        `exact_metadata`: `state` is a flat dict of tensors and `metadata` is written verbatim as the whole
+        ``__metadata__``, for readers that reject unknown keys (Nanotron's). Checksums are still computed:
+        keep them from :meth:`SaveHandle.checksums` and pass them to :meth:`load`.
         """
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         path = os.path.abspath(os.fspath(path))
-        plan = plan_save(state, metadata=metadata, allow_pickle=allow_pickle)
-        job = self._core.save(path, plan.names, plan.dtypes, plan.arrays, plan.metadata, plan.streams)
+        plan = plan_save(state, metadata=metadata, allow_pickle=allow_pickle, exact_metadata=exact_metadata)
+        job = self._core.save(
+            path, plan.names, plan.dtypes, plan.arrays, plan.metadata, plan.streams, not exact_metadata
+        )
         handle = SaveHandle(job, path, plan.arrays, plan.nbytes)
         with self._lock:
             self._prune()
@@ -218,16 +230,20 @@ class DataStatesEngine:
         *,
         verify: bool | None = None,
         allow_pickle: bool = False,
+        checksums: Mapping[str, int] | None = None,
     ) -> Any:
         """Reads a file written by :meth:`save` (or any safetensors file) onto `device`, in parallel.
 
         Returns the saved structure (a dict of tensors for a plain safetensors file). Checksums are verified
-        when present (``verify`` defaults to ``config.verify_checksums``): ChecksumError names the tensor.
+        when the file holds them, or against `checksums` (name to CRC-32C, e.g. kept from a save with
+        ``exact_metadata``); `verify` defaults to ``config.verify_checksums``. ChecksumError names the tensor.
         """
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         verify = self.config.verify_checksums if verify is None else verify
-        state, _ = load_file(self._core, path, device, verify=verify, allow_pickle=allow_pickle)
+        state, _ = load_file(
+            self._core, path, device, verify=verify, allow_pickle=allow_pickle, checksums=checksums
+        )
         return state
 
     def read_metadata(self, path: str | os.PathLike) -> dict[str, str]:

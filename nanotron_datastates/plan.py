@@ -42,9 +42,20 @@ def export_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def plan_save(
-    state: Any, *, metadata: Mapping[str, str] | None = None, allow_pickle: bool = False
+    state: Any,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    allow_pickle: bool = False,
+    exact_metadata: bool = False,
 ) -> SavePlan:
+    """Flattens `state`. With `exact_metadata`, `state` must be a flat dict of str to tensor and `metadata`
+    becomes the whole `__metadata__` (no skeleton, version or checksums), as strict readers require."""
     plan = SavePlan()
+    if exact_metadata and (
+        not isinstance(state, dict)
+        or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())
+    ):
+        raise TypeError("exact_metadata=True needs a flat dict of str to tensor")
     by_id: dict[int, str] = {}
     taken: set[str] = {"__metadata__"}
     devices: set[int] = set()
@@ -91,6 +102,9 @@ def plan_save(
             raise TypeError(f"metadata must map str to str; got {k!r}: {type(v).__name__}")
         if k.startswith(fmt.RESERVED_PREFIX):
             raise ValueError(f"metadata key {k!r} is reserved (prefix {fmt.RESERVED_PREFIX!r})")
+    if exact_metadata:
+        plan.metadata = list(user.items())
+        return plan
     md = [] if "format" in user else [("format", "pt")]  # what safetensors' torch writer puts there
     md.extend(user.items())
     md.append((fmt.KEY_VERSION, str(fmt.FORMAT_VERSION)))

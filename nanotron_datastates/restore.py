@@ -10,7 +10,7 @@ puts the tensors back into the saved structure.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -26,6 +26,7 @@ def load_file(
     *,
     verify: bool = True,
     allow_pickle: bool = False,
+    checksums: Mapping[str, int] | None = None,
 ) -> tuple[Any, fmt.Header]:
     path = os.fspath(path)
     header = fmt.read_header(path)
@@ -37,7 +38,10 @@ def load_file(
 
     data_len = header.file_size - header.data_start
     begins = [e.begin for e in header.tensors]
-    verify = verify and fmt.KEY_CRC in header.metadata
+    expected = dict(checksums) if checksums is not None else header.checksums()
+    if expected is not None and set(expected) != {e.name for e in header.tensors}:
+        raise ChecksumError(f"{path}: the checksums given do not name the file's tensors")
+    verify = verify and expected is not None
     if device.type == "cpu":
         raws, sums = core.restore_host(
             path, header.data_start, data_len, begins, [e.end for e in header.tensors], verify
@@ -54,7 +58,6 @@ def load_file(
         sums = core.restore_device(path, header.data_start, data_len, begins, dests, verify)
 
     if verify:
-        expected = header.checksums()
         for e, got in zip(header.tensors, sums):
             if got != expected[e.name]:
                 raise ChecksumError(

@@ -8,6 +8,7 @@ import safetensors
 import safetensors.torch
 import torch
 
+from nanotron_datastates import ChecksumError, _core
 from nanotron_datastates import format as fmt
 
 from helpers import random_tensor, same
@@ -156,3 +157,25 @@ def test_cpu_loads_are_separate_storages_that_torch_accepts_everywhere(engine, t
     assert same(back["b"], state["b"])
     del back["w"], back["b"]  # the shared buffer lives on with the remaining tensor
     assert same(back["rng"], state["rng"])
+
+
+def test_exact_metadata_for_strict_readers_with_checksums_kept_outside(engine, tmp_path):
+    # Nanotron parses a weight file's metadata strictly: nothing but its own keys may be there.
+    md = {"version": "1.4", "unsharded_shape": "(8, 4)", "local_global_slices_pairs": "x"}
+    w = torch.randn(4, 4)
+    h = engine.save({"data": w}, tmp_path / "w.safetensors", metadata=md, exact_metadata=True)
+    sums = h.checksums()
+    with safetensors.safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
+        assert f.metadata() == md and same(f.get_tensor("data"), w)
+    assert set(sums) == {"data"} and sums["data"] == _core.crc32c(w.numpy().tobytes())
+    assert same(engine.load(tmp_path / "w.safetensors", checksums=sums)["data"], w)
+    with pytest.raises(ChecksumError, match="'data'"):
+        engine.load(tmp_path / "w.safetensors", checksums={"data": sums["data"] ^ 1})
+    with pytest.raises(TypeError, match="flat dict"):
+        engine.save({"a": {"b": w}}, tmp_path / "x.safetensors", exact_metadata=True)
+
+
+def test_checksums_of_a_normal_save_match_the_header(engine, tmp_path):
+    state = {"a": torch.randn(3000), "b": torch.arange(10)}
+    h = engine.save(state, tmp_path / "n.safetensors")
+    assert h.checksums() == fmt.read_header(tmp_path / "n.safetensors").checksums()
