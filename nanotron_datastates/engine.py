@@ -23,7 +23,7 @@ from . import _core
 from . import format as fmt
 from .config import DataStatesConfig
 from .plan import plan_save
-from .restore import load_file
+from .restore import load_file, load_into_tensors
 
 log = logging.getLogger("nanotron_datastates")
 _warned: set[str] = set()
@@ -245,6 +245,21 @@ class DataStatesEngine:
             self._core, path, device, verify=verify, allow_pickle=allow_pickle, checksums=checksums
         )
         return state
+
+    def load_into(
+        self,
+        path: str | os.PathLike,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        verify: bool | None = None,
+        checksums: Mapping[str, int] | None = None,
+    ) -> None:
+        """Reads the named tensors of a file into existing ones (same dtype and shape, contiguous): CUDA
+        destinations are filled straight from the pinned cache, without a second allocation."""
+        if self._closed:
+            raise ValueError("the engine is closed; create a new DataStatesEngine")
+        verify = self.config.verify_checksums if verify is None else verify
+        load_into_tensors(self._core, path, tensors, verify=verify, checksums=checksums)
 
     def read_metadata(self, path: str | os.PathLike) -> dict[str, str]:
         """The file's ``__metadata__`` without the engine's own keys (no tensor is read)."""

@@ -1,10 +1,11 @@
 """Load: read -> parse -> scatter.
 
 The header is read and validated here (it is small). The core then reads the data section in parallel with
-large O_DIRECT requests: for the CPU, into one new page-aligned buffer, each tensor a separate storage over
-its slice (the buffer is freed with the last of them); for a GPU, through pinned cache chunks into
-tensors allocated there. It returns one CRC-32C per tensor, checked against the header. The skeleton then
-puts the tensors back into the saved structure.
+large requests: for the CPU, into a private mapping of the file (each tensor a separate storage over its
+bytes; the mapping goes with the last of them); for a GPU, with O_DIRECT through pinned cache chunks into
+tensors allocated there, or into the caller's own tensors (`load_into`). It returns one CRC-32C per tensor,
+checked against the header or against checksums kept elsewhere. The skeleton then puts the tensors back into
+the saved structure.
 """
 
 from __future__ import annotations
@@ -28,51 +29,115 @@ def load_file(
     allow_pickle: bool = False,
     checksums: Mapping[str, int] | None = None,
 ) -> tuple[Any, fmt.Header]:
+    """The saved structure (a flat dict for plain safetensors files) and the file's header."""
     path = os.fspath(path)
     header = fmt.read_header(path)
+    device = _device(device, path)
+    if device.type == "cpu":
+        tensors = _read_to_host(core, path, header, verify, checksums)
+    else:
+        tensors = {e.name: torch.empty(e.shape, dtype=e.dtype.torch, device=device) for e in header.tensors}
+        _read_to_device(core, path, header, tensors, verify, checksums)
+    skel = header.metadata.get(fmt.KEY_SKELETON)
+    if skel is None:
+        return tensors, header
+    return skeleton.decode(skel, tensors, allow_pickle=allow_pickle, path=path), header
+
+
+def load_into_tensors(
+    core: Any,
+    path: str | os.PathLike,
+    targets: Mapping[str, torch.Tensor],
+    *,
+    verify: bool = True,
+    checksums: Mapping[str, int] | None = None,
+) -> None:
+    """Fills `targets` (tensor name in the file -> destination of the same dtype and shape)."""
+    path = os.fspath(path)
+    header = fmt.read_header(path)
+    by_name = {e.name: e for e in header.tensors}
+    for name, t in targets.items():
+        e = by_name.get(name)
+        if e is None:
+            raise KeyError(f"{path} holds no tensor {name!r}")
+        if t.dtype != e.dtype.torch or tuple(t.shape) != e.shape or not t.is_contiguous():
+            raise ValueError(
+                f"{path}: tensor {name!r} is {e.dtype.name}{list(e.shape)}; the destination is "
+                f"{t.dtype}{list(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}"
+            )
+    if targets and all(t.device.type == "cuda" for t in targets.values()):
+        _read_to_device(core, path, header, targets, verify, checksums)
+        return
+    loaded = _read_to_host(core, path, header, verify, checksums)
+    with torch.no_grad():
+        for name, t in targets.items():
+            t.copy_(loaded[name])
+
+
+def _device(device: str | torch.device, path: str) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"cannot load {path} to {device}: CPU and CUDA only")
+    return device
 
-    data_len = header.file_size - header.data_start
-    begins = [e.begin for e in header.tensors]
+
+def _expected(path: str, header: fmt.Header, checksums: Mapping[str, int] | None) -> dict[str, int] | None:
     expected = dict(checksums) if checksums is not None else header.checksums()
     if expected is not None and set(expected) != {e.name for e in header.tensors}:
         raise ChecksumError(f"{path}: the checksums given do not name the file's tensors")
-    verify = verify and expected is not None
-    if device.type == "cpu":
-        raws, sums = core.restore_host(
-            path, header.data_start, data_len, begins, [e.end for e in header.tensors], verify
-        )
-        tensors = {
-            e.name: _typed(raw, header.data_start + e.begin, e) for e, raw in zip(header.tensors, raws)
-        }
-    else:
-        tensors = {e.name: torch.empty(e.shape, dtype=e.dtype.torch, device=device) for e in header.tensors}
+    return expected
+
+
+def _verify(path: str, entries: list[fmt.TensorEntry], expected: Mapping[str, int], sums: list[int]) -> None:
+    for e, got in zip(entries, sums):
+        if got != expected[e.name]:
+            raise ChecksumError(
+                f"{path}: tensor {e.name!r} fails its checksum (stored {expected[e.name]:08x}, read "
+                f"{got:08x}); the file is corrupt"
+            )
+
+
+def _read_to_host(
+    core: Any, path: str, header: fmt.Header, verify: bool, checksums: Mapping[str, int] | None
+) -> dict[str, torch.Tensor]:
+    expected = _expected(path, header, checksums) if verify else None
+    data_len = header.file_size - header.data_start
+    begins, ends = [e.begin for e in header.tensors], [e.end for e in header.tensors]
+    raws, sums = core.restore_host(path, header.data_start, data_len, begins, ends, expected is not None)
+    if expected is not None:
+        _verify(path, list(header.tensors), expected, sums)
+    return {e.name: _typed(raw, header.data_start + e.begin, e) for e, raw in zip(header.tensors, raws)}
+
+
+def _read_to_device(
+    core: Any,
+    path: str,
+    header: fmt.Header,
+    targets: Mapping[str, torch.Tensor],
+    verify: bool,
+    checksums: Mapping[str, int] | None,
+) -> None:
+    expected = _expected(path, header, checksums) if verify else None
+    entries = [e for e in header.tensors if e.name in targets and e.nbytes]
+    dests = [targets[e.name].reshape(-1).view(torch.uint8) for e in entries]
+    for d in {t.device for t in dests}:
         # The core copies on its own stream: memory just handed out by the caching allocator may still be in
         # use by work queued on the current stream.
-        torch.cuda.current_stream(device).synchronize()
-        dests = [t.reshape(-1).view(torch.uint8) for t in tensors.values()]
-        sums = core.restore_device(path, header.data_start, data_len, begins, dests, verify)
-
-    if verify:
-        for e, got in zip(header.tensors, sums):
-            if got != expected[e.name]:
-                raise ChecksumError(
-                    f"{path}: tensor {e.name!r} fails its checksum (stored {expected[e.name]:08x}, read "
-                    f"{got:08x}); the file is corrupt"
-                )
-
-    skel = header.metadata.get(fmt.KEY_SKELETON)
-    if skel is None:  # a plain safetensors file: a flat dict, in file order
-        return tensors, header
-    return skeleton.decode(skel, tensors, allow_pickle=allow_pickle, path=path), header
+        torch.cuda.current_stream(d).synchronize()
+    data_len = header.file_size - header.data_start
+    sums = core.restore_device(
+        path, header.data_start, data_len, [e.begin for e in entries], dests, expected is not None
+    )
+    if expected is not None:
+        _verify(path, entries, expected, sums)
+        zero = [e for e in header.tensors if e.name in targets and not e.nbytes]
+        _verify(path, zero, expected, [0] * len(zero))
 
 
 def _typed(raw: torch.Tensor, file_offset: int, e: fmt.TensorEntry) -> torch.Tensor:
-    """The tensor over its bytes in the restore buffer, or a copy where they are not naturally aligned (never
+    """The tensor over its bytes in the file mapping, or a copy where they are not naturally aligned (never
     for files written by the engine or by safetensors: only when the file offset is misaligned)."""
     if file_offset % e.dtype.itemsize == 0:
         return raw.view(e.dtype.torch).view(e.shape)

@@ -66,3 +66,12 @@ def test_mixed_cpu_and_cuda_state(gpu_engine, tmp_path):
     gpu_engine.save(state, tmp_path / "m.safetensors").wait_persisted()
     back = gpu_engine.load(tmp_path / "m.safetensors")
     assert same(back["gpu"], state["gpu"]) and same(back["cpu"], state["cpu"]) and back["step"] == 3
+
+
+def test_load_into_cuda_tensors_in_place(gpu_engine, tmp_path):
+    state = {"w": torch.randn(1000, 300), "e": torch.zeros(0)}
+    gpu_engine.save(state, tmp_path / "i.safetensors").wait_persisted()
+    dest = {"w": torch.empty(1000, 300, device="cuda"), "e": torch.empty(0, device="cuda")}
+    ptr = dest["w"].data_ptr()
+    gpu_engine.load_into(tmp_path / "i.safetensors", dest)
+    assert dest["w"].data_ptr() == ptr and same(dest["w"], state["w"])

@@ -179,3 +179,15 @@ def test_checksums_of_a_normal_save_match_the_header(engine, tmp_path):
     state = {"a": torch.randn(3000), "b": torch.arange(10)}
     h = engine.save(state, tmp_path / "n.safetensors")
     assert h.checksums() == fmt.read_header(tmp_path / "n.safetensors").checksums()
+
+
+def test_load_into_existing_tensors(engine, tmp_path):
+    state = {"w": torch.randn(100, 7), "b": torch.arange(5, dtype=torch.int32)}
+    engine.save(state, tmp_path / "i.safetensors").wait_persisted()
+    dest = {"w": torch.empty(100, 7)}
+    engine.load_into(tmp_path / "i.safetensors", dest)
+    assert same(dest["w"], state["w"])
+    with pytest.raises(ValueError, match=r"'b' is I32\[5\]; the destination is torch.float32\[5\]"):
+        engine.load_into(tmp_path / "i.safetensors", {"b": torch.empty(5)})
+    with pytest.raises(KeyError, match="'zz'"):
+        engine.load_into(tmp_path / "i.safetensors", {"zz": torch.empty(1)})

@@ -1,0 +1,110 @@
+"""`checkpointing_engine: datastates` and the `datastates:` section in Nanotron's YAML.
+
+Nanotron builds its Config with dacite in strict mode, so unknown keys are errors. :func:`register`
+therefore swaps in subclasses of Nanotron's own `Config` and `CheckpointsArgs` that add our keys, everywhere
+Nanotron looks them up (the `nanotron.config` namespaces, the default arguments of `get_config_from_file`
+and of `DistributedTrainer`). After parsing, `config.checkpoints.checkpointing_engine` is "torch" (Nanotron's
+own behaviour, the default) or "datastates", and `config.datastates` is a validated DataStatesConfig.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Optional
+
+from ..config import DataStatesConfig
+from . import compat
+
+ENGINES = ("torch", "datastates")
+
+
+def _check_engine(value: Any, key: str) -> None:
+    if value not in ENGINES:
+        raise ValueError(f"{key}={value!r} is invalid: expected one of {', '.join(ENGINES)}")
+
+
+def make_classes(ncc: Any) -> tuple[type, type]:
+    """Our Config and CheckpointsArgs, derived from those of the Nanotron config module `ncc`."""
+
+    @dataclasses.dataclass
+    class CheckpointsArgs(ncc.CheckpointsArgs):
+        checkpointing_engine: Optional[str] = "torch"
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.checkpointing_engine is None:
+                self.checkpointing_engine = "torch"
+            _check_engine(self.checkpointing_engine, "checkpoints.checkpointing_engine")
+
+    @dataclasses.dataclass
+    class Config(ncc.Config):
+        checkpoints: Optional[CheckpointsArgs] = None
+        # DataStates' own Nanotron docs put the key at the top level; it is moved into `checkpoints`.
+        checkpointing_engine: Optional[str] = None
+        # Parsed by DataStatesConfig.from_dict, not by dacite: its messages name the key, and YAML ints are
+        # accepted where floats are expected. Holds a DataStatesConfig after __post_init__.
+        datastates: Optional[dict] = None
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.checkpointing_engine is not None:
+                _check_engine(self.checkpointing_engine, "checkpointing_engine")
+                if self.checkpoints is None:
+                    raise ValueError("checkpointing_engine is set but the config has no checkpoints section")
+                inner = self.checkpoints.checkpointing_engine
+                if inner not in (None, "torch") and inner != self.checkpointing_engine:
+                    raise ValueError(
+                        f"checkpointing_engine={self.checkpointing_engine!r} contradicts "
+                        f"checkpoints.checkpointing_engine={inner!r}"
+                    )
+                self.checkpoints.checkpointing_engine = self.checkpointing_engine
+                self.checkpointing_engine = None
+            if not isinstance(self.datastates, DataStatesConfig):
+                self.datastates = DataStatesConfig.from_dict(self.datastates or {})
+
+        @property
+        def uses_datastates(self) -> bool:
+            return self.checkpoints is not None and self.checkpoints.checkpointing_engine == "datastates"
+
+    Config.__module__ = CheckpointsArgs.__module__ = ncc.__name__
+    Config.__qualname__ = Config.__name__ = "Config"
+    CheckpointsArgs.__qualname__ = CheckpointsArgs.__name__ = "CheckpointsArgs"
+    Config.__datastates__ = True
+    return Config, CheckpointsArgs
+
+
+def _swap_default(fn: Any, old: type, new: type) -> None:
+    if fn.__defaults__:
+        fn.__defaults__ = tuple(new if d is old else d for d in fn.__defaults__)
+
+
+def register() -> type:
+    """Makes Nanotron's config parsing understand our keys. Idempotent; returns the Config class in use."""
+    ncc = compat.load("nanotron.config.config")
+    if getattr(ncc.Config, "__datastates__", False):
+        return ncc.Config
+    old_config = ncc.Config
+    config, ckpt = make_classes(ncc)
+    for name in ("nanotron.config.config", "nanotron.config"):
+        mod = sys.modules.get(name)
+        if mod is not None:
+            mod.Config, mod.CheckpointsArgs = config, ckpt
+    _swap_default(ncc.get_config_from_file, old_config, config)
+    _swap_default(ncc.get_config_from_dict, old_config, config)
+    trainer = sys.modules.get("nanotron.trainer")
+    if trainer is not None:
+        patch_trainer_module(trainer, old_config, config)
+    return config
+
+
+def patch_trainer_module(trainer: Any, old: type | None = None, new: type | None = None) -> None:
+    """Points nanotron.trainer at our Config (its name and DistributedTrainer's default argument)."""
+    import nanotron.config.config as ncc
+
+    new = new or ncc.Config
+    old = old or getattr(trainer, "Config", None)
+    if old is None or old is new:
+        return
+    trainer.Config = new
+    _swap_default(trainer.DistributedTrainer.__init__, old, new)

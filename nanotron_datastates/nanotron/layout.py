@@ -1,0 +1,93 @@
+"""Where each piece of a Nanotron checkpoint goes, and the manifest that marks a datastates checkpoint.
+
+The folder is Nanotron's: `model/` holds its own file names, tensor key ("data") and tensor metadata, so that
+Nanotron's `load_weights` and its scripts read it unchanged. Optimizer, LR scheduler and random states, which
+Nanotron writes with pickle (`.pt`), are written by the engine as safetensors under the same names with
+`.safetensors`. `checkpoint_metadata.json`, `config.yaml` and `model_config.json` are Nanotron's.
+
+`datastates.json`, written by rank 0 once every rank's files are persisted and before `latest.txt` names the
+checkpoint, lists each file with its size and per-tensor CRC-32C. A checkpoint folder without it is either
+Nanotron's own or incomplete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "datastates.json"
+MANIFEST_FORMAT = "nanotron-datastates"
+MANIFEST_VERSION = 1
+LATEST = "latest.txt"
+
+
+def is_datastates_checkpoint(folder: str | os.PathLike) -> bool:
+    return (Path(folder) / MANIFEST).is_file()
+
+
+def as_safetensors(pt_name: str) -> str:
+    """Nanotron's pickle file name for optimizer and scheduler shards, as our safetensors file name."""
+    return pt_name[: -len(".pt")] + ".safetensors" if pt_name.endswith(".pt") else pt_name + ".safetensors"
+
+
+def random_states_name(tp: tuple[int, int], dp: tuple[int, int], pp: tuple[int, int]) -> str:
+    """Nanotron's `random/` file name (rank, size per dimension), as safetensors."""
+    return f"tp-{tp[0]}-of-{tp[1]}_dp-{dp[0]}-of-{dp[1]}_pp-{pp[0]}-of-{pp[1]}.safetensors"
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
+    """Temporary file in the same folder, fsync, rename, fsync of the folder: readers see all or nothing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = data.encode() if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def manifest(step: int, topology: dict[str, int], files: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "step": step,
+        "topology": topology,
+        "files": dict(sorted(files.items())),
+    }
+
+
+def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
+    path = Path(folder) / MANIFEST
+    with open(path) as f:
+        doc = json.load(f)
+    if doc.get("format") != MANIFEST_FORMAT or not isinstance(doc.get("files"), dict):
+        raise ValueError(f"{path} is not a nanotron-datastates manifest")
+    if doc.get("version", 0) > MANIFEST_VERSION:
+        raise ValueError(f"{path} was written by a newer nanotron-datastates (version {doc['version']})")
+    return doc
+
+
+def file_checksums(
+    doc: dict[str, Any], folder: str | os.PathLike, path: str | os.PathLike
+) -> dict[str, int] | None:
+    """The checksums the manifest holds for `path` (a file of the checkpoint in `folder`), if any."""
+    entry = doc["files"].get(os.path.relpath(path, folder))
+    if not entry or "crc32c" not in entry:
+        return None
+    return {name: int(v, 16) for name, v in entry["crc32c"].items()}

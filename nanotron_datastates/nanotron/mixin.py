@@ -1,0 +1,341 @@
+"""DataStatesTrainerMixin: Nanotron's DistributedTrainer, checkpointing through the DataStates engine.
+
+With `checkpointing_engine: datastates`:
+
+* `save_checkpoint` queues every file of this rank (weights with Nanotron's names and metadata; optimizer with
+  its fp32 master weights, LR scheduler and random states as safetensors) and returns as soon as the copies
+  are queued; the forward and backward passes of the next step run while they proceed;
+* the optimizer's `step` waits for the snapshot of the previous checkpoint (every tensor captured), and
+  nothing else waits;
+* a background committer waits for persistence and lets rank 0 write the checkpoint's metadata, its manifest
+  and `latest.txt` once every rank's files are durable (see commit.py); post-save hooks (S3 upload) then run,
+  at the next checkpoint or at the end of training, which drains everything;
+* at most MAX_IN_FLIGHT checkpoints are in flight: a new one first waits for the oldest (backpressure).
+
+Resuming from a checkpoint that has a manifest reads it with the engine (weights straight into the
+parameters, in parallel), whatever `checkpointing_engine` says; any other checkpoint is left to Nanotron.
+With `checkpointing_engine: torch` and such a checkpoint, the trainer is Nanotron's, unchanged.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import fasteners
+import torch
+import torch.distributed as tdist
+import yaml
+from nanotron import distributed as dist
+from nanotron import logging
+from nanotron.config.utils_config import serialize
+from nanotron.constants import CHECKPOINT_FILE_NAME, CHECKPOINT_VERSION, MODEL_CONFIG_FILE_NAME
+from nanotron.logging import log_rank
+from nanotron.s3_checkpoints import check_path_is_local
+from nanotron.serialize.metadata import CheckpointMetadata, load_meta, process_type
+
+from ..config import DataStatesConfig
+from ..engine import DataStatesEngine
+from . import layout, shards, states
+from .commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
+
+logger = logging.get_logger(__name__)
+
+MAX_IN_FLIGHT = 2  # checkpoints being flushed at once; a third waits for the oldest
+
+
+class DataStatesTrainerMixin:
+    """Mix in before Nanotron's trainer: ``class T(DataStatesTrainerMixin, DistributedTrainer)``."""
+
+    # -- construction and resume ----------------------------------------------------------------------------
+
+    def pre_init(self) -> None:
+        super().pre_init()  # Nanotron resolves the checkpoint to resume from
+        self._ds_engine: DataStatesEngine | None = None
+        self._ds_committer: Committer | None = None
+        self._ds_submitted: list[PendingCheckpoint] = []  # snapshot not yet awaited
+        self._ds_outstanding = 0
+        path = self.init_checkpoint_path
+        self._ds_resume = (
+            Path(path)
+            if path is not None and check_path_is_local(path) and layout.is_datastates_checkpoint(path)
+            else None
+        )
+        if self._ds_resume is not None:
+            self._ds_manifest = layout.read_manifest(self._ds_resume)
+            ck = self.config.checkpoints
+            # Nanotron's loaders read pickles: ours run once Nanotron has built the optimizer and scheduler.
+            self._ds_load_flags = (ck.load_optimizer, ck.load_lr_scheduler)
+            ck.load_optimizer = ck.load_lr_scheduler = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self._ds_resume is not None:
+            t0 = time.perf_counter()
+            self._ds_restore_rest()
+            elapsed = time.perf_counter() - t0
+            self._ds_log(f"resumed optimizer, scheduler, metadata and random states in {elapsed:.2f} s")
+        if self._ds_active:
+            self._ds_start()
+        elif self._ds_engine is not None:  # used only to resume
+            self._ds_engine.close()
+            self._ds_engine = None
+
+    @property
+    def _ds_active(self) -> bool:
+        return bool(getattr(self.config, "uses_datastates", False))
+
+    def _ds_get_engine(self) -> DataStatesEngine:
+        if self._ds_engine is None:
+            cfg = getattr(self.config, "datastates", None)
+            self._ds_engine = DataStatesEngine(
+                cfg if isinstance(cfg, DataStatesConfig) else DataStatesConfig()
+            )
+        return self._ds_engine
+
+    def _load_model_checkpoint(self, model: Any) -> Any:
+        if self._ds_resume is None:
+            return super()._load_model_checkpoint(model)
+        unwrapped = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        t0 = time.perf_counter()
+        sources = shards.weight_sources(unwrapped, self.parallel_context, self._ds_resume)
+        if sources is None:  # another topology: Nanotron merges and reshards (the files are its own format)
+            from nanotron.serialize import load_weights
+
+            self.param_shard_metadata = load_weights(unwrapped, self.parallel_context, self._ds_resume)
+            self._ds_log("topology changed: weights loaded by Nanotron's load_weights")
+            return model
+        engine = self._ds_get_engine()
+
+        def read(source: tuple[str, torch.Tensor, Path]) -> None:
+            _, tensor, path = source
+            sums = layout.file_checksums(self._ds_manifest, self._ds_resume, path)
+            with torch.no_grad():
+                engine.load_into(path, {"data": tensor}, checksums=sums)
+
+        workers = max(1, engine.config.parser_threads)
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="datastates-load") as pool:
+            list(pool.map(read, sources))
+        self.param_shard_metadata = {name: {} for name, _, _ in sources}
+        self._ds_log(f"loaded {len(sources)} weight files in {time.perf_counter() - t0:.2f} s")
+        return model
+
+    def _ds_restore_rest(self) -> None:
+        root, pc, engine = self._ds_resume, self.parallel_context, self._ds_get_engine()
+        load_optimizer, load_lr_scheduler = self._ds_load_flags
+        topo = self._ds_manifest.get("topology", {})
+        here = self._ds_topology()
+        if load_optimizer or load_lr_scheduler:
+            changed = {k: (topo.get(k), v) for k, v in here.items() if topo.get(k) != v}
+            if changed:
+                raise NotImplementedError(
+                    f"{root} was written with another parallel layout ({changed}); datastates optimizer "
+                    "and scheduler shards resume on the same layout only. Convert the checkpoint to "
+                    "Nanotron's own format (nanotron-datastates convert --to torch) or set load_optimizer "
+                    "and load_lr_scheduler to false"
+                )
+        if load_optimizer:
+            path = shards.optimizer_path(self.optimizer, pc, root, writing=False)
+            # On the CPU, as Nanotron's loader does: its first step moves the states to the GPU.
+            self.optimizer.load_state_dict(engine.load(path, "cpu"), map_location="cpu")
+        if load_lr_scheduler:
+            path = shards.lr_scheduler_path(self.config.optimizer.zero_stage, pc, root, writing=False)
+            self.lr_scheduler.load_state_dict(engine.load(path))
+            self.lr_scheduler._initial_step()  # as Nanotron's loader: sets the initial learning rate
+            self.metadata = load_meta(parallel_context=pc, root_folder=root).metas
+            if self.config.tokens.train_steps <= self.metadata.last_train_step:
+                raise ValueError(
+                    f"the checkpoint has already trained {self.metadata.last_train_step} steps; set "
+                    "tokens.train_steps higher"
+                )
+            self.iteration_step = self.metadata.last_train_step
+        path = shards.random_states_path(pc, root)
+        if path.exists():
+            saved = engine.load(path)
+            for key, value in saved["nanotron"].items():
+                self.random_states[key] = states.random_state_from_plain(
+                    value
+                )  # in place: the model holds them
+            states.set_global_rng_state(saved["global"])
+        ck = self.config.checkpoints
+        ck.load_optimizer, ck.load_lr_scheduler = self._ds_load_flags
+
+    def _ds_topology(self) -> dict[str, int]:
+        pc = self.parallel_context
+        return {
+            "tp": pc.tp_pg.size(),
+            "pp": pc.pp_pg.size(),
+            "dp": pc.dp_pg.size(),
+            "expert": pc.expert_parallel_size,
+            "zero_stage": int(self.config.optimizer.zero_stage),
+        }
+
+    # -- saving ---------------------------------------------------------------------------------------------
+
+    def _ds_start(self) -> None:
+        engine = self._ds_get_engine()
+        # A gloo group of its own: the committer's collectives run on a background thread, off the GPU.
+        group = tdist.new_group(backend="gloo") if tdist.is_initialized() else None
+        self._ds_committer = Committer(group, on_result=self._ds_report)
+        original_step = self.optimizer.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            self._ds_wait_snapshots()
+            return original_step(*args, **kwargs)
+
+        self.optimizer.step = step
+        atexit.register(self._ds_close)
+        self._ds_log(
+            f"checkpointing with the datastates engine: {engine.config.host_cache_size} GiB host cache "
+            f"({'pinned' if engine.pinned else 'not pinned'}), io {engine.io_backend}"
+        )
+
+    def save_checkpoint(self) -> Path:
+        if not self._ds_active:
+            return super().save_checkpoint()
+        t0 = time.perf_counter()
+        # Backpressure, identical on every rank: the oldest checkpoint in flight must be done first.
+        self._ds_take(self._ds_outstanding - (MAX_IN_FLIGHT - 1))
+        self.pre_save_checkpoint()
+        step = self.iteration_step
+        folder = Path(self.config.checkpoints.checkpoints_path) / str(step)
+        self.config.general.step = self.metadata.last_train_step
+        self.config.general.consumed_train_samples = self.metadata.consumed_train_samples
+        pc, engine = self.parallel_context, self._ds_engine
+        log_rank(f"Saving checkpoint at {folder} (datastates)", logger=logger, level=logging.INFO, rank=0)
+
+        handles = []
+        for path, tensor, metadata in shards.weight_shards(self.unwrapped_model, pc, folder):
+            handles.append(engine.save({"data": tensor}, path, metadata=metadata, exact_metadata=True))
+        path = shards.optimizer_path(self.optimizer, pc, folder, writing=True)
+        if path is not None:
+            handles.append(engine.save(self.optimizer.state_dict(), path))
+        path = shards.lr_scheduler_path(self.config.optimizer.zero_stage, pc, folder, writing=True)
+        if path is not None:
+            handles.append(engine.save(self.lr_scheduler.state_dict(), path))
+        random_state = {
+            "nanotron": {k: states.random_state_to_plain(v) for k, v in self.random_states.items()},
+            "global": states.global_rng_state(),
+        }
+        handles.append(engine.save(random_state, shards.random_states_path(pc, folder)))
+
+        finalize = self._ds_finalizer(folder, step) if dist.get_rank(pc.world_pg) == 0 else None
+        pending = PendingCheckpoint(step, folder, handles, finalize)
+        self._ds_submitted.append(pending)
+        self._ds_outstanding += 1
+        self._ds_committer.submit(pending)
+        pending.stall_s += time.perf_counter() - t0
+        return folder
+
+    def _ds_wait_snapshots(self) -> None:
+        """Before the optimizer mutates anything: every tensor of the checkpoints just queued is captured."""
+        if not self._ds_submitted:
+            return
+        t0 = time.perf_counter()
+        for pending in self._ds_submitted:
+            for h in pending.handles:
+                # A failed save no longer reads its tensors either; the committer reports the failure.
+                with contextlib.suppress(Exception):
+                    h.wait_snapshot()
+        self._ds_submitted[-1].stall_s += time.perf_counter() - t0
+        self._ds_submitted.clear()
+
+    def _ds_finalizer(self, folder: Path, step: int) -> Any:
+        """Rank 0's commit, with every text captured now (training moves on while the files are flushed)."""
+        pc = self.parallel_context
+        meta = CheckpointMetadata(
+            version=CHECKPOINT_VERSION,
+            tp=pc.tp_pg.size(),
+            dp=pc.dp_pg.size(),
+            metas=dataclasses.replace(self.metadata),
+        )
+        meta_text = json.dumps(
+            process_type(dataclasses.asdict(meta), type_hooks={type(CHECKPOINT_VERSION): str}),
+            indent=2,
+            sort_keys=True,
+        )
+        config_text = yaml.dump(serialize(self.config))
+        if hasattr(self.model_config, "to_json_string"):
+            model_config_text = self.model_config.to_json_string()
+        else:
+            model_config_text = json.dumps(dataclasses.asdict(self.model_config))
+        optimizer_text = json.dumps(shards.optimizer_config(self.optimizer, pc))
+        topology = self._ds_topology()
+        checkpoints = Path(self.config.checkpoints.checkpoints_path)
+
+        def finalize(files: dict[str, Any]) -> None:
+            layout.write_atomic(folder / "config.yaml", config_text)
+            layout.write_atomic(folder / MODEL_CONFIG_FILE_NAME, model_config_text)
+            layout.write_atomic(folder / "optimizer" / "optimizer_config.json", optimizer_text)
+            layout.write_atomic(folder / CHECKPOINT_FILE_NAME, meta_text)
+            layout.write_atomic(
+                folder / layout.MANIFEST, json.dumps(layout.manifest(step, topology, files), indent=1)
+            )
+            # Several jobs (or a pruning tool) may share the folder: latest.txt only moves under the lock.
+            with fasteners.InterProcessLock(str(checkpoints / ".datastates.lock")):
+                layout.write_atomic(checkpoints / layout.LATEST, str(step))
+
+        return finalize
+
+    # -- synchronization points -----------------------------------------------------------------------------
+
+    def _ds_take(self, count: int) -> None:
+        """Waits for the outcome of the `count` oldest checkpoints in flight (the same ones on every rank),
+        runs the post-save hooks of those committed, and raises CheckpointError for one that failed."""
+        if count <= 0 or self._ds_committer is None:
+            return
+        results = self._ds_committer.take(count)
+        self._ds_outstanding -= len(results)
+        failed = [r for r in results if not r.committed]
+        for r in results:
+            if r.committed:
+                self.post_save_checkpoint()
+        if failed:
+            r = failed[0]
+            raise CheckpointError(
+                f"checkpoint {r.step} at {r.folder} was not committed (latest.txt still names the previous "
+                "one): " + "; ".join(r.errors)
+            )
+
+    def post_training(self) -> None:
+        if self._ds_active and self._ds_committer is not None:
+            t0 = time.perf_counter()
+            self._ds_take(self._ds_outstanding)
+            self._ds_log(f"all checkpoints committed ({time.perf_counter() - t0:.2f} s waiting at the end)")
+            self._ds_close()
+        super().post_training()
+
+    def _ds_close(self) -> None:
+        if self._ds_committer is not None:
+            self._ds_committer.take(self._ds_outstanding)
+            self._ds_outstanding = 0
+            self._ds_committer.close()
+            self._ds_committer = None
+        if self._ds_engine is not None:
+            self._ds_engine.close()
+            self._ds_engine = None
+
+    def _ds_report(self, r: CommitResult) -> None:
+        if r.committed:
+            msg = (
+                f"[datastates] checkpoint {r.step}: {r.bytes / 1e9:.2f} GB in {r.files} files, training "
+                f"stall {1e3 * r.stall_s:.1f} ms, snapshot {1e3 * r.snapshot_s:.1f} ms, persisted "
+                f"{r.persisted_s:.2f} s, committed {r.committed_s:.2f} s ({r.gbps:.2f} GB/s)"
+            )
+            log_rank(msg, logger=logger, level=logging.INFO, rank=0)
+        else:
+            log_rank(
+                f"[datastates] checkpoint {r.step} NOT committed: {'; '.join(r.errors)}",
+                logger=logger,
+                level=logging.ERROR,
+                rank=0,
+            )
+
+    def _ds_log(self, msg: str) -> None:
+        log_rank(f"[datastates] {msg}", logger=logger, level=logging.INFO, rank=0)

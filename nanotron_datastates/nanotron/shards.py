@@ -1,0 +1,162 @@
+"""This rank's share of a Nanotron checkpoint: which files it writes and reads, under Nanotron's rules.
+
+`weight_shards` mirrors `nanotron.serialize.weights.save_weights` (DP rank 0 only; one rank per tied group;
+experts; sharded parameters carry Nanotron's TensorMetadata), and `weight_sources` mirrors `load_weights` for
+the same topology. ZeRO-1 optimizer and scheduler shards are written by every DP rank, otherwise by DP rank 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from nanotron import distributed as dist
+from nanotron import optim
+from nanotron.constants import CHECKPOINT_VERSION
+from nanotron.distributed import get_global_rank
+from nanotron.parallel.parameters import NanotronParameter
+from nanotron.serialize.metadata import TensorMetadata
+from nanotron.serialize.optimizer import lr_scheduler_filename, optimizer_filename
+from nanotron.serialize.utils import ObjectType, get_exp_tp_pp_rank_and_size_from, get_path
+
+from .layout import as_safetensors, random_states_name
+
+
+def _prefixes(model: torch.nn.Module) -> dict[int, str]:
+    prefixes = {id(module): f"{name}." for name, module in model.named_modules()}
+    prefixes[id(model)] = ""
+    return prefixes
+
+
+def _param(model: torch.nn.Module, name: str) -> NanotronParameter:
+    try:
+        param = model.get_parameter(name)
+    except AttributeError:
+        param = None
+    if not isinstance(param, NanotronParameter):
+        raise NotImplementedError(f"{name}: Nanotron checkpoints hold NanotronParameters only")
+    return param
+
+
+def weight_shards(
+    model: torch.nn.Module, pc: Any, root: Path
+) -> list[tuple[Path, torch.Tensor, dict[str, str]]]:
+    """(file, tensor, Nanotron's tensor metadata) for every weight file this rank writes."""
+    if dist.get_rank(pc.dp_pg) != 0:
+        return []
+    prefixes = _prefixes(model)
+    out = []
+    for name, tensor in model.state_dict().items():
+        if dist.get_rank(pc.expert_pg) != 0 and "experts" not in name:
+            continue
+        param = _param(model, name)
+        base_name = name
+        if param.is_tied:
+            tied = param.get_tied_info()
+            base_name = tied.get_full_name_from_module_id_to_prefix(module_id_to_prefix=prefixes)
+            if dist.get_rank(pc.world_ranks_to_pg[tied.global_ranks]) != 0:
+                continue  # one rank of a tied group writes it
+        metadata: dict[str, str] = {}
+        ranks, expert_sharded = None, False
+        if param.is_sharded:
+            info = param.get_sharded_info()
+            group = pc.world_ranks_to_pg[info.global_ranks]
+            ranks = get_exp_tp_pp_rank_and_size_from(
+                world_rank=get_global_rank(group=group, group_rank=dist.get_rank(group)), parallel_context=pc
+            )
+            expert_sharded = info.is_expert_sharded(pc)
+            metadata = TensorMetadata(
+                version=CHECKPOINT_VERSION,
+                local_global_slices_pairs=info.local_global_slices_pairs,
+                unsharded_shape=info.unsharded_shape,
+            ).to_str_dict()
+        path = get_path(base_name, type=ObjectType.MODEL, exp_tp_pp_rank_and_size=ranks,
+                        is_expert_sharded=expert_sharded, prefix=root / "model")  # fmt: skip
+        out.append((path, tensor, metadata))
+    return out
+
+
+def weight_sources(
+    model: torch.nn.Module, pc: Any, root: Path
+) -> list[tuple[str, torch.Tensor, Path]] | None:
+    """(name, destination, file) for every weight, where this topology wrote them; None if any file is
+    missing (the topology changed: Nanotron's own loader merges and reshards)."""
+    prefixes = _prefixes(model)
+    out = []
+    for name, tensor in model.state_dict().items():
+        param = _param(model, name)
+        base_name = name
+        if param.is_tied:
+            base_name = param.get_tied_info().get_full_name_from_module_id_to_prefix(
+                module_id_to_prefix=prefixes
+            )
+        ranks, expert_sharded = None, False
+        if param.is_sharded:
+            info = param.get_sharded_info()
+            if param.is_tied:  # the first rank of the tied group wrote it
+                group, group_rank = pc.world_ranks_to_pg[param.get_tied_info().global_ranks], 0
+            else:
+                group = pc.world_ranks_to_pg[info.global_ranks]
+                group_rank = dist.get_rank(group)
+            ranks = get_exp_tp_pp_rank_and_size_from(
+                world_rank=get_global_rank(group=group, group_rank=group_rank), parallel_context=pc
+            )
+            expert_sharded = info.is_expert_sharded(pc)
+        path = get_path(base_name, type=ObjectType.MODEL, exp_tp_pp_rank_and_size=ranks,
+                        is_expert_sharded=expert_sharded, prefix=root / "model")  # fmt: skip
+        if not path.exists():
+            return None
+        out.append((name, tensor, path))
+    return out
+
+
+def is_zero(optimizer: Any) -> bool:
+    return optimizer.inherit_from(optim.ZeroDistributedOptimizer)
+
+
+def optimizer_path(optimizer: Any, pc: Any, root: Path, *, writing: bool) -> Path | None:
+    """This rank's optimizer file (None when it writes none: ZeRO-0 and DP rank > 0)."""
+    zero = is_zero(optimizer)
+    if writing and not zero and dist.get_rank(pc.dp_pg) > 0:
+        return None
+    return root / "optimizer" / as_safetensors(optimizer_filename(pc, is_zero=zero))
+
+
+def lr_scheduler_path(zero_stage: int, pc: Any, root: Path, *, writing: bool) -> Path | None:
+    if writing and not zero_stage and dist.get_rank(pc.dp_pg) > 0:
+        return None
+    return root / "lr_scheduler" / as_safetensors(lr_scheduler_filename(pc, zero_stage))
+
+
+def random_states_path(pc: Any, root: Path) -> Path:
+    def rank(pg: Any) -> tuple[int, int]:
+        return dist.get_rank(pg), pg.size()
+
+    return root / "random" / random_states_name(rank(pc.tp_pg), rank(pc.dp_pg), rank(pc.pp_pg))
+
+
+def optimizer_config(optimizer: Any, pc: Any) -> dict[str, Any]:
+    """The `optimizer/optimizer_config.json` Nanotron writes (its tools read the parallelism from it)."""
+
+    def strings(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {str(k): strings(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(strings(v) for v in x)
+        return str(x)
+
+    config: dict[str, Any] = {
+        "type": str(optimizer.__class__.__name__),
+        "parallelism": {
+            "tp_size": str(pc.tp_pg.size()),
+            "dp_size": str(pc.dp_pg.size()),
+            "pp_size": str(pc.pp_pg.size()),
+            "expert_parallel_size": str(pc.expert_parallel_size),
+        },
+        "configs": {},
+    }
+    if isinstance(optimizer, optim.ZeroDistributedOptimizer):
+        config["configs"]["param_name_to_dp_rank_offsets"] = strings(optimizer.param_name_to_dp_rank_offsets)
+        config["configs"]["orig_param_shapes"] = strings(optimizer._orig_param_shapes)
+    return config

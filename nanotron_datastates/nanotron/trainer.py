@@ -1,0 +1,33 @@
+"""DataStatesTrainer: Nanotron's DistributedTrainer with the datastates mixin, and its installation into
+`nanotron.trainer` (done by the post-import hook, so Nanotron's own run_train.py gets it)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from . import compat, config
+
+compat.check()
+config.register()
+
+import nanotron.trainer as _nanotron_trainer  # noqa: E402
+
+from .mixin import DataStatesTrainerMixin  # noqa: E402
+
+config.patch_trainer_module(_nanotron_trainer)
+# Nanotron's own class, also when the hook has already put ours in its place.
+_NanotronTrainer = getattr(
+    _nanotron_trainer, "NanotronDistributedTrainer", _nanotron_trainer.DistributedTrainer
+)
+
+
+class DataStatesTrainer(DataStatesTrainerMixin, _NanotronTrainer):
+    """Nanotron's trainer; with `checkpointing_engine: datastates`, checkpoints go through the engine."""
+
+
+def install(trainer_module: ModuleType) -> None:
+    """Makes `nanotron.trainer.DistributedTrainer` our trainer (once)."""
+    if trainer_module.DistributedTrainer is DataStatesTrainer:
+        return
+    trainer_module.NanotronDistributedTrainer = _NanotronTrainer
+    trainer_module.DistributedTrainer = DataStatesTrainer
