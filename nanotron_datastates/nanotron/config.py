@@ -93,7 +93,7 @@ def register() -> type:
     _swap_default(ncc.get_config_from_file, old_config, config)
     _swap_default(ncc.get_config_from_dict, old_config, config)
     trainer = sys.modules.get("nanotron.trainer")
-    if trainer is not None:
+    if trainer is not None and hasattr(trainer, "DistributedTrainer"):  # not while it is being imported
         patch_trainer_module(trainer, old_config, config)
     return config
 

@@ -20,8 +20,8 @@ With `checkpointing_engine: torch` and such a checkpoint, the trainer is Nanotro
 from __future__ import annotations
 
 import atexit
+import copy
 import concurrent.futures
-import contextlib
 import dataclasses
 import json
 import time
@@ -44,6 +44,7 @@ from ..config import DataStatesConfig
 from ..engine import DataStatesEngine
 from . import layout, shards, states
 from .commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
+from .gate import SnapshotGate
 
 logger = logging.get_logger(__name__)
 
@@ -59,7 +60,7 @@ class DataStatesTrainerMixin:
         super().pre_init()  # Nanotron resolves the checkpoint to resume from
         self._ds_engine: DataStatesEngine | None = None
         self._ds_committer: Committer | None = None
-        self._ds_submitted: list[PendingCheckpoint] = []  # snapshot not yet awaited
+        self._ds_gate = SnapshotGate()
         self._ds_outstanding = 0
         path = self.init_checkpoint_path
         self._ds_resume = (
@@ -136,9 +137,9 @@ class DataStatesTrainerMixin:
             if changed:
                 raise NotImplementedError(
                     f"{root} was written with another parallel layout ({changed}); datastates optimizer "
-                    "and scheduler shards resume on the same layout only. Convert the checkpoint to "
-                    "Nanotron's own format (nanotron-datastates convert --to torch) or set load_optimizer "
-                    "and load_lr_scheduler to false"
+                    "and scheduler shards resume on the same layout only (the weights reshard): set "
+                    "checkpoints.load_optimizer and checkpoints.load_lr_scheduler to false to resume the "
+                    "weights"
                 )
         if load_optimizer:
             path = shards.optimizer_path(self.optimizer, pc, root, writing=False)
@@ -146,8 +147,10 @@ class DataStatesTrainerMixin:
             self.optimizer.load_state_dict(engine.load(path, "cpu"), map_location="cpu")
         if load_lr_scheduler:
             path = shards.lr_scheduler_path(self.config.optimizer.zero_stage, pc, root, writing=False)
+            # Unlike Nanotron's loader, no `_initial_step()` after this: it steps the schedule once more, so
+            # the resumed run would use the next step's learning rate. The optimizer's param groups, restored
+            # above, already hold the rate the original run would use now.
             self.lr_scheduler.load_state_dict(engine.load(path))
-            self.lr_scheduler._initial_step()  # as Nanotron's loader: sets the initial learning rate
             self.metadata = load_meta(parallel_context=pc, root_folder=root).metas
             if self.config.tokens.train_steps <= self.metadata.last_train_step:
                 raise ValueError(
@@ -183,13 +186,7 @@ class DataStatesTrainerMixin:
         # A gloo group of its own: the committer's collectives run on a background thread, off the GPU.
         group = tdist.new_group(backend="gloo") if tdist.is_initialized() else None
         self._ds_committer = Committer(group, on_result=self._ds_report)
-        original_step = self.optimizer.step
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            self._ds_wait_snapshots()
-            return original_step(*args, **kwargs)
-
-        self.optimizer.step = step
+        self._ds_gate.guard(self.optimizer)
         atexit.register(self._ds_close)
         self._ds_log(
             f"checkpointing with the datastates engine: {engine.config.host_cache_size} GiB host cache "
@@ -227,24 +224,11 @@ class DataStatesTrainerMixin:
 
         finalize = self._ds_finalizer(folder, step) if dist.get_rank(pc.world_pg) == 0 else None
         pending = PendingCheckpoint(step, folder, handles, finalize)
-        self._ds_submitted.append(pending)
+        self._ds_gate.add(handles, on_wait=lambda s: setattr(pending, "stall_s", pending.stall_s + s))
         self._ds_outstanding += 1
         self._ds_committer.submit(pending)
         pending.stall_s += time.perf_counter() - t0
         return folder
-
-    def _ds_wait_snapshots(self) -> None:
-        """Before the optimizer mutates anything: every tensor of the checkpoints just queued is captured."""
-        if not self._ds_submitted:
-            return
-        t0 = time.perf_counter()
-        for pending in self._ds_submitted:
-            for h in pending.handles:
-                # A failed save no longer reads its tensors either; the committer reports the failure.
-                with contextlib.suppress(Exception):
-                    h.wait_snapshot()
-        self._ds_submitted[-1].stall_s += time.perf_counter() - t0
-        self._ds_submitted.clear()
 
     def _ds_finalizer(self, folder: Path, step: int) -> Any:
         """Rank 0's commit, with every text captured now (training moves on while the files are flushed)."""
@@ -253,7 +237,7 @@ class DataStatesTrainerMixin:
             version=CHECKPOINT_VERSION,
             tp=pc.tp_pg.size(),
             dp=pc.dp_pg.size(),
-            metas=dataclasses.replace(self.metadata),
+            metas=copy.deepcopy(self.metadata),  # its data stages keep counting while the files are flushed
         )
         meta_text = json.dumps(
             process_type(dataclasses.asdict(meta), type_hooks={type(CHECKPOINT_VERSION): str}),
@@ -313,7 +297,10 @@ class DataStatesTrainerMixin:
 
     def _ds_close(self) -> None:
         if self._ds_committer is not None:
-            self._ds_committer.take(self._ds_outstanding)
+            try:  # bounded: at exit after a crash, other ranks may be gone
+                self._ds_committer.take(self._ds_outstanding, timeout=600)
+            except TimeoutError as e:
+                log_rank(f"[datastates] {e}; exiting anyway", logger=logger, level=logging.ERROR, rank=0)
             self._ds_outstanding = 0
             self._ds_committer.close()
             self._ds_committer = None

@@ -1,0 +1,53 @@
+"""The Nanotron adapter's pieces that need no Nanotron: file names, the manifest, atomic writes, the
+process-wide random states stored through the engine."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from nanotron_datastates.nanotron import layout, states
+
+
+def test_names_follow_nanotron():
+    assert layout.as_safetensors("optimizer_pp-0-of-1_tp-0-of-2_exp-0-of-1.pt") == (
+        "optimizer_pp-0-of-1_tp-0-of-2_exp-0-of-1.safetensors"
+    )
+    assert layout.random_states_name((1, 2), (0, 4), (0, 1)) == "tp-1-of-2_dp-0-of-4_pp-0-of-1.safetensors"
+
+
+def test_write_atomic_replaces_whole_files(tmp_path):
+    p = tmp_path / "d" / "latest.txt"
+    layout.write_atomic(p, "10")
+    layout.write_atomic(p, "20")
+    assert p.read_text() == "20"
+    assert sorted(x.name for x in p.parent.iterdir()) == ["latest.txt"]  # no temporaries left
+
+
+def test_manifest_round_trip_and_checks(tmp_path):
+    files = {"model/w.safetensors": {"bytes": 4100, "crc32c": {"data": "0000abcd"}}}
+    layout.write_atomic(tmp_path / layout.MANIFEST, json.dumps(layout.manifest(5, {"tp": 1}, files)))
+    assert layout.is_datastates_checkpoint(tmp_path)
+    doc = layout.read_manifest(tmp_path)
+    assert doc["step"] == 5 and doc["files"] == files
+    assert layout.file_checksums(doc, tmp_path, tmp_path / "model" / "w.safetensors") == {"data": 0xABCD}
+    assert layout.file_checksums(doc, tmp_path, tmp_path / "other.safetensors") is None
+    (tmp_path / layout.MANIFEST).write_text(json.dumps({"format": "other", "files": {}}))
+    with pytest.raises(ValueError, match="not a nanotron-datastates manifest"):
+        layout.read_manifest(tmp_path)
+
+
+def test_global_random_states_round_trip_through_the_engine(engine, tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    saved = states.global_rng_state()
+    engine.save(saved, tmp_path / "r.safetensors").wait_persisted()
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    states.set_global_rng_state(engine.load(tmp_path / "r.safetensors"))
+    assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(3), expected[2])
