@@ -143,14 +143,14 @@ def run_phase(args: argparse.Namespace) -> None:
         def save_checkpoint(self) -> Path:
             if args.reference_step and self.iteration_step == args.reference_step:
                 torch.cuda.synchronize()
-                torch.save(capture(self), out / f"reference_{args.name}_rank{rank}.pt")
+                torch.save(capture(self), Path(args.refs) / f"reference_{args.name}_rank{rank}.pt")
             return super().save_checkpoint()
 
     t0 = time.perf_counter()
     trainer = Trainer(args.config)
     result["init_s"] = time.perf_counter() - t0
     if args.compare:
-        ref = torch.load(out / f"reference_{args.compare}_rank{rank}.pt", weights_only=False)
+        ref = torch.load(Path(args.refs) / f"reference_{args.compare}_rank{rank}.pt", weights_only=False)
         now = capture(trainer)
         result["compared"] = {}
         for part in args.parts.split(","):

@@ -20,8 +20,8 @@ With `checkpointing_engine: torch` and such a checkpoint, the trainer is Nanotro
 from __future__ import annotations
 
 import atexit
-import copy
 import concurrent.futures
+import copy
 import dataclasses
 import json
 import time
