@@ -258,7 +258,7 @@ def main() -> int:
     a.add_argument("--cache-gib", type=float, default=4.0)
     a.add_argument("--with-run-train", action="store_true", help="also run Nanotron's run_train.py first")
     ph = sub.add_parser("phase")
-    for flag in ("--phase", "--name", "--config", "--out"):
+    for flag in ("--phase", "--name", "--config", "--out", "--refs"):
         ph.add_argument(flag, required=True)
     ph.add_argument("--reference-step", type=int, default=0)
     ph.add_argument("--compare", default="")
