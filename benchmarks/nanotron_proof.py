@@ -207,16 +207,8 @@ def run_all(args: argparse.Namespace) -> int:
             "--name",
             name,
         ]
-        cmd += [
-            "--config",
-            str(config),
-            "--out",
-            str(out),
-            "--reference-step",
-            str(ref_step),
-            "--parts",
-            parts,
-        ]
+        cmd += ["--config", str(config), "--out", str(out), "--refs", str(args.work)]
+        cmd += ["--reference-step", str(ref_step), "--parts", parts]
         if compare_with:
             cmd += ["--compare", compare_with]
         info = launch(cmd, env, out / f"{name}.log")
