@@ -142,8 +142,10 @@ def optimizer_config(optimizer: Any, pc: Any) -> dict[str, Any]:
     def strings(x: Any) -> Any:
         if isinstance(x, dict):
             return {str(k): strings(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(strings(v) for v in x)
+        if isinstance(x, list):
+            return [strings(v) for v in x]
+        if isinstance(x, tuple):  # torch.Size too, as Nanotron's writer does
+            return tuple(strings(v) for v in x)
         return str(x)
 
     config: dict[str, Any] = {
