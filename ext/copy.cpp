@@ -55,6 +55,27 @@ void gather_host(const TensorSrc& t, std::size_t begin, std::size_t end, char* d
   }
 }
 
+Error InFlight::stream(int device, cuda::CUstream* s, bool* fresh) {
+  if (Error e = cuda::make_current(device)) return e;
+  Error err;
+  *s = thread_stream(device, &err);
+  if (err) return err;
+  *fresh = std::none_of(pending_.begin(), pending_.end(), [&](auto& p) { return p.first == device; });
+  if (*fresh) pending_.emplace_back(device, *s);
+  return {};
+}
+
+Error InFlight::sync() {
+  Error first;
+  for (auto& [device, s] : pending_) {
+    Error e = cuda::make_current(device);
+    if (!e) e = cuda::check(cuda::api()->cuStreamSynchronize(s), "cuStreamSynchronize");
+    if (e && !first) first = e;
+  }
+  pending_.clear();
+  return first;
+}
+
 Error PieceCopier::copy(const TensorSrc& t, std::size_t begin, std::size_t end, char* dst) {
   if (end <= begin) return {};
   if (t.device < 0) {
@@ -62,58 +83,30 @@ Error PieceCopier::copy(const TensorSrc& t, std::size_t begin, std::size_t end, 
     return {};
   }
   if (!t.contiguous) return Error::internal("non-contiguous CUDA tensor reached the copy stage: " + t.name);
-  if (Error e = cuda::make_current(t.device)) return e;
-  Error err;
-  cuda::CUstream s = thread_stream(t.device, &err);
-  if (err) return err;
+  cuda::CUstream s = nullptr;
+  bool fresh = false;
+  if (Error e = in_flight_.stream(t.device, &s, &fresh)) return e;
   const cuda::Api* a = cuda::api();
-  auto known = std::find_if(pending_.begin(), pending_.end(), [&](auto& p) { return p.first == t.device; });
-  if (known == pending_.end()) {
+  if (fresh) {
     // Order this stream after everything the caller had queued when it called save().
     const auto ev =
         events_ ? events_->find(t.device) : std::unordered_map<int, cuda::CUevent>::const_iterator{};
     if (!events_ || ev == events_->end())
       return Error::internal("no CUDA event recorded for device " + std::to_string(t.device));
     if (Error e = cuda::check(a->cuStreamWaitEvent(s, ev->second, 0), "cuStreamWaitEvent")) return e;
-    pending_.emplace_back(t.device, s);
   }
   return cuda::check(
       a->cuMemcpyDtoHAsync(dst, reinterpret_cast<cuda::CUdeviceptr>(t.data + begin), end - begin, s),
       "cuMemcpyDtoHAsync");
 }
 
-Error PieceCopier::finish() {
-  Error first;
-  for (auto& [device, s] : pending_) {
-    Error e = cuda::make_current(device);
-    if (!e) e = cuda::check(cuda::api()->cuStreamSynchronize(s), "cuStreamSynchronize");
-    if (e && !first) first = e;
-  }
-  pending_.clear();
-  return first;
-}
-
 Error DeviceUploader::copy(int device, char* dst_device, const char* src, std::size_t n) {
-  if (Error e = cuda::make_current(device)) return e;
-  Error err;
-  cuda::CUstream s = thread_stream(device, &err);
-  if (err) return err;
-  if (std::none_of(pending_.begin(), pending_.end(), [&](auto& p) { return p.first == device; }))
-    pending_.emplace_back(device, s);
+  cuda::CUstream s = nullptr;
+  bool fresh = false;
+  if (Error e = in_flight_.stream(device, &s, &fresh)) return e;
   return cuda::check(
       cuda::api()->cuMemcpyHtoDAsync(reinterpret_cast<cuda::CUdeviceptr>(dst_device), src, n, s),
       "cuMemcpyHtoDAsync");
-}
-
-Error DeviceUploader::finish() {
-  Error first;
-  for (auto& [device, s] : pending_) {
-    Error e = cuda::make_current(device);
-    if (!e) e = cuda::check(cuda::api()->cuStreamSynchronize(s), "cuStreamSynchronize");
-    if (e && !first) first = e;
-  }
-  pending_.clear();
-  return first;
 }
 
 }  // namespace ds

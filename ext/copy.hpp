@@ -16,6 +16,19 @@
 
 namespace ds {
 
+// This thread's streams with copies in flight since the last sync(): one non-blocking stream per device per
+// thread, so several chunks are in flight on the copy engines at once.
+class InFlight {
+ public:
+  // This thread's stream for `device`, its primary context made current; `fresh`: none of its copies yet.
+  Error stream(int device, cuda::CUstream* s, bool* fresh);
+  // Waits for every copy issued since the last sync().
+  Error sync();
+
+ private:
+  std::vector<std::pair<int, cuda::CUstream>> pending_;
+};
+
 class PieceCopier {
  public:
   // `events[d]` is the event recorded on the caller's stream for device d (absent: no CUDA tensors).
@@ -24,11 +37,11 @@ class PieceCopier {
   // Copies bytes [begin, end) of `t`'s row-major image to `dst`.
   Error copy(const TensorSrc& t, std::size_t begin, std::size_t end, char* dst);
   // Waits for the device-to-host copies issued since the last finish().
-  Error finish();
+  Error finish() { return in_flight_.sync(); }
 
  private:
   const std::unordered_map<int, cuda::CUevent>* events_;
-  std::vector<std::pair<int, cuda::CUstream>> pending_;  // devices with copies in flight
+  InFlight in_flight_;
 };
 
 // Restore's host-to-device copies from (pinned) chunks, on this thread's stream per device.
@@ -36,10 +49,10 @@ class DeviceUploader {
  public:
   Error copy(int device, char* dst_device, const char* src, std::size_t n);
   // Waits for the copies issued since the last finish(): the source chunk may then be reused.
-  Error finish();
+  Error finish() { return in_flight_.sync(); }
 
  private:
-  std::vector<std::pair<int, cuda::CUstream>> pending_;
+  InFlight in_flight_;
 };
 
 // Strided gather of bytes [begin, end) of a host tensor's row-major image.

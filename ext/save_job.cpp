@@ -167,13 +167,11 @@ SaveJob::Planned SaveJob::plan() {
 IoOp* SaveJob::copy_piece(std::size_t i, char* chunk, PieceCopier& copier) {
   const std::size_t lo = i * chunk_, hi = std::min(lo + chunk_, data_bytes_);
   const auto& order = layout_.order;
-  // First tensor (in file order) that ends after `lo`.
-  auto it = std::partition_point(order.begin(), order.end(),
-                                 [&](std::size_t t) { return layout_.offset[t] + tensors_[t].nbytes <= lo; });
   Error err;
-  for (; it != order.end() && layout_.offset[*it] < hi && !err; ++it) {
-    const TensorSrc& t = tensors_[*it];
-    const std::size_t off = layout_.offset[*it];
+  for (std::size_t k = first_ending_after(lo); k < order.size() && layout_.offset[order[k]] < hi && !err;
+       ++k) {
+    const TensorSrc& t = tensors_[order[k]];
+    const std::size_t off = layout_.offset[order[k]];
     const std::size_t b = std::max(lo, off) - off, e = std::min(hi, off + t.nbytes) - off;
     err = copier.copy(t, b, e, chunk + (off + b - lo));
   }
@@ -203,6 +201,13 @@ IoOp* SaveJob::copy_piece(std::size_t i, char* chunk, PieceCopier& copier) {
   return &op;
 }
 
+std::size_t SaveJob::first_ending_after(std::size_t lo) const {
+  const auto& order = layout_.order;
+  return std::partition_point(order.begin(), order.end(),
+                              [&](std::size_t t) { return layout_.offset[t] + tensors_[t].nbytes <= lo; }) -
+         order.begin();
+}
+
 void SaveJob::skip_piece(std::size_t i) {
   piece_captured();
   piece_finished();
@@ -222,11 +227,7 @@ void SaveJob::on_io_prepare(IoOp& op) {
   const std::size_t i = op.tag;
   const std::size_t lo = i * chunk_, hi = std::min(lo + chunk_, data_bytes_);
   const auto& order = layout_.order;
-  std::size_t k =
-      std::partition_point(order.begin(), order.end(),
-                           [&](std::size_t t) { return layout_.offset[t] + tensors_[t].nbytes <= lo; }) -
-      order.begin();
-  for (; k < order.size() && layout_.offset[order[k]] < hi; ++k) {
+  for (std::size_t k = first_ending_after(lo); k < order.size() && layout_.offset[order[k]] < hi; ++k) {
     const std::size_t off = layout_.offset[order[k]], n = tensors_[order[k]].nbytes;
     if (n == 0) continue;
     const std::size_t b = std::max(lo, off), e = std::min(hi, off + n);

@@ -98,6 +98,8 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   const std::string& path() const { return path_; }
 
  private:
+  // File-order position of the first tensor that ends after data offset `lo` (the first in a piece).
+  std::size_t first_ending_after(std::size_t lo) const;
   void fail(Error e);
   void piece_captured();
   IoOp* piece_finished();
