@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -32,35 +31,37 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
+from _nanotron import REPO, load_run_train, write_config
 
-REPO = Path(__file__).resolve().parents[1]
-BASE_CONFIG = REPO / "examples" / "config_tiny_llama_datastates.yaml"
 TRAIN_STEPS, INTERVAL, RESUME_STEPS = 6, 3, 9  # checkpoints at 3 and 6; the reference is taken at 6
 
 
 # -- configs -----------------------------------------------------------------------------------------------
 
 
-def make_config(args: argparse.Namespace, name: str, *, engine: str, steps: int, resume: str | None = None,
-                load_optimizer: bool = True, interval: int = INTERVAL) -> Path:  # fmt: skip
-    doc = yaml.safe_load(BASE_CONFIG.read_text())
-    ck = doc["checkpoints"]
-    ck.update(checkpoints_path=str(args.work / f"ckpt_{name}"), checkpoint_interval=interval)
-    ck.update(resume_checkpoint_path=resume, load_optimizer=load_optimizer, load_lr_scheduler=load_optimizer)
-    if engine == "datastates":
-        ck["checkpointing_engine"] = "datastates"
-        doc["datastates"]["host_cache_size"] = args.cache_gib
-    else:  # a config stock Nanotron parses: none of our keys
-        ck.pop("checkpointing_engine", None)
-        doc.pop("datastates", None)
-    doc["tokens"]["train_steps"] = steps
-    doc["parallelism"].update(tp=args.tp, dp=args.dp, pp=args.pp)
-    doc["optimizer"]["zero_stage"] = args.zero
-    doc["general"]["run"] = name
+def make_config(
+    args: argparse.Namespace,
+    name: str,
+    *,
+    engine: str,
+    steps: int,
+    resume: str | None = None,
+    load_optimizer: bool = True,
+    interval: int = INTERVAL,
+) -> Path:
+    checkpoints = {
+        "checkpoints_path": str(args.work / f"ckpt_{name}"),
+        "checkpoint_interval": interval,
+        "resume_checkpoint_path": resume,
+        "load_optimizer": load_optimizer,
+        "load_lr_scheduler": load_optimizer,
+    }
+    parallelism = {"tp": args.tp, "dp": args.dp, "pp": args.pp}
     path = args.work / f"{name}.yaml"
-    path.write_text(yaml.dump(doc))
-    return path
+    return write_config(
+        path, engine=engine, checkpoints=checkpoints, cache_gib=args.cache_gib, steps=steps,
+        parallelism=parallelism, zero=args.zero, run=name,
+    )  # fmt: skip
 
 
 # -- state capture and comparison (inside a phase) -------------------------------------------------------
@@ -129,10 +130,7 @@ def compare(a: Any, b: Any, path: str = "") -> tuple[int, list[str]]:
 def run_phase(args: argparse.Namespace) -> None:
     import torch
 
-    run_train_path = os.environ["NANOTRON_RUN_TRAIN"]
-    spec = importlib.util.spec_from_file_location("nanotron_run_train", run_train_path)
-    run_train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_train)
+    run_train = load_run_train()
     from nanotron.trainer import DistributedTrainer  # ours when the hook is on, Nanotron's when it is off
 
     rank = int(os.environ.get("RANK", "0"))

@@ -1,0 +1,58 @@
+"""Shared by the Nanotron harnesses (nanotron_proof.py, bench_nanotron.py): configs derived from the example
+config, and Nanotron's run_train.py loaded as a module (for its dataloader)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+BASE_CONFIG = REPO / "examples" / "config_tiny_llama_datastates.yaml"
+
+
+def write_config(
+    path: Path,
+    *,
+    engine: str,
+    checkpoints: dict[str, Any],
+    cache_gib: float | None = None,
+    steps: int,
+    parallelism: dict[str, int] | None = None,
+    zero: int = 0,
+    run: str = "run",
+    model: dict[str, Any] | None = None,
+    tokens: dict[str, Any] | None = None,
+) -> Path:
+    """The example config with these changes; `engine` "torch" leaves none of our keys (stock Nanotron
+    parses it)."""
+    doc = yaml.safe_load(BASE_CONFIG.read_text())
+    doc["checkpoints"].update(checkpoints)
+    if engine == "datastates":
+        doc["checkpoints"]["checkpointing_engine"] = "datastates"
+        if cache_gib is not None:
+            doc["datastates"]["host_cache_size"] = cache_gib
+    else:
+        doc["checkpoints"].pop("checkpointing_engine", None)
+        doc.pop("datastates", None)
+    doc["tokens"]["train_steps"] = steps
+    doc["tokens"].update(tokens or {})
+    doc["parallelism"].update(parallelism or {})
+    doc["optimizer"]["zero_stage"] = zero
+    doc["model"]["model_config"].update(model or {})
+    doc["general"]["run"] = run
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.dump(doc))
+    return path
+
+
+def load_run_train() -> ModuleType:
+    """Nanotron's run_train.py ($NANOTRON_RUN_TRAIN), imported without running its main."""
+    spec = importlib.util.spec_from_file_location("nanotron_run_train", os.environ["NANOTRON_RUN_TRAIN"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
