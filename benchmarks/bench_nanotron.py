@@ -1,0 +1,304 @@
+"""Checkpoint cost on real Nanotron: its native save, DCP async_save and datastates side by side (GPU).
+
+    python3 benchmarks/bench_nanotron.py all --model 180m --out DIR [--steps 100 --interval 20]
+
+Each mode trains the same model for the same steps in its own torchrun, on the same machine, in one call:
+
+* `none`: no checkpoint, the reference iteration time;
+* `torch`: Nanotron's own `save_checkpoint` every `--interval` steps (Nanotron without the adapter);
+* `dcp`: `torch.distributed.checkpoint.async_save` (default stager) of the same tensors: weights, optimizer
+  states and fp32 master weights; the previous save's future is awaited before the next one;
+* `datastates`: `checkpointing_engine: datastates`;
+* `stress`: datastates at every step, where backpressure must bound the stall;
+* `restore-torch`, `restore-datastates`: new runs that resume from the last checkpoint of `torch` /
+  `datastates` with the page cache dropped; restore cost = their time from constructing the trainer to the end
+  of the first step, minus that of `none` (which builds the same model from scratch).
+
+An iteration is timed from the end of one step to the end of the next, after `torch.cuda.synchronize()`, so a
+checkpoint's cost lands in the iterations after it. Stall of a checkpoint = the sum, over the 3 iterations
+after it, of their excess over the median iteration of `none`. Writes DIR/bench_nanotron_<model>.json, a
+markdown table (.md) and a plot of the iteration times around checkpoints (.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _nanotron import REPO, load_run_train, write_config
+
+MODELS: dict[str, dict[str, Any]] = {
+    "180m": {},  # the example config's model
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+    },  # TinyLlama-1.1B's shape  # fmt: skip
+}
+WARMUP = 3  # iterations left out of every statistic
+WINDOW = 3  # iterations after a checkpoint that carry its cost
+
+
+# -- one run, under torchrun -------------------------------------------------------------------------------
+
+
+def run_phase(args: argparse.Namespace) -> None:
+    import torch
+
+    run_train = load_run_train()
+    from nanotron.trainer import DistributedTrainer
+
+    t_start = time.perf_counter()
+    rec: dict[str, Any] = {"mode": args.mode, "trainer": DistributedTrainer.__name__, "ends": [], "saves": []}
+    rec["commits"], rec["dcp"] = [], []
+
+    class Trainer(DistributedTrainer):
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            self._dcp_future = None
+            self._gloo = torch.distributed.new_group(backend="gloo") if args.mode == "dcp" else None
+
+        def training_step(self, dataloader: Any) -> Any:
+            out = super().training_step(dataloader)
+            torch.cuda.synchronize()
+            rec["ends"].append([self.iteration_step, time.perf_counter() - t_start])
+            return out
+
+        def save_checkpoint(self) -> Path:
+            t0 = time.perf_counter()
+            path = self._dcp_save() if args.mode == "dcp" else super().save_checkpoint()
+            rec["saves"].append({"step": self.iteration_step, "call_s": time.perf_counter() - t0})
+            return path
+
+        def _dcp_save(self) -> Path:
+            import torch.distributed.checkpoint as dcp
+
+            if self._dcp_future is not None:
+                self._dcp_future.result()
+            opt = self.optimizer.state_dict()
+            state = {
+                "model": dict(self.unwrapped_model.state_dict()),
+                "optimizer": {f"{i}/{k}": v for i, s in opt["state"].items() for k, v in s.items()},
+                "master": dict(opt.get("gradient_accumulator", {})),
+            }
+            step, t0 = self.iteration_step, time.perf_counter()
+            path = Path(self.config.checkpoints.checkpoints_path) / f"dcp_{step}"
+            self._dcp_future = dcp.async_save(state, checkpoint_id=str(path), process_group=self._gloo)
+            self._dcp_future.add_done_callback(
+                lambda _: rec["dcp"].append({"step": step, "persisted_s": time.perf_counter() - t0})
+            )
+            return path
+
+        def post_training(self) -> None:
+            if self._dcp_future is not None:
+                self._dcp_future.result()
+            super().post_training()
+
+        def _ds_report(self, r: Any) -> None:  # datastates: the committer's figures
+            super()._ds_report(r)
+            rec["commits"].append({"step": r.step, "bytes": r.bytes, "stall_s": r.stall_s,
+                                   "snapshot_s": r.snapshot_s, "persisted_s": r.persisted_s,
+                                   "committed_s": r.committed_s})  # fmt: skip
+
+    trainer = Trainer(args.config)
+    rec["init_s"] = time.perf_counter() - t_start
+    trainer.train(run_train.get_dataloader(trainer))
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(args.record).write_text(json.dumps(rec))
+
+
+# -- all runs ----------------------------------------------------------------------------------------------
+
+
+def drop_caches() -> None:
+    subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, check=False)
+
+
+def run_all(args: argparse.Namespace) -> int:
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    model = MODELS[args.model]
+
+    def config(name: str, engine: str, steps: int, interval: int, resume: str | None = None) -> Path:
+        ck = {"checkpoints_path": str(work / f"ckpt_{name}"), "checkpoint_interval": interval,
+              "resume_checkpoint_path": resume}  # fmt: skip
+        return write_config(work / f"{name}.yaml", engine=engine, checkpoints=ck, cache_gib=args.cache_gib,
+                            steps=steps, model=model, run=name)  # fmt: skip
+
+    never = args.steps + 1
+    last = args.steps // args.interval * args.interval
+    runs = [
+        ("none", config("none", "torch", args.steps, never), True),
+        ("torch", config("torch", "torch", args.steps, args.interval), True),
+        ("dcp", config("dcp", "torch", args.steps, args.interval), True),
+        ("datastates", config("datastates", "datastates", args.steps, args.interval), False),
+        ("stress", config("stress", "datastates", args.stress_steps, 1), False),
+        ("restore-torch", config("restore-torch", "torch", last + 2, never, str(work / "ckpt_torch")), True),
+        ("restore-datastates",
+         config("restore-datastates", "datastates", last + 2, never, str(work / "ckpt_datastates")), False),
+    ]  # fmt: skip
+    records: dict[str, Any] = {}
+    for name, cfg, stock in runs:
+        if name.startswith("restore"):
+            drop_caches()
+        record = work / f"{name}.json"
+        cmd = ["torchrun", "--nproc_per_node=1", __file__, "phase", "--mode", name, "--config", str(cfg)]
+        cmd += ["--record", str(record)]
+        env = {**os.environ, **({"NANOTRON_DATASTATES_AUTOLOAD": "0"} if stock else {})}
+        t0 = time.perf_counter()
+        with open(out / f"{name}.log", "w") as f:
+            rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
+        rec = json.loads(record.read_text()) if record.exists() else {}
+        records[name] = {"rc": rc, "seconds": time.perf_counter() - t0, **rec}
+        print(f"{name:20s} rc={rc} {records[name]['seconds']:6.1f} s", flush=True)
+    result = summarize(args, records)
+    stem = out / f"bench_nanotron_{args.model}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".md").write_text(table(result))
+    plot(records, args, stem.with_suffix(".png"))
+    print(table(result))
+    return 0 if all(r["rc"] == 0 for r in records.values()) else 1
+
+
+def iteration_times(rec: dict[str, Any]) -> dict[int, float]:
+    ends = rec.get("ends", [])
+    return {step: t - ends[i - 1][1] for i, (step, t) in enumerate(ends) if i > 0}
+
+
+def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, Any]:
+    base = iteration_times(records["none"])
+    steady = [t for s, t in base.items() if s > WARMUP]
+    median = statistics.median(steady) if steady else float("nan")
+    modes: dict[str, Any] = {}
+    for name in ("none", "torch", "dcp", "datastates", "stress"):
+        rec = records.get(name, {})
+        it = iteration_times(rec)
+        measured = [t for s, t in it.items() if s > WARMUP]
+        stalls = []
+        for save in rec.get("saves", []):
+            s = save["step"]
+            if s <= WARMUP:
+                continue
+            window = [it[s + j] - median for j in range(1, WINDOW + 1) if s + j in it]
+            stalls.append(sum(window))
+        modes[name] = {
+            "iterations": len(measured),
+            "mean_iteration_s": statistics.fmean(measured) if measured else None,
+            "checkpoints": len(rec.get("saves", [])),
+            "stall_s": stalls,
+            "stall_median_s": statistics.median(stalls) if stalls else None,
+            "save_call_s": [x["call_s"] for x in rec.get("saves", [])],
+            "persisted_s": [c["persisted_s"] for c in rec.get("commits", [])]
+            or [d["persisted_s"] for d in rec.get("dcp", [])],
+            "checkpoint_bytes": max((c["bytes"] for c in rec.get("commits", [])), default=None),
+        }
+        if modes["none"]["mean_iteration_s"] and modes[name]["mean_iteration_s"]:
+            modes[name]["throughput_loss"] = (
+                modes[name]["mean_iteration_s"] / modes["none"]["mean_iteration_s"] - 1
+            )
+    first = {
+        name: _first_step_s(records.get(name, {})) for name in ("none", "restore-torch", "restore-datastates")
+    }
+    restore = {name: first[name] - first["none"] for name in ("restore-torch", "restore-datastates")
+               if first[name] is not None and first["none"] is not None}  # fmt: skip
+    ratios = {}
+    if modes["torch"]["stall_median_s"] and modes["datastates"]["stall_median_s"]:
+        ratios["stall_vs_native"] = modes["datastates"]["stall_median_s"] / modes["torch"]["stall_median_s"]
+    if modes["dcp"]["stall_median_s"] and modes["datastates"]["stall_median_s"]:
+        ratios["stall_vs_dcp"] = modes["datastates"]["stall_median_s"] / modes["dcp"]["stall_median_s"]
+    if len(restore) == 2 and restore["restore-datastates"] > 0:
+        ratios["restore_speedup_vs_native"] = restore["restore-torch"] / restore["restore-datastates"]
+    return {
+        "command": " ".join(sys.argv),
+        "model": args.model,
+        "steps": args.steps,
+        "interval": args.interval,
+        "median_iteration_s": median,
+        "modes": modes,
+        "restore_to_first_step_s": restore,
+        "first_step_end_s": first,
+        "ratios": ratios,
+        "runs": {k: {"rc": v["rc"], "seconds": v["seconds"]} for k, v in records.items()},
+    }
+
+
+def _first_step_s(rec: dict[str, Any]) -> float | None:
+    ends = rec.get("ends")
+    return ends[0][1] if ends else None
+
+
+def table(r: dict[str, Any]) -> str:
+    def ms(x: Any) -> str:
+        return "-" if x is None else f"{1e3 * x:.1f}"
+
+    lines = [f"model {r['model']}, {r['steps']} steps, checkpoint every {r['interval']}; median iteration "
+             f"{ms(r['median_iteration_s'])} ms", "",
+             "| mode | checkpoints | median stall ms | mean iteration ms | throughput loss | persisted s |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, m in r["modes"].items():
+        loss = m.get("throughput_loss")
+        persisted = ", ".join(f"{p:.2f}" for p in m["persisted_s"][:6]) or "-"
+        stall, mean = ms(m["stall_median_s"]), ms(m["mean_iteration_s"])
+        loss_text = "-" if loss is None else f"{100 * loss:+.1f}%"
+        lines.append(f"| {name} | {m['checkpoints']} | {stall} | {mean} | {loss_text} | {persisted} |")
+    lines += ["", "restore to the first step, over building the model from scratch: "
+              + ", ".join(f"{k} {v:.2f} s" for k, v in r["restore_to_first_step_s"].items()),
+              "ratios: " + ", ".join(f"{k} {v:.4f}" for k, v in r["ratios"].items()), ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(records: dict[str, Any], args: argparse.Namespace, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for name in ("none", "torch", "dcp", "datastates"):
+        it = iteration_times(records.get(name, {}))
+        steps = [s for s in it if s > WARMUP]
+        ax.plot(steps, [1e3 * it[s] for s in steps], label=name, marker=".", linewidth=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("iteration time (ms, log)")
+    ax.set_title(f"Nanotron {args.model}: iteration time, checkpoint every {args.interval} steps")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    a = sub.add_parser("all")
+    a.add_argument("--model", choices=sorted(MODELS), default="180m")
+    a.add_argument("--out", required=True)
+    a.add_argument("--work", default="/tmp/bench_nanotron")
+    a.add_argument("--steps", type=int, default=100)
+    a.add_argument("--interval", type=int, default=20)
+    a.add_argument("--stress-steps", type=int, default=30)
+    a.add_argument("--cache-gib", type=float, default=8.0)
+    ph = sub.add_parser("phase")
+    for flag in ("--mode", "--config", "--record"):
+        ph.add_argument(flag, required=True)
+    args = p.parse_args()
+    if args.what == "phase":
+        run_phase(args)
+        return 0
+    return run_all(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
