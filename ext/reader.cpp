@@ -30,9 +30,8 @@ ThreadRing* thread_ring(unsigned depth) {
   return &tr;
 }
 
-int read_sync(int fd, const std::vector<ReadRange>& ranges, const std::function<void(std::size_t)>& done) {
-  for (std::size_t i = 0; i < ranges.size(); ++i) {
-    const ReadRange& r = ranges[i];
+int read_sync(int fd, const std::vector<ReadRange>& ranges) {
+  for (const ReadRange& r : ranges) {
     IoOp op;
     op.kind = IoOp::Kind::Read;
     op.fd = fd;
@@ -41,30 +40,23 @@ int read_sync(int fd, const std::vector<ReadRange>& ranges, const std::function<
     op.offset = r.offset;
     const int err = run_op_sync(op);
     if (err && !(err == ENODATA && op.done >= r.need)) return err;
-    if (done) done(i);
   }
   return 0;
 }
 
 }  // namespace
 
-int read_ranges(int fd, const std::vector<ReadRange>& ranges, bool use_uring, unsigned depth,
-                const std::function<void(std::size_t)>& done) {
+int read_ranges(int fd, const std::vector<ReadRange>& ranges, bool use_uring, unsigned depth) {
   ThreadRing* tr = use_uring ? thread_ring(depth) : nullptr;
-  if (!tr) return read_sync(fd, ranges, done);
+  if (!tr) return read_sync(fd, ranges);
   struct Req {
     const ReadRange* r;
     std::size_t done;
-    std::size_t index;
   };
   std::vector<Req> reqs;
   reqs.reserve(ranges.size());
-  for (std::size_t i = 0; i < ranges.size(); ++i) {
-    if (ranges[i].len)
-      reqs.push_back({&ranges[i], 0, i});
-    else if (done)
-      done(i);
-  }
+  for (const ReadRange& r : ranges)
+    if (r.len) reqs.push_back({&r, 0});
   std::deque<Req*> todo;
   for (Req& q : reqs) todo.push_back(&q);
   unsigned inflight = 0;
@@ -92,17 +84,10 @@ int read_ranges(int fd, const std::vector<ReadRange>& ranges, bool use_uring, un
       } else if (res < 0) {
         if (!first_err) first_err = -res;
       } else if (res == 0) {
-        if (q->done < q->r->need) {
-          if (!first_err) first_err = ENODATA;
-        } else if (done && !first_err) {
-          done(q->index);  // the file ended where it may
-        }
+        if (q->done < q->r->need && !first_err) first_err = ENODATA;  // else: the file ended where it may
       } else {
         q->done += static_cast<std::size_t>(res);
-        if (q->done < q->r->len)
-          todo.push_front(q);  // short read: resume
-        else if (done && !first_err)
-          done(q->index);
+        if (q->done < q->r->len) todo.push_front(q);  // short read: resume
       }
     }
     io_uring_cq_advance(&tr->ring, seen);

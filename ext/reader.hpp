@@ -4,7 +4,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <vector>
 
 namespace ds {
@@ -16,11 +15,9 @@ struct ReadRange {
   std::size_t need;  // bytes that must arrive; the file may end after them
 };
 
-// Reads every range, keeping up to `depth` requests in flight (a sliding window). Calls `done(i)` as range i
-// completes, so callers can work on it while the rest is in flight. Returns 0 or the first positive errno
-// (ENODATA: the file ended before `need`); after an error, no further range is started and `done` is not
-// called for the failed one. Blocks until everything started has finished.
-int read_ranges(int fd, const std::vector<ReadRange>& ranges, bool use_uring, unsigned depth,
-                const std::function<void(std::size_t)>& done = {});
+// Reads every range, keeping up to `depth` requests in flight (a sliding window). Returns 0 or the first
+// positive errno (ENODATA: the file ended before `need`); after an error no further range is started. Blocks
+// until everything started has finished.
+int read_ranges(int fd, const std::vector<ReadRange>& ranges, bool use_uring, unsigned depth);
 
 }  // namespace ds
