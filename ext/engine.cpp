@@ -76,15 +76,7 @@ FlushWorker* Engine::next_flusher() {
 
 RestoreResult Engine::restore(const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
                               const std::vector<RestoreSpan>& spans, bool to_device, bool verify) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (closing_) throw ErrorException(Error::value("the engine is closed; create a new DataStatesEngine"));
-    ++in_flight_;  // close() waits for restores too
-  }
-  struct Done {
-    Engine* e;
-    ~Done() { e->job_finished(); }
-  } done{this};
+  const Work work(this);  // close() waits for restores too
   RestoreOptions ro;
   ro.use_uring = backend_ == "io_uring";
   ro.direct_io = opts_.save.direct_io;
@@ -92,6 +84,21 @@ RestoreResult Engine::restore(const std::string& path, std::uint64_t data_start,
   ro.read_bytes = opts_.read_bytes;
   ro.verify = verify;
   return restore_file(path, data_start, data_len, spans, to_device, ro, parsers_, *cache_);
+}
+
+void Engine::prepare_cache() {
+  const Work work(this);  // close() must not free the cache under us
+  cache_->prepare_rest();
+}
+
+Engine::Work::Work(Engine* e) : engine(e) {
+  std::lock_guard<std::mutex> lock(e->mu_);
+  if (e->closing_) throw ErrorException(Error::value("the engine is closed; create a new DataStatesEngine"));
+  ++e->in_flight_;
+}
+
+Engine::Work::~Work() {
+  engine->job_finished();
 }
 
 void Engine::job_finished() {

@@ -44,6 +44,9 @@ class Engine final : public JobObserver {
   RestoreResult restore(const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
                         const std::vector<RestoreSpan>& spans, bool to_device, bool verify);
 
+  // Faults in and pins every chunk of the cache not prepared yet (the background thread does it otherwise).
+  void prepare_cache();
+
   // Waits until no save or restore is in flight; false on timeout (< 0: none).
   bool wait_idle(double timeout_s);
   // Drains every save, then stops the threads. Idempotent.
@@ -60,6 +63,15 @@ class Engine final : public JobObserver {
   void job_finished() override;
 
  private:
+  // Counts a restore or cache preparation as in flight for its lifetime; throws once the engine is closing.
+  struct Work {
+    explicit Work(Engine* e);
+    ~Work();
+    Work(const Work&) = delete;
+    Work& operator=(const Work&) = delete;
+    Engine* engine;
+  };
+
   void run_plan(const std::shared_ptr<SaveJob>& job);
   void run_piece(const std::shared_ptr<SaveJob>& job, std::size_t i);
   FlushWorker* next_flusher();

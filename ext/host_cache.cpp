@@ -1,60 +1,106 @@
 #include "host_cache.hpp"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cerrno>
 
 #include "common.hpp"
 #include "cuda.hpp"
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
+
 namespace ds {
 
-HostCache::HostCache(std::size_t bytes, std::size_t chunk_bytes, int pin_device) : chunk_bytes_(chunk_bytes) {
+HostCache::HostCache(std::size_t bytes, std::size_t chunk_bytes, int pin_device)
+    : chunk_bytes_(chunk_bytes), pin_device_(pin_device) {
   if (chunk_bytes_ == 0 || chunk_bytes_ % kPage != 0)
     throw ErrorException(Error::value("chunk size must be a positive multiple of 4096 bytes"));
   num_chunks_ = bytes / chunk_bytes_;
   if (num_chunks_ < 2) throw ErrorException(Error::value("host cache must hold at least two chunks"));
   bytes_ = num_chunks_ * chunk_bytes_;
-  // MAP_POPULATE: the first save must not pay the page faults of the whole cache.
-  void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+  void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED)
     throw ErrorException(Error::os(
         errno, "allocating the host cache of " + std::to_string(bytes_) + " bytes; lower host_cache_size",
         ""));
   base_ = static_cast<char*>(p);
   madvise(base_, bytes_, MADV_DONTFORK);  // a fork (data loader workers) must not copy or share the cache
+  prepare_once_ = std::make_unique<std::once_flag[]>(num_chunks_);
+  chunk_pinned_ = std::make_unique<std::atomic<bool>[]>(num_chunks_);
+  for (std::size_t i = 0; i < num_chunks_; ++i) chunk_pinned_[i].store(false);
 
-  if (pin_device >= 0) {
-    if (Error e = cuda::make_current(pin_device)) {
+  if (pin_device_ >= 0) {
+    if (Error e = cuda::make_current(pin_device_)) {
       pin_error_ = e.message;
-    } else if (Error e2 =
-                   cuda::check(cuda::api()->cuMemHostRegister(base_, bytes_, cuda::kHostRegisterPortable),
-                               "cuMemHostRegister")) {
-      pin_error_ = e2.message;
-    } else {
-      pinned_ = true;
+      pin_device_ = -1;
     }
   }
+  // The first chunk decides whether pinning works, so that pinned() means something from the start.
+  std::call_once(prepare_once_[0], [this] { prepare(0); });
+  pinned_ = chunk_pinned_[0].load();
+  if (pin_device_ >= 0 && !pinned_) pin_device_ = -1;  // pin_error_ says why; do not retry per chunk
   free_.reserve(num_chunks_);
   for (std::size_t i = num_chunks_; i-- > 0;) free_.push_back(base_ + i * chunk_bytes_);
+  try {
+    preparer_ = std::thread([this] { prepare_all(); });
+  } catch (const std::system_error&) {
+    // No thread: every chunk is then prepared by its first acquirer.
+  }
 }
 
 HostCache::~HostCache() {
-  if (pinned_) cuda::api()->cuMemHostUnregister(base_);
+  stop_.store(true);
+  if (preparer_.joinable()) preparer_.join();
+  const cuda::Api* api = pinned_ ? cuda::api() : nullptr;
+  for (std::size_t i = 0; api && i < num_chunks_; ++i)
+    if (chunk_pinned_[i].load()) api->cuMemHostUnregister(base_ + i * chunk_bytes_);
   if (base_) munmap(base_, bytes_);
 }
 
-char* HostCache::acquire() {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (free_.empty()) {
-    const std::uint64_t t0 = now_ns();
-    cv_.wait(lock, [&] { return !free_.empty(); });
-    wait_ns_ += now_ns() - t0;
+void HostCache::prepare(std::size_t i) {
+  char* c = base_ + i * chunk_bytes_;
+  // Fault the pages in now rather than in the middle of a copy; older kernels lack the advice: touch them.
+  if (madvise(c, chunk_bytes_, MADV_POPULATE_WRITE) != 0) {
+    const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+    for (std::size_t off = 0; off < chunk_bytes_; off += page) c[off] = 0;
   }
-  char* c = free_.back();
-  free_.pop_back();
-  const std::size_t used = num_chunks_ - free_.size();
-  if (used > high_water_) high_water_ = used;
+  if (pin_device_ >= 0) {
+    Error e = cuda::make_current(pin_device_);  // per thread: the background one, or an acquirer
+    if (!e) e = cuda::check(cuda::api()->cuMemHostRegister(c, chunk_bytes_, cuda::kHostRegisterPortable),
+                            "cuMemHostRegister");
+    if (!e) {
+      chunk_pinned_[i].store(true);
+    } else if (i == 0) {
+      pin_error_ = e.message;
+    }
+  }
+  prepared_.fetch_add(1);
+}
+
+void HostCache::prepare_all() {
+  for (std::size_t i = 1; i < num_chunks_ && !stop_.load(); ++i)
+    std::call_once(prepare_once_[i], [this, i] { prepare(i); });
+}
+
+char* HostCache::acquire() {
+  char* c = nullptr;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (free_.empty()) {
+      const std::uint64_t t0 = now_ns();
+      cv_.wait(lock, [&] { return !free_.empty(); });
+      wait_ns_ += now_ns() - t0;
+    }
+    c = free_.back();
+    free_.pop_back();
+    const std::size_t used = num_chunks_ - free_.size();
+    if (used > high_water_) high_water_ = used;
+  }
+  const std::size_t i = static_cast<std::size_t>(c - base_) / chunk_bytes_;
+  std::call_once(prepare_once_[i], [this, i] { prepare(i); });  // waits if the background thread has it
   return c;
 }
 
@@ -68,12 +114,17 @@ void HostCache::release(char* chunk) {
 
 CacheStats HostCache::stats(bool reset) {
   std::lock_guard<std::mutex> lock(mu_);
-  CacheStats s{num_chunks_, chunk_bytes_, num_chunks_ - free_.size(), high_water_, wait_ns_, pinned_};
+  CacheStats s{num_chunks_, chunk_bytes_, num_chunks_ - free_.size(), high_water_, wait_ns_,
+               prepared_.load(), pinned_};
   if (reset) {
     high_water_ = num_chunks_ - free_.size();
     wait_ns_ = 0;
   }
   return s;
+}
+
+void HostCache::prepare_rest() {
+  prepare_all();  // alongside the background thread: each chunk is prepared once, by whoever comes first
 }
 
 }  // namespace ds

@@ -1,13 +1,20 @@
 // The host cache: one arena allocated once, cut into fixed-size chunks kept on a free list. No ring and no
 // wrap-around: a chunk is either free or owned by exactly one piece of one file until its write completes.
 // A caller that finds no free chunk waits (backpressure); nothing is ever too large, it just takes turns.
+//
+// Faulting in and page-locking a cache of many GiB takes seconds (about 0.4 s per GiB to pin), which a
+// restart must not wait for: chunks are prepared (faulted in, then pinned) one by one by a background
+// thread, and a chunk acquired before its turn is prepared by the thread acquiring it.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace ds {
@@ -18,35 +25,50 @@ struct CacheStats {
   std::size_t in_use = 0;
   std::size_t high_water = 0;  // most chunks in use at once since the last reset
   std::uint64_t wait_ns = 0;   // time callers spent waiting for a free chunk since the last reset
+  std::size_t prepared = 0;    // chunks faulted in (and pinned when pinning) so far
   bool pinned = false;
 };
 
 class HostCache {
  public:
-  // Maps `bytes` (at least two chunks' worth) and faults it in. When `pin_device` >= 0 and a CUDA driver is
-  // present, page-locks it for DMA; a failure to pin is not fatal and is reported by pin_error().
+  // Maps `bytes` (at least two chunks' worth). When `pin_device` >= 0 and a CUDA driver is present, chunks
+  // are page-locked for DMA; a failure to pin is not fatal and is reported by pin_error(). Returns once the
+  // first chunk is ready; the others are prepared in the background.
   HostCache(std::size_t bytes, std::size_t chunk_bytes, int pin_device);
   ~HostCache();
   HostCache(const HostCache&) = delete;
   HostCache& operator=(const HostCache&) = delete;
 
-  // Blocks until a chunk is free. Thread-safe.
+  // Blocks until a chunk is free; returns it prepared. Thread-safe.
   char* acquire();
   void release(char* chunk);
 
   std::size_t chunk_bytes() const { return chunk_bytes_; }
   std::size_t num_chunks() const { return num_chunks_; }
+  // Whether chunks are page-locked (decided by the first chunk; a later chunk that fails stays pageable).
   bool pinned() const { return pinned_; }
   const std::string& pin_error() const { return pin_error_; }
   CacheStats stats(bool reset);
+  // Prepares every chunk not prepared yet, on this thread too; returns when all are.
+  void prepare_rest();
 
  private:
+  void prepare(std::size_t i);
+  void prepare_all();
+
   char* base_ = nullptr;
   std::size_t bytes_ = 0;
   std::size_t chunk_bytes_ = 0;
   std::size_t num_chunks_ = 0;
+  int pin_device_ = -1;
   bool pinned_ = false;
   std::string pin_error_;
+
+  std::unique_ptr<std::once_flag[]> prepare_once_;
+  std::unique_ptr<std::atomic<bool>[]> chunk_pinned_;
+  std::atomic<std::size_t> prepared_{0};
+  std::atomic<bool> stop_{false};
+  std::thread preparer_;
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -274,11 +274,23 @@ class DataStatesEngine:
 
     @property
     def pinned(self) -> bool:
+        """Whether the host cache is page-locked for DMA (decided when the engine starts)."""
         return self._core.pinned
 
     def cache_stats(self, reset: bool = False) -> dict[str, Any]:
-        """Chunks, chunks in use, high-water mark and time spent waiting for a free chunk."""
+        """Chunks, chunks in use, high-water mark, time spent waiting for a free chunk, and how many chunks
+        are prepared (faulted in and pinned) so far."""
         return self._core.cache_stats(reset)
+
+    def prepare_cache(self) -> None:
+        """Faults in and pins the whole host cache now.
+
+        Not needed: the engine starts at once and prepares the cache in the background, and a chunk needed
+        before its turn is prepared on first use. Call it to take that cost up front (e.g. before timing).
+        """
+        if self._closed:
+            raise ValueError("the engine is closed; create a new DataStatesEngine")
+        self._core.prepare_cache()
 
     def close(self) -> None:
         """Drains every save, stops the threads and frees the cache (its memory goes back). Idempotent.

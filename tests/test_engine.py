@@ -2,6 +2,7 @@
 lost, close() drains and is idempotent, the context manager, stats."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -43,7 +44,9 @@ def _rss() -> int:
 def test_close_is_idempotent_drains_and_frees_the_cache(tmp_path):
     before = _rss()
     engine = DataStatesEngine(small_config(host_cache_size=0.25))
-    assert _rss() - before > 200 << 20  # the cache is faulted in at start
+    engine.prepare_cache()  # otherwise faulted in by a background thread
+    assert engine.cache_stats()["prepared"] == engine.cache_stats()["chunks"]
+    assert _rss() - before > 200 << 20
     hs = [engine.save({"x": torch.randn(1 << 20)}, tmp_path / f"{i}.safetensors") for i in range(4)]
     engine.close()
     assert _rss() - before < 100 << 20
@@ -129,3 +132,26 @@ def test_cache_stats_show_backpressure(tmp_path):
         e.save({"x": torch.randn(4 << 20)}, tmp_path / "s.safetensors").wait_persisted()
         s = e.cache_stats(reset=True)
         assert s["high_water"] == 4 and s["wait_ns"] > 0 and s["in_use"] == 0
+
+
+def test_engine_starts_without_faulting_in_its_cache_and_prepares_it_in_the_background(tmp_path):
+    # A restart must not wait seconds for a cache of many GiB: chunks are prepared one by one.
+    engine = DataStatesEngine(small_config(host_cache_size=0.5, chunk_size=4))
+    try:
+        stats = engine.cache_stats()
+        assert 1 <= stats["prepared"] <= stats["chunks"] == 128
+        # A save before the background thread is done prepares the chunks it needs.
+        engine.save(
+            {"x": torch.arange(3 << 20, dtype=torch.float32)}, tmp_path / "a.safetensors"
+        ).wait_persisted()
+        deadline = time.monotonic() + 60
+        while engine.cache_stats()["prepared"] < 128 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.cache_stats()["prepared"] == 128
+        assert torch.equal(
+            engine.load(tmp_path / "a.safetensors")["x"], torch.arange(3 << 20, dtype=torch.float32)
+        )
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="closed"):
+        engine.prepare_cache()
