@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def run_phase(args: argparse.Namespace) -> None:
 
     t_start = time.perf_counter()
     rec: dict[str, Any] = {"mode": args.mode, "trainer": DistributedTrainer.__name__, "ends": [], "saves": []}
-    rec["commits"], rec["dcp"] = [], []
+    rec["commits"], rec["dcp"], rec["losses"] = [], [], []
 
     class Trainer(DistributedTrainer):
         def __init__(self, *a: Any, **k: Any) -> None:
@@ -71,12 +72,19 @@ def run_phase(args: argparse.Namespace) -> None:
             out = super().training_step(dataloader)
             torch.cuda.synchronize()
             rec["ends"].append([self.iteration_step, time.perf_counter() - t_start])
+            loss = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+            if isinstance(loss, torch.Tensor):
+                rec["losses"].append([self.iteration_step, loss.item()])
             return out
 
         def save_checkpoint(self) -> Path:
             t0 = time.perf_counter()
-            path = self._dcp_save() if args.mode == "dcp" else super().save_checkpoint()
+            profile = args.profile and len(rec["saves"]) == 1  # the second save: the engine is warm
+            with Profiled(Path(args.record).with_suffix(".save.prof.txt") if profile else None):
+                path = self._dcp_save() if args.mode == "dcp" else super().save_checkpoint()
             rec["saves"].append({"step": self.iteration_step, "call_s": time.perf_counter() - t0})
+            if args.mode == "torch":  # durable when the call returns
+                prune_before(path.parent, self.iteration_step)
             return path
 
         def _dcp_save(self) -> Path:
@@ -84,6 +92,7 @@ def run_phase(args: argparse.Namespace) -> None:
 
             if self._dcp_future is not None:
                 self._dcp_future.result()
+                prune_before(Path(self.config.checkpoints.checkpoints_path), self._dcp_step)
             opt = self.optimizer.state_dict()
             state = {
                 "model": dict(self.unwrapped_model.state_dict()),
@@ -91,6 +100,7 @@ def run_phase(args: argparse.Namespace) -> None:
                 "master": dict(opt.get("gradient_accumulator", {})),
             }
             step, t0 = self.iteration_step, time.perf_counter()
+            self._dcp_step = step
             path = Path(self.config.checkpoints.checkpoints_path) / f"dcp_{step}"
             self._dcp_future = dcp.async_save(state, checkpoint_id=str(path), process_group=self._gloo)
             self._dcp_future.add_done_callback(
@@ -105,22 +115,82 @@ def run_phase(args: argparse.Namespace) -> None:
 
         def _ds_report(self, r: Any) -> None:  # datastates: the committer's figures
             super()._ds_report(r)
+            if r.committed:
+                prune_before(Path(self.config.checkpoints.checkpoints_path), r.step)
             rec["commits"].append({"step": r.step, "bytes": r.bytes, "stall_s": r.stall_s,
                                    "snapshot_s": r.snapshot_s, "persisted_s": r.persisted_s,
                                    "committed_s": r.committed_s})  # fmt: skip
 
-    trainer = Trainer(args.config)
+    restoring = args.profile and args.mode.startswith("restore")
+    with Profiled(Path(args.record).with_suffix(".init.prof.txt") if restoring else None):
+        trainer = Trainer(args.config)
     rec["init_s"] = time.perf_counter() - t_start
     trainer.train(run_train.get_dataloader(trainer))
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.record).write_text(json.dumps(rec))
 
 
+class Profiled:
+    """cProfile of a block, written as text (the 40 costliest calls, cumulative) to `path`; None: no-op."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        if self.path is not None:
+            import cProfile
+
+            self.prof = cProfile.Profile()
+            self.prof.enable()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.path is None:
+            return
+        import io
+        import pstats
+
+        self.prof.disable()
+        text = io.StringIO()
+        pstats.Stats(self.prof, stream=text).sort_stats("cumulative").print_stats(40)
+        self.path.write_text(text.getvalue())
+
+
 # -- all runs ----------------------------------------------------------------------------------------------
 
 
-def drop_caches() -> None:
-    subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, check=False)
+def make_cold(folder: Path) -> dict[str, Any]:
+    """Evicts `folder`'s files from the page cache (drop_caches where allowed, and per-file fadvise, which
+    needs no privilege); returns how many of their bytes stay resident (mincore through `fincore`)."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        method = "drop_caches+fadvise"
+    except OSError:
+        method = "fadvise"
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    size = sum(p.stat().st_size for p in files)
+    try:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "-o", "RES", *map(str, files)],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        resident: int | None = sum(int(x) for x in out.split())
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        resident = None
+    return {"method": method, "files": len(files), "bytes": size, "resident_bytes": resident}
+
+
+def prune_before(folder: Path, step: int) -> None:
+    """Removes the checkpoints under `folder` older than the durable one of `step` (the disk holds few
+    checkpoints of the 1B model: 15 GB each)."""
+    for p in folder.iterdir() if folder.is_dir() else ():
+        name = p.name.removeprefix("dcp_")
+        if p.is_dir() and name.isdigit() and int(name) < step:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def run_all(args: argparse.Namespace) -> int:
@@ -137,23 +207,26 @@ def run_all(args: argparse.Namespace) -> int:
 
     never = args.steps + 1
     last = args.steps // args.interval * args.interval
+    # Each restore right after the run it resumes, whose checkpoints are then deleted: at most two
+    # checkpoints of the 1B model (15 GB each) are on the disk at once.
     runs = [
         ("none", config("none", "torch", args.steps, never), True),
         ("torch", config("torch", "torch", args.steps, args.interval), True),
+        ("restore-torch", config("restore-torch", "torch", last + 2, never, str(work / "ckpt_torch")), True),
         ("dcp", config("dcp", "torch", args.steps, args.interval), True),
         ("datastates", config("datastates", "datastates", args.steps, args.interval), False),
-        ("stress", config("stress", "datastates", args.stress_steps, 1), False),
-        ("restore-torch", config("restore-torch", "torch", last + 2, never, str(work / "ckpt_torch")), True),
         ("restore-datastates",
          config("restore-datastates", "datastates", last + 2, never, str(work / "ckpt_datastates")), False),
+        ("stress", config("stress", "datastates", args.stress_steps, 1), False),
     ]  # fmt: skip
     records: dict[str, Any] = {}
+    cold: dict[str, Any] = {}
     for name, cfg, stock in runs:
         if name.startswith("restore"):
-            drop_caches()
+            cold[name] = make_cold(work / f"ckpt_{name.split('-', 1)[1]}")
         record = work / f"{name}.json"
         cmd = ["torchrun", "--nproc_per_node=1", __file__, "phase", "--mode", name, "--config", str(cfg)]
-        cmd += ["--record", str(record)]
+        cmd += ["--record", str(record)] + (["--profile"] if args.profile else [])
         env = {**os.environ, **({"NANOTRON_DATASTATES_AUTOLOAD": "0"} if stock else {})}
         t0 = time.perf_counter()
         with open(out / f"{name}.log", "w") as f:
@@ -161,7 +234,14 @@ def run_all(args: argparse.Namespace) -> int:
         rec = json.loads(record.read_text()) if record.exists() else {}
         records[name] = {"rc": rc, "seconds": time.perf_counter() - t0, **rec}
         print(f"{name:20s} rc={rc} {records[name]['seconds']:6.1f} s", flush=True)
+        for prof in work.glob(f"{name}.*.prof.txt"):
+            shutil.copy(prof, out / prof.name)
+        if name.startswith("restore"):
+            shutil.rmtree(work / f"ckpt_{name.split('-', 1)[1]}", ignore_errors=True)
+        elif name not in ("torch", "datastates"):  # those two are resumed next
+            shutil.rmtree(work / f"ckpt_{name}", ignore_errors=True)
     result = summarize(args, records)
+    result["cold_cache"] = cold
     stem = out / f"bench_nanotron_{args.model}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(table(result))
@@ -175,6 +255,30 @@ def iteration_times(rec: dict[str, Any]) -> dict[int, float]:
     return {step: t - ends[i - 1][1] for i, (step, t) in enumerate(ends) if i > 0}
 
 
+def stall_figures(rec: dict[str, Any], fallback_median: float) -> dict[str, Any]:
+    """Per checkpoint, the excess of the WINDOW iterations after it over the run's own median iteration
+    (iterations outside every window and past WARMUP; `fallback_median` where there are none, as in the
+    stress run, which checkpoints at every step)."""
+    it = iteration_times(rec)
+    saves = [x["step"] for x in rec.get("saves", []) if x["step"] > WARMUP]
+    windows = {s + j for s in saves for j in range(1, WINDOW + 1)}
+    quiet = [t for s, t in it.items() if s > WARMUP and s not in windows]
+    median = statistics.median(quiet) if quiet else fallback_median
+    excess = [[it[s + j] - median for j in range(1, WINDOW + 1) if s + j in it] for s in saves]
+    stalls = [sum(e) for e in excess]
+    return {"median_quiet_iteration_s": median, "window_excess_s": excess, "stall_s": stalls,
+            "stall_median_s": statistics.median(stalls) if stalls else None}  # fmt: skip
+
+
+def loss_match(resumed: dict[str, Any], original: dict[str, Any]) -> dict[str, Any]:
+    """Losses of a resumed run against the original run's at the same steps (bitwise is the bar)."""
+    mine, theirs = dict(resumed.get("losses", [])), dict(original.get("losses", []))
+    common = sorted(set(mine) & set(theirs))
+    diffs = [abs(mine[s] - theirs[s]) for s in common]
+    return {"steps": common, "bitwise": bool(common) and all(d == 0 for d in diffs),
+            "max_abs_diff": max(diffs, default=None)}  # fmt: skip
+
+
 def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, Any]:
     base = iteration_times(records["none"])
     steady = [t for s, t in base.items() if s > WARMUP]
@@ -184,22 +288,16 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         rec = records.get(name, {})
         it = iteration_times(rec)
         measured = [t for s, t in it.items() if s > WARMUP]
-        stalls = []
-        for save in rec.get("saves", []):
-            s = save["step"]
-            if s <= WARMUP:
-                continue
-            window = [it[s + j] - median for j in range(1, WINDOW + 1) if s + j in it]
-            stalls.append(sum(window))
         modes[name] = {
             "iterations": len(measured),
             "mean_iteration_s": statistics.fmean(measured) if measured else None,
             "checkpoints": len(rec.get("saves", [])),
-            "stall_s": stalls,
-            "stall_median_s": statistics.median(stalls) if stalls else None,
+            **stall_figures(rec, median),
             "save_call_s": [x["call_s"] for x in rec.get("saves", [])],
             "persisted_s": [c["persisted_s"] for c in rec.get("commits", [])]
             or [d["persisted_s"] for d in rec.get("dcp", [])],
+            "committed_s": [c["committed_s"] for c in rec.get("commits", [])],
+            "engine_stall_s": [c["stall_s"] for c in rec.get("commits", [])],
             "checkpoint_bytes": max((c["bytes"] for c in rec.get("commits", [])), default=None),
         }
         if modes["none"]["mean_iteration_s"] and modes[name]["mean_iteration_s"]:
@@ -212,14 +310,15 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
     restore = {name: first[name] - first["none"] for name in ("restore-torch", "restore-datastates")
                if first[name] is not None and first["none"] is not None}  # fmt: skip
     ratios = {}
-    if modes["torch"]["stall_median_s"] and modes["datastates"]["stall_median_s"]:
-        ratios["stall_vs_native"] = modes["datastates"]["stall_median_s"] / modes["torch"]["stall_median_s"]
-    if modes["dcp"]["stall_median_s"] and modes["datastates"]["stall_median_s"]:
-        ratios["stall_vs_dcp"] = modes["datastates"]["stall_median_s"] / modes["dcp"]["stall_median_s"]
+    ds = modes["datastates"]["stall_median_s"]
+    for key, other in (("stall_vs_native", "torch"), ("stall_vs_dcp", "dcp")):
+        if modes[other]["stall_median_s"] and ds is not None:
+            ratios[key] = ds / modes[other]["stall_median_s"]
     if len(restore) == 2 and restore["restore-datastates"] > 0:
         ratios["restore_speedup_vs_native"] = restore["restore-torch"] / restore["restore-datastates"]
     return {
         "command": " ".join(sys.argv),
+        "gpu": _gpu_name(),
         "model": args.model,
         "steps": args.steps,
         "interval": args.interval,
@@ -227,9 +326,22 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         "modes": modes,
         "restore_to_first_step_s": restore,
         "first_step_end_s": first,
+        "resume_losses": {
+            f"restore-{m}": loss_match(records.get(f"restore-{m}", {}), records.get(m, {}))
+            for m in ("torch", "datastates")
+        },
         "ratios": ratios,
         "runs": {k: {"rc": v["rc"], "seconds": v["seconds"]} for k, v in records.items()},
     }
+
+
+def _gpu_name() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.strip().splitlines()[0] if out.strip() else None
 
 
 def _first_step_s(rec: dict[str, Any]) -> float | None:
@@ -253,6 +365,9 @@ def table(r: dict[str, Any]) -> str:
         lines.append(f"| {name} | {m['checkpoints']} | {stall} | {mean} | {loss_text} | {persisted} |")
     lines += ["", "restore to the first step, over building the model from scratch: "
               + ", ".join(f"{k} {v:.2f} s" for k, v in r["restore_to_first_step_s"].items()),
+              "losses after resuming equal the original run's, bit for bit: "
+              + ", ".join(f"{k} {v['bitwise']} ({len(v['steps'])} steps)"
+                          for k, v in r["resume_losses"].items()),
               "ratios: " + ", ".join(f"{k} {v:.4f}" for k, v in r["ratios"].items()), ""]  # fmt: skip
     return "\n".join(lines)
 
@@ -290,9 +405,11 @@ def main() -> int:
     a.add_argument("--interval", type=int, default=20)
     a.add_argument("--stress-steps", type=int, default=30)
     a.add_argument("--cache-gib", type=float, default=8.0)
+    a.add_argument("--profile", action="store_true", help="cProfile the second save and the restores' init")
     ph = sub.add_parser("phase")
     for flag in ("--mode", "--config", "--record"):
         ph.add_argument(flag, required=True)
+    ph.add_argument("--profile", action="store_true")
     args = p.parse_args()
     if args.what == "phase":
         run_phase(args)

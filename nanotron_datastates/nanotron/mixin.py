@@ -62,6 +62,7 @@ class DataStatesTrainerMixin:
         self._ds_committer: Committer | None = None
         self._ds_gate = SnapshotGate()
         self._ds_outstanding = 0
+        self._ds_optimizer_flag_held = False  # checkpoints.load_optimizer, off until the first step is done
         path = self.init_checkpoint_path
         self._ds_resume = (
             Path(path)
@@ -143,8 +144,12 @@ class DataStatesTrainerMixin:
                 )
         if load_optimizer:
             path = shards.optimizer_path(self.optimizer, pc, root, writing=False)
-            # On the CPU, as Nanotron's loader does: its first step moves the states to the GPU.
-            self.optimizer.load_state_dict(engine.load(path, "cpu"), map_location="cpu")
+            # Straight onto the GPU through the pinned cache (Nanotron's loader reads them onto the CPU and
+            # its first step copies them over from pageable memory). Its `load_optimizer` flag stays off
+            # until the first step has run, so that step does not try to move them again.
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+            self.optimizer.load_state_dict(engine.load(path, device or "cpu"), map_location=device or "cpu")
+            self._ds_optimizer_flag_held = device is not None
         if load_lr_scheduler:
             path = shards.lr_scheduler_path(self.config.optimizer.zero_stage, pc, root, writing=False)
             # Unlike Nanotron's loader, no `_initial_step()` after this: it steps the schedule once more, so
@@ -167,7 +172,8 @@ class DataStatesTrainerMixin:
                 )  # in place: the model holds them
             states.set_global_rng_state(saved["global"])
         ck = self.config.checkpoints
-        ck.load_optimizer, ck.load_lr_scheduler = self._ds_load_flags
+        ck.load_optimizer = load_optimizer and not self._ds_optimizer_flag_held
+        ck.load_lr_scheduler = load_lr_scheduler
 
     def _ds_topology(self) -> dict[str, int]:
         pc = self.parallel_context
@@ -178,6 +184,13 @@ class DataStatesTrainerMixin:
             "expert": pc.expert_parallel_size,
             "zero_stage": int(self.config.optimizer.zero_stage),
         }
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().training_step(*args, **kwargs)
+        if self._ds_optimizer_flag_held:
+            self._ds_optimizer_flag_held = False
+            self.config.checkpoints.load_optimizer = self._ds_load_flags[0]
+        return out
 
     # -- saving ---------------------------------------------------------------------------------------------
 
@@ -244,7 +257,7 @@ class DataStatesTrainerMixin:
             indent=2,
             sort_keys=True,
         )
-        config_text = yaml.dump(serialize(self.config))
+        config_doc = copy.deepcopy(serialize(self.config))  # dumping it (ms) is left to the committer
         if hasattr(self.model_config, "to_json_string"):
             model_config_text = self.model_config.to_json_string()
         else:
@@ -254,7 +267,7 @@ class DataStatesTrainerMixin:
         checkpoints = Path(self.config.checkpoints.checkpoints_path)
 
         def finalize(files: dict[str, Any]) -> None:
-            layout.write_atomic(folder / "config.yaml", config_text)
+            layout.write_atomic(folder / "config.yaml", yaml.dump(config_doc))
             layout.write_atomic(folder / MODEL_CONFIG_FILE_NAME, model_config_text)
             layout.write_atomic(folder / "optimizer" / "optimizer_config.json", optimizer_text)
             layout.write_atomic(folder / CHECKPOINT_FILE_NAME, meta_text)

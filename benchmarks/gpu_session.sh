@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (device tool, carry .gpu): build, then the named steps, results under $OUT.
+#   bash benchmarks/gpu_session.sh STEP [STEP ...]
+# Steps: tests | dd | engine | proof | nanotron-180m | nanotron-1b  (see each case below for its command).
+# Every step's output is kept in $OUT/<step>.log; results go to $OUT/<step>/ and are tarred at the end,
+# since only a few files come back from $OUT.
+set -uo pipefail
+OUT=${OUT:?set OUT}
+source .gpu/tools/device-env.sh .gpu
+export PYTHONUNBUFFERED=1
+WORK=${WORK:-/tmp/ds_bench}
+mkdir -p "$WORK"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+{ df -h "$WORK" /dev/shm; findmnt -T "$WORK"; nproc; free -g; } > "$OUT/machine.txt" 2>&1
+
+python3 -m pip install --no-build-isolation --no-deps -q -e . > "$OUT/build.log" 2>&1 || {
+  tail -30 "$OUT/build.log"
+  exit 1
+}
+
+run_step() {
+  case "$1" in
+    tests) python3 -m pytest -q -rs tests/test_gpu.py tests/test_engine.py tests/test_streaming.py ;;
+    dd) # the O_DIRECT write ceiling of the disk the benchmarks write to, 1 to 8 streams of 1 GiB each
+      for n in 1 2 4 8; do
+        t0=$(date +%s.%N)
+        for i in $(seq "$n"); do dd if=/dev/zero of="$WORK/dd$i" bs=64M count=16 oflag=direct 2>/dev/null & done
+        wait
+        t1=$(date +%s.%N)
+        python3 -c "print(f'dd oflag=direct $n streams: {$n * 2**30 / ($t1 - $t0) / 1e9:.2f} GB/s')"
+        rm -f "$WORK"/dd*
+      done ;;
+    engine) python3 benchmarks/bench_engine.py --repeat 3 --dir "$WORK/engine" --out "$OUT/engine/engine_gpu.json" ;;
+    proof) python3 benchmarks/nanotron_proof.py all --gpus 1 --phases ds-train,ds-resume --out "$OUT/proof" \
+      --work "$WORK/proof" ;;
+    nanotron-180m) (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 130 --interval 40 \
+      --profile --work "$WORK/bn180" --out "$OUT/nanotron-180m") ;;
+    nanotron-1b) (cd benchmarks && python3 bench_nanotron.py all --model 1b --steps 50 --interval 20 \
+      --stress-steps 8 --cache-gib 20 --profile --work "$WORK/bn1b" --out "$OUT/nanotron-1b") ;;
+    *) echo "unknown step $1"; return 2 ;;
+  esac
+}
+
+rc=0
+for step in "$@"; do
+  mkdir -p "$OUT/$step"
+  t0=$(date +%s)
+  run_step "$step" > "$OUT/$step.log" 2>&1
+  r=$?
+  echo "$step: rc=$r in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/steps.txt"
+  tail -25 "$OUT/$step.log"
+  [ $r -ne 0 ] && rc=$r
+done
+tar -C "$OUT" -czf "$OUT/results.tgz" --exclude results.tgz . 2>/dev/null
+exit $rc
