@@ -19,6 +19,21 @@ cuda::CUstream thread_stream(int device, Error* err) {
   return s;
 }
 
+// This thread's event for `device`, to wait for its stream with: a blocking-sync event puts the waiting
+// thread to sleep, where cuStreamSynchronize would spin and contend with the training thread for the
+// driver while the copies overlap the next forward and backward passes.
+cuda::CUevent thread_event(int device, Error* err) {
+  thread_local std::unordered_map<int, cuda::CUevent> events;
+  auto it = events.find(device);
+  if (it != events.end()) return it->second;
+  cuda::CUevent ev = nullptr;
+  *err = cuda::check(cuda::api()->cuEventCreate(&ev, cuda::kEventBlockingSync | cuda::kEventDisableTiming),
+                     "cuEventCreate");
+  if (*err) return nullptr;
+  events.emplace(device, ev);
+  return ev;
+}
+
 }  // namespace
 
 void gather_host(const TensorSrc& t, std::size_t begin, std::size_t end, char* dst) {
@@ -69,7 +84,9 @@ Error InFlight::sync() {
   Error first;
   for (auto& [device, s] : pending_) {
     Error e = cuda::make_current(device);
-    if (!e) e = cuda::check(cuda::api()->cuStreamSynchronize(s), "cuStreamSynchronize");
+    cuda::CUevent ev = e ? nullptr : thread_event(device, &e);
+    if (!e) e = cuda::check(cuda::api()->cuEventRecord(ev, s), "cuEventRecord");
+    if (!e) e = cuda::check(cuda::api()->cuEventSynchronize(ev), "cuEventSynchronize");
     if (e && !first) first = e;
   }
   pending_.clear();

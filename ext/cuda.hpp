@@ -30,6 +30,7 @@ struct Api {
   CUresult (*cuEventCreate)(CUevent*, unsigned);
   CUresult (*cuEventDestroy)(CUevent);
   CUresult (*cuEventRecord)(CUevent, CUstream);
+  CUresult (*cuEventSynchronize)(CUevent);
   CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, std::size_t, CUstream);
   CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, std::size_t, CUstream);
   CUresult (*cuMemHostRegister)(void*, std::size_t, unsigned);
@@ -38,6 +39,7 @@ struct Api {
 };
 
 constexpr unsigned kStreamNonBlocking = 0x1;
+constexpr unsigned kEventBlockingSync = 0x1;
 constexpr unsigned kEventDisableTiming = 0x2;
 constexpr unsigned kHostRegisterPortable = 0x1;
 

@@ -49,6 +49,7 @@ std::shared_ptr<SaveJob> Engine::save(std::string path, std::vector<TensorSrc> t
     if (closing_) throw ErrorException(Error::value("the engine is closed; create a new DataStatesEngine"));
     ++in_flight_;
   }
+  cache_->start_background();
   job->start();
   parsers_.submit([this, job] { run_plan(job); });
   return job;
@@ -86,9 +87,13 @@ RestoreResult Engine::restore(const std::string& path, std::uint64_t data_start,
   return restore_file(path, data_start, data_len, spans, to_device, ro, parsers_, *cache_);
 }
 
-void Engine::prepare_cache() {
+void Engine::prepare_cache(bool wait) {
   const Work work(this);  // close() must not free the cache under us
-  cache_->prepare_rest();
+  if (wait) {
+    cache_->prepare_rest();
+  } else {
+    cache_->start_background();
+  }
 }
 
 Engine::Work::Work(Engine* e) : engine(e) {

@@ -44,8 +44,9 @@ class Engine final : public JobObserver {
   RestoreResult restore(const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
                         const std::vector<RestoreSpan>& spans, bool to_device, bool verify);
 
-  // Faults in and pins every chunk of the cache not prepared yet (the background thread does it otherwise).
-  void prepare_cache();
+  // Faults in and pins every chunk of the cache not prepared yet: before returning (`wait`), or on a
+  // background thread (which the first save starts too).
+  void prepare_cache(bool wait);
 
   // Waits until no save or restore is in flight; false on timeout (< 0: none).
   bool wait_idle(double timeout_s);

@@ -45,6 +45,12 @@ HostCache::HostCache(std::size_t bytes, std::size_t chunk_bytes, int pin_device)
   if (pin_device_ >= 0 && !pinned_) pin_device_ = -1;  // pin_error_ says why; do not retry per chunk
   free_.reserve(num_chunks_);
   for (std::size_t i = num_chunks_; i-- > 0;) free_.push_back(base_ + i * chunk_bytes_);
+}
+
+void HostCache::start_background() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (preparer_started_) return;
+  preparer_started_ = true;
   try {
     preparer_ = std::thread([this] { prepare_all(); });
   } catch (const std::system_error&) {
@@ -70,8 +76,9 @@ void HostCache::prepare(std::size_t i) {
   }
   if (pin_device_ >= 0) {
     Error e = cuda::make_current(pin_device_);  // per thread: the background one, or an acquirer
-    if (!e) e = cuda::check(cuda::api()->cuMemHostRegister(c, chunk_bytes_, cuda::kHostRegisterPortable),
-                            "cuMemHostRegister");
+    if (!e)
+      e = cuda::check(cuda::api()->cuMemHostRegister(c, chunk_bytes_, cuda::kHostRegisterPortable),
+                      "cuMemHostRegister");
     if (!e) {
       chunk_pinned_[i].store(true);
     } else if (i == 0) {
@@ -115,7 +122,7 @@ void HostCache::release(char* chunk) {
 
 CacheStats HostCache::stats(bool reset) {
   std::lock_guard<std::mutex> lock(mu_);
-  CacheStats s{num_chunks_, chunk_bytes_, num_chunks_ - free_.size(), high_water_, wait_ns_,
+  CacheStats s{num_chunks_,      chunk_bytes_, num_chunks_ - free_.size(), high_water_, wait_ns_,
                prepared_.load(), pinned_};
   if (reset) {
     high_water_ = num_chunks_ - free_.size();

@@ -4,7 +4,9 @@
 //
 // Faulting in and page-locking a cache of many GiB takes seconds (about 0.4 s per GiB to pin), which a
 // restart must not wait for: chunks are prepared (faulted in, then pinned) one by one by a background
-// thread, and a chunk acquired before its turn is prepared by the thread acquiring it.
+// thread, and a chunk acquired before its turn is prepared by the thread acquiring it. The background
+// thread starts on demand (the first save, or start_background()), not at construction: pinning holds the
+// CUDA driver's locks, and a restore, which needs a few chunks only, must not contend with it.
 #pragma once
 
 #include <atomic>
@@ -33,7 +35,7 @@ class HostCache {
  public:
   // Maps `bytes` (at least two chunks' worth). When `pin_device` >= 0 and a CUDA driver is present, chunks
   // are page-locked for DMA; a failure to pin is not fatal and is reported by pin_error(). Returns once the
-  // first chunk is ready; the others are prepared in the background.
+  // first chunk is ready; the others are prepared on first use or by start_background().
   HostCache(std::size_t bytes, std::size_t chunk_bytes, int pin_device);
   ~HostCache();
   HostCache(const HostCache&) = delete;
@@ -49,6 +51,8 @@ class HostCache {
   bool pinned() const { return pinned_; }
   const std::string& pin_error() const { return pin_error_; }
   CacheStats stats(bool reset);
+  // Starts preparing the chunks not prepared yet on a background thread. Idempotent.
+  void start_background();
   // Prepares every chunk not prepared yet, on this thread too; returns when all are.
   void prepare_rest();
 
@@ -69,6 +73,7 @@ class HostCache {
   std::atomic<std::size_t> prepared_{0};
   std::atomic<bool> stop_{false};
   std::thread preparer_;
+  bool preparer_started_ = false;  // guarded by mu_
 
   std::mutex mu_;
   std::condition_variable cv_;

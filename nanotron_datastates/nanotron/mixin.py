@@ -63,6 +63,7 @@ class DataStatesTrainerMixin:
         self._ds_gate = SnapshotGate()
         self._ds_outstanding = 0
         self._ds_optimizer_flag_held = False  # checkpoints.load_optimizer, off until the first step is done
+        self._ds_cache_started = False
         path = self.init_checkpoint_path
         self._ds_resume = (
             Path(path)
@@ -190,6 +191,11 @@ class DataStatesTrainerMixin:
         if self._ds_optimizer_flag_held:
             self._ds_optimizer_flag_held = False
             self.config.checkpoints.load_optimizer = self._ds_load_flags[0]
+        if not self._ds_cache_started and self._ds_active and self._ds_engine is not None:
+            # Pin the host cache in the background now that training runs: not before the first step,
+            # whose CUDA calls it would contend with, and not at the first checkpoint, which it would stall.
+            self._ds_cache_started = True
+            self._ds_engine.prepare_cache(wait=False)
         return out
 
     # -- saving ---------------------------------------------------------------------------------------------
