@@ -62,6 +62,21 @@ def run_phase(args: argparse.Namespace) -> None:
     rec: dict[str, Any] = {"mode": args.mode, "trainer": DistributedTrainer.__name__, "ends": [], "saves": []}
     rec["commits"], rec["dcp"], rec["losses"] = [], [], []
 
+    engine_time = [0.0]  # seconds in DataStatesEngine.save (planning + queuing), summed
+    if args.mode in ("datastates", "stress"):
+        from nanotron_datastates import DataStatesEngine
+
+        plain_save = DataStatesEngine.save
+
+        def timed_save(self: Any, *a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return plain_save(self, *a, **k)
+            finally:
+                engine_time[0] += time.perf_counter() - t
+
+        DataStatesEngine.save = timed_save  # type: ignore[method-assign]
+
     class Trainer(DistributedTrainer):
         def __init__(self, *a: Any, **k: Any) -> None:
             super().__init__(*a, **k)
@@ -78,11 +93,13 @@ def run_phase(args: argparse.Namespace) -> None:
             return out
 
         def save_checkpoint(self) -> Path:
+            engine_s0 = engine_time[0]
             t0 = time.perf_counter()
             profile = args.profile and len(rec["saves"]) == 1  # the second save: the engine is warm
             with Profiled(Path(args.record).with_suffix(".save.prof.txt") if profile else None):
                 path = self._dcp_save() if args.mode == "dcp" else super().save_checkpoint()
-            rec["saves"].append({"step": self.iteration_step, "call_s": time.perf_counter() - t0})
+            rec["saves"].append({"step": self.iteration_step, "call_s": time.perf_counter() - t0,
+                                 "engine_save_s": engine_time[0] - engine_s0})  # fmt: skip
             if args.mode == "torch":  # durable when the call returns
                 prune_before(path.parent, self.iteration_step)
             return path
@@ -257,14 +274,15 @@ def iteration_times(rec: dict[str, Any]) -> dict[int, float]:
 
 def stall_figures(rec: dict[str, Any], fallback_median: float) -> dict[str, Any]:
     """Per checkpoint, the excess of the WINDOW iterations after it over the run's own median iteration
-    (iterations outside every window and past WARMUP; `fallback_median` where there are none, as in the
-    stress run, which checkpoints at every step)."""
+    (iterations outside every window and past WARMUP). Where there are none (the stress run checkpoints at
+    every step), the excess of the one iteration after it over `fallback_median`."""
     it = iteration_times(rec)
     saves = [x["step"] for x in rec.get("saves", []) if x["step"] > WARMUP]
     windows = {s + j for s in saves for j in range(1, WINDOW + 1)}
     quiet = [t for s, t in it.items() if s > WARMUP and s not in windows]
     median = statistics.median(quiet) if quiet else fallback_median
-    excess = [[it[s + j] - median for j in range(1, WINDOW + 1) if s + j in it] for s in saves]
+    window = WINDOW if quiet else 1  # a checkpoint at every step: each iteration carries one
+    excess = [[it[s + j] - median for j in range(1, window + 1) if s + j in it] for s in saves]
     stalls = [sum(e) for e in excess]
     return {"median_quiet_iteration_s": median, "window_excess_s": excess, "stall_s": stalls,
             "stall_median_s": statistics.median(stalls) if stalls else None}  # fmt: skip
@@ -294,6 +312,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
             "checkpoints": len(rec.get("saves", [])),
             **stall_figures(rec, median),
             "save_call_s": [x["call_s"] for x in rec.get("saves", [])],
+            "engine_save_s": [x.get("engine_save_s", 0.0) for x in rec.get("saves", [])],
             "persisted_s": [c["persisted_s"] for c in rec.get("commits", [])]
             or [d["persisted_s"] for d in rec.get("dcp", [])],
             "committed_s": [c["committed_s"] for c in rec.get("commits", [])],

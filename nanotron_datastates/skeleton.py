@@ -29,6 +29,7 @@ import torch
 from .errors import FormatError
 
 _SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_PLAIN = (type(None), bool, int, str)  # JSON stands for them as they are
 
 
 def encode(state: Any, on_tensor: Callable[[torch.Tensor, str], str], *, allow_pickle: bool = False) -> str:
@@ -46,11 +47,13 @@ def encode(state: Any, on_tensor: Callable[[torch.Tensor, str], str], *, allow_p
             return {"t": on_tensor(x, path)}
         if tx in (dict, collections.OrderedDict):
             tag = "d" if tx is dict else "o"
-            return {tag: [[node(k, f"{path}[key]", True), node(v, _join(path, k))] for k, v in x.items()]}
-        if tx is list:
-            return {"l": [node(v, _join(path, i), in_key) for i, v in enumerate(x)]}
-        if tx is tuple:
-            return {"u": [node(v, _join(path, i), in_key) for i, v in enumerate(x)]}
+            return {tag: [[k if type(k) in _PLAIN else node(k, f"{path}[key]", True), node(v, _join(path, k))]
+                          for k, v in x.items()]}  # fmt: skip
+        if tx is list or tx is tuple:
+            # Fast path, e.g. the parameter names of an optimizer's param groups: no per-item paths.
+            items = list(x) if all(type(v) in _PLAIN for v in x) else [
+                node(v, _join(path, i), in_key) for i, v in enumerate(x)]  # fmt: skip
+            return {"l" if tx is list else "u": items}
         if tx is torch.Size:
             return {"s": list(x)}
         if tx is bytes:

@@ -64,6 +64,7 @@ class DataStatesTrainerMixin:
         self._ds_outstanding = 0
         self._ds_optimizer_flag_held = False  # checkpoints.load_optimizer, off until the first step is done
         self._ds_cache_started = False
+        self._ds_weight_files: list[tuple[Path, torch.Tensor, dict[str, str]]] | None = None
         path = self.init_checkpoint_path
         self._ds_resume = (
             Path(path)
@@ -227,8 +228,11 @@ class DataStatesTrainerMixin:
         log_rank(f"Saving checkpoint at {folder} (datastates)", logger=logger, level=logging.INFO, rank=0)
 
         handles = []
-        for path, tensor, metadata in shards.weight_shards(self.unwrapped_model, pc, folder):
-            handles.append(engine.save({"data": tensor}, path, metadata=metadata, exact_metadata=True))
+        if self._ds_weight_files is None:  # the same files at every checkpoint: worked out once
+            self._ds_weight_files = shards.weight_shards(self.unwrapped_model, pc, Path())
+        for path, param, metadata in self._ds_weight_files:
+            save = engine.save({"data": param}, folder / path, metadata=metadata, exact_metadata=True)
+            handles.append(save)
         path = shards.optimizer_path(self.optimizer, pc, folder, writing=True)
         if path is not None:
             handles.append(engine.save(self.optimizer.state_dict(), path))

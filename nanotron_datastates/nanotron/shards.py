@@ -42,12 +42,14 @@ def _param(model: torch.nn.Module, name: str) -> NanotronParameter:
 def weight_shards(
     model: torch.nn.Module, pc: Any, root: Path
 ) -> list[tuple[Path, torch.Tensor, dict[str, str]]]:
-    """(file, tensor, Nanotron's tensor metadata) for every weight file this rank writes."""
+    """(file, parameter, Nanotron's tensor metadata) for every weight file this rank writes.
+
+    Depends on the model and topology only, so a trainer computes it once, with a relative `root`."""
     if dist.get_rank(pc.dp_pg) != 0:
         return []
     prefixes = _prefixes(model)
     out = []
-    for name, tensor in model.state_dict().items():
+    for name in model.state_dict():
         if dist.get_rank(pc.expert_pg) != 0 and "experts" not in name:
             continue
         param = _param(model, name)
@@ -73,7 +75,7 @@ def weight_shards(
             ).to_str_dict()
         path = get_path(base_name, type=ObjectType.MODEL, exp_tp_pp_rank_and_size=ranks,
                         is_expert_sharded=expert_sharded, prefix=root / "model")  # fmt: skip
-        out.append((path, tensor, metadata))
+        out.append((path, param, metadata))  # the parameter, not the state_dict's detached alias of it
     return out
 
 
