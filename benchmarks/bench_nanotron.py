@@ -236,6 +236,9 @@ def run_all(args: argparse.Namespace) -> int:
          config("restore-datastates", "datastates", last + 2, never, str(work / "ckpt_datastates")), False),
         ("stress", config("stress", "datastates", args.stress_steps, 1), False),
     ]  # fmt: skip
+    if args.modes:
+        wanted = set(args.modes.split(",")) | {"none"}  # every figure is relative to `none`
+        runs = [r for r in runs if r[0] in wanted]
     records: dict[str, Any] = {}
     cold: dict[str, Any] = {}
     for name, cfg, stock in runs:
@@ -425,6 +428,7 @@ def main() -> int:
     a.add_argument("--stress-steps", type=int, default=30)
     a.add_argument("--cache-gib", type=float, default=8.0)
     a.add_argument("--profile", action="store_true", help="cProfile the second save and the restores' init")
+    a.add_argument("--modes", help="comma-separated subset of the runs (none always runs)")
     ph = sub.add_parser("phase")
     for flag in ("--mode", "--config", "--record"):
         ph.add_argument(flag, required=True)
