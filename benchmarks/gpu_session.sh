@@ -34,13 +34,16 @@ run_step() {
     proof) python3 benchmarks/nanotron_proof.py all --gpus 1 --phases ds-train,ds-resume --out "$OUT/proof" \
       --work "$WORK/proof" ;;
     nanotron-180m) (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 130 --interval 40 \
-      --profile --work "$WORK/bn180" --out "$OUT/nanotron-180m") ;;
-    nanotron-1b) (cd benchmarks && python3 bench_nanotron.py all --model 1b --steps 50 --interval 20 \
-      --stress-steps 8 --cache-gib 20 --profile --work "$WORK/bn1b" --out "$OUT/nanotron-1b") ;;
+      --work "$WORK/bn180" --out "$OUT/nanotron-180m") ;;
+    nanotron-1b) (cd benchmarks && python3 bench_nanotron.py all --model 1b --steps 65 --interval 30 \
+      --stress-steps 5 --cache-gib 16 --work "$WORK/bn1b" --out "$OUT/nanotron-1b") ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
 }
 
+# Only a few files come back from $OUT, and none of a call cut short by its time limit but what is there:
+# keep a fresh tarball of everything.
+(while sleep 20; do tar -C "$OUT" -czf "$OUT/.partial.tgz" --exclude '*.tgz' . && mv "$OUT/.partial.tgz" "$OUT/results.tgz"; done) &
 rc=0
 for step in "$@"; do
   mkdir -p "$OUT/$step"
@@ -51,5 +54,6 @@ for step in "$@"; do
   tail -25 "$OUT/$step.log"
   [ $r -ne 0 ] && rc=$r
 done
-tar -C "$OUT" -czf "$OUT/results.tgz" --exclude results.tgz . 2>/dev/null
+kill %1 2>/dev/null
+tar -C "$OUT" -czf "$OUT/results.tgz" --exclude '*.tgz' . 2>/dev/null
 exit $rc
