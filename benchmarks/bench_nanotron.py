@@ -281,12 +281,14 @@ def stall_figures(rec: dict[str, Any], fallback_median: float) -> dict[str, Any]
     (iterations outside every window and past WARMUP). Where there are none (the stress run checkpoints at
     every step), the excess of the one iteration after it over `fallback_median`."""
     it = iteration_times(rec)
-    saves = [x["step"] for x in rec.get("saves", []) if x["step"] > WARMUP]
-    windows = {s + j for s in saves for j in range(1, WINDOW + 1)}
+    every = [x["step"] for x in rec.get("saves", [])]
+    saves = [s for s in every if s > WARMUP]
+    windows = {s + j for s in every for j in range(1, WINDOW + 1)}
     quiet = [t for s, t in it.items() if s > WARMUP and s not in windows]
     median = statistics.median(quiet) if quiet else fallback_median
     window = WINDOW if quiet else 1  # a checkpoint at every step: each iteration carries one
     excess = [[it[s + j] - median for j in range(1, window + 1) if s + j in it] for s in saves]
+    excess = [e for e in excess if e]  # the last step's checkpoint has no iteration after it
     stalls = [sum(e) for e in excess]
     return {"median_quiet_iteration_s": median, "window_excess_s": excess, "stall_s": stalls,
             "stall_median_s": statistics.median(stalls) if stalls else None}  # fmt: skip
@@ -332,6 +334,8 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
     }
     restore = {name: first[name] - first["none"] for name in ("restore-torch", "restore-datastates")
                if first[name] is not None and first["none"] is not None}  # fmt: skip
+    if modes["stress"]["mean_iteration_s"]:  # every iteration carries one checkpoint: its cost, on average
+        modes["stress"]["cost_per_checkpoint_s"] = modes["stress"]["mean_iteration_s"] - median
     ratios = {}
     ds = modes["datastates"]["stall_median_s"]
     for key, other in (("stall_vs_native", "torch"), ("stall_vs_dcp", "dcp")):

@@ -23,14 +23,19 @@ run_step() {
     tests) python3 -m pytest -q -rs tests/test_gpu.py tests/test_engine.py tests/test_streaming.py ;;
     dd) # the O_DIRECT write ceiling of the disk the benchmarks write to, 1 to 8 streams of 1 GiB each
       for n in 1 2 4 8; do
-        t0=$(date +%s.%N)
-        for i in $(seq "$n"); do dd if=/dev/zero of="$WORK/dd$i" bs=64M count=16 oflag=direct 2>/dev/null & done
-        wait
-        t1=$(date +%s.%N)
-        python3 -c "print(f'dd oflag=direct $n streams: {$n * 2**30 / ($t1 - $t0) / 1e9:.2f} GB/s')"
+        d0=$(date +%s.%N)
+        pids=()
+        for i in $(seq "$n"); do
+          dd if=/dev/zero of="$WORK/dd$i" bs=64M count=16 oflag=direct 2>/dev/null &
+          pids+=($!)
+        done
+        wait "${pids[@]}"  # not a bare wait: the tarball loop runs in the background
+        d1=$(date +%s.%N)
+        python3 -c "print(f'dd oflag=direct $n streams: {$n * 2**30 / ($d1 - $d0) / 1e9:.2f} GB/s')"
         rm -f "$WORK"/dd*
       done ;;
-    engine) python3 benchmarks/bench_engine.py --repeat 3 --dir "$WORK/engine" --out "$OUT/engine/engine_gpu.json" ;;
+    engine) python3 benchmarks/bench_engine.py --repeat 2 --skip-baselines --device both --dir "$WORK/engine" \
+      --out "$OUT/engine/engine_gpu.json" ;;
     proof) python3 benchmarks/nanotron_proof.py all --gpus 1 --phases ds-train,ds-resume --out "$OUT/proof" \
       --work "$WORK/proof" ;;
     nanotron-180m) (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 130 --interval 40 \
