@@ -11,6 +11,7 @@
 #include "crc32c.hpp"
 #include "cuda.hpp"
 #include "engine.hpp"
+#include "fault.hpp"
 #include "plan.hpp"
 
 namespace nb = nanobind;
@@ -226,6 +227,10 @@ NB_MODULE(_core, m) {
           },
           "reset"_a = false);
 
+  m.def("_arm_fault", &ds::fault::arm, "kind"_a, "err"_a, "path_contains"_a, "skip"_a = 0, "count"_a = 1,
+        "Tests only: fail the next matching flush-layer ops with errno `err`");
+  m.def("_disarm_fault", &ds::fault::disarm);
+  m.def("_fault_hits", &ds::fault::hits);
   m.def(
       "crc32c", [](nb::bytes data, std::uint32_t crc) { return ds::crc32c(crc, data.c_str(), data.size()); },
       "data"_a, "crc"_a = 0, "CRC-32C of `data`, continuing from `crc`");

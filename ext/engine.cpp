@@ -41,13 +41,24 @@ Engine::~Engine() {
 std::shared_ptr<SaveJob> Engine::save(std::string path, std::vector<TensorSrc> tensors, Metadata metadata,
                                       const std::vector<std::pair<int, std::uintptr_t>>& streams,
                                       bool embed_checksums) {
-  auto job = std::make_shared<SaveJob>(std::move(path), std::move(tensors), std::move(metadata), opts_.save,
-                                       embed_checksums, cache_.get(), this);
-  if (Error e = job->record_events(streams)) throw ErrorException(e);
   {
+    // Counted in flight before touching the cache: a concurrent close() waits instead of freeing it.
     std::lock_guard<std::mutex> lock(mu_);
     if (closing_) throw ErrorException(Error::value("the engine is closed; create a new DataStatesEngine"));
     ++in_flight_;
+  }
+  std::shared_ptr<SaveJob> job;
+  Error e;
+  try {
+    job = std::make_shared<SaveJob>(std::move(path), std::move(tensors), std::move(metadata), opts_.save,
+                                    embed_checksums, cache_.get(), this);
+    e = job->record_events(streams);
+  } catch (const std::bad_alloc&) {
+    e = Error::internal("out of memory queuing a save");
+  }
+  if (e) {
+    job_finished();  // never started: nothing else will
+    throw ErrorException(e);
   }
   cache_->start_background();
   job->start();

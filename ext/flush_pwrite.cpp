@@ -10,11 +10,13 @@
 #include <thread>
 #include <vector>
 
+#include "fault.hpp"
 #include "flush.hpp"
 
 namespace ds {
 
 int run_op_sync(IoOp& op) {
+  if (const int injected = fault::check(op)) return injected;  // tests only
   if (op.kind == IoOp::Kind::Fsync) {
     while (fsync(op.fd) != 0)
       if (errno != EINTR) return errno;

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <thread>
 
+#include "fault.hpp"
 #include "flush.hpp"
 
 namespace ds {
@@ -156,6 +157,11 @@ class UringWorker final : public FlushWorker {
         if (!op->prepared) {
           op->prepared = true;
           op->target->on_io_prepare(*op);
+        }
+        if (const int injected = fault::check(*op)) {  // tests only: fail it instead of doing it
+          pending_.pop_front();
+          finish(op, injected);
+          continue;
         }
         if (!prep(op)) break;
         pending_.pop_front();

@@ -120,7 +120,7 @@ SaveJob::Planned SaveJob::plan() {
   tmp_path_ =
       dir_ + "/." + base + ".dstmp." + std::to_string(getpid()) + "." + std::to_string(g_seq.fetch_add(1));
   if (int e = make_dirs(dir_)) {
-    fail(Error::os(e, "creating the checkpoint directory", dir_));
+    fail(Error::os(e, "creating the directory " + dir_, path_));
     finish();
     return out;
   }

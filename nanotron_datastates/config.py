@@ -22,8 +22,9 @@ class DataStatesConfig:
     """
 
     host_cache_size: float = 2.0
-    """GiB of host memory for the cache, allocated once at engine start. A checkpoint smaller than this is
-    captured without waiting for the disk; a larger one streams through with backpressure."""
+    """GiB of host memory for the cache, reserved at engine start and faulted in (and pinned) on first use or
+    in the background from the first save on. A checkpoint smaller than this is captured without waiting for
+    the disk; a larger one streams through with backpressure."""
     parser_threads: int = 4
     """Threads that serialize on save (copy into the cache) and read/verify on restore. Restores wait on the
     disk, so more threads than cores still help (measured on 2 cores: 4 threads beat 2)."""
@@ -54,29 +55,28 @@ class DataStatesConfig:
             if not ok:
                 raise ValueError(f"datastates.{name}={getattr(self, name)!r} is invalid: {rule}")
 
+        # Every message names the key and what it accepts, for a wrong type as for a value out of range.
+        ranges = {
+            "host_cache_size": (1 / 1024, 1 << 20, "expected GiB in [1/1024, 2**20]"),
+            "parser_threads": (1, 256, "expected an integer in [1, 256]"),
+            "flush_threads": (1, 64, "expected an integer in [1, 64]"),
+            "queue_depth": (1, 1024, "expected an integer in [1, 1024]"),
+            "chunk_size": (1, 4096, "expected MiB in [1, 4096] (an integer)"),
+            "read_size": (1, 4096, "expected MiB in [1, 4096] (an integer)"),
+        }
         for f in fields(self):
             value = getattr(self, f.name)
             kind = f.type if isinstance(f.type, str) else f.type.__name__
             if kind == "bool":
                 need(isinstance(value, bool), f.name, "expected true or false")
-            elif kind == "int":
-                need(isinstance(value, int) and not isinstance(value, bool), f.name, "expected an integer")
-            elif kind == "float":
-                need(
-                    isinstance(value, (int, float)) and not isinstance(value, bool),
-                    f.name,
-                    "expected a number",
-                )
             elif kind == "str":
-                need(isinstance(value, str), f.name, "expected a string")
-        need(
-            1 / 1024 <= self.host_cache_size <= 1 << 20, "host_cache_size", "expected GiB in [1/1024, 2**20]"
-        )
-        need(1 <= self.parser_threads <= 256, "parser_threads", "expected an integer in [1, 256]")
-        need(1 <= self.flush_threads <= 64, "flush_threads", "expected an integer in [1, 64]")
-        need(1 <= self.queue_depth <= 1024, "queue_depth", "expected an integer in [1, 1024]")
-        need(1 <= self.chunk_size <= 4096, "chunk_size", "expected MiB in [1, 4096]")
-        need(1 <= self.read_size <= 4096, "read_size", "expected MiB in [1, 4096]")
+                need(isinstance(value, str), f.name, f"expected one of {', '.join(_IO_BACKENDS)}")
+            else:
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if kind == "int":
+                    number = number and isinstance(value, int)
+                lo, hi, rule = ranges[f.name]
+                need(number and lo <= value <= hi, f.name, rule)
         need(self.io_backend in _IO_BACKENDS, "io_backend", f"expected one of {', '.join(_IO_BACKENDS)}")
 
     @classmethod

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
-from nanotron_datastates import DataStatesConfig
+from nanotron_datastates import DataStatesConfig, _core
 
 BACKENDS = ("io_uring", "pwrite")
 
@@ -43,3 +45,13 @@ def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> 
 
 def no_temporaries(directory: Path) -> bool:
     return not [n for n in os.listdir(directory) if ".dstmp." in n]
+
+
+@contextlib.contextmanager
+def injected_fault(kind: str, err: int, path_contains: str, skip: int = 0, count: int = 1) -> Iterator[None]:
+    """The core's flush layer fails matching ops with `err` (see ext/fault.hpp) within the block."""
+    _core._arm_fault(kind, err, path_contains, skip, count)
+    try:
+        yield
+    finally:
+        _core._disarm_fault()

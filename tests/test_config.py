@@ -1,5 +1,7 @@
 """DataStatesConfig: defaults, validation naming the field, from_dict, environment overrides."""
 
+import dataclasses
+
 import pytest
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
@@ -11,27 +13,36 @@ def test_defaults_are_valid_and_sized():
     assert c.chunk_bytes % 4096 == 0 and c.cache_bytes // c.chunk_bytes >= 2
 
 
-@pytest.mark.parametrize(
-    "field,value",
-    [
-        ("host_cache_size", 0),
-        ("host_cache_size", -1.0),
-        ("host_cache_size", "2"),
-        ("parser_threads", 0),
-        ("parser_threads", 1.5),
-        ("flush_threads", 0),
-        ("queue_depth", 0),
-        ("queue_depth", 5000),
-        ("chunk_size", 0),
-        ("read_size", 0),
-        ("pin_host_cache", "yes"),
-        ("fsync", 1),
-        ("io_backend", "aio"),
-    ],
-)
-def test_bad_value_names_the_field(field, value):
-    with pytest.raises(ValueError, match=rf"datastates\.{field}="):
+BAD = {
+    "host_cache_size": [0, -1.0, "2", True, 1e9],
+    "parser_threads": [0, 1.5, 257, "4"],
+    "pin_host_cache": ["yes", 1],
+    "flush_threads": [0, 65],
+    "queue_depth": [0, 5000],
+    "chunk_size": [0, 2.5, 5000],
+    "read_size": [0, 4097],
+    "direct_io": ["true"],
+    "fsync": [1],
+    "checksums": [None],
+    "verify_checksums": [0],
+    "io_backend": ["aio", 3],
+}
+ACCEPTS = {"host_cache_size": "[1/1024, 2**20]", "parser_threads": "[1, 256]", "flush_threads": "[1, 64]",
+           "queue_depth": "[1, 1024]", "chunk_size": "[1, 4096]", "read_size": "[1, 4096]",
+           "io_backend": "auto, io_uring, pwrite"}  # fmt: skip
+
+
+def test_every_key_has_bad_values_under_test():
+    assert set(BAD) == {f.name for f in dataclasses.fields(DataStatesConfig)}
+
+
+@pytest.mark.parametrize("field,value", [(f, v) for f, values in BAD.items() for v in values])
+def test_bad_value_names_the_key_and_what_it_accepts(field, value):
+    with pytest.raises(ValueError) as e:
         DataStatesConfig(**{field: value})
+    msg = str(e.value)
+    assert msg.startswith(f"datastates.{field}={value!r} is invalid: expected"), msg
+    assert ACCEPTS.get(field, "true or false") in msg, msg
 
 
 def test_from_dict_rejects_unknown_keys_by_name():

@@ -4,12 +4,17 @@ wrap-around gaps, abort on a tensor larger than the cache) and their early-retur
 
 import gc
 import os
+import random
+import threading
+import time
+from pathlib import Path
 
+import pytest
 import torch
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
 
-from helpers import BACKENDS, no_temporaries, same
+from helpers import BACKENDS, no_temporaries, same, small_config
 
 
 def test_state_five_times_the_cache_with_one_tensor_larger_than_it(tmp_path):
@@ -88,3 +93,41 @@ def test_a_burst_of_one_thousand_small_files(tmp_path):
         for i in range(0, 1000, 37):
             back = e.load(tmp_path / f"{i:04d}.safetensors")
             assert back["id"] == i and same(back["x"], torch.full((i % 7 + 1,), float(i)))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_close_at_a_random_moment_while_threads_save(tmp_path, seed):
+    # Four threads save in a loop through a tiny cache; close() comes at a random moment. Every save that
+    # returned a handle is persisted whole; every save after close() is refused with ValueError.
+    rng = random.Random(seed)
+    engine = DataStatesEngine(small_config(host_cache_size=2 / 1024))
+    saved: list[tuple[Path, float]] = []
+    refused = []
+    lock = threading.Lock()
+
+    def worker(w: int) -> None:
+        for i in range(10_000):
+            path, value = tmp_path / f"w{w}_{i}.safetensors", float(w * 100_000 + i)
+            try:
+                h = engine.save({"x": torch.full((rng.randint(1, 300_000),), value)}, path)
+            except ValueError as e:
+                refused.append(str(e))
+                return
+            with lock:
+                saved.append((path, value))
+            h.wait_snapshot()  # as a training loop would, before changing its tensors
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(rng.uniform(0.05, 0.5))
+    engine.close()
+    for t in threads:
+        t.join(60)
+    assert len(refused) == 4 and all("closed" in r for r in refused)
+    assert saved
+    with DataStatesEngine(small_config()) as reader:
+        for path, value in saved:
+            x = reader.load(path)["x"]
+            assert x.numel() >= 1 and bool((x == value).all()), path
+    assert no_temporaries(tmp_path)

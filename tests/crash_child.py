@@ -1,0 +1,67 @@
+"""The process that test_crash.py kills: saves checkpoints in a loop, committed as the Nanotron trainer
+commits them (engine files, then the manifest, then latest.txt), keeping the newest three. Not a test."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+SIZE = 16 << 10  # elements per tensor
+
+
+def tensors(step: int) -> dict[str, Any]:
+    import torch
+
+    return {"w": torch.full((SIZE,), float(step)), "b": torch.full((SIZE // 4,), float(-step))}
+
+
+def save_loop(root_dir: str, ready: Any) -> None:
+    from nanotron_datastates import DataStatesConfig, DataStatesEngine
+    from nanotron_datastates.nanotron import layout
+    from nanotron_datastates.nanotron.commit import Committer, PendingCheckpoint
+
+    root = Path(root_dir)
+    latest = root / layout.LATEST
+    step = int(latest.read_text()) + 1 if latest.exists() else 1
+    engine = DataStatesEngine(
+        DataStatesConfig(host_cache_size=4 / 1024, chunk_size=1, parser_threads=2, flush_threads=2)
+    )
+    committer = Committer(None)
+    ready.set()
+    outstanding = 0
+    while True:
+        folder = root / str(step)
+        handles = [
+            # Like Nanotron's weight files: exact metadata, checksums in the manifest only.
+            engine.save(
+                {"data": tensors(step)["w"]},
+                folder / "model" / f"w{i}.safetensors",
+                metadata={"step": str(step)},
+                exact_metadata=True,
+            )  # fmt: skip
+            for i in range(2)
+        ]
+        handles.append(engine.save({"step": step, **tensors(step)}, folder / "optimizer.safetensors"))
+
+        def finalize(files: dict[str, Any], folder: Path = folder, step: int = step) -> None:
+            layout.write_atomic(folder / layout.MANIFEST, json.dumps(layout.manifest(step, {}, files)))
+            layout.write_atomic(latest, str(step))
+
+        committer.submit(PendingCheckpoint(step, folder, handles, finalize))
+        outstanding += 1
+        if outstanding == 2:  # the trainer's backpressure: at most two in flight
+            (result,) = committer.take(1)
+            outstanding -= 1
+            prune(root, result.step - 3)
+        step += 1
+
+
+def prune(root: Path, upto: int) -> None:
+    """Removes checkpoints up to step `upto`: the manifest first, so that a folder is never seen complete
+    with files missing."""
+    for p in root.iterdir():
+        if p.is_dir() and p.name.isdigit() and int(p.name) <= upto:
+            (p / "datastates.json").unlink(missing_ok=True)
+            shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,90 @@
+"""Crash consistency: a process saving checkpoints in a loop is killed with SIGKILL at random moments. After
+every kill, the checkpoint latest.txt names loads and verifies (every file, every checksum of the manifest,
+the values of its step), every folder with a manifest is complete, and every file at a final path is whole;
+only temporary files (dot-names) may be left over. Then a new process resumes from latest.txt."""
+
+import json
+import multiprocessing
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanotron_datastates import DataStatesEngine
+from nanotron_datastates import format as fmt
+from nanotron_datastates.nanotron import layout
+
+import crash_child
+from helpers import small_config
+
+TRIALS = int(os.environ.get("DATASTATES_CRASH_TRIALS", "100"))
+
+
+def _expected(path: Path, step: int) -> dict:
+    t = crash_child.tensors(step)
+    return {"data": t["w"]} if path.parent.name == "model" else {"step": step, **t}
+
+
+def _check_folder(engine: DataStatesEngine, folder: Path) -> None:
+    doc = layout.read_manifest(folder)
+    step = doc["step"]
+    assert folder.name == str(step)
+    for rel in doc["files"]:
+        path = folder / rel
+        got = engine.load(path, verify=True, checksums=layout.file_checksums(doc, folder, path))
+        want = _expected(path, step)
+        assert got.keys() == want.keys(), path
+        for k, v in want.items():
+            assert (got[k] == v) if not isinstance(v, torch.Tensor) else torch.equal(got[k], v), path
+
+
+def _check(engine: DataStatesEngine, root: Path) -> tuple[int, int]:
+    """Verifies the invariants; returns (latest step or 0, temporary files left over)."""
+    latest = 0
+    if (root / layout.LATEST).exists():
+        latest = int((root / layout.LATEST).read_text())
+        _check_folder(engine, root / str(latest))  # the checkpoint latest.txt names is whole
+    temporaries = 0
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            path = Path(dirpath) / name
+            if name.startswith("."):
+                temporaries += 1
+                continue
+            if name.endswith(".safetensors"):
+                header = fmt.read_header(path)  # whole: the header's sizes match the file
+                assert header.file_size == path.stat().st_size
+                engine.load(path, verify=True)  # embedded checksums, where the file has them
+            if name == layout.MANIFEST:
+                _check_folder(engine, path.parent)
+    return latest, temporaries
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_never_loses_the_latest_checkpoint(tmp_path):
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "nanotron_datastates", "crash_child"])
+    rng = random.Random(1234)
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    seen_latest, mid_write = [], 0
+    with DataStatesEngine(small_config()) as engine:
+        for _ in range(TRIALS):
+            ready = ctx.Event()
+            p = ctx.Process(target=crash_child.save_loop, args=(str(root), ready), daemon=True)
+            p.start()
+            assert ready.wait(60), "the saving process did not start"
+            p.join(rng.uniform(0.0, 0.3))
+            assert p.is_alive(), f"the saving process died on its own (exit code {p.exitcode})"
+            p.kill()
+            p.join()
+            latest, temporaries = _check(engine, root)
+            seen_latest.append(latest)
+            mid_write += temporaries > 0
+    assert seen_latest == sorted(seen_latest), "latest.txt went backwards"
+    # The kills landed everywhere: checkpoints were committed between them, and some kills hit a write.
+    assert seen_latest[-1] >= TRIALS // 2, seen_latest
+    assert mid_write >= TRIALS // 10, mid_write
+    print(json.dumps({"trials": TRIALS, "latest": seen_latest[-1], "kills_leaving_temporaries": mid_write}))
