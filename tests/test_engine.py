@@ -81,7 +81,8 @@ def test_an_error_is_raised_by_every_wait_of_its_save_and_once_by_the_engine(tmp
         h = e.save({"x": torch.ones(4)}, tmp_path / "file" / "x.safetensors")
         with pytest.raises(NotADirectoryError) as err:
             h.wait_snapshot()
-        assert err.value.filename == str(tmp_path / "file")
+        assert err.value.filename == str(tmp_path / "file" / "x.safetensors")
+        assert f"creating the directory {tmp_path / 'file'}" in str(err.value)
         with pytest.raises(NotADirectoryError):
             h.wait_persisted()
         assert isinstance(h.exception(), NotADirectoryError)
