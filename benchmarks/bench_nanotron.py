@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import evict
 from _nanotron import REPO, load_run_train, write_config
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -185,12 +186,7 @@ def make_cold(folder: Path) -> dict[str, Any]:
     except OSError:
         method = "fadvise"
     files = [p for p in folder.rglob("*") if p.is_file()]
-    for p in files:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    evict(files)
     size = sum(p.stat().st_size for p in files)
     try:
         out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "-o", "RES", *map(str, files)],
