@@ -27,6 +27,7 @@ def write_config(
     run: str = "run",
     model: dict[str, Any] | None = None,
     tokens: dict[str, Any] | None = None,
+    datastates: dict[str, Any] | None = None,
 ) -> Path:
     """The example config with these changes; `engine` "torch" leaves none of our keys (stock Nanotron
     parses it)."""
@@ -36,6 +37,7 @@ def write_config(
         doc["checkpoints"]["checkpointing_engine"] = "datastates"
         if cache_gib is not None:
             doc["datastates"]["host_cache_size"] = cache_gib
+        doc["datastates"].update(datastates or {})
     else:
         doc["checkpoints"].pop("checkpointing_engine", None)
         doc.pop("datastates", None)

@@ -10,6 +10,8 @@ Each mode trains the same model for the same steps in its own torchrun, on the s
   states and fp32 master weights; the previous save's future is awaited before the next one;
 * `datastates`: `checkpointing_engine: datastates`;
 * `stress`: datastates at every step, where backpressure must bound the stall;
+* `datastates-NAME` (`--variant NAME:key=value,...`): datastates with other `datastates:` settings, for
+  ablations (e.g. `p1:parser_threads=1`);
 * `restore-torch`, `restore-datastates`: new runs that resume from the last checkpoint of `torch` /
   `datastates` with the page cache dropped; restore cost = their time from constructing the trainer to the end
   of the first step, minus that of `none` (which builds the same model from scratch).
@@ -64,7 +66,7 @@ def run_phase(args: argparse.Namespace) -> None:
     rec["commits"], rec["dcp"], rec["losses"] = [], [], []
 
     engine_time = [0.0]  # seconds in DataStatesEngine.save (planning + queuing), summed
-    if args.mode in ("datastates", "stress"):
+    if args.mode.startswith("datastates") or args.mode == "stress":
         from nanotron_datastates import DataStatesEngine
 
         plain_save = DataStatesEngine.save
@@ -212,11 +214,12 @@ def run_all(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = MODELS[args.model]
 
-    def config(name: str, engine: str, steps: int, interval: int, resume: str | None = None) -> Path:
+    def config(name: str, engine: str, steps: int, interval: int, resume: str | None = None,
+               datastates: dict[str, Any] | None = None) -> Path:  # fmt: skip
         ck = {"checkpoints_path": str(work / f"ckpt_{name}"), "checkpoint_interval": interval,
               "resume_checkpoint_path": resume}  # fmt: skip
         return write_config(work / f"{name}.yaml", engine=engine, checkpoints=ck, cache_gib=args.cache_gib,
-                            steps=steps, model=model, run=name)  # fmt: skip
+                            steps=steps, model=model, run=name, datastates=datastates)  # fmt: skip
 
     never = args.steps + 1
     last = args.steps // args.interval * args.interval
@@ -232,8 +235,10 @@ def run_all(args: argparse.Namespace) -> int:
          config("restore-datastates", "datastates", last + 2, never, str(work / "ckpt_datastates")), False),
         ("stress", config("stress", "datastates", args.stress_steps, 1), False),
     ]  # fmt: skip
+    for name, settings in variants(args.variant):
+        runs.append((name, config(name, "datastates", args.steps, args.interval, datastates=settings), False))
     if args.modes:
-        wanted = set(args.modes.split(",")) | {"none"}  # every figure is relative to `none`
+        wanted = set(args.modes.split(",")) | {"none"} | {n for n, _ in variants(args.variant)}
         runs = [r for r in runs if r[0] in wanted]
     records: dict[str, Any] = {}
     cold: dict[str, Any] = {}
@@ -254,7 +259,7 @@ def run_all(args: argparse.Namespace) -> int:
             shutil.copy(prof, out / prof.name)
         if name.startswith("restore"):
             shutil.rmtree(work / f"ckpt_{name.split('-', 1)[1]}", ignore_errors=True)
-        elif name not in ("torch", "datastates"):  # those two are resumed next
+        elif f"restore-{name}" not in {r[0] for r in runs}:  # kept for the restore that comes next
             shutil.rmtree(work / f"ckpt_{name}", ignore_errors=True)
         result = summarize(args, records)  # after every run: a call cut short keeps what it measured
         result["cold_cache"] = cold
@@ -265,6 +270,20 @@ def run_all(args: argparse.Namespace) -> int:
     plot(records, args, stem.with_suffix(".png"))
     print(table(result))
     return 0 if all(r["rc"] == 0 for r in records.values()) else 1
+
+
+def variants(specs: list[str] | None) -> list[tuple[str, dict[str, Any]]]:
+    """`NAME:key=value,key=value` -> ("datastates-NAME", {key: value}); values parsed as YAML."""
+    import yaml
+
+    out = []
+    for spec in specs or []:
+        name, _, rest = spec.partition(":")
+        pairs = [kv.split("=", 1) for kv in rest.split(",") if kv]
+        if not name or any(len(kv) != 2 for kv in pairs):
+            raise SystemExit(f"--variant {spec!r}: expected NAME:key=value[,key=value]")
+        out.append((f"datastates-{name}", {k: yaml.safe_load(v) for k, v in pairs}))
+    return out
 
 
 def iteration_times(rec: dict[str, Any]) -> dict[int, float]:
@@ -304,7 +323,9 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
     steady = [t for s, t in base.items() if s > WARMUP]
     median = statistics.median(steady) if steady else float("nan")
     modes: dict[str, Any] = {}
-    for name in ("none", "torch", "dcp", "datastates", "stress"):
+    names = ["none", "torch", "dcp", "datastates", "stress"]
+    names += [n for n in records if n.startswith("datastates-")]
+    for name in names:
         rec = records.get(name, {})
         it = iteration_times(rec)
         measured = [t for s, t in it.items() if s > WARMUP]
@@ -435,6 +456,7 @@ def main() -> int:
     a.add_argument("--cache-gib", type=float, default=8.0)
     a.add_argument("--profile", action="store_true", help="cProfile the second save and the restores' init")
     a.add_argument("--modes", help="comma-separated subset of the runs (none always runs)")
+    a.add_argument("--variant", action="append", help="NAME:key=value,...: one more datastates run")
     ph = sub.add_parser("phase")
     for flag in ("--mode", "--config", "--record"):
         ph.add_argument(flag, required=True)

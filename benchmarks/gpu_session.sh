@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool, carry .gpu): build, then the named steps, results under $OUT.
 #   bash benchmarks/gpu_session.sh STEP [STEP ...]
-# Steps: tests | dd | engine | proof | nanotron-180m | nanotron-1b  (see each case below for its command).
+# Steps: tests | dd | engine | proof | nanotron-180m | nanotron-1b | nanotron-180m-long | ablation-180m |
+#        nanotron-1b-e2e | crash  (see each case below for its command).
 # Every step's output is kept in $OUT/<step>.log; results go to $OUT/<step>/ and are tarred at the end,
 # since only a few files come back from $OUT.
 set -uo pipefail
@@ -42,6 +43,14 @@ run_step() {
       --work "$WORK/bn180" --out "$OUT/nanotron-180m") ;;
     nanotron-1b) (cd benchmarks && python3 bench_nanotron.py all --model 1b --steps 65 --interval 30 \
       --stress-steps 5 --cache-gib 16 --work "$WORK/bn1b" --out "$OUT/nanotron-1b") ;;
+    nanotron-180m-long) (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 400 --interval 40 \
+      --work "$WORK/bn180l" --out "$OUT/nanotron-180m-long") ;;
+    ablation-180m) (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 400 --interval 40 \
+      --modes none --variant p1:parser_threads=1 --variant c256:chunk_size=256 --variant nocrc:checksums=false \
+      --work "$WORK/ab180" --out "$OUT/ablation-180m") ;;
+    nanotron-1b-e2e) (cd benchmarks && python3 bench_nanotron.py all --model 1b --steps 250 --interval 60 \
+      --cache-gib 30 --modes datastates --work "$WORK/bn1be" --out "$OUT/nanotron-1b-e2e") ;;
+    crash) (cd benchmarks && python3 nanotron_crash.py --trials 3 --out "$OUT/crash" --work "$WORK/crash") ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
 }

@@ -23,7 +23,7 @@ from . import _core
 from . import format as fmt
 from .config import DataStatesConfig
 from .plan import plan_save
-from .restore import load_file, load_into_tensors
+from .restore import load_file, load_into_tensors, verify_file
 
 log = logging.getLogger("nanotron_datastates")
 _warned: set[str] = set()
@@ -260,6 +260,15 @@ class DataStatesEngine:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         verify = self.config.verify_checksums if verify is None else verify
         load_into_tensors(self._core, path, tensors, verify=verify, checksums=checksums)
+
+    def verify(self, path: str | os.PathLike, checksums: Mapping[str, int] | None = None) -> bool:
+        """Checks a file end to end: its header, its size, and every tensor's CRC-32C (stored in the file, or
+        `checksums`). Raises FormatError, ChecksumError or OSError naming the file; returns whether any
+        checksum was checked (False: a file without checksums, whose structure alone is sound)."""
+        if self._closed:
+            raise ValueError("the engine is closed; create a new DataStatesEngine")
+        header = verify_file(self._core, path, checksums)
+        return checksums is not None or header.checksums() is not None
 
     def read_metadata(self, path: str | os.PathLike) -> dict[str, str]:
         """The file's ``__metadata__`` without the engine's own keys (no tensor is read)."""

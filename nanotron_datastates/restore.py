@@ -44,6 +44,17 @@ def load_file(
     return skeleton.decode(skel, tensors, allow_pickle=allow_pickle, path=path), header
 
 
+def verify_file(core: Any, path: str | os.PathLike, checksums: Mapping[str, int] | None = None) -> fmt.Header:
+    """Reads every byte of the file and checks each tensor against its checksum (stored in the file or
+    given); FormatError, ChecksumError or OSError name the file. Returns the header; a file with no
+    checksums, and none given, is only checked for structure."""
+    path = os.fspath(path)
+    header = fmt.read_header(path)
+    if checksums is not None or header.checksums() is not None:
+        _read_to_host(core, path, header, True, checksums)
+    return header
+
+
 def load_into_tensors(
     core: Any,
     path: str | os.PathLike,

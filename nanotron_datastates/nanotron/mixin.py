@@ -65,6 +65,7 @@ class DataStatesTrainerMixin:
         self._ds_optimizer_flag_held = False  # checkpoints.load_optimizer, off until the first step is done
         self._ds_cache_started = False
         self._ds_weight_files: list[tuple[Path, torch.Tensor, dict[str, str]]] | None = None
+        self._ds_prefetch: concurrent.futures.Future | None = None
         path = self.init_checkpoint_path
         self._ds_resume = (
             Path(path)
@@ -77,6 +78,27 @@ class DataStatesTrainerMixin:
             # Nanotron's loaders read pickles: ours run once Nanotron has built the optimizer and scheduler.
             self._ds_load_flags = (ck.load_optimizer, ck.load_lr_scheduler)
             ck.load_optimizer = ck.load_lr_scheduler = False
+            self._ds_prefetch = self._ds_start_prefetch()
+
+    def _ds_start_prefetch(self) -> concurrent.futures.Future | None:
+        """Starts reading this rank's optimizer shard onto its GPU while Nanotron builds the model (the disk
+        and the model's construction overlap); None where the optimizer is not restored by the engine."""
+        if not (self._ds_load_flags[0] and torch.cuda.is_available()) or self._ds_topology_changes():
+            return None
+        zero = int(self.config.optimizer.zero_stage) > 0  # Nanotron builds a ZeRO optimizer for stage > 0
+        path = shards.optimizer_file(self.parallel_context, self._ds_resume, zero=zero)
+        engine, device = self._ds_get_engine(), torch.device("cuda", torch.cuda.current_device())
+
+        def read() -> Any:
+            torch.cuda.set_device(device)
+            state = engine.load(path, device)
+            torch.cuda.current_stream(device).synchronize()  # the main thread's stream may use them next
+            return state
+
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datastates-prefetch")
+        future = pool.submit(read)
+        pool.shutdown(wait=False)
+        return future
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -87,6 +109,11 @@ class DataStatesTrainerMixin:
             self._ds_log(f"resumed optimizer, scheduler, metadata and random states in {elapsed:.2f} s")
         if self._ds_active:
             self._ds_start()
+            if self._ds_resume is None:
+                # No restore to contend with: fault in and pin the host cache while the first steps run, so
+                # that the first checkpoint finds it ready. After a restore, the first step starts it.
+                self._ds_cache_started = True
+                self._ds_engine.prepare_cache(wait=False)
         elif self._ds_engine is not None:  # used only to resume
             self._ds_engine.close()
             self._ds_engine = None
@@ -133,10 +160,8 @@ class DataStatesTrainerMixin:
     def _ds_restore_rest(self) -> None:
         root, pc, engine = self._ds_resume, self.parallel_context, self._ds_get_engine()
         load_optimizer, load_lr_scheduler = self._ds_load_flags
-        topo = self._ds_manifest.get("topology", {})
-        here = self._ds_topology()
         if load_optimizer or load_lr_scheduler:
-            changed = {k: (topo.get(k), v) for k, v in here.items() if topo.get(k) != v}
+            changed = self._ds_topology_changes()
             if changed:
                 raise NotImplementedError(
                     f"{root} was written with another parallel layout ({changed}); datastates optimizer "
@@ -147,10 +172,15 @@ class DataStatesTrainerMixin:
         if load_optimizer:
             path = shards.optimizer_path(self.optimizer, pc, root, writing=False)
             # Straight onto the GPU through the pinned cache (Nanotron's loader reads them onto the CPU and
-            # its first step copies them over from pageable memory). Its `load_optimizer` flag stays off
-            # until the first step has run, so that step does not try to move them again.
+            # its first step copies them over from pageable memory), read while the model was being built.
+            # Nanotron's `load_optimizer` flag stays off until the first step has run, so that step does not
+            # try to move them again.
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-            self.optimizer.load_state_dict(engine.load(path, device or "cpu"), map_location=device or "cpu")
+            state = self._ds_prefetch.result() if self._ds_prefetch is not None else None
+            if state is None:
+                state = engine.load(path, device or "cpu")
+            self._ds_prefetch = None
+            self.optimizer.load_state_dict(state, map_location=device or "cpu")
             self._ds_optimizer_flag_held = device is not None
         if load_lr_scheduler:
             path = shards.lr_scheduler_path(self.config.optimizer.zero_stage, pc, root, writing=False)
@@ -176,6 +206,10 @@ class DataStatesTrainerMixin:
         ck = self.config.checkpoints
         ck.load_optimizer = load_optimizer and not self._ds_optimizer_flag_held
         ck.load_lr_scheduler = load_lr_scheduler
+
+    def _ds_topology_changes(self) -> dict[str, tuple[Any, int]]:
+        saved = self._ds_manifest.get("topology", {})
+        return {k: (saved.get(k), v) for k, v in self._ds_topology().items() if saved.get(k) != v}
 
     def _ds_topology(self) -> dict[str, int]:
         pc = self.parallel_context

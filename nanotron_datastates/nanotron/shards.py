@@ -122,6 +122,11 @@ def optimizer_path(optimizer: Any, pc: Any, root: Path, *, writing: bool) -> Pat
     zero = is_zero(optimizer)
     if writing and not zero and dist.get_rank(pc.dp_pg) > 0:
         return None
+    return optimizer_file(pc, root, zero=zero)
+
+
+def optimizer_file(pc: Any, root: Path, *, zero: bool) -> Path:
+    """This rank's optimizer file under `root`, for a ZeRO optimizer (`zero`) or not."""
     return root / "optimizer" / as_safetensors(optimizer_filename(pc, is_zero=zero))
 
 

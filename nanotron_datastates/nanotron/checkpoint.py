@@ -1,0 +1,272 @@
+"""A Nanotron checkpoint on disk: what it holds (`describe`) and whether it is whole (`verify`).
+
+Works on a checkpoints folder (the one holding `latest.txt`), one checkpoint folder, or one safetensors file;
+datastates checkpoints (with a manifest) and Nanotron's stock ones. Imports no Nanotron, needs no GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .. import format as fmt
+from ..engine import DataStatesEngine
+from . import layout
+
+NANOTRON_FILES = ("checkpoint_metadata.json", "config.yaml", "model_config.json")
+
+
+@dataclasses.dataclass
+class Report:
+    """Outcome of `verify`: `problems` make it fail; `notes` are facts worth knowing (nothing is wrong)."""
+
+    path: Path
+    problems: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    files_checked: int = 0
+    tensors_checksummed: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def kind_of(path: str | os.PathLike) -> str:
+    """'file', 'root' (a checkpoints folder), 'checkpoint', or 'unknown'."""
+    path = Path(path)
+    if path.is_file():
+        return "file"
+    if not path.is_dir():
+        return "unknown"
+    if (path / layout.LATEST).is_file() or (any(step_folders(path)) and not _is_checkpoint(path)):
+        return "root"
+    return "checkpoint" if _is_checkpoint(path) else "unknown"
+
+
+def _is_checkpoint(folder: Path) -> bool:
+    return layout.is_datastates_checkpoint(folder) or (folder / "checkpoint_metadata.json").is_file()
+
+
+def step_folders(root: Path) -> list[Path]:
+    """The checkpoint folders under a checkpoints folder (named by their step), oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+
+
+def latest_step(root: Path) -> int | None:
+    """The step `latest.txt` names, or None without one."""
+    try:
+        text = (root / layout.LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"{root / layout.LATEST} holds {text!r}, not a step number")
+    return int(text)
+
+
+def temporaries(folder: Path) -> list[Path]:
+    """Files a save leaves only if its process died mid-write (`.<name>.dstmp.<pid>.<n>`, `.<name>.*.tmp`)."""
+    return sorted(
+        Path(d) / n
+        for d, _, names in os.walk(folder)
+        for n in names
+        if n.startswith(".") and (".dstmp." in n or n.endswith(".tmp"))
+    )
+
+
+# -- describe -----------------------------------------------------------------------------------------------
+
+
+def describe_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A safetensors file's tensors (name, dtype, shape, bytes), metadata, writer and checksums."""
+    header = fmt.read_header(path)
+    return {
+        "path": str(path),
+        "bytes": header.file_size,
+        "engine": "datastates" if fmt.KEY_VERSION in header.metadata else "safetensors",
+        "checksums": header.checksums() is not None,
+        "metadata": header.user_metadata(),
+        "tensors": [
+            {"name": e.name, "dtype": e.dtype.name, "shape": list(e.shape), "bytes": e.nbytes}
+            for e in header.tensors
+        ],
+    }
+
+
+def describe_checkpoint(folder: str | os.PathLike) -> dict[str, Any]:
+    """One checkpoint folder: engine, step, topology, whether it is committed, and its files."""
+    folder = Path(folder)
+    out: dict[str, Any] = {"path": str(folder), "engine": None, "step": None, "topology": {}}
+    if layout.is_datastates_checkpoint(folder):
+        doc = layout.read_manifest(folder)
+        out.update(engine="datastates", step=doc.get("step"), topology=doc.get("topology", {}))
+    elif (folder / "checkpoint_metadata.json").is_file():
+        out["engine"] = "nanotron (torch)"
+    meta = _read_json(folder / "checkpoint_metadata.json")
+    if meta:
+        out["step"] = out["step"] if out["step"] is not None else meta.get("metas", {}).get("last_train_step")
+        for key in ("tp", "dp"):
+            out["topology"].setdefault(key, meta.get(key))
+    parallelism = _read_yaml(folder / "config.yaml").get("parallelism") or {}
+    out["topology"].setdefault("pp", parallelism.get("pp"))
+    root = folder.parent
+    latest = _safe_latest(root)
+    # Committed: Nanotron's own save is synchronous, so its metadata file marks a whole checkpoint; ours
+    # is whole once its manifest exists.
+    out["committed"] = out["engine"] is not None
+    out["latest"] = latest is not None and str(latest) == folder.name
+    files = []
+    for p in sorted(q for q in folder.rglob("*") if q.is_file() and not q.name.startswith(".")):
+        entry: dict[str, Any] = {"file": str(p.relative_to(folder)), "bytes": p.stat().st_size}
+        if p.suffix == ".safetensors":
+            try:
+                header = fmt.read_header(p)
+                entry["tensors"] = len(header.tensors)
+                entry["dtypes"] = sorted({e.dtype.name for e in header.tensors})
+            except (OSError, ValueError) as e:
+                entry["error"] = str(e)
+        files.append(entry)
+    out["files"] = files
+    out["bytes"] = sum(f["bytes"] for f in files)
+    out["tensors"] = sum(f.get("tensors", 0) for f in files)
+    out["temporaries"] = [str(p.relative_to(folder)) for p in temporaries(folder)]
+    return out
+
+
+def describe_root(root: str | os.PathLike) -> dict[str, Any]:
+    root = Path(root)
+    return {
+        "path": str(root),
+        "latest": _safe_latest(root),
+        "checkpoints": [describe_checkpoint(f) for f in step_folders(root)],
+    }
+
+
+# -- verify -------------------------------------------------------------------------------------------------
+
+
+def verify(path: str | os.PathLike, engine: DataStatesEngine | None = None) -> Report:
+    """Verifies a file, a checkpoint folder or a checkpoints folder (every committed checkpoint in it, and
+    that `latest.txt` names one of them)."""
+    path = Path(path)
+    own = engine is None
+    engine = engine or DataStatesEngine(host_cache_size=1 / 64, pin_host_cache=False)
+    try:
+        report = Report(path)
+        kind = kind_of(path)
+        if kind == "file":
+            _verify_file(engine, path, None, report)
+        elif kind == "checkpoint":
+            _verify_checkpoint(engine, path, report)
+        elif kind == "root":
+            _verify_root(engine, path, report)
+        else:
+            report.problems.append(f"{path}: neither a safetensors file nor a checkpoint folder")
+        return report
+    finally:
+        if own:
+            engine.close()
+
+
+def _verify_root(engine: DataStatesEngine, root: Path, report: Report) -> None:
+    try:
+        latest = latest_step(root)
+    except ValueError as e:
+        report.problems.append(str(e))
+        latest = None
+    folders = step_folders(root)
+    if latest is None:
+        report.notes.append(f"{root}: no {layout.LATEST}")
+    elif not _is_checkpoint(root / str(latest)):
+        report.problems.append(f"{root / layout.LATEST} names step {latest}, which is not a checkpoint")
+    for folder in folders:
+        if _is_checkpoint(folder):
+            _verify_checkpoint(engine, folder, report)
+        else:
+            report.notes.append(f"{folder}: not committed (a save in progress or cut short); not used")
+    if not folders:
+        report.problems.append(f"{root}: no checkpoint folders")
+
+
+def _verify_checkpoint(engine: DataStatesEngine, folder: Path, report: Report) -> None:
+    for name in NANOTRON_FILES:
+        if not (folder / name).is_file():
+            report.problems.append(f"{folder / name}: missing")
+    if not layout.is_datastates_checkpoint(folder):
+        report.notes.append(f"{folder}: Nanotron's own layout; safetensors headers checked, pickles not")
+        for p in sorted(folder.rglob("*.safetensors")):
+            _verify_file(engine, p, None, report)
+        return
+    try:
+        doc = layout.read_manifest(folder)
+    except (OSError, ValueError) as e:
+        report.problems.append(f"{folder / layout.MANIFEST}: {e}")
+        return
+    if folder.name.isdigit() and doc.get("step") != int(folder.name):
+        report.problems.append(f"{folder / layout.MANIFEST}: step {doc.get('step')} in folder {folder.name}")
+    for rel, entry in doc["files"].items():
+        path = folder / rel
+        if not path.is_file():
+            report.problems.append(f"{path}: listed in the manifest, missing")
+            continue
+        if path.stat().st_size != entry.get("bytes"):
+            size = path.stat().st_size
+            report.problems.append(f"{path}: {size} bytes, the manifest says {entry.get('bytes')}")
+            continue
+        _verify_file(engine, path, layout.file_checksums(doc, folder, path), report)
+    topo = doc.get("topology", {})
+    sizes = [topo.get(k) for k in ("tp", "dp", "pp")]
+    if all(isinstance(s, int) and s > 0 for s in sizes):
+        for tp, dp, pp in itertools.product(*(range(s) for s in sizes)):
+            rel = f"random/{layout.random_states_name((tp, sizes[0]), (dp, sizes[1]), (pp, sizes[2]))}"
+            if rel not in doc["files"]:
+                report.problems.append(f"{folder / rel}: no file from rank tp={tp} dp={dp} pp={pp}")
+    listed = {folder / rel for rel in doc["files"]}
+    for p in sorted(folder.rglob("*.safetensors")):
+        if p not in listed and not p.name.startswith("."):
+            report.notes.append(f"{p}: not in the manifest (ignored on resume)")
+    for p in temporaries(folder):
+        report.notes.append(f"{p}: temporary left by a process that died mid-save")
+
+
+def _verify_file(
+    engine: DataStatesEngine, path: Path, checksums: dict[str, int] | None, report: Report
+) -> None:
+    report.files_checked += 1
+    try:
+        if engine.verify(path, checksums):
+            report.tensors_checksummed += len(fmt.read_header(path).tensors)
+        else:
+            report.notes.append(f"{path}: no checksums (structure checked)")
+    except (OSError, ValueError) as e:
+        report.problems.append(str(e))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _safe_latest(root: Path) -> int | None:
+    try:
+        return latest_step(root)
+    except (OSError, ValueError):
+        return None
