@@ -17,6 +17,7 @@ Writes DIR/crash_trials.json; exit status 0 only if every trial passed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -34,6 +35,31 @@ from nanotron_datastates import format as fmt
 from nanotron_datastates.nanotron import checkpoint
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (children of children too), deepest last."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def trial(i: int, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     work = Path(args.work) / f"trial{i}"
     ckpts = work / "ckpt"
@@ -49,8 +75,14 @@ def trial(i: int, args: argparse.Namespace, rng: random.Random) -> dict[str, Any
         delay = rng.uniform(0.5, 6.0)
         time.sleep(delay)
         alive = proc.poll() is None
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker, at once
+        # torchrun starts its workers in sessions of their own: kill the whole tree, workers first.
+        tree = [*descendants(proc.pid), proc.pid]
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proc.wait()
+        while any(running(pid) for pid in tree):  # a worker in the middle of a write dies when it returns
+            time.sleep(0.05)
     out: dict[str, Any] = {"trial": i, "killed_after_first_checkpoint_s": delay, "alive_when_killed": alive}
     out["folders"] = [p.name for p in checkpoint.step_folders(ckpts)]
     out["temporaries"] = len(checkpoint.temporaries(ckpts))

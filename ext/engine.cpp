@@ -5,7 +5,8 @@ namespace ds {
 Engine::Engine(const EngineOptions& opts)
     : opts_(opts),
       cache_(std::make_unique<HostCache>(opts.cache_bytes, opts.chunk_bytes, opts.pin_device)),
-      parsers_(opts.parser_threads) {
+      parsers_(opts.parser_threads),
+      copiers_(opts.copy_threads) {
   pinned_ = cache_->pinned();
   pin_error_ = cache_->pin_error();
   if (opts_.io_backend != "pwrite") {
@@ -16,6 +17,7 @@ Engine::Engine(const EngineOptions& opts)
         flushers_.clear();
         if (opts_.io_backend == "io_uring") {
           parsers_.stop();
+          copiers_.stop();
           throw ErrorException(Error::value("io_backend='io_uring' but io_uring is refused here: " + why));
         }
         fallback_reason_ = why;
@@ -62,14 +64,14 @@ std::shared_ptr<SaveJob> Engine::save(std::string path, std::vector<TensorSrc> t
   }
   cache_->start_background();
   job->start();
-  parsers_.submit([this, job] { run_plan(job); });
+  copiers_.submit([this, job] { run_plan(job); });
   return job;
 }
 
 void Engine::run_plan(const std::shared_ptr<SaveJob>& job) {
   const SaveJob::Planned p = job->plan();
   if (p.first_op) next_flusher()->submit(p.first_op);
-  for (std::size_t i = 0; i < p.pieces; ++i) parsers_.submit([this, job, i] { run_piece(job, i); });
+  for (std::size_t i = 0; i < p.pieces; ++i) copiers_.submit([this, job, i] { run_piece(job, i); });
 }
 
 void Engine::run_piece(const std::shared_ptr<SaveJob>& job, std::size_t i) {
@@ -145,6 +147,7 @@ void Engine::close() {
     closing_ = true;
   }
   wait_idle(-1);
+  copiers_.stop();
   parsers_.stop();
   for (auto& f : flushers_) f->stop();
   cache_.reset();  // unpins and unmaps: a closed engine holds no memory

@@ -23,7 +23,8 @@ struct EngineOptions {
   std::size_t cache_bytes = std::size_t{1} << 30;
   std::size_t chunk_bytes = std::size_t{64} << 20;
   int pin_device = -1;  // CUDA ordinal whose context pins the cache; -1: do not pin
-  unsigned parser_threads = 2;
+  unsigned parser_threads = 2;  // restores
+  unsigned copy_threads = 1;    // saves: plan and copy into the cache
   unsigned flush_threads = 2;
   unsigned queue_depth = 16;
   std::size_t read_bytes = std::size_t{16} << 20;
@@ -86,6 +87,7 @@ class Engine final : public JobObserver {
   std::vector<std::unique_ptr<FlushWorker>> flushers_;
   std::atomic<std::size_t> rr_{0};
   TaskPool parsers_;
+  TaskPool copiers_;
 
   std::mutex close_mu_;  // serializes close()
   std::mutex mu_;

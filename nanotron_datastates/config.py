@@ -26,8 +26,12 @@ class DataStatesConfig:
     in the background from the first save on. A checkpoint smaller than this is captured without waiting for
     the disk; a larger one streams through with backpressure."""
     parser_threads: int = 4
-    """Threads that serialize on save (copy into the cache) and read/verify on restore. Restores wait on the
-    disk, so more threads than cores still help (measured on 2 cores: 4 threads beat 2)."""
+    """Threads that read, parse and verify on restore. Restores wait on the disk, so more threads than cores
+    still help (measured on 2 cores: 4 threads beat 2)."""
+    copy_threads: int = 1
+    """Threads that serialize on save: plan each file and copy its tensors into the cache. One suffices for
+    GPU tensors, whose bytes the copy engine moves (on the H100, four threads issuing copies slowed the
+    training steps around a checkpoint: benchmarks/NOTES.md); more speed up saves of CPU tensors."""
     pin_host_cache: bool = True
     """Page-lock the cache for DMA from GPUs (fast device-to-host copies). Ignored without a GPU."""
     flush_threads: int = 2
@@ -59,6 +63,7 @@ class DataStatesConfig:
         ranges = {
             "host_cache_size": (1 / 1024, 1 << 20, "expected GiB in [1/1024, 2**20]"),
             "parser_threads": (1, 256, "expected an integer in [1, 256]"),
+            "copy_threads": (1, 256, "expected an integer in [1, 256]"),
             "flush_threads": (1, 64, "expected an integer in [1, 64]"),
             "queue_depth": (1, 1024, "expected an integer in [1, 1024]"),
             "chunk_size": (1, 4096, "expected MiB in [1, 4096] (an integer)"),

@@ -134,6 +134,7 @@ class DataStatesEngine:
             chunk_bytes=config.chunk_bytes,
             pin_device=pin_device,
             parser_threads=config.parser_threads,
+            copy_threads=config.copy_threads,
             flush_threads=config.flush_threads,
             queue_depth=config.queue_depth,
             read_bytes=config.read_bytes,

@@ -16,6 +16,7 @@ def test_defaults_are_valid_and_sized():
 BAD = {
     "host_cache_size": [0, -1.0, "2", True, 1e9],
     "parser_threads": [0, 1.5, 257, "4"],
+    "copy_threads": [0, 2.0, 257, None],
     "pin_host_cache": ["yes", 1],
     "flush_threads": [0, 65],
     "queue_depth": [0, 5000],
@@ -27,7 +28,8 @@ BAD = {
     "verify_checksums": [0],
     "io_backend": ["aio", 3],
 }
-ACCEPTS = {"host_cache_size": "[1/1024, 2**20]", "parser_threads": "[1, 256]", "flush_threads": "[1, 64]",
+ACCEPTS = {"host_cache_size": "[1/1024, 2**20]", "parser_threads": "[1, 256]", "copy_threads": "[1, 256]",
+           "flush_threads": "[1, 64]",
            "queue_depth": "[1, 1024]", "chunk_size": "[1, 4096]", "read_size": "[1, 4096]",
            "io_backend": "auto, io_uring, pwrite"}  # fmt: skip
 
