@@ -342,6 +342,10 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
             "engine_stall_s": [c["stall_s"] for c in rec.get("commits", [])],
             "checkpoint_bytes": max((c["bytes"] for c in rec.get("commits", [])), default=None),
         }
+        m = modes[name]
+        if m["stall_median_s"] is not None and name != "stress":  # share of training time lost to checkpoints
+            interval_s = args.interval * m["median_quiet_iteration_s"]
+            m["stall_share_of_interval"] = m["stall_median_s"] / interval_s
         if modes["none"]["mean_iteration_s"] and modes[name]["mean_iteration_s"]:
             modes[name]["throughput_loss"] = (
                 modes[name]["mean_iteration_s"] / modes["none"]["mean_iteration_s"] - 1
@@ -404,14 +408,17 @@ def table(r: dict[str, Any]) -> str:
 
     lines = [f"model {r['model']}, {r['steps']} steps, checkpoint every {r['interval']}; median iteration "
              f"{ms(r['median_iteration_s'])} ms", "",
-             "| mode | checkpoints | median stall ms | mean iteration ms | throughput loss | persisted s |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "| mode | checkpoints | median stall ms | stall / interval | mean iteration ms | mean vs none | "
+             "persisted s |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for name, m in r["modes"].items():
         loss = m.get("throughput_loss")
         persisted = ", ".join(f"{p:.2f}" for p in m["persisted_s"][:6]) or "-"
         stall, mean = ms(m["stall_median_s"]), ms(m["mean_iteration_s"])
         loss_text = "-" if loss is None else f"{100 * loss:+.1f}%"
-        lines.append(f"| {name} | {m['checkpoints']} | {stall} | {mean} | {loss_text} | {persisted} |")
+        share = m.get("stall_share_of_interval")
+        share_text = "-" if share is None else f"{100 * share:.2f}%"
+        cells = [name, m["checkpoints"], stall, share_text, mean, loss_text, persisted]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", "restore to the first step, over building the model from scratch: "
               + ", ".join(f"{k} {v:.2f} s" for k, v in r["restore_to_first_step_s"].items()),
               "losses equal, bit for bit: "
