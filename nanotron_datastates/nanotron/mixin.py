@@ -202,7 +202,8 @@ class DataStatesTrainerMixin:
                 self.random_states[key] = states.random_state_from_plain(
                     value
                 )  # in place: the model holds them
-            states.set_global_rng_state(saved["global"])
+            if "global" in saved:  # absent from checkpoints converted from Nanotron's layout
+                states.set_global_rng_state(saved["global"])
         ck = self.config.checkpoints
         ck.load_optimizer = load_optimizer and not self._ds_optimizer_flag_held
         ck.load_lr_scheduler = load_lr_scheduler
