@@ -53,6 +53,13 @@ class DataStatesConfig:
     """Verify stored checksums on load."""
     io_backend: str = "auto"
     """'auto' (io_uring, else pwrite with a warning), 'io_uring' (error if refused) or 'pwrite'."""
+    keep_last_n: int = 0
+    """Nanotron trainer: keep the newest N committed checkpoints and remove older ones, off the training
+    thread, once a newer one is committed (never the one `latest.txt` names, never one in flight). 0 keeps
+    every checkpoint."""
+    telemetry: bool = True
+    """Nanotron trainer: append one JSON line per checkpoint to `datastates_telemetry.jsonl` in the
+    checkpoints folder (bytes, stall, snapshot, persisted, throughput, cache high-water mark and waits)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
@@ -68,6 +75,7 @@ class DataStatesConfig:
             "queue_depth": (1, 1024, "expected an integer in [1, 1024]"),
             "chunk_size": (1, 4096, "expected MiB in [1, 4096] (an integer)"),
             "read_size": (1, 4096, "expected MiB in [1, 4096] (an integer)"),
+            "keep_last_n": (0, 1 << 20, "expected an integer >= 0 (0 keeps every checkpoint)"),
         }
         for f in fields(self):
             value = getattr(self, f.name)

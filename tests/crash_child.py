@@ -1,10 +1,10 @@
 """The process that test_crash.py kills: saves checkpoints in a loop, committed as the Nanotron trainer
-commits them (engine files, then the manifest, then latest.txt), keeping the newest three. Not a test."""
+commits them (engine files, then the manifest, then latest.txt), keeping the newest three with the trainer's
+rotation. Not a test."""
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ def tensors(step: int) -> dict[str, Any]:
 
 def save_loop(root_dir: str, ready: Any) -> None:
     from nanotron_datastates import DataStatesConfig, DataStatesEngine
-    from nanotron_datastates.nanotron import layout
+    from nanotron_datastates.nanotron import housekeeping, layout
     from nanotron_datastates.nanotron.commit import Committer, PendingCheckpoint
 
     root = Path(root_dir)
@@ -54,14 +54,6 @@ def save_loop(root_dir: str, ready: Any) -> None:
         if outstanding == 2:  # the trainer's backpressure: at most two in flight
             (result,) = committer.take(1)
             outstanding -= 1
-            prune(root, result.step - 3)
+            housekeeping.remove_temporaries(result.folder)
+            housekeeping.rotate(root, 3, result.step)
         step += 1
-
-
-def prune(root: Path, upto: int) -> None:
-    """Removes checkpoints up to step `upto`: the manifest first, so that a folder is never seen complete
-    with files missing."""
-    for p in root.iterdir():
-        if p.is_dir() and p.name.isdigit() and int(p.name) <= upto:
-            (p / "datastates.json").unlink(missing_ok=True)
-            shutil.rmtree(p, ignore_errors=True)

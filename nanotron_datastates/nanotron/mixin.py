@@ -42,7 +42,7 @@ from nanotron.serialize.metadata import CheckpointMetadata, load_meta, process_t
 
 from ..config import DataStatesConfig
 from ..engine import DataStatesEngine
-from . import layout, shards, states
+from . import housekeeping, layout, shards, states
 from .commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
 from .gate import SnapshotGate
 
@@ -320,7 +320,7 @@ class DataStatesTrainerMixin:
                 folder / layout.MANIFEST, json.dumps(layout.manifest(step, topology, files), indent=1)
             )
             # Several jobs (or a pruning tool) may share the folder: latest.txt only moves under the lock.
-            with fasteners.InterProcessLock(str(checkpoints / ".datastates.lock")):
+            with fasteners.InterProcessLock(str(checkpoints / housekeeping.LOCK)):
                 layout.write_atomic(checkpoints / layout.LATEST, str(step))
 
         return finalize
@@ -367,6 +367,14 @@ class DataStatesTrainerMixin:
             self._ds_engine = None
 
     def _ds_report(self, r: CommitResult) -> None:
+        """On the committer thread, for every checkpoint: the log line; on rank 0, rotation, removal of stale
+        temporaries and the telemetry line."""
+        if dist.get_rank(self.parallel_context.world_pg) == 0:
+            try:
+                self._ds_housekeeping(r)
+            except Exception as e:  # never fatal: the checkpoint itself is committed (or reported failed)
+                log_rank(f"[datastates] after checkpoint {r.step}: {e!r}", logger=logger, level=logging.ERROR,
+                         rank=0)  # fmt: skip
         if r.committed:
             msg = (
                 f"[datastates] checkpoint {r.step}: {r.bytes / 1e9:.2f} GB in {r.files} files, training "
@@ -381,6 +389,19 @@ class DataStatesTrainerMixin:
                 level=logging.ERROR,
                 rank=0,
             )
+
+    def _ds_housekeeping(self, r: CommitResult) -> None:
+        cfg, engine = getattr(self.config, "datastates", None), self._ds_engine
+        cfg = cfg if isinstance(cfg, DataStatesConfig) else DataStatesConfig()
+        root = Path(self.config.checkpoints.checkpoints_path)
+        removed: list[Path] = []
+        if r.committed:
+            housekeeping.remove_temporaries(r.folder)
+            # With an S3 upload hook, keep at least 2: a hook runs at the next checkpoint, after this one.
+            removed = housekeeping.rotate(root, cfg.keep_last_n, r.step)
+        if cfg.telemetry:
+            cache = engine.cache_stats(reset=True) if engine is not None else {}
+            housekeeping.append_telemetry(root, housekeeping.telemetry_record(r, cache, removed))
 
     def _ds_log(self, msg: str) -> None:
         log_rank(f"[datastates] {msg}", logger=logger, level=logging.INFO, rank=0)

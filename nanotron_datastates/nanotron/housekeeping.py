@@ -1,0 +1,128 @@
+"""What rank 0's committer does after a checkpoint is committed, off the training thread: rotation
+(`keep_last_n`), removal of temporaries left by dead processes, and one telemetry line per checkpoint.
+
+Imports no Nanotron: the checkpoints folder is all it needs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import fasteners
+
+from . import layout
+from .checkpoint import latest_step, step_folders, temporaries
+
+log = logging.getLogger(__name__)
+
+LOCK = ".datastates.lock"  # latest.txt moves, and checkpoints are removed, only under this lock
+TELEMETRY = "datastates_telemetry.jsonl"
+_MARKERS = (layout.MANIFEST, "checkpoint_metadata.json")  # what makes a folder a checkpoint
+
+
+def _committed(folder: Path) -> bool:
+    return any((folder / m).is_file() for m in _MARKERS)
+
+
+def rotate(root: str | os.PathLike, keep_last_n: int, committed_step: int) -> list[Path]:
+    """Removes checkpoints of `root` older than its newest `keep_last_n` committed ones, and folders older
+    than `committed_step` that were never committed (saves that failed or were cut short).
+
+    Never removes the checkpoint `latest.txt` names, nor any folder newer than `committed_step` (those may
+    be in flight). Each folder loses its commit markers first (the manifest), with the directory synced, so
+    that a removal cut short never leaves something that looks committed. Returns the folders removed."""
+    root = Path(root)
+    if keep_last_n <= 0:
+        return []
+    with fasteners.InterProcessLock(str(root / LOCK)):
+        try:
+            latest = latest_step(root)
+        except ValueError:  # an unreadable latest.txt: remove nothing
+            return []
+        folders = [f for f in step_folders(root) if int(f.name) <= committed_step]
+        committed = [f for f in folders if _committed(f)]
+        keep = set(committed[-keep_last_n:]) | {root / str(latest)}
+        doomed = [f for f in folders if f not in keep and (f in committed or int(f.name) < committed_step)]
+        for folder in doomed:
+            for marker in _MARKERS:
+                (folder / marker).unlink(missing_ok=True)
+            _fsync_dir(folder)
+    for folder in doomed:
+        shutil.rmtree(folder, ignore_errors=True)
+    return doomed
+
+
+def remove_temporaries(folder: str | os.PathLike) -> int:
+    """Removes the temporaries in a committed checkpoint folder: every rank's files are persisted by then, so
+    any left are from a process killed while saving into the same step earlier."""
+    n = 0
+    for p in temporaries(Path(folder)):
+        try:
+            p.unlink()
+            n += 1
+        except FileNotFoundError:
+            pass
+    return n
+
+
+def telemetry_record(result: Any, cache: dict[str, Any], removed: list[Path]) -> dict[str, Any]:
+    """One checkpoint's line: `result` is a CommitResult, `cache` the engine's cache statistics since the
+    previous line."""
+    return {
+        "time": time.time(),
+        "step": result.step,
+        "folder": str(result.folder),
+        "committed": result.committed,
+        "errors": result.errors,
+        "bytes": result.bytes,
+        "files": result.files,
+        "stall_s": result.stall_s,
+        "snapshot_s": result.snapshot_s,
+        "persisted_s": result.persisted_s,
+        "committed_s": result.committed_s,
+        "throughput_gbps": result.gbps,
+        "cache_bytes": cache.get("chunks", 0) * cache.get("chunk_bytes", 0),
+        "cache_high_water_bytes": cache.get("high_water", 0) * cache.get("chunk_bytes", 0),
+        "cache_wait_s": cache.get("wait_ns", 0) / 1e9,
+        "removed": [str(p) for p in removed],
+    }
+
+
+def append_telemetry(root: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Appends one JSON line to the checkpoints folder's telemetry file (a single write: lines never mix)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / TELEMETRY, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_telemetry(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a telemetry file (or of the one in a checkpoints folder); a line cut short by a crash
+    is skipped."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / TELEMETRY
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
