@@ -55,3 +55,51 @@ def injected_fault(kind: str, err: int, path_contains: str, skip: int = 0, count
         yield
     finally:
         _core._disarm_fault()
+
+
+def write_nanotron_checkpoint(engine, root: Path, step: int, *, latest: bool = True) -> Path:
+    """A datastates checkpoint of a tiny model in Nanotron's layout, committed as the trainer commits one
+    (engine files, Nanotron's json/yaml, the manifest, then latest.txt), with a real AdamW state."""
+    import json
+
+    import yaml
+
+    from nanotron_datastates.nanotron import layout, states
+
+    torch.manual_seed(step)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+    folder = root / str(step)
+    meta = {"nanotron_format_version": "1.4", "tensor_parallel_size": "1"}
+    handles = {}
+    for name, p in model.named_parameters():
+        rel = f"model/model/lm_head/model_{name}_pp-rank-0-of-1_tp-rank-0-of-1.safetensors"
+        handles[rel] = engine.save({"data": p.detach()}, folder / rel, metadata=meta, exact_metadata=True)
+    others = {
+        "optimizer/optimizer_pp-0-of-1_tp-0-of-1.safetensors": opt.state_dict(),
+        "lr_scheduler/lr_scheduler_pp-0-of-1_tp-0-of-1.safetensors": {"last_epoch": step, "base_lrs": [1e-3]},
+        f"random/{layout.random_states_name((0, 1), (0, 1), (0, 1))}": {
+            "nanotron": {}, "global": states.global_rng_state()},
+    }  # fmt: skip
+    for rel, obj in others.items():
+        handles[rel] = engine.save(obj, folder / rel)
+    files = {}
+    for rel, h in handles.items():
+        sums = h.checksums()
+        files[rel] = {"bytes": h.stats["file_bytes"], "crc32c": {k: f"{v:08x}" for k, v in sums.items()}}
+    checkpoint_meta = {"version": "1.4", "tp": 1, "dp": 1,
+                       "metas": {"last_train_step": step, "consumed_train_samples": 4 * step}}  # fmt: skip
+    layout.write_atomic(folder / "checkpoint_metadata.json", json.dumps(checkpoint_meta))
+    config = {"checkpoints": {"checkpointing_engine": "datastates", "checkpoints_path": str(root)},
+              "datastates": {"host_cache_size": 1}, "parallelism": {"dp": 1, "pp": 1, "tp": 1},
+              "optimizer": {"zero_stage": 0}}  # fmt: skip
+    layout.write_atomic(folder / "config.yaml", yaml.dump(config))
+    layout.write_atomic(folder / "model_config.json", json.dumps({"hidden_size": 8}))
+    topology = {"tp": 1, "pp": 1, "dp": 1, "expert": 1, "zero_stage": 0}
+    layout.write_atomic(folder / layout.MANIFEST, json.dumps(layout.manifest(step, topology, files)))
+    if latest:
+        layout.write_atomic(root / layout.LATEST, str(step))
+    return folder

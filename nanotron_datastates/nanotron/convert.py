@@ -1,0 +1,310 @@
+"""Converts one Nanotron checkpoint folder between Nanotron's stock layout and ours, on CPU.
+
+``to="torch"`` turns a datastates checkpoint into the folder Nanotron's own `save()` writes (optimizer, LR
+scheduler and random states as pickles, `.pt`), for tools that know only that layout; every file is checked
+against the manifest on the way. ``to="datastates"`` turns a stock checkpoint into ours: the pickles become
+engine-written safetensors and the weight files are rewritten to get their checksums, then the manifest is
+written last. The weights' names, tensor key and metadata are the same in both layouts.
+
+Nanotron itself is needed only for the random states (its `RandomStates` is what the stock pickle holds)::
+
+    from nanotron_datastates.nanotron.convert import convert
+    convert("checkpoints/40", "stock/40", to="torch")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from ..engine import DataStatesEngine, SaveHandle
+from ..errors import FormatError
+from . import layout, states
+
+TARGETS = ("torch", "datastates")
+METADATA = "checkpoint_metadata.json"
+CONFIG = "config.yaml"
+# Subfolders whose `.pt` pickles (stock) are engine-written safetensors (ours).
+PICKLED = ("optimizer", "lr_scheduler")
+RANDOM = "random"
+MODEL = "model"
+
+
+def convert(
+    src: str | os.PathLike, out: str | os.PathLike, to: str, engine: DataStatesEngine | None = None
+) -> Path:
+    """Writes the checkpoint folder `src` into the new folder `out` in the layout `to` ("torch": Nanotron's
+    stock layout, from ours; "datastates": ours, from Nanotron's). Returns `Path(out)`.
+
+    Raises ValueError if `src` is not a checkpoint of the other layout, FileExistsError if `out` exists and is
+    not empty, ChecksumError if a file of a datastates `src` does not match its manifest. On any error, what
+    was written into `out` is removed.
+    """
+    src, out = Path(src), Path(out)
+    if to not in TARGETS:
+        raise ValueError(f"to={to!r} is invalid: expected one of {', '.join(TARGETS)}")
+    _check_source(src, to)
+    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
+        raise ValueError(f"{out}: the output folder cannot be {src} or lie inside it")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not empty; converting writes a new folder")
+    if engine is None:
+        # Small and unpinned: converting runs on CPU, one file at a time.
+        with DataStatesEngine(host_cache_size=0.25, pin_host_cache=False) as own:
+            return _convert(src, out, to, own)
+    return _convert(src, out, to, engine)
+
+
+def _check_source(src: Path, to: str) -> None:
+    if not (src / METADATA).is_file():
+        raise ValueError(f"{src} is not a Nanotron checkpoint folder (no {METADATA})")
+    if to == "torch":
+        if not layout.is_datastates_checkpoint(src):
+            raise ValueError(f"{src} is not a datastates checkpoint (no {layout.MANIFEST})")
+        try:
+            layout.read_manifest(src)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{src}: unreadable manifest: {e}") from e
+        return
+    if layout.is_datastates_checkpoint(src):
+        raise ValueError(f"{src} is already a datastates checkpoint ({layout.MANIFEST})")
+    meta = _read_json(src / METADATA)
+    if not all(isinstance(meta.get(k), int) for k in ("tp", "dp")):
+        raise ValueError(f"{src / METADATA}: not Nanotron's checkpoint metadata (no integer tp and dp)")
+
+
+def _convert(src: Path, out: Path, to: str, engine: DataStatesEngine) -> Path:
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    handles: list[SaveHandle] = []
+    try:
+        if to == "torch":
+            _to_torch(src, out, engine)
+        else:
+            _to_datastates(src, out, engine, handles)
+    except BaseException:
+        # Saves still in flight would write into the folder being removed (or fail to rename into it).
+        for h in handles:
+            with contextlib.suppress(Exception):
+                h.wait_persisted()
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        else:  # an empty folder the caller made: leave it, empty
+            for p in list(out.iterdir()):
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+        raise
+    return out
+
+
+# -- datastates -> torch ------------------------------------------------------------------------------------
+
+
+def _to_torch(src: Path, out: Path, engine: DataStatesEngine) -> None:
+    doc = layout.read_manifest(src)
+    for rel, entry in doc["files"].items():
+        path = src / rel
+        size = path.stat().st_size  # FileNotFoundError names a file the manifest lists but the folder lacks
+        if size != entry.get("bytes"):
+            raise FormatError(f"{path}: {size} bytes, the manifest says {entry.get('bytes')}")
+        sums = layout.file_checksums(doc, src, path)
+        parts = Path(rel).parts
+        if parts[0] == MODEL:
+            # Same file in both layouts. The copy is what gets checked: a bad source and a bad copy both fail.
+            _copy(path, out / rel)
+            engine.verify(out / rel, sums)
+        elif parts[0] == RANDOM:
+            saved = engine.load(path, checksums=sums)
+            if not isinstance(saved, dict) or "nanotron" not in saved:
+                raise FormatError(f"{path}: not the random states of a datastates checkpoint")
+            # Stock Nanotron keeps Nanotron's generators only; the process-wide ones ("global") have no place.
+            random_states = _nanotron_random().RandomStates(
+                {k: states.random_state_from_plain(v) for k, v in saved["nanotron"].items()}
+            )
+            _torch_save(random_states, out / _as_pt(rel))
+        else:
+            _torch_save(engine.load(path, checksums=sums), out / _as_pt(rel))
+    _copy_rest(src, out, listed=set(doc["files"]), to="torch")
+    _sync_dirs(out)
+    # Nanotron's own save is synchronous: its metadata file is what marks a whole stock checkpoint.
+    layout.write_atomic(out / METADATA, (src / METADATA).read_bytes())
+
+
+def _as_pt(rel: str) -> str:
+    return rel[: -len(".safetensors")] + ".pt" if rel.endswith(".safetensors") else rel + ".pt"
+
+
+def _stock_config(text: str) -> str:
+    """config.yaml without our keys, which stock Nanotron's strict parser rejects (unparsable: as is)."""
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if not isinstance(doc, dict):
+        return text
+    dropped = [doc.pop(k) for k in ("datastates", "checkpointing_engine") if k in doc]
+    checkpoints = doc.get("checkpoints")
+    if isinstance(checkpoints, dict) and "checkpointing_engine" in checkpoints:
+        dropped.append(checkpoints.pop("checkpointing_engine"))
+    return yaml.dump(doc) if dropped else text  # untouched configs keep their formatting
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# -- torch -> datastates ------------------------------------------------------------------------------------
+
+
+def _to_datastates(src: Path, out: Path, engine: DataStatesEngine, handles: list[SaveHandle]) -> None:
+    meta = _read_json(src / METADATA)
+    step = _step(src, meta)
+    config = _read_yaml(src / CONFIG)
+    parallelism = config.get("parallelism") or {}
+    topology = {
+        "tp": meta["tp"],
+        "pp": int(parallelism.get("pp") or 1),
+        "dp": meta["dp"],
+        "expert": int(parallelism.get("expert_parallel_size") or 1),
+        "zero_stage": int((config.get("optimizer") or {}).get("zero_stage") or 0),
+    }
+    saved: list[tuple[str, SaveHandle]] = []  # (file in `out`, its save)
+    for rel in _files(src):
+        parts = Path(rel).parts
+        if parts[0] == MODEL and rel.endswith(".safetensors"):
+            tensors = engine.load(src / rel)
+            metadata = engine.read_metadata(src / rel)
+            # Rewritten rather than copied: the engine computes the checksums the manifest keeps. The file
+            # stays Nanotron's (its metadata verbatim, nothing of ours), as the trainer writes weights.
+            target, h = rel, engine.save(tensors, out / rel, metadata=metadata, exact_metadata=True)
+        elif parts[0] in PICKLED and rel.endswith(".pt"):
+            obj = torch.load(src / rel, map_location="cpu", weights_only=False)
+            target = layout.as_safetensors(rel)
+            h = engine.save(obj, out / target)
+        elif parts[0] == RANDOM and rel.endswith(".pt"):
+            _nanotron_random()  # unpickling needs it: fail with a clear message
+            loaded = torch.load(src / rel, map_location="cpu", weights_only=False)
+            if not isinstance(loaded, Mapping):
+                raise ValueError(f"{src / rel}: {type(loaded).__name__}, not Nanotron's RandomStates")
+            # No "global" entry: the stock layout never kept the process-wide generators (resume allows it).
+            plain = {"nanotron": {k: states.random_state_to_plain(v) for k, v in loaded.items()}}
+            target = layout.as_safetensors(rel)
+            h = engine.save(plain, out / target)
+        else:
+            if rel != METADATA:  # written last
+                _copy(src / rel, out / rel)
+            continue
+        handles.append(h)
+        saved.append((target, h))
+        # One file in memory at a time: the next is read while this one is flushed.
+        h.wait_snapshot()
+    entries = {}
+    for target, h in saved:
+        sums = h.checksums()  # waits until persisted; raises the save's error
+        entries[target] = {
+            "bytes": (out / target).stat().st_size,
+            "crc32c": {name: f"{crc:08x}" for name, crc in sums.items()},
+        }
+    _sync_dirs(out)
+    # As the trainer commits: the metadata, then the manifest, which makes the folder a datastates checkpoint.
+    layout.write_atomic(out / METADATA, (src / METADATA).read_bytes())
+    layout.write_atomic(out / layout.MANIFEST, json.dumps(layout.manifest(step, topology, entries), indent=1))
+
+
+def _step(src: Path, meta: dict[str, Any]) -> int:
+    step = (meta.get("metas") or {}).get("last_train_step")
+    if isinstance(step, int):
+        return step
+    if src.resolve().name.isdigit():
+        return int(src.resolve().name)
+    raise ValueError(f"{src}: no metas.last_train_step in {METADATA} and the folder is not named by its step")
+
+
+# -- shared -------------------------------------------------------------------------------------------------
+
+
+def _files(folder: Path) -> list[str]:
+    """The folder's files, relative, without hidden ones (temporaries of a save that died, locks)."""
+    return sorted(
+        str(p.relative_to(folder))
+        for p in folder.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
+
+
+def _copy_rest(src: Path, out: Path, listed: set[str], to: str) -> None:
+    """Nanotron's json/yaml files and anything else not converted; never the manifest or the metadata file
+    (written last), nor safetensors the manifest does not list (resume ignores them: leftovers)."""
+    for rel in _files(src):
+        if rel in listed or rel in (layout.MANIFEST, METADATA) or rel.endswith(".safetensors"):
+            continue
+        if rel == CONFIG and to == "torch":
+            (out / rel).write_text(_stock_config((src / rel).read_text()))
+            _fsync(out / rel)
+        else:
+            _copy(src / rel, out / rel)
+
+
+def _copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    _fsync(dst)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_dirs(folder: Path) -> None:
+    """Makes the new files' names durable before the file that marks the checkpoint whole is written."""
+    for d, _, _ in os.walk(folder):
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _nanotron_random() -> Any:
+    try:
+        import nanotron.random
+    except ImportError as e:
+        raise RuntimeError(
+            "converting random states needs Nanotron importable (install it from source): its RandomStates "
+            f"is what the stock checkpoint pickles ({e})"
+        ) from e
+    return nanotron.random
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
