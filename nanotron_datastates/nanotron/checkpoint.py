@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from .. import format as fmt
 from ..engine import DataStatesEngine
@@ -44,12 +41,14 @@ def kind_of(path: str | os.PathLike) -> str:
         return "file"
     if not path.is_dir():
         return "unknown"
-    if (path / layout.LATEST).is_file() or (any(step_folders(path)) and not _is_checkpoint(path)):
+    if (path / layout.LATEST).is_file() or (any(step_folders(path)) and not is_committed(path)):
         return "root"
-    return "checkpoint" if _is_checkpoint(path) else "unknown"
+    return "checkpoint" if is_committed(path) else "unknown"
 
 
-def _is_checkpoint(folder: Path) -> bool:
+def is_committed(folder: Path) -> bool:
+    """A whole checkpoint: ours once its manifest exists; Nanotron's own (synchronous) once its metadata
+    file exists."""
     return layout.is_datastates_checkpoint(folder) or (folder / "checkpoint_metadata.json").is_file()
 
 
@@ -109,12 +108,12 @@ def describe_checkpoint(folder: str | os.PathLike) -> dict[str, Any]:
         out.update(engine="datastates", step=doc.get("step"), topology=doc.get("topology", {}))
     elif (folder / "checkpoint_metadata.json").is_file():
         out["engine"] = "nanotron (torch)"
-    meta = _read_json(folder / "checkpoint_metadata.json")
+    meta = layout.read_json(folder / "checkpoint_metadata.json")
     if meta:
         out["step"] = out["step"] if out["step"] is not None else meta.get("metas", {}).get("last_train_step")
         for key in ("tp", "dp"):
             out["topology"].setdefault(key, meta.get(key))
-    parallelism = _read_yaml(folder / "config.yaml").get("parallelism") or {}
+    parallelism = layout.read_yaml(folder / "config.yaml").get("parallelism") or {}
     out["topology"].setdefault("pp", parallelism.get("pp"))
     root = folder.parent
     latest = _safe_latest(root)
@@ -184,10 +183,10 @@ def _verify_root(engine: DataStatesEngine, root: Path, report: Report) -> None:
     folders = step_folders(root)
     if latest is None:
         report.notes.append(f"{root}: no {layout.LATEST}")
-    elif not _is_checkpoint(root / str(latest)):
+    elif not is_committed(root / str(latest)):
         report.problems.append(f"{root / layout.LATEST} names step {latest}, which is not a checkpoint")
     for folder in folders:
-        if _is_checkpoint(folder):
+        if is_committed(folder):
             _verify_checkpoint(engine, folder, report)
         else:
             report.notes.append(f"{folder}: not committed (a save in progress or cut short); not used")
@@ -247,22 +246,6 @@ def _verify_file(
             report.notes.append(f"{path}: no checksums (structure checked)")
     except (OSError, ValueError) as e:
         report.problems.append(str(e))
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
 
 
 def _safe_latest(root: Path) -> int | None:

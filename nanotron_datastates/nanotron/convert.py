@@ -76,7 +76,7 @@ def _check_source(src: Path, to: str) -> None:
         return
     if layout.is_datastates_checkpoint(src):
         raise ValueError(f"{src} is already a datastates checkpoint ({layout.MANIFEST})")
-    meta = _read_json(src / METADATA)
+    meta = layout.read_json(src / METADATA)
     if not all(isinstance(meta.get(k), int) for k in ("tp", "dp")):
         raise ValueError(f"{src / METADATA}: not Nanotron's checkpoint metadata (no integer tp and dp)")
 
@@ -171,9 +171,9 @@ def _torch_save(obj: Any, path: Path) -> None:
 
 
 def _to_datastates(src: Path, out: Path, engine: DataStatesEngine, handles: list[SaveHandle]) -> None:
-    meta = _read_json(src / METADATA)
+    meta = layout.read_json(src / METADATA)
     step = _step(src, meta)
-    config = _read_yaml(src / CONFIG)
+    config = layout.read_yaml(src / CONFIG)
     parallelism = config.get("parallelism") or {}
     topology = {
         "tp": meta["tp"],
@@ -254,7 +254,7 @@ def _copy_rest(src: Path, out: Path, listed: set[str], to: str) -> None:
             continue
         if rel == CONFIG and to == "torch":
             (out / rel).write_text(_stock_config((src / rel).read_text()))
-            _fsync(out / rel)
+            layout.fsync_path(out / rel)
         else:
             _copy(src / rel, out / rel)
 
@@ -262,25 +262,13 @@ def _copy_rest(src: Path, out: Path, listed: set[str], to: str) -> None:
 def _copy(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src, dst)
-    _fsync(dst)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    layout.fsync_path(dst)
 
 
 def _sync_dirs(folder: Path) -> None:
     """Makes the new files' names durable before the file that marks the checkpoint whole is written."""
     for d, _, _ in os.walk(folder):
-        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        layout.fsync_path(d)
 
 
 def _nanotron_random() -> Any:
@@ -292,19 +280,3 @@ def _nanotron_random() -> Any:
             f"is what the stock checkpoint pickles ({e})"
         ) from e
     return nanotron.random
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
-    return doc if isinstance(doc, dict) else {}

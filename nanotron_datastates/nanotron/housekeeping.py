@@ -17,17 +17,13 @@ from typing import Any
 import fasteners
 
 from . import layout
-from .checkpoint import latest_step, step_folders, temporaries
+from .checkpoint import is_committed, latest_step, step_folders, temporaries
 
 log = logging.getLogger(__name__)
 
 LOCK = ".datastates.lock"  # latest.txt moves, and checkpoints are removed, only under this lock
 TELEMETRY = "datastates_telemetry.jsonl"
-_MARKERS = (layout.MANIFEST, "checkpoint_metadata.json")  # what makes a folder a checkpoint
-
-
-def _committed(folder: Path) -> bool:
-    return any((folder / m).is_file() for m in _MARKERS)
+_MARKERS = (layout.MANIFEST, "checkpoint_metadata.json")  # what makes a folder a checkpoint (is_committed)
 
 
 def rotate(root: str | os.PathLike, keep_last_n: int, committed_step: int) -> list[Path]:
@@ -46,13 +42,13 @@ def rotate(root: str | os.PathLike, keep_last_n: int, committed_step: int) -> li
         except ValueError:  # an unreadable latest.txt: remove nothing
             return []
         folders = [f for f in step_folders(root) if int(f.name) <= committed_step]
-        committed = [f for f in folders if _committed(f)]
+        committed = [f for f in folders if is_committed(f)]
         keep = set(committed[-keep_last_n:]) | {root / str(latest)}
         doomed = [f for f in folders if f not in keep and (f in committed or int(f.name) < committed_step)]
         for folder in doomed:
             for marker in _MARKERS:
                 (folder / marker).unlink(missing_ok=True)
-            _fsync_dir(folder)
+            layout.fsync_path(folder)
     for folder in doomed:
         shutil.rmtree(folder, ignore_errors=True)
     return doomed
@@ -115,14 +111,3 @@ def read_telemetry(path: str | os.PathLike) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return out
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

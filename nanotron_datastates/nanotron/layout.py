@@ -55,11 +55,37 @@ def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    fsync_path(path.parent)
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync of a file, or of a folder (which makes the names in it durable)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
     try:
-        os.fsync(dfd)
+        os.fsync(fd)
     finally:
-        os.close(dfd)
+        os.close(fd)
+
+
+def read_json(path: str | os.PathLike) -> dict[str, Any]:
+    """A JSON object from `path`; {} if it is missing, unreadable or not an object (for describing folders
+    whatever state they are in)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Like `read_json`, for YAML (Nanotron's config.yaml)."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def manifest(step: int, topology: dict[str, int], files: dict[str, dict[str, Any]]) -> dict[str, Any]:
