@@ -93,7 +93,7 @@ class DataStatesTrainerMixin:
             torch.cuda.set_device(device)
             state = engine.load(path, device)
             torch.cuda.current_stream(device).synchronize()  # the main thread's stream may use them next
-            return state
+            return path, state
 
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datastates-prefetch")
         future = pool.submit(read)
@@ -176,8 +176,8 @@ class DataStatesTrainerMixin:
             # Nanotron's `load_optimizer` flag stays off until the first step has run, so that step does not
             # try to move them again.
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-            state = self._ds_prefetch.result() if self._ds_prefetch is not None else None
-            if state is None:
+            read, state = self._ds_prefetch.result() if self._ds_prefetch is not None else (None, None)
+            if read != path:  # not prefetched, or (were Nanotron to change) not the optimizer's file
                 state = engine.load(path, device or "cpu")
             self._ds_prefetch = None
             self.optimizer.load_state_dict(state, map_location=device or "cpu")
