@@ -286,6 +286,46 @@ def variants(specs: list[str] | None) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+def run_rounds(args: argparse.Namespace) -> int:
+    """`--rounds N`: the whole set of runs N times in turn (none, datastates, none, datastates, ...), each
+    round in `out/round<k>/`, then `rounds_summary.json`: per mode, every round's figures and their median.
+    The machine's iteration time drifts between runs by more than the 2% being measured; interleaving puts
+    each run next to its own reference."""
+    rc, per_round = 0, []
+    for k in range(args.rounds):
+        one = argparse.Namespace(**{**vars(args), "out": str(Path(args.out) / f"round{k}")})
+        rc |= run_all(one)
+        per_round.append(json.loads((Path(one.out) / f"bench_nanotron_{args.model}.json").read_text()))
+        summary = aggregate_rounds(per_round)
+        (Path(args.out) / "rounds_summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary["modes"], indent=1))
+    return rc
+
+
+ROUND_FIGURES = ("stall_median_s", "stall_share_of_interval", "throughput_loss", "mean_iteration_s")
+
+
+def aggregate_rounds(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per mode and figure (ROUND_FIGURES), the value of every round and their median; the ratios too."""
+    modes: dict[str, Any] = {}
+    for r in results:
+        for name, m in r["modes"].items():
+            for key in ROUND_FIGURES:
+                if m.get(key) is not None:
+                    modes.setdefault(name, {}).setdefault(key, []).append(m[key])
+    ratios: dict[str, list[float]] = {}
+    for r in results:
+        for key, v in r.get("ratios", {}).items():
+            ratios.setdefault(key, []).append(v)
+    med = statistics.median
+    return {
+        "command": " ".join(sys.argv),
+        "rounds": len(results),
+        "modes": {n: {k: {"rounds": v, "median": med(v)} for k, v in m.items()} for n, m in modes.items()},
+        "ratios": {k: {"rounds": v, "median": med(v)} for k, v in ratios.items()},
+    }
+
+
 def iteration_times(rec: dict[str, Any]) -> dict[int, float]:
     ends = rec.get("ends", [])
     return {step: t - ends[i - 1][1] for i, (step, t) in enumerate(ends) if i > 0}
@@ -464,6 +504,7 @@ def main() -> int:
     a.add_argument("--profile", action="store_true", help="cProfile the second save and the restores' init")
     a.add_argument("--modes", help="comma-separated subset of the runs (none always runs)")
     a.add_argument("--variant", action="append", help="NAME:key=value,...: one more datastates run")
+    a.add_argument("--rounds", type=int, default=1, help="repeat every run this many times, interleaved")
     ph = sub.add_parser("phase")
     for flag in ("--mode", "--config", "--record"):
         ph.add_argument(flag, required=True)
@@ -472,7 +513,7 @@ def main() -> int:
     if args.what == "phase":
         run_phase(args)
         return 0
-    return run_all(args)
+    return run_rounds(args) if args.rounds > 1 else run_all(args)
 
 
 if __name__ == "__main__":
