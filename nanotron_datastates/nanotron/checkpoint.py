@@ -16,7 +16,7 @@ from .. import format as fmt
 from ..engine import DataStatesEngine
 from . import layout
 
-NANOTRON_FILES = ("checkpoint_metadata.json", "config.yaml", "model_config.json")
+NANOTRON_FILES = (layout.NANOTRON_METADATA, "config.yaml", "model_config.json")
 
 
 @dataclasses.dataclass
@@ -49,7 +49,7 @@ def kind_of(path: str | os.PathLike) -> str:
 def is_committed(folder: Path) -> bool:
     """A whole checkpoint: ours once its manifest exists; Nanotron's own (synchronous) once its metadata
     file exists."""
-    return layout.is_datastates_checkpoint(folder) or (folder / "checkpoint_metadata.json").is_file()
+    return layout.is_datastates_checkpoint(folder) or (folder / layout.NANOTRON_METADATA).is_file()
 
 
 def step_folders(root: Path) -> list[Path]:
@@ -106,9 +106,9 @@ def describe_checkpoint(folder: str | os.PathLike) -> dict[str, Any]:
     if layout.is_datastates_checkpoint(folder):
         doc = layout.read_manifest(folder)
         out.update(engine="datastates", step=doc.get("step"), topology=doc.get("topology", {}))
-    elif (folder / "checkpoint_metadata.json").is_file():
+    elif (folder / layout.NANOTRON_METADATA).is_file():
         out["engine"] = "nanotron (torch)"
-    meta = layout.read_json(folder / "checkpoint_metadata.json")
+    meta = layout.read_json(folder / layout.NANOTRON_METADATA)
     if meta:
         out["step"] = out["step"] if out["step"] is not None else meta.get("metas", {}).get("last_train_step")
         for key in ("tp", "dp"):
@@ -117,9 +117,7 @@ def describe_checkpoint(folder: str | os.PathLike) -> dict[str, Any]:
     out["topology"].setdefault("pp", parallelism.get("pp"))
     root = folder.parent
     latest = _safe_latest(root)
-    # Committed: Nanotron's own save is synchronous, so its metadata file marks a whole checkpoint; ours
-    # is whole once its manifest exists.
-    out["committed"] = out["engine"] is not None
+    out["committed"] = is_committed(folder)
     out["latest"] = latest is not None and str(latest) == folder.name
     files = []
     for p in sorted(q for q in folder.rglob("*") if q.is_file() and not q.name.startswith(".")):

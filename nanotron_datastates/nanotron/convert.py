@@ -30,7 +30,7 @@ from ..errors import FormatError
 from . import layout, states
 
 TARGETS = ("torch", "datastates")
-METADATA = "checkpoint_metadata.json"
+METADATA = layout.NANOTRON_METADATA
 CONFIG = "config.yaml"
 # Subfolders whose `.pt` pickles (stock) are engine-written safetensors (ours).
 PICKLED = ("optimizer", "lr_scheduler")

@@ -7,7 +7,6 @@ Imports no Nanotron: the checkpoints folder is all it needs.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import time
@@ -19,11 +18,9 @@ import fasteners
 from . import layout
 from .checkpoint import is_committed, latest_step, step_folders, temporaries
 
-log = logging.getLogger(__name__)
-
 LOCK = ".datastates.lock"  # latest.txt moves, and checkpoints are removed, only under this lock
 TELEMETRY = "datastates_telemetry.jsonl"
-_MARKERS = (layout.MANIFEST, "checkpoint_metadata.json")  # what makes a folder a checkpoint (is_committed)
+_MARKERS = (layout.MANIFEST, layout.NANOTRON_METADATA)  # what makes a folder a checkpoint (is_committed)
 
 
 def rotate(root: str | os.PathLike, keep_last_n: int, committed_step: int) -> list[Path]:

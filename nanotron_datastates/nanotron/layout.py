@@ -23,6 +23,7 @@ MANIFEST = "datastates.json"
 MANIFEST_FORMAT = "nanotron-datastates"
 MANIFEST_VERSION = 1
 LATEST = "latest.txt"
+NANOTRON_METADATA = "checkpoint_metadata.json"  # Nanotron's CHECKPOINT_FILE_NAME, without importing Nanotron
 
 
 def is_datastates_checkpoint(folder: str | os.PathLike) -> bool:

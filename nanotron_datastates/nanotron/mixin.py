@@ -122,12 +122,15 @@ class DataStatesTrainerMixin:
     def _ds_active(self) -> bool:
         return bool(getattr(self.config, "uses_datastates", False))
 
+    @property
+    def _ds_config(self) -> DataStatesConfig:
+        """The `datastates:` section, or the defaults where the YAML has none."""
+        cfg = getattr(self.config, "datastates", None)
+        return cfg if isinstance(cfg, DataStatesConfig) else DataStatesConfig()
+
     def _ds_get_engine(self) -> DataStatesEngine:
         if self._ds_engine is None:
-            cfg = getattr(self.config, "datastates", None)
-            self._ds_engine = DataStatesEngine(
-                cfg if isinstance(cfg, DataStatesConfig) else DataStatesConfig()
-            )
+            self._ds_engine = DataStatesEngine(self._ds_config)
         return self._ds_engine
 
     def _load_model_checkpoint(self, model: Any) -> Any:
@@ -391,8 +394,7 @@ class DataStatesTrainerMixin:
             )
 
     def _ds_housekeeping(self, r: CommitResult) -> None:
-        cfg, engine = getattr(self.config, "datastates", None), self._ds_engine
-        cfg = cfg if isinstance(cfg, DataStatesConfig) else DataStatesConfig()
+        cfg, engine = self._ds_config, self._ds_engine
         root = Path(self.config.checkpoints.checkpoints_path)
         removed: list[Path] = []
         if r.committed:
