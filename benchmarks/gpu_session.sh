@@ -2,7 +2,7 @@
 # One call on the GPU machine (device tool, carry .gpu): build, then the named steps, results under $OUT.
 #   bash benchmarks/gpu_session.sh STEP [STEP ...]
 # Steps: tests | dd | engine | proof | nanotron-180m | nanotron-1b | nanotron-180m-long | ablation-180m |
-#        nanotron-1b-e2e | nanotron-180m-ds | rounds-180m | crash  (see each case below for its command).
+#        nanotron-1b-e2e | nanotron-180m-ds | rounds-180m | round-180m | crash  (see each case below for its command).
 # Every step's output is kept in $OUT/<step>.log; results go to $OUT/<step>/ and are tarred at the end,
 # since only a few files come back from $OUT.
 set -uo pipefail
@@ -54,6 +54,9 @@ run_step() {
       --modes datastates --work "$WORK/bn180d" --out "$OUT/nanotron-180m-ds") ;;
     rounds-180m) (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 400 --interval 40 \
       --modes torch,dcp,datastates --rounds 2 --work "$WORK/bn180r" --out "$OUT/rounds-180m") ;;
+    round-180m) # every mode but stress, once: a call's worth; rounds from several calls are put together after
+      (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 400 --interval 40 \
+      --modes torch,dcp,datastates,restore-torch,restore-datastates --work "$WORK/bn180o" --out "$OUT/round-180m") ;;
     crash) (cd benchmarks && python3 nanotron_crash.py --trials 3 --out "$OUT/crash" --work "$WORK/crash") ;;
     *) echo "unknown step $1"; return 2 ;;
   esac

@@ -10,6 +10,7 @@
 from .config import DataStatesConfig
 from .engine import DataStatesEngine, SaveHandle
 from .errors import ChecksumError, FormatError
+from .plan import SavePlan
 
-__all__ = ["ChecksumError", "DataStatesConfig", "DataStatesEngine", "FormatError", "SaveHandle"]
+__all__ = ["ChecksumError", "DataStatesConfig", "DataStatesEngine", "FormatError", "SaveHandle", "SavePlan"]
 __version__ = "0.1.0"

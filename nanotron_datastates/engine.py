@@ -22,7 +22,7 @@ import torch
 from . import _core
 from . import format as fmt
 from .config import DataStatesConfig
-from .plan import plan_save
+from .plan import SavePlan, plan_save, replan
 from .restore import load_file, load_into_tensors, verify_file
 
 log = logging.getLogger("nanotron_datastates")
@@ -176,12 +176,33 @@ class DataStatesEngine:
         ``__metadata__``, for readers that reject unknown keys (Nanotron's). Checksums are still computed:
         keep them from :meth:`SaveHandle.checksums` and pass them to :meth:`load`.
         """
+        plan = self.plan(state, metadata=metadata, allow_pickle=allow_pickle, exact_metadata=exact_metadata)
+        return self._submit(plan, path)
+
+    def plan(
+        self,
+        state: Any,
+        *,
+        metadata: Mapping[str, str] | None = None,
+        allow_pickle: bool = False,
+        exact_metadata: bool = False,
+    ) -> SavePlan:
+        """Flattens `state` (arguments as for :meth:`save`) into a plan that :meth:`save_plan` saves, as often
+        as wanted: for the same tensors saved again and again (a model's weights at every checkpoint), the
+        walk over the state and its checks are done once. The plan holds the tensors, not their values: each
+        save captures them as they are then. Plain values in `state` are those of this call."""
+        return plan_save(state, metadata=metadata, allow_pickle=allow_pickle, exact_metadata=exact_metadata)
+
+    def save_plan(self, plan: SavePlan, path: str | os.PathLike) -> SaveHandle:
+        """Saves a plan from :meth:`plan`, as :meth:`save` saves a state (the same rules for its tensors)."""
+        return self._submit(replan(plan), path)
+
+    def _submit(self, plan: SavePlan, path: str | os.PathLike) -> SaveHandle:
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         path = os.path.abspath(os.fspath(path))
-        plan = plan_save(state, metadata=metadata, allow_pickle=allow_pickle, exact_metadata=exact_metadata)
         job = self._core.save(
-            path, plan.names, plan.dtypes, plan.arrays, plan.metadata, plan.streams, not exact_metadata
+            path, plan.names, plan.dtypes, plan.arrays, plan.metadata, plan.streams, not plan.exact_metadata
         )
         handle = SaveHandle(job, path, plan.arrays, plan.nbytes)
         with self._lock:

@@ -24,12 +24,35 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 @dataclass
 class SavePlan:
+    """A flattened state: what the core needs to save it. Reusable (see :func:`replan`): it holds the
+    tensors themselves, so saving it again captures their values at that time."""
+
     names: list[str] = field(default_factory=list)
     dtypes: list[str] = field(default_factory=list)
     arrays: list[torch.Tensor] = field(default_factory=list)  # what the core reads (keeps them alive)
     streams: list[tuple[int, int]] = field(default_factory=list)
     metadata: list[tuple[str, str]] = field(default_factory=list)
     nbytes: int = 0
+    exact_metadata: bool = False  # metadata verbatim: no skeleton and no checksums in the file
+    devices: list[int] = field(default_factory=list)  # CUDA devices of the tensors
+    # CUDA tensors that are not contiguous, by index into `arrays`: a save copies them on the caller's stream.
+    gathered: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+
+def replan(plan: SavePlan) -> SavePlan:
+    """The same plan for a save now: each device's current stream, and fresh contiguous copies of the
+    tensors that needed one (the old copies hold the values of the earlier save)."""
+    arrays = plan.arrays
+    if plan.gathered:
+        arrays = list(arrays)
+        for i, t in plan.gathered:
+            arrays[i] = export_view(t.contiguous())
+    return SavePlan(plan.names, plan.dtypes, arrays, _streams(plan.devices), plan.metadata, plan.nbytes,
+                    plan.exact_metadata, plan.devices, plan.gathered)  # fmt: skip
+
+
+def _streams(devices: list[int]) -> list[tuple[int, int]]:
+    return [(d, torch.cuda.current_stream(d).cuda_stream) for d in devices]
 
 
 def export_view(t: torch.Tensor) -> torch.Tensor:
@@ -50,7 +73,7 @@ def plan_save(
 ) -> SavePlan:
     """Flattens `state`. With `exact_metadata`, `state` must be a flat dict of str to tensor and `metadata`
     becomes the whole `__metadata__` (no skeleton, version or checksums), as strict readers require."""
-    plan = SavePlan()
+    plan = SavePlan(exact_metadata=exact_metadata)
     if exact_metadata and (
         not isinstance(state, dict)
         or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())
@@ -87,14 +110,21 @@ def plan_save(
             devices.add(t.device.index)
             if not t.is_contiguous():
                 src = t.contiguous()  # queued on the caller's stream, before the event the core records
+                plan.gathered.append((len(plan.arrays), t))
         plan.names.append(name)
         plan.dtypes.append(dt.name)
         plan.arrays.append(export_view(src))
         plan.nbytes += t.numel() * dt.itemsize
         return name
 
-    skel = skeleton.encode(state, on_tensor, allow_pickle=allow_pickle)
-    plan.streams = [(d, torch.cuda.current_stream(d).cuda_stream) for d in sorted(devices)]
+    if exact_metadata:  # no skeleton to write: the flat dict is walked as it is
+        skel = ""
+        for k, v in state.items():
+            on_tensor(v, k)
+    else:
+        skel = skeleton.encode(state, on_tensor, allow_pickle=allow_pickle)
+    plan.devices = sorted(devices)
+    plan.streams = _streams(plan.devices)
 
     user = dict(metadata or {})
     for k, v in user.items():

@@ -165,3 +165,39 @@ def test_a_restore_prepares_only_the_chunks_it_uses(tmp_path):
         engine.prepare_cache(wait=False)  # background
         engine.prepare_cache()  # and this thread: done when it returns
         assert engine.cache_stats()["prepared"] == 128
+
+
+def test_a_plan_saved_again_captures_the_values_of_that_time(engine, tmp_path):
+    w = torch.zeros(1000, 30)
+    plan = engine.plan({"w": w, "step": 7, "nested": [w[:1].clone()]})
+    for i in range(3):
+        w.fill_(float(i))  # in place, as an optimizer step updates a parameter
+        h = engine.save_plan(plan, tmp_path / f"{i}.safetensors")
+        h.wait_snapshot()
+    engine.wait_persisted()
+    for i in range(3):
+        state = engine.load(tmp_path / f"{i}.safetensors")
+        assert same(state["w"], torch.full((1000, 30), float(i))) and state["step"] == 7
+        assert same(state["nested"][0], torch.zeros(1, 30))
+
+
+def test_an_exact_metadata_plan_writes_the_metadata_verbatim_each_time(engine, tmp_path):
+    from safetensors import safe_open
+
+    p = torch.arange(12.0)
+    plan = engine.plan({"data": p}, metadata={"sharded": "false"}, exact_metadata=True)
+    for i in range(2):
+        p.add_(1)
+        engine.save_plan(plan, tmp_path / f"{i}.safetensors").wait_persisted()
+    for i in range(2):
+        with safe_open(str(tmp_path / f"{i}.safetensors"), "pt") as f:
+            assert f.metadata() == {"sharded": "false"}
+            assert same(f.get_tensor("data"), torch.arange(12.0) + i + 1)
+
+
+def test_a_plan_is_not_saved_by_a_closed_engine(tmp_path):
+    engine = DataStatesEngine(small_config())
+    plan = engine.plan({"x": torch.zeros(4)})
+    engine.close()
+    with pytest.raises(ValueError, match="closed"):
+        engine.save_plan(plan, tmp_path / "x.safetensors")

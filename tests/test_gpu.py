@@ -53,6 +53,22 @@ def test_copies_are_ordered_after_the_callers_stream(gpu_engine, tmp_path):
     assert bool((back["x"] == 1.0).all()) and bool((back["v"] == 1.0).all())
 
 
+def test_a_reused_plan_copies_strided_views_afresh_after_the_callers_stream(gpu_engine, tmp_path):
+    x = torch.zeros(4 << 20, device="cuda")
+    plan = gpu_engine.plan({"x": x, "v": x[::2]})  # the view needs a contiguous copy at every save
+    for i in range(1, 3):
+        a = torch.randn(2048, 2048, device="cuda")
+        for _ in range(10):
+            a = a @ a / 32
+        x.fill_(float(i))  # queued after the matmuls on the current stream
+        h = gpu_engine.save_plan(plan, tmp_path / f"{i}.safetensors")
+        h.wait_snapshot()
+        h.wait_persisted()
+    for i in range(1, 3):
+        back = gpu_engine.load(tmp_path / f"{i}.safetensors")
+        assert bool((back["x"] == i).all()) and bool((back["v"] == i).all())
+
+
 def test_state_larger_than_the_cache_streams_from_the_gpu(tmp_path):
     with DataStatesEngine(DataStatesConfig(host_cache_size=8 / 1024, chunk_size=1)) as e:
         state = {"big": torch.randn(10 << 20, device="cuda"), "small": torch.arange(10, device="cuda")}

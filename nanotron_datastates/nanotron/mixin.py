@@ -42,13 +42,25 @@ from nanotron.serialize.metadata import CheckpointMetadata, load_meta, process_t
 
 from ..config import DataStatesConfig
 from ..engine import DataStatesEngine
+from ..plan import SavePlan
 from . import housekeeping, layout, shards, states
 from .commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
 from .gate import SnapshotGate
+from .prefetch import Prefetch
 
 logger = logging.get_logger(__name__)
 
 MAX_IN_FLIGHT = 2  # checkpoints being flushed at once; a third waits for the oldest
+
+
+@dataclasses.dataclass
+class _Files:
+    """What this rank writes at every checkpoint, relative to the checkpoint's folder."""
+
+    weights: list[tuple[Path, SavePlan]]
+    optimizer: Path | None
+    lr_scheduler: Path | None
+    random: Path
 
 
 class DataStatesTrainerMixin:
@@ -64,8 +76,8 @@ class DataStatesTrainerMixin:
         self._ds_outstanding = 0
         self._ds_optimizer_flag_held = False  # checkpoints.load_optimizer, off until the first step is done
         self._ds_cache_started = False
-        self._ds_weight_files: list[tuple[Path, torch.Tensor, dict[str, str]]] | None = None
-        self._ds_prefetch: concurrent.futures.Future | None = None
+        self._ds_files: _Files | None = None
+        self._ds_prefetch: Prefetch | None = None
         path = self.init_checkpoint_path
         self._ds_resume = (
             Path(path)
@@ -80,25 +92,29 @@ class DataStatesTrainerMixin:
             ck.load_optimizer = ck.load_lr_scheduler = False
             self._ds_prefetch = self._ds_start_prefetch()
 
-    def _ds_start_prefetch(self) -> concurrent.futures.Future | None:
-        """Starts reading this rank's optimizer shard onto its GPU while Nanotron builds the model (the disk
-        and the model's construction overlap); None where the optimizer is not restored by the engine."""
-        if not (self._ds_load_flags[0] and torch.cuda.is_available()) or self._ds_topology_changes():
+    def _ds_start_prefetch(self) -> Prefetch | None:
+        """Starts reading this rank's files onto its GPU while Nanotron builds the model: the optimizer shard,
+        and the weight files where this rank reads them all (no tensor or pipeline parallelism: before the
+        model exists, which files another layout needs is not known). None where nothing is read ahead."""
+        if not torch.cuda.is_available() or self._ds_topology_changes():
             return None
-        zero = int(self.config.optimizer.zero_stage) > 0  # Nanotron builds a ZeRO optimizer for stage > 0
-        path = shards.optimizer_file(self.parallel_context, self._ds_resume, zero=zero)
-        engine, device = self._ds_get_engine(), torch.device("cuda", torch.cuda.current_device())
-
-        def read() -> Any:
-            torch.cuda.set_device(device)
-            state = engine.load(path, device)
-            torch.cuda.current_stream(device).synchronize()  # the main thread's stream may use them next
-            return path, state
-
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datastates-prefetch")
-        future = pool.submit(read)
-        pool.shutdown(wait=False)
-        return future
+        pc, root = self.parallel_context, self._ds_resume
+        optimizer = None
+        if self._ds_load_flags[0]:
+            zero = int(self.config.optimizer.zero_stage) > 0  # Nanotron builds a ZeRO optimizer for stage > 0
+            optimizer = shards.optimizer_file(pc, root, zero=zero)
+        weights = []
+        if pc.tp_pg.size() == 1 and pc.pp_pg.size() == 1 and pc.expert_parallel_size == 1:
+            weights = [root / f for f in sorted(self._ds_manifest["files"]) if f.startswith("model/")]
+        if optimizer is None and not weights:
+            return None
+        return Prefetch(
+            self._ds_get_engine(),
+            torch.device("cuda", torch.cuda.current_device()),
+            weights,
+            optimizer,
+            lambda path: layout.file_checksums(self._ds_manifest, root, path),
+        )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -146,16 +162,22 @@ class DataStatesTrainerMixin:
             self._ds_log("topology changed: weights loaded by Nanotron's load_weights")
             return model
         engine = self._ds_get_engine()
+        ahead = self._ds_prefetch.weights() if self._ds_prefetch is not None else {}
 
         def read(source: tuple[str, torch.Tensor, Path]) -> None:
             _, tensor, path = source
-            sums = layout.file_checksums(self._ds_manifest, self._ds_resume, path)
+            got = ahead.get(path, {}).get("data")
             with torch.no_grad():
+                if got is not None and got.shape == tensor.shape and got.dtype == tensor.dtype:
+                    tensor.copy_(got)  # read ahead onto the GPU: a device-to-device copy
+                    return
+                sums = layout.file_checksums(self._ds_manifest, self._ds_resume, path)
                 engine.load_into(path, {"data": tensor}, checksums=sums)
 
         workers = max(1, engine.config.parser_threads)
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="datastates-load") as pool:
             list(pool.map(read, sources))
+        ahead.clear()  # their memory goes back (the caching allocator keeps it until the copies are done)
         self.param_shard_metadata = {name: {} for name, _, _ in sources}
         self._ds_log(f"loaded {len(sources)} weight files in {time.perf_counter() - t0:.2f} s")
         return model
@@ -179,10 +201,9 @@ class DataStatesTrainerMixin:
             # Nanotron's `load_optimizer` flag stays off until the first step has run, so that step does not
             # try to move them again.
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-            read, state = self._ds_prefetch.result() if self._ds_prefetch is not None else (None, None)
-            if read != path:  # not prefetched, or (were Nanotron to change) not the optimizer's file
+            state = self._ds_prefetch.optimizer(path) if self._ds_prefetch is not None else None
+            if state is None:  # not read ahead, or (were Nanotron to change) not the optimizer's file
                 state = engine.load(path, device or "cpu")
-            self._ds_prefetch = None
             self.optimizer.load_state_dict(state, map_location=device or "cpu")
             self._ds_optimizer_flag_held = device is not None
         if load_lr_scheduler:
@@ -207,6 +228,7 @@ class DataStatesTrainerMixin:
                 )  # in place: the model holds them
             if "global" in saved:  # absent from checkpoints converted from Nanotron's layout
                 states.set_global_rng_state(saved["global"])
+        self._ds_prefetch = None  # whatever was read ahead and not used goes back
         ck = self.config.checkpoints
         ck.load_optimizer = load_optimizer and not self._ds_optimizer_flag_held
         ck.load_lr_scheduler = load_lr_scheduler
@@ -265,23 +287,30 @@ class DataStatesTrainerMixin:
         pc, engine = self.parallel_context, self._ds_engine
         log_rank(f"Saving checkpoint at {folder} (datastates)", logger=logger, level=logging.INFO, rank=0)
 
-        handles = []
-        if self._ds_weight_files is None:  # the same files at every checkpoint: worked out once
-            self._ds_weight_files = shards.weight_shards(self.unwrapped_model, pc, Path())
-        for path, param, metadata in self._ds_weight_files:
-            save = engine.save({"data": param}, folder / path, metadata=metadata, exact_metadata=True)
-            handles.append(save)
-        path = shards.optimizer_path(self.optimizer, pc, folder, writing=True)
-        if path is not None:
-            handles.append(engine.save(self.optimizer.state_dict(), path))
-        path = shards.lr_scheduler_path(self.config.optimizer.zero_stage, pc, folder, writing=True)
-        if path is not None:
-            handles.append(engine.save(self.lr_scheduler.state_dict(), path))
+        if self._ds_files is None:  # the same files and weight tensors at every checkpoint: planned once
+            weights = shards.weight_shards(self.unwrapped_model, pc, Path())
+            self._ds_files = _Files(
+                weights=[
+                    (path, engine.plan({"data": param}, metadata=md, exact_metadata=True))
+                    for path, param, md in weights
+                ],  # fmt: skip
+                optimizer=shards.optimizer_path(self.optimizer, pc, Path(), writing=True),
+                lr_scheduler=shards.lr_scheduler_path(
+                    self.config.optimizer.zero_stage, pc, Path(), writing=True
+                ),
+                random=shards.random_states_path(pc, Path()),
+            )
+        files = self._ds_files
+        handles = [engine.save_plan(plan, folder / path) for path, plan in files.weights]
+        if files.optimizer is not None:
+            handles.append(engine.save(self.optimizer.state_dict(), folder / files.optimizer))
+        if files.lr_scheduler is not None:
+            handles.append(engine.save(self.lr_scheduler.state_dict(), folder / files.lr_scheduler))
         random_state = {
             "nanotron": {k: states.random_state_to_plain(v) for k, v in self.random_states.items()},
             "global": states.global_rng_state(),
         }
-        handles.append(engine.save(random_state, shards.random_states_path(pc, folder)))
+        handles.append(engine.save(random_state, folder / files.random))
 
         finalize = self._ds_finalizer(folder, step) if dist.get_rank(pc.world_pg) == 0 else None
         pending = PendingCheckpoint(step, folder, handles, finalize)

@@ -1,0 +1,85 @@
+"""Resume, read ahead: this rank's weight files and optimizer shard are read onto its GPU on a thread of their
+own, started before Nanotron builds the model, so that the disk works while the model is built.
+
+A prefetch is only an optimization: whatever it could not read (no memory, a damaged file, another file than
+the one wanted) the trainer reads again the ordinary way, which raises the error where there is one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..engine import DataStatesEngine
+
+log = logging.getLogger("nanotron_datastates")
+
+
+class Prefetch:
+    """Reads `weights` (files, each a flat dict of tensors), then `optimizer` (one file), onto `device`;
+    `checksums(path)` gives the CRC-32C a weight file is checked against (None: those in the file)."""
+
+    def __init__(
+        self,
+        engine: DataStatesEngine,
+        device: torch.device,
+        weights: list[Path],
+        optimizer: Path | None,
+        checksums: Callable[[Path], dict[str, int] | None],
+    ) -> None:
+        self._engine, self._device, self._checksums = engine, device, checksums
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datastates-prefetch")
+        # One thread, so the weights (needed first, once the model is built) are read before the optimizer.
+        self._weights = pool.submit(self._read_weights, weights) if weights else None
+        self._optimizer = pool.submit(self._read_optimizer, optimizer) if optimizer is not None else None
+        pool.shutdown(wait=False)
+
+    def weights(self) -> dict[Path, dict[str, torch.Tensor]]:
+        """The weight files read, by path (empty where they could not be read); waits for them. Once only:
+        the prefetch lets go of them, so that their memory goes back once the caller is done with them."""
+        future, self._weights = self._weights, None
+        return self._result(future, "weights") or {}
+
+    def optimizer(self, path: Path) -> Any | None:
+        """The optimizer state, if the file read is `path`; waits for it. Once only, as :meth:`weights`."""
+        future, self._optimizer = self._optimizer, None
+        got = self._result(future, "optimizer state")
+        return got[1] if got is not None and got[0] == path else None
+
+    def _result(self, future: concurrent.futures.Future | None, what: str) -> Any:
+        if future is None:
+            return None
+        try:
+            return future.result()
+        except Exception as e:  # read again the ordinary way, which reports the error if there is one
+            log.warning("reading the %s ahead failed (%s); reading it again", what, e)
+            return None
+
+    def _read_weights(self, paths: list[Path]) -> dict[Path, dict[str, torch.Tensor]]:
+        def read(path: Path) -> dict[str, torch.Tensor]:
+            self._on_device()
+            return self._engine.load(path, self._device, checksums=self._checksums(path))
+
+        workers = max(1, self._engine.config.parser_threads)
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="datastates-prefetch") as pool:
+            out = dict(zip(paths, pool.map(read, paths)))
+        self._synchronize()
+        return out
+
+    def _read_optimizer(self, path: Path) -> tuple[Path, Any]:
+        self._on_device()
+        state = self._engine.load(path, self._device)
+        self._synchronize()
+        return path, state
+
+    def _on_device(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+
+    def _synchronize(self) -> None:
+        if self._device.type == "cuda":  # the main thread's stream uses them next
+            torch.cuda.current_stream(self._device).synchronize()

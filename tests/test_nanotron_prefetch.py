@@ -1,0 +1,61 @@
+"""Reading a checkpoint ahead on resume (no Nanotron needed): the files come back whole, checked against the
+manifest's checksums, and anything that cannot be read ahead is left to the ordinary path, never raised."""
+
+import logging
+
+import torch
+
+from nanotron_datastates import DataStatesEngine
+from nanotron_datastates.nanotron.prefetch import Prefetch
+
+from helpers import same, small_config
+
+
+def _write(engine, tmp_path):
+    weights = {tmp_path / "model" / f"w{i}.safetensors": torch.randn(300, 7) for i in range(5)}
+    sums = {}
+    for path, t in weights.items():
+        h = engine.save({"data": t}, path, metadata={"sharded": "false"}, exact_metadata=True)
+        sums[path] = h.checksums()
+    optimizer = {"state": {0: {"exp_avg": torch.randn(50)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    opt_path = tmp_path / "optimizer" / "optimizer.safetensors"
+    engine.save(optimizer, opt_path).wait_persisted()
+    return weights, sums, optimizer, opt_path
+
+
+def test_weights_and_optimizer_are_read_ahead_and_handed_over_once(tmp_path):
+    with DataStatesEngine(small_config()) as engine:
+        weights, sums, optimizer, opt_path = _write(engine, tmp_path)
+        ahead = Prefetch(engine, torch.device("cpu"), list(weights), opt_path, sums.get)
+        got = ahead.weights()
+        assert set(got) == set(weights)
+        assert all(same(got[p]["data"], t) for p, t in weights.items())
+        assert ahead.weights() == {}  # handed over once: the prefetch holds no memory any more
+        state = ahead.optimizer(opt_path)
+        assert same(state["state"][0]["exp_avg"], optimizer["state"][0]["exp_avg"])
+        assert ahead.optimizer(opt_path) is None
+
+
+def test_another_optimizer_file_than_the_one_read_is_not_handed_over(tmp_path):
+    with DataStatesEngine(small_config()) as engine:
+        _, _, _, opt_path = _write(engine, tmp_path)
+        ahead = Prefetch(engine, torch.device("cpu"), [], opt_path, lambda p: None)
+        assert ahead.optimizer(tmp_path / "optimizer" / "other.safetensors") is None
+
+
+def test_a_damaged_weight_file_is_left_to_the_ordinary_path(tmp_path, caplog):
+    with DataStatesEngine(small_config()) as engine:
+        weights, sums, _, opt_path = _write(engine, tmp_path)
+        bad = next(iter(weights))
+        with open(bad, "r+b") as f:  # flip one byte of the tensor data, after the header
+            f.seek(-10, 2)
+            b = f.read(1)
+            f.seek(-10, 2)
+            f.write(bytes([b[0] ^ 0xFF]))
+        with caplog.at_level(logging.WARNING, logger="nanotron_datastates"):
+            ahead = Prefetch(engine, torch.device("cpu"), list(weights), opt_path, sums.get)
+            assert ahead.weights() == {}
+        assert "reading the weights ahead failed" in caplog.text and bad.name in caplog.text
+        assert ahead.optimizer(opt_path) is not None  # the optimizer is still read
+        # The engine keeps working after the error.
+        assert engine.load(opt_path)["param_groups"][0]["lr"] == 0.1
