@@ -65,20 +65,31 @@ def run_phase(args: argparse.Namespace) -> None:
     rec: dict[str, Any] = {"mode": args.mode, "trainer": DistributedTrainer.__name__, "ends": [], "saves": []}
     rec["commits"], rec["dcp"], rec["losses"] = [], [], []
 
-    engine_time = [0.0]  # seconds in DataStatesEngine.save (planning + queuing), summed
+    engine_time = [0.0]  # seconds in the engine's plan, save and save_plan (planning + queuing), summed
+    staged = [0]  # files staged on the GPU
     if args.mode.startswith("datastates") or args.mode == "stress":
         from nanotron_datastates import DataStatesEngine
 
-        plain_save = DataStatesEngine.save
+        depth = [0]  # save calls plan: only the outermost call counts
 
-        def timed_save(self: Any, *a: Any, **k: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return plain_save(self, *a, **k)
-            finally:
-                engine_time[0] += time.perf_counter() - t
+        def timed(plain: Any) -> Any:
+            def call(self: Any, *a: Any, **k: Any) -> Any:
+                if depth[0]:
+                    return plain(self, *a, **k)
+                depth[0] += 1
+                t = time.perf_counter()
+                try:
+                    out = plain(self, *a, **k)
+                    staged[0] += bool(getattr(out, "staged", False))
+                    return out
+                finally:
+                    depth[0] -= 1
+                    engine_time[0] += time.perf_counter() - t
 
-        DataStatesEngine.save = timed_save  # type: ignore[method-assign]
+            return call
+
+        for name in ("save", "plan", "save_plan"):
+            setattr(DataStatesEngine, name, timed(getattr(DataStatesEngine, name)))
 
     class Trainer(DistributedTrainer):
         def __init__(self, *a: Any, **k: Any) -> None:
@@ -96,13 +107,14 @@ def run_phase(args: argparse.Namespace) -> None:
             return out
 
         def save_checkpoint(self) -> Path:
-            engine_s0 = engine_time[0]
+            engine_s0, staged0 = engine_time[0], staged[0]
             t0 = time.perf_counter()
             profile = args.profile and len(rec["saves"]) == 1  # the second save: the engine is warm
             with Profiled(Path(args.record).with_suffix(".save.prof.txt") if profile else None):
                 path = self._dcp_save() if args.mode == "dcp" else super().save_checkpoint()
             rec["saves"].append({"step": self.iteration_step, "call_s": time.perf_counter() - t0,
-                                 "engine_save_s": engine_time[0] - engine_s0})  # fmt: skip
+                                 "engine_save_s": engine_time[0] - engine_s0,
+                                 "staged_files": staged[0] - staged0})  # fmt: skip
             if args.mode == "torch":  # durable when the call returns
                 prune_before(path.parent, self.iteration_step)
             return path
@@ -376,6 +388,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
             **stall_figures(rec, median),
             "save_call_s": [x["call_s"] for x in rec.get("saves", [])],
             "engine_save_s": [x.get("engine_save_s", 0.0) for x in rec.get("saves", [])],
+            "staged_files": [x.get("staged_files", 0) for x in rec.get("saves", [])],
             "persisted_s": [c["persisted_s"] for c in rec.get("commits", [])]
             or [d["persisted_s"] for d in rec.get("dcp", [])],
             "committed_s": [c["committed_s"] for c in rec.get("commits", [])],

@@ -2,7 +2,7 @@
 # One call on the GPU machine (device tool, carry .gpu): build, then the named steps, results under $OUT.
 #   bash benchmarks/gpu_session.sh STEP [STEP ...]
 # Steps: tests | dd | engine | proof | nanotron-180m | nanotron-1b | nanotron-180m-long | ablation-180m |
-#        nanotron-1b-e2e | nanotron-180m-ds | rounds-180m | round-180m | crash  (see each case below for its command).
+#        ddread | nanotron-1b-e2e | nanotron-180m-ds | rounds-180m | round-180m | round-1b | crash  (see each case below for its command).
 # Every step's output is kept in $OUT/<step>.log; results go to $OUT/<step>/ and are tarred at the end,
 # since only a few files come back from $OUT.
 set -uo pipefail
@@ -35,6 +35,21 @@ run_step() {
         python3 -c "print(f'dd oflag=direct $n streams: {$n * 2**30 / ($d1 - $d0) / 1e9:.2f} GB/s')"
         rm -f "$WORK"/dd*
       done ;;
+    ddread) # the O_DIRECT read ceiling of the same disk, cold: 4 GiB read by 1 to 8 streams
+      dd if=/dev/zero of="$WORK/rd" bs=64M count=64 oflag=direct 2>/dev/null
+      for n in 1 2 4 8; do
+        sync && echo 3 > /proc/sys/vm/drop_caches
+        d0=$(date +%s.%N)
+        pids=()
+        for i in $(seq 0 $((n - 1))); do
+          dd if="$WORK/rd" of=/dev/null bs=64M count=$((64 / n)) skip=$((i * 64 / n)) iflag=direct 2>/dev/null &
+          pids+=($!)
+        done
+        wait "${pids[@]}"
+        d1=$(date +%s.%N)
+        python3 -c "print(f'dd iflag=direct $n streams: {4 * 2**30 / ($d1 - $d0) / 1e9:.2f} GB/s')"
+      done
+      rm -f "$WORK/rd" ;;
     engine) python3 benchmarks/bench_engine.py --repeat 2 --skip-baselines --device both --dir "$WORK/engine" \
       --out "$OUT/engine/engine_gpu.json" ;;
     proof) python3 benchmarks/nanotron_proof.py all --gpus 1 --phases ds-train,ds-resume --out "$OUT/proof" \
@@ -57,6 +72,9 @@ run_step() {
     round-180m) # every mode but stress, once: a call's worth; rounds from several calls are put together after
       (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 400 --interval 40 \
       --modes torch,dcp,datastates,restore-torch,restore-datastates --work "$WORK/bn180o" --out "$OUT/round-180m") ;;
+    round-1b) # the 1.1B model, every mode but stress once, a checkpoint every 60 steps (above its time to persist)
+      (cd benchmarks && python3 bench_nanotron.py all --model 1b --steps 130 --interval 60 --cache-gib 30 \
+      --modes torch,dcp,datastates,restore-torch,restore-datastates --work "$WORK/bn1bo" --out "$OUT/round-1b") ;;
     crash) (cd benchmarks && python3 nanotron_crash.py --trials 3 --out "$OUT/crash" --work "$WORK/crash") ;;
     *) echo "unknown step $1"; return 2 ;;
   esac

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 _IO_BACKENDS = ("auto", "io_uring", "pwrite")
+_DEVICE_SNAPSHOTS = ("auto", "always", "never")
 ENV_PREFIX = "DATASTATES_"
 
 
@@ -57,6 +58,11 @@ class DataStatesConfig:
     """Nanotron trainer: keep the newest N committed checkpoints and remove older ones, off the training
     thread, once a newer one is committed (never the one `latest.txt` names, never one in flight). 0 keeps
     every checkpoint."""
+    device_snapshot: str = "auto"
+    """Nanotron trainer: copy each checkpoint on the GPU first (at memory speed, in the training stream's
+    order), so that the optimizer step never waits for the copies to the host, which then read from that
+    copy. 'auto' does so when the GPU has room for it above the peak memory training has used so far, with
+    the larger of 1 GiB and 5% of the GPU to spare; 'always' whenever the memory can be had; 'never'."""
     telemetry: bool = True
     """Nanotron trainer: append one JSON line per checkpoint to `datastates_telemetry.jsonl` in the
     checkpoints folder (bytes, stall, snapshot, persisted, throughput, cache high-water mark and waits)."""
@@ -83,14 +89,14 @@ class DataStatesConfig:
             if kind == "bool":
                 need(isinstance(value, bool), f.name, "expected true or false")
             elif kind == "str":
-                need(isinstance(value, str), f.name, f"expected one of {', '.join(_IO_BACKENDS)}")
+                choices = _IO_BACKENDS if f.name == "io_backend" else _DEVICE_SNAPSHOTS
+                need(value in choices, f.name, f"expected one of {', '.join(choices)}")
             else:
                 number = isinstance(value, (int, float)) and not isinstance(value, bool)
                 if kind == "int":
                     number = number and isinstance(value, int)
                 lo, hi, rule = ranges[f.name]
                 need(number and lo <= value <= hi, f.name, rule)
-        need(self.io_backend in _IO_BACKENDS, "io_backend", f"expected one of {', '.join(_IO_BACKENDS)}")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None = None, *, env: bool = True) -> DataStatesConfig:

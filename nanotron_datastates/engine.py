@@ -42,15 +42,28 @@ class SaveHandle:
     TimeoutError when `timeout` (seconds) passes first.
     """
 
-    def __init__(self, job: Any, path: str, keepalive: list[torch.Tensor], nbytes: int) -> None:
+    def __init__(
+        self, job: Any, path: str, keepalive: list[torch.Tensor], nbytes: int, staged: bool = False
+    ) -> None:
         self._job = job
         self.path = path
         self.nbytes = nbytes
+        self.staged = staged
+        """Whether the save copied the state when it was called (``save(..., stage=True)``)."""
         self._keepalive: list[torch.Tensor] | None = keepalive
         self._reported = False
 
     def wait_snapshot(self, timeout: float | None = None) -> None:
-        """Returns once every tensor of the state has been captured: the caller may mutate them now."""
+        """Returns once every tensor of the state has been captured: the caller may mutate them now. At once
+        for a staged save, whose copies were queued before :meth:`DataStatesEngine.save` returned."""
+        if self.staged:
+            self._raise()
+            return
+        self.wait_copied(timeout)
+
+    def wait_copied(self, timeout: float | None = None) -> None:
+        """Returns once every byte is in the engine's host cache (or already written); the tensors the engine
+        read (the state's, or a staged save's copies, whose memory goes back now) are no longer used."""
         if not self._job.wait_snapshot(-1.0 if timeout is None else timeout):
             raise TimeoutError(f"snapshot of {self.path} not done within {timeout} s")
         self._keepalive = None  # the engine no longer reads them
@@ -64,7 +77,8 @@ class SaveHandle:
         self._raise()
 
     def snapshot_done(self) -> bool:
-        return self._job.snapshot_done()
+        """True once :meth:`wait_snapshot` would return at once."""
+        return self.staged or self._job.snapshot_done()
 
     def done(self) -> bool:
         """True once persisted or failed."""
@@ -165,6 +179,7 @@ class DataStatesEngine:
         metadata: Mapping[str, str] | None = None,
         allow_pickle: bool = False,
         exact_metadata: bool = False,
+        stage: bool = False,
     ) -> SaveHandle:
         """Starts saving `state` (nested dicts/lists/tuples of tensors and plain values) to `path`.
 
@@ -175,9 +190,13 @@ class DataStatesEngine:
         `exact_metadata`: `state` is a flat dict of tensors and `metadata` is written verbatim as the whole
         ``__metadata__``, for readers that reject unknown keys (Nanotron's). Checksums are still computed:
         keep them from :meth:`SaveHandle.checksums` and pass them to :meth:`load`.
+
+        `stage`: first copy every tensor where it is (a GPU's memory, at its speed, in the order of each
+        device's current stream) and save those copies; the caller may mutate the state as soon as this
+        returns. Costs the state's size in memory on each device until the copies reach the host cache.
         """
         plan = self.plan(state, metadata=metadata, allow_pickle=allow_pickle, exact_metadata=exact_metadata)
-        return self._submit(plan, path)
+        return self._submit(replan(plan, stage=True) if stage else plan, path, stage)
 
     def plan(
         self,
@@ -193,18 +212,18 @@ class DataStatesEngine:
         save captures them as they are then. Plain values in `state` are those of this call."""
         return plan_save(state, metadata=metadata, allow_pickle=allow_pickle, exact_metadata=exact_metadata)
 
-    def save_plan(self, plan: SavePlan, path: str | os.PathLike) -> SaveHandle:
-        """Saves a plan from :meth:`plan`, as :meth:`save` saves a state (the same rules for its tensors)."""
-        return self._submit(replan(plan), path)
+    def save_plan(self, plan: SavePlan, path: str | os.PathLike, *, stage: bool = False) -> SaveHandle:
+        """Saves a plan from :meth:`plan`, as :meth:`save` saves a state (the same rules, and `stage`)."""
+        return self._submit(replan(plan, stage=stage), path, stage)
 
-    def _submit(self, plan: SavePlan, path: str | os.PathLike) -> SaveHandle:
+    def _submit(self, plan: SavePlan, path: str | os.PathLike, staged: bool) -> SaveHandle:
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         path = os.path.abspath(os.fspath(path))
         job = self._core.save(
             path, plan.names, plan.dtypes, plan.arrays, plan.metadata, plan.streams, not plan.exact_metadata
         )
-        handle = SaveHandle(job, path, plan.arrays, plan.nbytes)
+        handle = SaveHandle(job, path, plan.arrays, plan.nbytes, staged)
         with self._lock:
             self._prune()
             self._handles.append(handle)

@@ -39,14 +39,18 @@ class SavePlan:
     gathered: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
-def replan(plan: SavePlan) -> SavePlan:
+def replan(plan: SavePlan, *, stage: bool = False) -> SavePlan:
     """The same plan for a save now: each device's current stream, and fresh contiguous copies of the
-    tensors that needed one (the old copies hold the values of the earlier save)."""
-    arrays = plan.arrays
-    if plan.gathered:
-        arrays = list(arrays)
-        for i, t in plan.gathered:
-            arrays[i] = export_view(t.contiguous())
+    tensors that needed one (the old copies hold the values of the earlier save). With `stage`, every
+    tensor is copied (on its own device, in the caller's stream order): the save then reads those copies,
+    and the caller may change the originals at once."""
+    arrays = list(plan.arrays)
+    fresh = set()
+    for i, t in plan.gathered:
+        arrays[i] = export_view(t.contiguous())
+        fresh.add(i)
+    if stage:
+        arrays = [a if i in fresh else a.clone() for i, a in enumerate(arrays)]
     return SavePlan(plan.names, plan.dtypes, arrays, _streams(plan.devices), plan.metadata, plan.nbytes,
                     plan.exact_metadata, plan.devices, plan.gathered)  # fmt: skip
 

@@ -28,12 +28,14 @@ BAD = {
     "verify_checksums": [0],
     "io_backend": ["aio", 3],
     "keep_last_n": [-1, 1.0, "3", True],
+    "device_snapshot": [True, "on", None],
     "telemetry": ["yes", 0],
 }
 ACCEPTS = {"host_cache_size": "[1/1024, 2**20]", "parser_threads": "[1, 256]", "copy_threads": "[1, 256]",
            "flush_threads": "[1, 64]",
            "queue_depth": "[1, 1024]", "chunk_size": "[1, 4096]", "read_size": "[1, 4096]",
            "io_backend": "auto, io_uring, pwrite", "keep_last_n": "integer >= 0",
+           "device_snapshot": "auto, always, never",
            "telemetry": "true or false"}  # fmt: skip
 
 

@@ -201,3 +201,26 @@ def test_a_plan_is_not_saved_by_a_closed_engine(tmp_path):
     engine.close()
     with pytest.raises(ValueError, match="closed"):
         engine.save_plan(plan, tmp_path / "x.safetensors")
+
+
+def test_a_staged_save_may_be_mutated_as_soon_as_it_returns(engine, tmp_path):
+    w, steps = torch.full((2000, 50), 1.0), torch.tensor(5.0)
+    h = engine.save({"w": w, "step": steps}, tmp_path / "s.safetensors", stage=True)
+    assert h.staged and h.snapshot_done()
+    h.wait_snapshot()  # at once
+    w.fill_(2.0)  # no wait for the engine's copies: it reads its own
+    steps.add_(1)
+    h.wait_persisted()
+    back = engine.load(tmp_path / "s.safetensors")
+    assert same(back["w"], torch.full((2000, 50), 1.0)) and back["step"].item() == 5.0
+
+
+def test_a_staged_plan_is_copied_afresh_at_every_save(engine, tmp_path):
+    w = torch.zeros(3000)
+    plan = engine.plan({"w": w})
+    for i in range(3):
+        w.fill_(float(i))
+        engine.save_plan(plan, tmp_path / f"{i}.safetensors", stage=True)
+        w.fill_(-1.0)
+    engine.wait_persisted()
+    assert [engine.load(tmp_path / f"{i}.safetensors")["w"][0].item() for i in range(3)] == [0.0, 1.0, 2.0]

@@ -69,6 +69,21 @@ def test_a_reused_plan_copies_strided_views_afresh_after_the_callers_stream(gpu_
         assert bool((back["x"] == i).all()) and bool((back["v"] == i).all())
 
 
+def test_a_staged_save_is_copied_in_the_callers_stream_order(gpu_engine, tmp_path):
+    x = torch.zeros(8 << 20, device="cuda")
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        a = a @ a / 64
+    x.add_(1.0)  # queued after the matmuls
+    h = gpu_engine.save({"x": x, "v": x[::2]}, tmp_path / "s.safetensors", stage=True)
+    assert h.staged
+    h.wait_snapshot()  # at once
+    x.add_(1.0)  # on the same stream, after the device copy: must not reach the file
+    h.wait_persisted()
+    back = gpu_engine.load(tmp_path / "s.safetensors")
+    assert bool((back["x"] == 1.0).all()) and bool((back["v"] == 1.0).all())
+
+
 def test_state_larger_than_the_cache_streams_from_the_gpu(tmp_path):
     with DataStatesEngine(DataStatesConfig(host_cache_size=8 / 1024, chunk_size=1)) as e:
         state = {"big": torch.randn(10 << 20, device="cuda"), "small": torch.arange(10, device="cuda")}

@@ -59,3 +59,15 @@ def test_a_damaged_weight_file_is_left_to_the_ordinary_path(tmp_path, caplog):
         assert ahead.optimizer(opt_path) is not None  # the optimizer is still read
         # The engine keeps working after the error.
         assert engine.load(opt_path)["param_groups"][0]["lr"] == 0.1
+
+
+def test_the_report_says_when_each_read_ended_and_how_long_it_was_waited_for(tmp_path):
+    with DataStatesEngine(small_config()) as engine:
+        weights, sums, _, opt_path = _write(engine, tmp_path)
+        ahead = Prefetch(engine, torch.device("cpu"), list(weights), opt_path, sums.get)
+        ahead.weights()
+        ahead.optimizer(opt_path)
+        t = ahead.timings
+        assert 0 < t["weights_read"] <= t["optimizer_read"]
+        assert t["weights_waited"] >= 0 and t["optimizer_waited"] >= 0
+        assert "weights read" in ahead.report() and "optimizer waited" in ahead.report()

@@ -124,6 +124,9 @@ class Committer:
         files: dict[str, dict[str, Any]] = {}
         errors: list[str] = []
         snapshot_s = persisted_s = 0.0
+        for h in p.handles:  # first: staged copies on the GPU go back as soon as they are in the host cache
+            with contextlib.suppress(Exception):  # reported below
+                h.wait_copied()
         for h in p.handles:
             try:
                 sums = h.checksums()  # waits until persisted

@@ -43,7 +43,7 @@ from nanotron.serialize.metadata import CheckpointMetadata, load_meta, process_t
 from ..config import DataStatesConfig
 from ..engine import DataStatesEngine
 from ..plan import SavePlan
-from . import housekeeping, layout, shards, states
+from . import housekeeping, layout, shards, staging, states
 from .commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
 from .gate import SnapshotGate
 from .prefetch import Prefetch
@@ -77,6 +77,7 @@ class DataStatesTrainerMixin:
         self._ds_optimizer_flag_held = False  # checkpoints.load_optimizer, off until the first step is done
         self._ds_cache_started = False
         self._ds_files: _Files | None = None
+        self._ds_staged: bool | None = None  # whether the last checkpoint was copied on the GPU first
         self._ds_prefetch: Prefetch | None = None
         path = self.init_checkpoint_path
         self._ds_resume = (
@@ -228,6 +229,8 @@ class DataStatesTrainerMixin:
                 )  # in place: the model holds them
             if "global" in saved:  # absent from checkpoints converted from Nanotron's layout
                 states.set_global_rng_state(saved["global"])
+        if self._ds_prefetch is not None:
+            self._ds_log(f"read ahead: {self._ds_prefetch.report()}")
         self._ds_prefetch = None  # whatever was read ahead and not used goes back
         ck = self.config.checkpoints
         ck.load_optimizer = load_optimizer and not self._ds_optimizer_flag_held
@@ -301,16 +304,17 @@ class DataStatesTrainerMixin:
                 random=shards.random_states_path(pc, Path()),
             )
         files = self._ds_files
-        handles = [engine.save_plan(plan, folder / path) for path, plan in files.weights]
-        if files.optimizer is not None:
-            handles.append(engine.save(self.optimizer.state_dict(), folder / files.optimizer))
-        if files.lr_scheduler is not None:
-            handles.append(engine.save(self.lr_scheduler.state_dict(), folder / files.lr_scheduler))
         random_state = {
             "nanotron": {k: states.random_state_to_plain(v) for k, v in self.random_states.items()},
             "global": states.global_rng_state(),
         }
-        handles.append(engine.save(random_state, folder / files.random))
+        todo = list(files.weights)
+        if files.optimizer is not None:
+            todo.append((files.optimizer, engine.plan(self.optimizer.state_dict())))
+        if files.lr_scheduler is not None:
+            todo.append((files.lr_scheduler, engine.plan(self.lr_scheduler.state_dict())))
+        todo.append((files.random, engine.plan(random_state)))
+        handles = self._ds_submit(folder, todo)
 
         finalize = self._ds_finalizer(folder, step) if dist.get_rank(pc.world_pg) == 0 else None
         pending = PendingCheckpoint(step, folder, handles, finalize)
@@ -319,6 +323,27 @@ class DataStatesTrainerMixin:
         self._ds_committer.submit(pending)
         pending.stall_s += time.perf_counter() - t0
         return folder
+
+    def _ds_submit(self, folder: Path, todo: list[tuple[Path, SavePlan]]) -> list[Any]:
+        """Queues every file; staged on the GPU (all of them, so the optimizer step waits for none) where
+        `device_snapshot` says so, the rest straight from the state if the memory runs out midway."""
+        engine = self._ds_engine
+        stage, why = staging.decide(self._ds_config.device_snapshot, sum(p.nbytes for _, p in todo))
+        if stage != self._ds_staged:
+            self._ds_staged = stage
+            self._ds_log(f"checkpoints {'' if stage else 'not '}copied on the GPU first ({why})")
+        handles = []
+        for path, plan in todo:
+            if stage:
+                try:
+                    handles.append(engine.save_plan(plan, folder / path, stage=True))
+                    continue
+                except torch.cuda.OutOfMemoryError:
+                    stage = self._ds_staged = False
+                    self._ds_log("out of GPU memory copying a checkpoint on the GPU: the rest is copied "
+                                 "from the state itself")  # fmt: skip
+            handles.append(engine.save_plan(plan, folder / path))
+        return handles
 
     def _ds_finalizer(self, folder: Path, step: int) -> Any:
         """Rank 0's commit, with every text captured now (training moves on while the files are flushed)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,6 +33,8 @@ class Prefetch:
         checksums: Callable[[Path], dict[str, int] | None],
     ) -> None:
         self._engine, self._device, self._checksums = engine, device, checksums
+        self._t0 = time.perf_counter()
+        self.timings: dict[str, float] = {}  # seconds after the start: each read's end, each wait
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datastates-prefetch")
         # One thread, so the weights (needed first, once the model is built) are read before the optimizer.
         self._weights = pool.submit(self._read_weights, weights) if weights else None
@@ -42,12 +45,17 @@ class Prefetch:
         """The weight files read, by path (empty where they could not be read); waits for them. Once only:
         the prefetch lets go of them, so that their memory goes back once the caller is done with them."""
         future, self._weights = self._weights, None
-        return self._result(future, "weights") or {}
+        t = time.perf_counter()
+        out = self._result(future, "weights") or {}
+        self.timings["weights_waited"] = time.perf_counter() - t
+        return out
 
     def optimizer(self, path: Path) -> Any | None:
         """The optimizer state, if the file read is `path`; waits for it. Once only, as :meth:`weights`."""
         future, self._optimizer = self._optimizer, None
+        t = time.perf_counter()
         got = self._result(future, "optimizer state")
+        self.timings["optimizer_waited"] = time.perf_counter() - t
         return got[1] if got is not None and got[0] == path else None
 
     def _result(self, future: concurrent.futures.Future | None, what: str) -> Any:
@@ -68,13 +76,19 @@ class Prefetch:
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="datastates-prefetch") as pool:
             out = dict(zip(paths, pool.map(read, paths)))
         self._synchronize()
+        self.timings["weights_read"] = time.perf_counter() - self._t0
         return out
 
     def _read_optimizer(self, path: Path) -> tuple[Path, Any]:
         self._on_device()
         state = self._engine.load(path, self._device)
         self._synchronize()
+        self.timings["optimizer_read"] = time.perf_counter() - self._t0
         return path, state
+
+    def report(self) -> str:
+        """When each read ended and how long the trainer waited for it, in seconds after the start."""
+        return ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in self.timings.items())
 
     def _on_device(self) -> None:
         if self._device.type == "cuda":

@@ -1,0 +1,37 @@
+"""Whether a checkpoint is copied on the GPU first (`datastates.device_snapshot`).
+
+A staged checkpoint costs its size in GPU memory from the checkpoint until its bytes reach the host cache
+(a step or a few later): the forward and backward passes in between must still fit. So it is staged only
+where, above the peak memory training has used so far, the GPU has room for it and some to spare.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GIB = 1 << 30
+
+
+def spare_bytes(total: int) -> int:
+    """Memory left unused by a staged checkpoint: the larger of 1 GiB and 5% of the GPU."""
+    return max(GIB, total // 20)
+
+
+def fits(nbytes: int, *, free: int, reserved: int, peak: int, total: int) -> bool:
+    """Whether a copy of `nbytes` fits above the training's `peak` (bytes allocated at most so far): the
+    process can hold what the driver has `free` plus what its allocator has `reserved`."""
+    return nbytes <= free + reserved - peak - spare_bytes(total)
+
+
+def decide(mode: str, nbytes: int) -> tuple[bool, str]:
+    """(stage?, why) for a checkpoint of `nbytes` on the current GPU, by `mode` (auto, always, never)."""
+    if mode == "never" or not torch.cuda.is_available():
+        return False, "device_snapshot: never" if mode == "never" else "no GPU"
+    if mode == "always":
+        return True, "device_snapshot: always"
+    device = torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(device)
+    reserved, peak = torch.cuda.memory_reserved(device), torch.cuda.max_memory_allocated(device)
+    room = free + reserved - peak - spare_bytes(total)
+    ok = fits(nbytes, free=free, reserved=reserved, peak=peak, total=total)
+    return ok, f"{nbytes / GIB:.2f} GiB to stage, {max(room, 0) / GIB:.2f} GiB of room above the peak"
