@@ -73,7 +73,7 @@ run_step() {
       (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 400 --interval 40 \
       --modes torch,dcp,datastates,restore-torch,restore-datastates --work "$WORK/bn180o" --out "$OUT/round-180m") ;;
     round-1b) # the 1.1B model, every mode but stress once, a checkpoint every 60 steps (above its time to persist)
-      (cd benchmarks && python3 bench_nanotron.py all --model 1b --steps 130 --interval 60 --cache-gib 30 \
+      (cd benchmarks && python3 bench_nanotron.py all --model 1b --steps 125 --interval 60 --cache-gib 16 \
       --modes torch,dcp,datastates,restore-torch,restore-datastates --work "$WORK/bn1bo" --out "$OUT/round-1b") ;;
     crash) (cd benchmarks && python3 nanotron_crash.py --trials 3 --out "$OUT/crash" --work "$WORK/crash") ;;
     *) echo "unknown step $1"; return 2 ;;

@@ -115,12 +115,16 @@ NB_MODULE(_core, m) {
       .def("stats", &job_stats)
       .def("checksums", &ds::SaveJob::checksums, "[(tensor name, CRC-32C)] in file order, once persisted");
 
+  m.def("wait_jobs", &ds::wait_jobs, "jobs"_a, "persisted"_a, "timeout"_a = -1.0,
+        nb::call_guard<nb::gil_scoped_release>(), "Waits for every job; False on timeout");
+
   nb::class_<ds::Engine>(m, "Engine")
       .def(
           "__init__",
           [](ds::Engine* self, std::size_t cache_bytes, std::size_t chunk_bytes, int pin_device,
-             unsigned parser_threads, unsigned copy_threads, unsigned flush_threads, unsigned queue_depth, std::size_t read_bytes,
-             const std::string& io_backend, bool direct_io, bool fsync, bool checksums) {
+             unsigned parser_threads, unsigned copy_threads, unsigned flush_threads, unsigned queue_depth,
+             std::size_t read_bytes, const std::string& io_backend, bool direct_io, bool fsync,
+             bool checksums) {
             ds::EngineOptions o;
             o.cache_bytes = cache_bytes;
             o.chunk_bytes = chunk_bytes;
@@ -135,8 +139,9 @@ NB_MODULE(_core, m) {
             nb::gil_scoped_release release;  // allocating and pinning the cache can take seconds
             new (self) ds::Engine(o);
           },
-          "cache_bytes"_a, "chunk_bytes"_a, "pin_device"_a, "parser_threads"_a, "copy_threads"_a, "flush_threads"_a,
-          "queue_depth"_a, "read_bytes"_a, "io_backend"_a, "direct_io"_a, "fsync"_a, "checksums"_a)
+          "cache_bytes"_a, "chunk_bytes"_a, "pin_device"_a, "parser_threads"_a, "copy_threads"_a,
+          "flush_threads"_a, "queue_depth"_a, "read_bytes"_a, "io_backend"_a, "direct_io"_a, "fsync"_a,
+          "checksums"_a)
       .def(
           "save",
           [](ds::Engine& e, std::string path, const std::vector<std::string>& names,

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -430,6 +431,18 @@ std::vector<std::pair<std::string, std::uint32_t>> SaveJob::checksums() {
 JobStats SaveJob::stats() {
   std::lock_guard<std::mutex> lock(mu_);
   return stats_;
+}
+
+bool wait_jobs(const std::vector<SaveJob*>& jobs, bool persisted, double timeout_s) {
+  using clock = std::chrono::steady_clock;
+  const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
+                                           std::chrono::duration<double>(std::max(timeout_s, 0.0)));
+  for (SaveJob* job : jobs) {
+    double left = -1.0;
+    if (timeout_s >= 0) left = std::max(0.0, std::chrono::duration<double>(deadline - clock::now()).count());
+    if (!(persisted ? job->wait_persisted(left) : job->wait_snapshot(left))) return false;
+  }
+  return true;
 }
 
 }  // namespace ds

@@ -147,4 +147,8 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   std::shared_ptr<SaveJob> self_;    // dropped as the last act of finish()
 };
 
+// Waits for every job's snapshot (or persistence): false once `timeout_s` (< 0: none) has passed for all of
+// them together. One call for many jobs, so that a Python caller gives up and takes the GIL back once.
+bool wait_jobs(const std::vector<SaveJob*>& jobs, bool persisted, double timeout_s);
+
 }  // namespace ds

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -123,6 +123,19 @@ class SaveHandle:
         if self.done() and self._job.failed():
             state = "failed"
         return f"<SaveHandle {self.path} {state}>"
+
+
+def wait_handles(
+    handles: Sequence[SaveHandle], *, persisted: bool = False, timeout: float | None = None
+) -> None:
+    """Waits until every handle's bytes are in the host cache (`persisted`: durable), in one call that gives
+    the GIL up once, then lets go of the tensors they kept alive. TimeoutError if `timeout` passes first.
+    A failed save counts as done here: its own waits report its error."""
+    if not _core.wait_jobs([h._job for h in handles], persisted, -1.0 if timeout is None else timeout):
+        what = "persisted" if persisted else "copied"
+        raise TimeoutError(f"{len(handles)} saves not all {what} within {timeout} s")
+    for h in handles:
+        h._keepalive = None
 
 
 class DataStatesEngine:
@@ -241,7 +254,7 @@ class DataStatesEngine:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             handles = list(self._handles)
-        for h in handles:
+        for h in handles:  # one at a time, so that a timeout names the save
             left = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
             wait = h._job.wait_snapshot if what == "snapshot" else h._job.wait_persisted
             if not wait(left):

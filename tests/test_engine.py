@@ -1,6 +1,7 @@
 """The engine's API contract: handles and their two waits, engine-wide waits, errors reported once and never
 lost, close() drains and is idempotent, the context manager, stats."""
 
+import errno
 import threading
 import time
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
+from nanotron_datastates.engine import wait_handles
 
-from helpers import same, small_config
+from helpers import injected_fault, same, small_config
 
 
 def test_handle_lifecycle_and_stats(engine, tmp_path):
@@ -224,3 +226,20 @@ def test_a_staged_plan_is_copied_afresh_at_every_save(engine, tmp_path):
         w.fill_(-1.0)
     engine.wait_persisted()
     assert [engine.load(tmp_path / f"{i}.safetensors")["w"][0].item() for i in range(3)] == [0.0, 1.0, 2.0]
+
+
+def test_wait_handles_waits_for_all_at_once_and_leaves_errors_to_each_handle(engine, tmp_path):
+    with injected_fault("write", errno.EIO, "bad"):
+        hs = [engine.save({"x": torch.full((100_000,), float(i))}, tmp_path / f"{n}.safetensors")
+              for i, n in enumerate(["a", "bad", "c"])]  # fmt: skip
+        wait_handles(hs)
+        assert all(h._job.snapshot_done() for h in hs) and all(h._keepalive is None for h in hs)
+        wait_handles(hs, persisted=True)  # the failed one counts as done
+    assert all(h.done() for h in hs)
+    with pytest.raises(OSError, match="bad"):
+        hs[1].wait_persisted()
+    hs[0].wait_persisted()
+    big = engine.save({"x": torch.randn(50_000_000)}, tmp_path / "big.safetensors")
+    with pytest.raises(TimeoutError, match="not all persisted"):
+        wait_handles([big], persisted=True, timeout=0)
+    engine.wait_persisted()

@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from ..engine import wait_handles
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be committed; earlier checkpoints, and `latest.txt`, are untouched."""
@@ -124,9 +126,11 @@ class Committer:
         files: dict[str, dict[str, Any]] = {}
         errors: list[str] = []
         snapshot_s = persisted_s = 0.0
-        for h in p.handles:  # first: staged copies on the GPU go back as soon as they are in the host cache
-            with contextlib.suppress(Exception):  # reported below
-                h.wait_copied()
+        # One wait for all (this thread takes the GIL back once, not once per file, while training runs):
+        # first for the copies, so that staged copies on the GPU go back as soon as they are in the host
+        # cache, then for persistence. Errors are reported per file below.
+        wait_handles(p.handles)
+        wait_handles(p.handles, persisted=True)
         for h in p.handles:
             try:
                 sums = h.checksums()  # waits until persisted
