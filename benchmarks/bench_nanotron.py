@@ -284,6 +284,22 @@ def run_all(args: argparse.Namespace) -> int:
     return 0 if all(r["rc"] == 0 for r in records.values()) else 1
 
 
+def resummarize(out: Path) -> int:
+    """Recomputes a results folder's figures from its raw records, keeping the command that ran them."""
+    (stem,) = out.glob("bench_nanotron_*.json")
+    old = json.loads(stem.read_text())
+    records = json.loads((out / f"records_{old['model']}.json").read_text())
+    args = argparse.Namespace(model=old["model"], steps=old["steps"], interval=old["interval"])
+    result = summarize(args, records)
+    for key in ("command", "gpu", "cold_cache"):
+        if key in old:
+            result[key] = old[key]
+    result["resummarized"] = " ".join(sys.argv)
+    stem.write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".md").write_text(table(result))
+    return 0
+
+
 def variants(specs: list[str] | None) -> list[tuple[str, dict[str, Any]]]:
     """`NAME:key=value,key=value` -> ("datastates-NAME", {key: value}); values parsed as YAML."""
     import yaml
@@ -361,6 +377,22 @@ def stall_figures(rec: dict[str, Any], fallback_median: float) -> dict[str, Any]
             "stall_median_s": statistics.median(stalls) if stalls else None}  # fmt: skip
 
 
+def flush_phase_slowdown(rec: dict[str, Any], interval: int) -> float | None:
+    """Within one run, the median iteration of the first half of each interval after its checkpoint's
+    window (while that checkpoint is flushed) over that of the second half, minus 1. Iteration times drift
+    between runs by more than the 2% the end-to-end goal allows; within a run, this shows what background
+    flushing costs the steps it overlaps."""
+    if not rec.get("saves") or interval < 2 * (WINDOW + 1):
+        return None
+    it = iteration_times(rec)
+    offset = {s: (s - 1) % interval + 1 for s in it if s > WARMUP}  # 1: the iteration after a checkpoint
+    early = [it[s] for s, o in offset.items() if WINDOW < o <= interval // 2]
+    late = [it[s] for s, o in offset.items() if o > interval // 2]
+    if not early or not late:
+        return None
+    return statistics.median(early) / statistics.median(late) - 1
+
+
 def loss_match(run: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     """Losses of two runs at the steps both ran (bitwise is the bar)."""
     mine, theirs = dict(run.get("losses", [])), dict(other.get("losses", []))
@@ -399,6 +431,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         if m["stall_median_s"] is not None and name != "stress":  # share of training time lost to checkpoints
             interval_s = args.interval * m["median_quiet_iteration_s"]
             m["stall_share_of_interval"] = m["stall_median_s"] / interval_s
+        m["flush_phase_slowdown"] = flush_phase_slowdown(rec, args.interval)
         if modes["none"]["mean_iteration_s"] and modes[name]["mean_iteration_s"]:
             modes[name]["throughput_loss"] = (
                 modes[name]["mean_iteration_s"] / modes["none"]["mean_iteration_s"] - 1
@@ -461,8 +494,9 @@ def table(r: dict[str, Any]) -> str:
 
     lines = [f"model {r['model']}, {r['steps']} steps, checkpoint every {r['interval']}; median iteration "
              f"{ms(r['median_iteration_s'])} ms", "",
-             "| mode | checkpoints | median stall ms | stall / interval | mean iteration ms | mean vs none | "
-             "persisted s |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "| mode | checkpoints | median stall ms | stall / interval | flushing vs idle | "
+             "mean iteration ms | mean vs none | persisted s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for name, m in r["modes"].items():
         loss = m.get("throughput_loss")
         persisted = ", ".join(f"{p:.2f}" for p in m["persisted_s"][:6]) or "-"
@@ -470,7 +504,9 @@ def table(r: dict[str, Any]) -> str:
         loss_text = "-" if loss is None else f"{100 * loss:+.1f}%"
         share = m.get("stall_share_of_interval")
         share_text = "-" if share is None else f"{100 * share:.2f}%"
-        cells = [name, m["checkpoints"], stall, share_text, mean, loss_text, persisted]
+        flush = m.get("flush_phase_slowdown")
+        flush_text = "-" if flush is None else f"{100 * flush:+.1f}%"
+        cells = [name, m["checkpoints"], stall, share_text, flush_text, mean, loss_text, persisted]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", "restore to the first step, over building the model from scratch: "
               + ", ".join(f"{k} {v:.2f} s" for k, v in r["restore_to_first_step_s"].items()),
@@ -518,6 +554,8 @@ def main() -> int:
     a.add_argument("--modes", help="comma-separated subset of the runs (none always runs)")
     a.add_argument("--variant", action="append", help="NAME:key=value,...: one more datastates run")
     a.add_argument("--rounds", type=int, default=1, help="repeat every run this many times, interleaved")
+    rs = sub.add_parser("resummarize", help="recompute DIR's JSON and table from its records")
+    rs.add_argument("dir")
     ph = sub.add_parser("phase")
     for flag in ("--mode", "--config", "--record"):
         ph.add_argument(flag, required=True)
@@ -526,6 +564,8 @@ def main() -> int:
     if args.what == "phase":
         run_phase(args)
         return 0
+    if args.what == "resummarize":
+        return resummarize(Path(args.dir))
     return run_rounds(args) if args.rounds > 1 else run_all(args)
 
 
