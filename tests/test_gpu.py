@@ -1,6 +1,8 @@
 """CUDA tensors: device-to-host copies on the engine's stream, ordered after the caller's stream; restore to a
 device through pinned chunks. Run on the GPU machine (`pytest -m gpu`); skipped where there is no GPU."""
 
+import concurrent.futures
+
 import pytest
 import torch
 
@@ -106,3 +108,46 @@ def test_load_into_cuda_tensors_in_place(gpu_engine, tmp_path):
     ptr = dest["w"].data_ptr()
     gpu_engine.load_into(tmp_path / "i.safetensors", dest)
     assert dest["w"].data_ptr() == ptr and same(dest["w"], state["w"])
+
+
+def test_concurrent_restores_to_the_gpu_read_every_byte_while_the_main_thread_works(tmp_path):
+    """The shape of a resume (NOTES step 15): small weight files read by four threads at once, then a large
+    file, into pinned chunks that earlier reads left full of other bytes, while the main thread allocates,
+    frees and launches kernels. Every tensor must pass its checksum and equal what was saved."""
+
+    config = DataStatesConfig(host_cache_size=1, chunk_size=64, parser_threads=4)
+    with DataStatesEngine(config) as e:
+        small = {tmp_path / f"w{i}.safetensors": {"data": random_tensor(torch.bfloat16, (512, 1024), i)}
+                 for i in range(24)}  # fmt: skip
+        moments = [random_tensor(torch.float32, (4 << 20,), i) for i in range(12)]
+        big = {"state": {str(i): {"step": torch.tensor(400.0 + i), "m": m} for i, m in enumerate(moments)}}
+        sums = {
+            path: e.save(state, path, metadata={"k": "v"}, exact_metadata=True).checksums()
+            for path, state in small.items()
+        }  # kept apart, as the manifest keeps them
+        e.save(big, tmp_path / "opt.safetensors")
+        e.wait_persisted()
+        stop = False
+
+        def busy() -> None:  # stands for the main thread: allocations, frees and kernels
+            a = torch.randn(2048, 2048, device="cuda")
+            while not stop:
+                b = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+                a = a @ a / 2048
+                del b
+
+        for _ in range(5):
+            with concurrent.futures.ThreadPoolExecutor(1) as side:
+                worker = side.submit(busy)
+                with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                    got = dict(zip(small, pool.map(lambda p: e.load(p, "cuda", checksums=sums[p]), small)))
+                back = e.load(tmp_path / "opt.safetensors", "cuda")
+                stop = True
+                worker.result()
+                stop = False
+            for path, state in small.items():
+                assert same(got[path]["data"].cpu(), state["data"]), path
+            for i, s in big["state"].items():
+                assert same(back["state"][i]["step"].cpu(), s["step"]) and same(
+                    back["state"][i]["m"].cpu(), s["m"]
+                )
