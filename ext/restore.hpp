@@ -56,8 +56,9 @@ struct RestoreResult {
   std::vector<std::uint32_t> crcs;       // per span, when verifying
 };
 
-// Blocks until everything is in place. `to_device`: every span has a CUDA destination. Throws ErrorException
-// naming `path` on an I/O error.
+// Blocks until everything is in place. `to_device`: every span has a destination, read through the cache's
+// chunks (with O_DIRECT where allowed): a CUDA pointer, or host memory where `device` < 0. Throws
+// ErrorException naming `path` on an I/O error.
 RestoreResult restore_file(const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
                            const std::vector<RestoreSpan>& spans, bool to_device, const RestoreOptions& opts,
                            TaskPool& pool, HostCache& cache);
