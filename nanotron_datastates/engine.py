@@ -22,7 +22,7 @@ import torch
 from . import _core
 from . import format as fmt
 from .config import DataStatesConfig
-from .plan import SavePlan, plan_save, replan
+from .plan import SavePlan, plan_save, prepare
 from .restore import load_file, load_into_tensors, verify_file
 
 log = logging.getLogger("nanotron_datastates")
@@ -209,7 +209,7 @@ class DataStatesEngine:
         returns. Costs the state's size in memory on each device until the copies reach the host cache.
         """
         plan = self.plan(state, metadata=metadata, allow_pickle=allow_pickle, exact_metadata=exact_metadata)
-        return self._submit(replan(plan, stage=True) if stage else plan, path, stage)
+        return self.save_plan(plan, path, stage=stage)
 
     def plan(
         self,
@@ -227,16 +227,14 @@ class DataStatesEngine:
 
     def save_plan(self, plan: SavePlan, path: str | os.PathLike, *, stage: bool = False) -> SaveHandle:
         """Saves a plan from :meth:`plan`, as :meth:`save` saves a state (the same rules, and `stage`)."""
-        return self._submit(replan(plan, stage=stage), path, stage)
-
-    def _submit(self, plan: SavePlan, path: str | os.PathLike, staged: bool) -> SaveHandle:
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         path = os.path.abspath(os.fspath(path))
+        plan = prepare(plan, stage=stage)
         job = self._core.save(
             path, plan.names, plan.dtypes, plan.arrays, plan.metadata, plan.streams, not plan.exact_metadata
         )
-        handle = SaveHandle(job, path, plan.arrays, plan.nbytes, staged)
+        handle = SaveHandle(job, path, plan.arrays, plan.nbytes, stage)
         with self._lock:
             self._prune()
             self._handles.append(handle)

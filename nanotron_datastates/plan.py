@@ -1,8 +1,9 @@
 """Save, stage 0 (caller's thread): flatten a state into named tensors plus its skeleton.
 
-This is the only work a save does on the caller's thread, so it does the least it can: walk the structure,
-take a reference to each tensor (so it stays alive until it is copied), make CUDA views contiguous on the
-caller's stream, and note each CUDA device's current stream (the core records an event there). Layout, header
+This is the only work a save does on the caller's thread, so it does the least it can. Once per state
+(`plan_save`): walk the structure and take a reference to each tensor (so it stays alive until it is copied).
+At every save of it (`prepare`): note each CUDA device's current stream (the core records an event there),
+make CUDA views contiguous on that stream and, when staging, copy every tensor where it is. Layout, header
 and every byte copy happen on the engine's threads.
 """
 
@@ -24,29 +25,29 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 @dataclass
 class SavePlan:
-    """A flattened state: what the core needs to save it. Reusable (see :func:`replan`): it holds the
-    tensors themselves, so saving it again captures their values at that time."""
+    """A flattened state. Reusable: it holds the tensors themselves, so each save (through :func:`prepare`)
+    captures their values at that time."""
 
     names: list[str] = field(default_factory=list)
     dtypes: list[str] = field(default_factory=list)
     arrays: list[torch.Tensor] = field(default_factory=list)  # what the core reads (keeps them alive)
-    streams: list[tuple[int, int]] = field(default_factory=list)
+    streams: list[tuple[int, int]] = field(default_factory=list)  # set by prepare()
     metadata: list[tuple[str, str]] = field(default_factory=list)
     nbytes: int = 0
     exact_metadata: bool = False  # metadata verbatim: no skeleton and no checksums in the file
     devices: list[int] = field(default_factory=list)  # CUDA devices of the tensors
-    # CUDA tensors that are not contiguous, by index into `arrays`: a save copies them on the caller's stream.
+    # CUDA tensors that are not contiguous, by index into `arrays`: each save copies them (prepare()).
     gathered: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
-def replan(plan: SavePlan, *, stage: bool = False) -> SavePlan:
-    """The same plan for a save now: each device's current stream, and fresh contiguous copies of the
-    tensors that needed one (the old copies hold the values of the earlier save). With `stage`, every
-    tensor is copied (on its own device, in the caller's stream order): the save then reads those copies,
-    and the caller may change the originals at once."""
+def prepare(plan: SavePlan, *, stage: bool = False) -> SavePlan:
+    """What a save of `plan` hands the core now: each device's current stream, and fresh contiguous copies
+    of the CUDA views that need one. With `stage`, every tensor is copied (on its own device, in the
+    caller's stream order): the save then reads those copies, and the caller may change the originals at
+    once."""
     arrays = list(plan.arrays)
     fresh = set()
-    for i, t in plan.gathered:
+    for i, t in plan.gathered:  # queued on the caller's stream, before the event the core records
         arrays[i] = export_view(t.contiguous())
         fresh.add(i)
     if stage:
@@ -75,8 +76,9 @@ def plan_save(
     allow_pickle: bool = False,
     exact_metadata: bool = False,
 ) -> SavePlan:
-    """Flattens `state`. With `exact_metadata`, `state` must be a flat dict of str to tensor and `metadata`
-    becomes the whole `__metadata__` (no skeleton, version or checksums), as strict readers require."""
+    """Flattens `state`; :func:`prepare` makes a save of it. With `exact_metadata`, `state` must be a flat
+    dict of str to tensor and `metadata` becomes the whole `__metadata__` (no skeleton, version or
+    checksums), as strict readers require."""
     plan = SavePlan(exact_metadata=exact_metadata)
     if exact_metadata and (
         not isinstance(state, dict)
@@ -109,15 +111,13 @@ def plan_save(
             name = f"{name}#{k}"
         taken.add(name)
         by_id[id(t)] = name
-        src = t
         if t.device.type == "cuda":
             devices.add(t.device.index)
             if not t.is_contiguous():
-                src = t.contiguous()  # queued on the caller's stream, before the event the core records
                 plan.gathered.append((len(plan.arrays), t))
         plan.names.append(name)
         plan.dtypes.append(dt.name)
-        plan.arrays.append(export_view(src))
+        plan.arrays.append(export_view(t))
         plan.nbytes += t.numel() * dt.itemsize
         return name
 
@@ -128,7 +128,6 @@ def plan_save(
     else:
         skel = skeleton.encode(state, on_tensor, allow_pickle=allow_pickle)
     plan.devices = sorted(devices)
-    plan.streams = _streams(plan.devices)
 
     user = dict(metadata or {})
     for k, v in user.items():
