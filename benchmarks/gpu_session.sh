@@ -2,7 +2,8 @@
 # One call on the GPU machine (device tool, carry .gpu): build, then the named steps, results under $OUT.
 #   bash benchmarks/gpu_session.sh STEP [STEP ...]
 # Steps: tests | dd | engine | proof | nanotron-180m | nanotron-1b | nanotron-180m-long | ablation-180m |
-#        ddread | nanotron-1b-e2e | nanotron-180m-ds | rounds-180m | round-180m | round-1b | crash  (see each case below for its command).
+#        ddread | nanotron-1b-e2e | nanotron-180m-ds | rounds-180m | round-180m | round-1b | restore-stress |
+#        stress-180m | stress-1b | crash  (see each case below for its command).
 # Every step's output is kept in $OUT/<step>.log; results go to $OUT/<step>/ and are tarred at the end,
 # since only a few files come back from $OUT.
 set -uo pipefail
@@ -75,6 +76,13 @@ run_step() {
     round-1b) # the 1.1B model, every mode but stress once, a checkpoint every 60 steps (above its time to persist)
       (cd benchmarks && python3 bench_nanotron.py all --model 1b --steps 125 --interval 60 --cache-gib 16 \
       --modes torch,dcp,datastates,restore-torch,restore-datastates --work "$WORK/bn1bo" --out "$OUT/round-1b") ;;
+    restore-stress) # resume's read-ahead, 48 times in 6 fresh processes, every byte compared (NOTES step 16)
+      python3 benchmarks/restore_stress.py --work "$WORK/rs" --procs 6 --rounds 8 --out "$OUT/restore-stress" ;;
+    stress-180m) # a checkpoint at every step, staged on the GPU: backpressure bounds the stall
+      (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 60 --stress-steps 30 --modes stress \
+      --work "$WORK/st180" --out "$OUT/stress-180m") ;;
+    stress-1b) (cd benchmarks && python3 bench_nanotron.py all --model 1b --steps 20 --stress-steps 6 \
+      --cache-gib 16 --modes stress --work "$WORK/st1b" --out "$OUT/stress-1b") ;;
     crash) (cd benchmarks && python3 nanotron_crash.py --trials 3 --out "$OUT/crash" --work "$WORK/crash") ;;
     *) echo "unknown step $1"; return 2 ;;
   esac

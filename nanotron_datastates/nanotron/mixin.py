@@ -13,7 +13,9 @@ With `checkpointing_engine: datastates`:
 * at most MAX_IN_FLIGHT checkpoints are in flight: a new one first waits for the oldest (backpressure).
 
 Resuming from a checkpoint that has a manifest reads it with the engine (weights straight into the
-parameters, in parallel), whatever `checkpointing_engine` says; any other checkpoint is left to Nanotron.
+parameters, in parallel), whatever `checkpointing_engine` says; any other checkpoint is left to Nanotron. On a
+GPU the files are read ahead while Nanotron builds the model (prefetch.py), and the optimizer state is loaded
+at the first optimizer step, its read overlapping the first forward and backward passes (deferred.py).
 With `checkpointing_engine: torch` and such a checkpoint, the trainer is Nanotron's, unchanged.
 """
 
@@ -45,6 +47,7 @@ from ..engine import DataStatesEngine
 from ..plan import SavePlan
 from . import housekeeping, layout, shards, staging, states
 from .commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
+from .deferred import DeferredLoad
 from .gate import SnapshotGate
 from .prefetch import Prefetch
 
@@ -79,6 +82,7 @@ class DataStatesTrainerMixin:
         self._ds_files: _Files | None = None
         self._ds_staged: bool | None = None  # whether the last checkpoint was copied on the GPU first
         self._ds_prefetch: Prefetch | None = None
+        self._ds_deferred: DeferredLoad | None = None  # the optimizer state read ahead, until the first step
         path = self.init_checkpoint_path
         self._ds_resume = (
             Path(path)
@@ -123,7 +127,8 @@ class DataStatesTrainerMixin:
             t0 = time.perf_counter()
             self._ds_restore_rest()
             elapsed = time.perf_counter() - t0
-            self._ds_log(f"resumed optimizer, scheduler, metadata and random states in {elapsed:.2f} s")
+            what = "scheduler" if self._ds_deferred is not None else "optimizer, scheduler"
+            self._ds_log(f"resumed {what}, metadata and random states in {elapsed:.2f} s")
         if self._ds_active:
             self._ds_start()
             if self._ds_resume is None:
@@ -198,15 +203,17 @@ class DataStatesTrainerMixin:
         if load_optimizer:
             path = shards.optimizer_path(self.optimizer, pc, root, writing=False)
             # Straight onto the GPU through the pinned cache (Nanotron's loader reads them onto the CPU and
-            # its first step copies them over from pageable memory), read while the model was being built.
-            # Nanotron's `load_optimizer` flag stays off until the first step has run, so that step does not
-            # try to move them again.
+            # its first step copies them over from pageable memory). Nanotron's `load_optimizer` flag stays
+            # off until the first step has run, so that step does not try to move them again.
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-            state = self._ds_prefetch.optimizer(path) if self._ds_prefetch is not None else None
-            if state is None:  # not read ahead, or (were Nanotron to change) not the optimizer's file
-                state = engine.load(path, device or "cpu")
-            self.optimizer.load_state_dict(state, map_location=device or "cpu")
             self._ds_optimizer_flag_held = device is not None
+            if self._ds_prefetch is not None and self._ds_prefetch.reads_optimizer:
+                # Read ahead: loaded at the first optimizer step, so that the read overlaps the rest of the
+                # set-up and the first forward and backward passes too.
+                load = lambda: self._ds_load_optimizer(path, device)  # noqa: E731
+                self._ds_deferred = DeferredLoad(self.optimizer, load)
+            else:
+                self._ds_load_optimizer(path, device)
         if load_lr_scheduler:
             path = shards.lr_scheduler_path(self.config.optimizer.zero_stage, pc, root, writing=False)
             # Unlike Nanotron's loader, no `_initial_step()` after this: it steps the schedule once more, so
@@ -229,12 +236,28 @@ class DataStatesTrainerMixin:
                 )  # in place: the model holds them
             if "global" in saved:  # absent from checkpoints converted from Nanotron's layout
                 states.set_global_rng_state(saved["global"])
-        if self._ds_prefetch is not None:
-            self._ds_log(f"read ahead: {self._ds_prefetch.report()}")
-        self._ds_prefetch = None  # whatever was read ahead and not used goes back
+        if self._ds_deferred is None:
+            self._ds_drop_prefetch()
         ck = self.config.checkpoints
         ck.load_optimizer = load_optimizer and not self._ds_optimizer_flag_held
         ck.load_lr_scheduler = load_lr_scheduler
+
+    def _ds_load_optimizer(self, path: Path, device: torch.device | None) -> None:
+        """Loads this rank's optimizer shard: the one read ahead if it is there, else read now."""
+        t0 = time.perf_counter()
+        state = self._ds_prefetch.optimizer(path) if self._ds_prefetch is not None else None
+        if state is None:  # not read ahead, or (were Nanotron to change) not the optimizer's file
+            state = self._ds_get_engine().load(path, device or "cpu")
+        self.optimizer.load_state_dict(state, map_location=device or "cpu")
+        if self._ds_deferred is not None:
+            waited = time.perf_counter() - t0
+            self._ds_log(f"optimizer state loaded at the first step ({waited:.2f} s waiting for the read)")
+        self._ds_drop_prefetch()
+
+    def _ds_drop_prefetch(self) -> None:
+        if self._ds_prefetch is not None:
+            self._ds_log(f"read ahead: {self._ds_prefetch.report()}")
+        self._ds_prefetch = None  # whatever was read ahead and not used goes back
 
     def _ds_topology_changes(self) -> dict[str, tuple[Any, int]]:
         saved = self._ds_manifest.get("topology", {})

@@ -41,6 +41,11 @@ class Prefetch:
         self._optimizer = pool.submit(self._read_optimizer, optimizer) if optimizer is not None else None
         pool.shutdown(wait=False)
 
+    @property
+    def reads_optimizer(self) -> bool:
+        """Whether the optimizer state is being read (and not yet handed over)."""
+        return self._optimizer is not None
+
     def weights(self) -> dict[Path, dict[str, torch.Tensor]]:
         """The weight files read, by path (empty where they could not be read); waits for them. Once only:
         the prefetch lets go of them, so that their memory goes back once the caller is done with them."""
