@@ -127,17 +127,27 @@ def one_round(work: Path, verify: bool, reference: dict[str, torch.Tensor]) -> d
         params: list[torch.Tensor] = []
         build_model(params)
         got = ahead.weights()
+
+        def fill(i: int) -> None:  # as the trainer does: what was not read ahead is read the ordinary way
+            if weights[i] in got:
+                params[i].copy_(got[weights[i]]["data"])
+            else:
+                engine.load_into(weights[i], {"data": params[i]}, checksums=sums[weights[i].name])
+
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda ip: ip[1].copy_(got[weights[ip[0]]]["data"]), enumerate(params)))
+            list(pool.map(fill, range(len(params))))
+        read_ahead = len(got)
         got.clear()
         state = ahead.optimizer(work / "opt.safetensors")
+        optimizer_read_ahead = state is not None
+        if state is None:
+            state = engine.load(work / "opt.safetensors", DEVICE)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         diffs = [differences(f"w{i:02d}", p, reference[f"w{i:02d}"]) for i, p in enumerate(params)]
-        if state is not None:
-            for name, t in flat(state).items():
-                diffs.append(differences(name, t, reference[name]))
+        for name, t in flat(state).items():
+            diffs.append(differences(name, t, reference[name]))
     finally:
         engine.close()
         log.removeHandler(handler)
@@ -146,7 +156,8 @@ def one_round(work: Path, verify: bool, reference: dict[str, torch.Tensor]) -> d
         "verify": verify,
         "seconds": elapsed,
         "warnings": warnings,
-        "read": state is not None,
+        "weights_read_ahead": read_ahead,
+        "optimizer_read_ahead": optimizer_read_ahead,
         "diffs": diffs,
     }
 

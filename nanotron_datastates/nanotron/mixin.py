@@ -25,6 +25,7 @@ import atexit
 import concurrent.futures
 import copy
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -210,7 +211,7 @@ class DataStatesTrainerMixin:
             if self._ds_prefetch is not None and self._ds_prefetch.reads_optimizer:
                 # Read ahead: loaded at the first optimizer step, so that the read overlaps the rest of the
                 # set-up and the first forward and backward passes too.
-                load = lambda: self._ds_load_optimizer(path, device)  # noqa: E731
+                load = functools.partial(self._ds_load_optimizer, path, device)  # `path` is reused below
                 self._ds_deferred = DeferredLoad(self.optimizer, load)
             else:
                 self._ds_load_optimizer(path, device)
