@@ -122,7 +122,11 @@ def one_round(work: Path, verify: bool, reference: dict[str, torch.Tensor]) -> d
     engine = DataStatesEngine(config(), verify_checksums=verify)
     try:
         ahead = Prefetch(
-            engine, torch.device(DEVICE), weights, work / "opt.safetensors", lambda p: sums[p.name]
+            engine,
+            torch.device(DEVICE, 0 if DEVICE == "cuda" else None),
+            weights,
+            work / "opt.safetensors",
+            lambda p: sums[p.name],
         )
         params: list[torch.Tensor] = []
         build_model(params)

@@ -252,7 +252,7 @@ class DataStatesTrainerMixin:
         self.optimizer.load_state_dict(state, map_location=device or "cpu")
         if self._ds_deferred is not None:
             waited = time.perf_counter() - t0
-            self._ds_log(f"optimizer state loaded at the first step ({waited:.2f} s waiting for the read)")
+            self._ds_log(f"optimizer state loaded at its first use ({waited:.2f} s waiting for the read)")
         self._ds_drop_prefetch()
 
     def _ds_drop_prefetch(self) -> None:
