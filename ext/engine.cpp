@@ -62,7 +62,6 @@ std::shared_ptr<SaveJob> Engine::save(std::string path, std::vector<TensorSrc> t
     job_finished();  // never started: nothing else will
     throw ErrorException(e);
   }
-  cache_->start_background();
   job->start();
   copiers_.submit([this, job] { run_plan(job); });
   return job;

@@ -46,7 +46,7 @@ class Engine final : public JobObserver {
                         const std::vector<RestoreSpan>& spans, bool to_device, bool verify);
 
   // Faults in and pins every chunk of the cache not prepared yet: before returning (`wait`), or on a
-  // background thread (which the first save starts too).
+  // background thread. Otherwise a chunk is prepared when first used.
   void prepare_cache(bool wait);
 
   // Waits until no save or restore is in flight; false on timeout (< 0: none).

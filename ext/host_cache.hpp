@@ -2,11 +2,11 @@
 // wrap-around: a chunk is either free or owned by exactly one piece of one file until its write completes.
 // A caller that finds no free chunk waits (backpressure); nothing is ever too large, it just takes turns.
 //
-// Faulting in and page-locking a cache of many GiB takes seconds (about 0.4 s per GiB to pin), which a
-// restart must not wait for: chunks are prepared (faulted in, then pinned) one by one by a background
-// thread, and a chunk acquired before its turn is prepared by the thread acquiring it. The background
-// thread starts on demand (the first save, or start_background()), not at construction: pinning holds the
-// CUDA driver's locks, and a restore, which needs a few chunks only, must not contend with it.
+// Faulting in and page-locking a cache of many GiB takes seconds (about 0.25-0.4 s per GiB to pin) and holds
+// the CUDA driver's locks, stalling the training thread's CUDA calls meanwhile. So a chunk is prepared
+// (faulted in, then pinned) by the first thread that acquires it, and the free list is a stack, so the same
+// few chunks go round: a restore pins a handful, and saves pin no more of the cache than a checkpoint's
+// bytes in flight, however large the cache. start_background() prepares all of them, on request only.
 #pragma once
 
 #include <atomic>

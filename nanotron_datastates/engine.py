@@ -346,10 +346,10 @@ class DataStatesEngine:
     def prepare_cache(self, wait: bool = True) -> None:
         """Faults in and pins the whole host cache: now (`wait`), or on a background thread.
 
-        The engine starts at once with one chunk ready; a chunk is otherwise prepared on first use, and the
-        first save starts the background thread. Pinning takes about 0.4 s per GiB and holds the CUDA
-        driver's locks, so a process that only restores never does it. Call this to take the cost up front:
-        ``wait=False`` right after a restore, so that the first checkpoint finds the cache ready.
+        The engine starts at once with one chunk ready; a chunk is otherwise prepared by its first user, and
+        chunks are reused most recent first, so only as much of the cache is ever pinned as is in use at
+        once. Pinning takes about 0.25-0.4 s per GiB and holds the CUDA driver's locks, stalling other CUDA
+        calls meanwhile: call this to take the whole cost up front instead, where nothing else runs yet.
         """
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")

@@ -79,7 +79,6 @@ class DataStatesTrainerMixin:
         self._ds_gate = SnapshotGate()
         self._ds_outstanding = 0
         self._ds_optimizer_flag_held = False  # checkpoints.load_optimizer, off until the first step is done
-        self._ds_cache_started = False
         self._ds_files: _Files | None = None
         self._ds_staged: bool | None = None  # whether the last checkpoint was copied on the GPU first
         self._ds_prefetch: Prefetch | None = None
@@ -131,12 +130,9 @@ class DataStatesTrainerMixin:
             what = "scheduler" if self._ds_deferred is not None else "optimizer, scheduler"
             self._ds_log(f"resumed {what}, metadata and random states in {elapsed:.2f} s")
         if self._ds_active:
+            # The host cache is not pinned up front (seconds for many GiB, stalling the first steps' CUDA
+            # calls): each chunk is pinned by its first checkpoint, and only as many as are in flight.
             self._ds_start()
-            if self._ds_resume is None:
-                # No restore to contend with: fault in and pin the host cache while the first steps run, so
-                # that the first checkpoint finds it ready. After a restore, the first step starts it.
-                self._ds_cache_started = True
-                self._ds_engine.prepare_cache(wait=False)
         elif self._ds_engine is not None:  # used only to resume
             self._ds_engine.close()
             self._ds_engine = None
@@ -279,11 +275,6 @@ class DataStatesTrainerMixin:
         if self._ds_optimizer_flag_held:
             self._ds_optimizer_flag_held = False
             self.config.checkpoints.load_optimizer = self._ds_load_flags[0]
-        if not self._ds_cache_started and self._ds_active and self._ds_engine is not None:
-            # Pin the host cache in the background now that training runs: not before the first step,
-            # whose CUDA calls it would contend with, and not at the first checkpoint, which it would stall.
-            self._ds_cache_started = True
-            self._ds_engine.prepare_cache(wait=False)
         return out
 
     # -- saving ---------------------------------------------------------------------------------------------
