@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_session.sh STEP [STEP ...]
 # Steps: tests | dd | engine | proof | nanotron-180m | nanotron-1b | nanotron-180m-long | ablation-180m |
 #        ddread | nanotron-1b-e2e | nanotron-180m-ds | rounds-180m | round-180m | round-1b | restore-stress |
-#        stress-180m | stress-1b | crash  (see each case below for its command).
+#        profile-180m | stress-180m | stress-1b | crash  (see each case below for its command).
 # Every step's output is kept in $OUT/<step>.log; results go to $OUT/<step>/ and are tarred at the end,
 # since only a few files come back from $OUT.
 set -uo pipefail
@@ -78,6 +78,9 @@ run_step() {
       --modes torch,dcp,datastates,restore-torch,restore-datastates --work "$WORK/bn1bo" --out "$OUT/round-1b") ;;
     restore-stress) # resume's read-ahead, 48 times in 6 fresh processes, every byte compared (NOTES step 16)
       python3 benchmarks/restore_stress.py --work "$WORK/rs" --procs 6 --rounds 8 --out "$OUT/restore-stress" ;;
+    profile-180m) # where a resume's time goes: cProfile of the trainer's construction (and of the second save)
+      (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 80 --interval 40 --profile \
+      --modes datastates,restore-datastates --work "$WORK/pr180" --out "$OUT/profile-180m") ;;
     stress-180m) # a checkpoint at every step, staged on the GPU: backpressure bounds the stall
       (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 60 --stress-steps 30 --modes stress \
       --work "$WORK/st180" --out "$OUT/stress-180m") ;;
