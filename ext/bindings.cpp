@@ -206,7 +206,7 @@ NB_MODULE(_core, m) {
           },
           "path"_a, "data_start"_a, "data_len"_a, "begins"_a, "dests"_a, "verify"_a,
           "Reads the data section into CUDA tensors through pinned chunks; returns the crcs")
-      .def("prepare_cache", &ds::Engine::prepare_cache, "wait"_a = true,
+      .def("prepare_cache", &ds::Engine::prepare_cache, "wait"_a, "chunks"_a,
            nb::call_guard<nb::gil_scoped_release>())
       .def("wait_idle", &ds::Engine::wait_idle, "timeout"_a = -1.0, nb::call_guard<nb::gil_scoped_release>())
       .def("close", &ds::Engine::close, nb::call_guard<nb::gil_scoped_release>())

@@ -99,12 +99,12 @@ RestoreResult Engine::restore(const std::string& path, std::uint64_t data_start,
   return restore_file(path, data_start, data_len, spans, to_device, ro, parsers_, *cache_);
 }
 
-void Engine::prepare_cache(bool wait) {
+void Engine::prepare_cache(bool wait, std::size_t chunks) {
   const Work work(this);  // close() must not free the cache under us
   if (wait) {
-    cache_->prepare_rest();
+    cache_->prepare_rest(chunks);
   } else {
-    cache_->start_background();
+    cache_->start_background(chunks);
   }
 }
 

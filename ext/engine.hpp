@@ -45,9 +45,9 @@ class Engine final : public JobObserver {
   RestoreResult restore(const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
                         const std::vector<RestoreSpan>& spans, bool to_device, bool verify);
 
-  // Faults in and pins every chunk of the cache not prepared yet: before returning (`wait`), or on a
-  // background thread. Otherwise a chunk is prepared when first used.
-  void prepare_cache(bool wait);
+  // Faults in and pins the first `chunks` chunks of the cache (those handed out first) not prepared yet:
+  // before returning (`wait`), or on a background thread. Otherwise a chunk is prepared when first used.
+  void prepare_cache(bool wait, std::size_t chunks);
 
   // Waits until no save or restore is in flight; false on timeout (< 0: none).
   bool wait_idle(double timeout_s);

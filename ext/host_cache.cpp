@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <system_error>
 
@@ -47,12 +48,17 @@ HostCache::HostCache(std::size_t bytes, std::size_t chunk_bytes, int pin_device)
   for (std::size_t i = num_chunks_; i-- > 0;) free_.push_back(base_ + i * chunk_bytes_);
 }
 
-void HostCache::start_background() {
+void HostCache::start_background(std::size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
+  count = std::min(count, num_chunks_);
+  if (count > target_.load()) target_.store(count);
   if (preparer_started_) return;
   preparer_started_ = true;
   try {
-    preparer_ = std::thread([this] { prepare_all(); });
+    preparer_ = std::thread([this] {
+      for (std::size_t i = 1; i < target_.load() && !stop_.load(); ++i)
+        std::call_once(prepare_once_[i], [this, i] { prepare(i); });
+    });
   } catch (const std::system_error&) {
     // No thread: every chunk is then prepared by its first acquirer.
   }
@@ -88,8 +94,8 @@ void HostCache::prepare(std::size_t i) {
   prepared_.fetch_add(1);
 }
 
-void HostCache::prepare_all() {
-  for (std::size_t i = 1; i < num_chunks_ && !stop_.load(); ++i)
+void HostCache::prepare_upto(std::size_t count) {
+  for (std::size_t i = 1; i < std::min(count, num_chunks_) && !stop_.load(); ++i)
     std::call_once(prepare_once_[i], [this, i] { prepare(i); });
 }
 
@@ -131,8 +137,9 @@ CacheStats HostCache::stats(bool reset) {
   return s;
 }
 
-void HostCache::prepare_rest() {
-  prepare_all();  // alongside the background thread: each chunk is prepared once, by whoever comes first
+void HostCache::prepare_rest(std::size_t count) {
+  prepare_upto(
+      count);  // alongside the background thread: each chunk is prepared once, by whoever comes first
 }
 
 }  // namespace ds

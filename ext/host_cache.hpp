@@ -6,7 +6,7 @@
 // the CUDA driver's locks, stalling the training thread's CUDA calls meanwhile. So a chunk is prepared
 // (faulted in, then pinned) by the first thread that acquires it, and the free list is a stack, so the same
 // few chunks go round: a restore pins a handful, and saves pin no more of the cache than a checkpoint's
-// bytes in flight, however large the cache. start_background() prepares all of them, on request only.
+// bytes in flight, however large the cache. start_background() prepares the first ones, on request only.
 #pragma once
 
 #include <atomic>
@@ -35,7 +35,7 @@ class HostCache {
  public:
   // Maps `bytes` (at least two chunks' worth). When `pin_device` >= 0 and a CUDA driver is present, chunks
   // are page-locked for DMA; a failure to pin is not fatal and is reported by pin_error(). Returns once the
-  // first chunk is ready; the others are prepared on first use or by start_background().
+  // first chunk is ready; the others are prepared on first use or by start_background() / prepare_rest().
   HostCache(std::size_t bytes, std::size_t chunk_bytes, int pin_device);
   ~HostCache();
   HostCache(const HostCache&) = delete;
@@ -51,14 +51,16 @@ class HostCache {
   bool pinned() const { return pinned_; }
   const std::string& pin_error() const { return pin_error_; }
   CacheStats stats(bool reset);
-  // Starts preparing the chunks not prepared yet on a background thread. Idempotent.
-  void start_background();
-  // Prepares every chunk not prepared yet, on this thread too; returns when all are.
-  void prepare_rest();
+  // Starts preparing chunks [0, count) (those acquired first) on a background thread; count is capped at the
+  // number of chunks. Repeatable: a larger count extends the work while the thread still runs (after it has
+  // finished, the extra chunks are prepared on first use).
+  void start_background(std::size_t count);
+  // Prepares chunks [0, count) not prepared yet, on this thread too; returns when all are.
+  void prepare_rest(std::size_t count);
 
  private:
   void prepare(std::size_t i);
-  void prepare_all();
+  void prepare_upto(std::size_t count);
 
   char* base_ = nullptr;
   std::size_t bytes_ = 0;
@@ -73,7 +75,8 @@ class HostCache {
   std::atomic<std::size_t> prepared_{0};
   std::atomic<bool> stop_{false};
   std::thread preparer_;
-  bool preparer_started_ = false;  // guarded by mu_
+  bool preparer_started_ = false;       // guarded by mu_
+  std::atomic<std::size_t> target_{0};  // the background thread prepares chunks [1, target_)
 
   std::mutex mu_;
   std::condition_variable cv_;

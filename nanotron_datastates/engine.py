@@ -343,17 +343,22 @@ class DataStatesEngine:
         are prepared (faulted in and pinned) so far."""
         return self._core.cache_stats(reset)
 
-    def prepare_cache(self, wait: bool = True) -> None:
-        """Faults in and pins the whole host cache: now (`wait`), or on a background thread.
+    def prepare_cache(self, wait: bool = True, nbytes: int | None = None) -> None:
+        """Faults in and pins the host cache, all of it or the chunks that hold the first `nbytes` handed out:
+        now (`wait`), or on a background thread.
 
         The engine starts at once with one chunk ready; a chunk is otherwise prepared by its first user, and
         chunks are reused most recent first, so only as much of the cache is ever pinned as is in use at
         once. Pinning takes about 0.25-0.4 s per GiB and holds the CUDA driver's locks, stalling other CUDA
-        calls meanwhile: call this to take the whole cost up front instead, where nothing else runs yet.
+        calls meanwhile: call this to take the cost where it hurts least. A chunk holds a piece of one file
+        only, so count `nbytes` in whole chunks per file.
         """
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
-        self._core.prepare_cache(wait)
+        if nbytes is not None and nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        chunks = self._core.num_chunks if nbytes is None else -(-nbytes // self._core.chunk_bytes)
+        self._core.prepare_cache(wait, chunks)
 
     def close(self) -> None:
         """Drains every save, stops the threads and frees the cache (its memory goes back). Idempotent.

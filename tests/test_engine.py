@@ -163,9 +163,13 @@ def test_a_restore_prepares_only_the_chunks_it_uses(tmp_path):
     with DataStatesEngine(small_config(host_cache_size=0.5, chunk_size=4)) as engine:
         engine.load(tmp_path / "a.safetensors")
         assert engine.cache_stats()["prepared"] < 8
+        engine.prepare_cache(nbytes=40 << 20)  # the chunks handed out first, in whole chunks: 10 of 4 MiB
+        assert engine.cache_stats()["prepared"] == 10
         engine.prepare_cache(wait=False)  # background
         engine.prepare_cache()  # and this thread: done when it returns
         assert engine.cache_stats()["prepared"] == 128
+        with pytest.raises(ValueError, match="nbytes"):
+            engine.prepare_cache(nbytes=-1)
 
 
 def test_a_plan_saved_again_captures_the_values_of_that_time(engine, tmp_path):

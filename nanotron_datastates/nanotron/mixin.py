@@ -82,6 +82,7 @@ class DataStatesTrainerMixin:
         self._ds_files: _Files | None = None
         self._ds_staged: bool | None = None  # whether the last checkpoint was copied on the GPU first
         self._ds_prefetch: Prefetch | None = None
+        self._ds_pinning = False  # whether the host cache is being pinned (from the first step on)
         self._ds_deferred: DeferredLoad | None = None  # the optimizer state read ahead, until the first step
         path = self.init_checkpoint_path
         self._ds_resume = (
@@ -130,8 +131,6 @@ class DataStatesTrainerMixin:
             what = "scheduler" if self._ds_deferred is not None else "optimizer, scheduler"
             self._ds_log(f"resumed {what}, metadata and random states in {elapsed:.2f} s")
         if self._ds_active:
-            # The host cache is not pinned up front (seconds for many GiB, stalling the first steps' CUDA
-            # calls): each chunk is pinned by its first checkpoint, and only as many as are in flight.
             self._ds_start()
         elif self._ds_engine is not None:  # used only to resume
             self._ds_engine.close()
@@ -275,7 +274,23 @@ class DataStatesTrainerMixin:
         if self._ds_optimizer_flag_held:
             self._ds_optimizer_flag_held = False
             self.config.checkpoints.load_optimizer = self._ds_load_flags[0]
+        if not self._ds_pinning and self._ds_active and self._ds_engine is not None:
+            self._ds_pinning = True
+            self._ds_pin_ahead()
         return out
+
+    def _ds_pin_ahead(self) -> None:
+        """Pins, in the background, the host cache chunks a checkpoint of this rank will use: after the first
+        step (pinning stalls other CUDA calls: 8 GiB pinned at start took the first step from 0.97 to 2.99 s
+        on an H100), and no more than a checkpoint fills (each file takes whole chunks), so that the first
+        checkpoint finds them ready. Chunks beyond are pinned by their first use."""
+        engine = self._ds_engine
+        chunk = engine.cache_stats()["chunk_bytes"]
+        weights = shards.weight_shards(self.unwrapped_model, self.parallel_context, Path())
+        sizes = [p.numel() * p.element_size() for _, p, _ in weights]
+        sizes.append(engine.plan(self.optimizer.state_dict()).nbytes)
+        chunks = sum(-(-size // chunk) for size in sizes) + 2  # + the scheduler's and random states' files
+        engine.prepare_cache(wait=False, nbytes=chunks * chunk)
 
     # -- saving ---------------------------------------------------------------------------------------------
 
