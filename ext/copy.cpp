@@ -6,10 +6,24 @@
 namespace ds {
 namespace {
 
+// A thread's streams and events, destroyed when it exits: restores also run on the callers' threads, which
+// come and go (errors are ignored: at process exit the driver may be gone first).
+struct ThreadStreams {
+  std::unordered_map<int, cuda::CUstream> streams;
+  std::unordered_map<int, cuda::CUevent> events;
+  ~ThreadStreams() {
+    const cuda::Api* a = cuda::api();
+    if (!a) return;
+    for (auto& [device, s] : streams) a->cuStreamDestroy(s);
+    for (auto& [device, ev] : events) a->cuEventDestroy(ev);
+  }
+};
+thread_local ThreadStreams t_streams;
+
 // One non-blocking stream per device per thread, created on first use; each parser thread copies on its own
 // stream so several chunks are in flight on the copy engines at once.
 cuda::CUstream thread_stream(int device, Error* err) {
-  thread_local std::unordered_map<int, cuda::CUstream> streams;
+  auto& streams = t_streams.streams;
   auto it = streams.find(device);
   if (it != streams.end()) return it->second;
   cuda::CUstream s = nullptr;
@@ -23,7 +37,7 @@ cuda::CUstream thread_stream(int device, Error* err) {
 // thread to sleep, where cuStreamSynchronize would spin and contend with the training thread for the
 // driver while the copies overlap the next forward and backward passes.
 cuda::CUevent thread_event(int device, Error* err) {
-  thread_local std::unordered_map<int, cuda::CUevent> events;
+  auto& events = t_streams.events;
   auto it = events.find(device);
   if (it != events.end()) return it->second;
   cuda::CUevent ev = nullptr;

@@ -212,23 +212,23 @@ RestoreResult restore_file(const std::string& path, std::uint64_t data_start, st
   }
   const std::size_t n = r.num_pieces();
   if (n > 0) {
-    // Contiguous runs of pieces, one per parser thread.
+    // Contiguous runs of pieces, one per parser thread; the calling thread, which would only wait, runs the
+    // first: a small file (one piece) never queues behind a large restore that keeps the pool busy.
     const std::size_t groups = std::min<std::size_t>(pool.size(), n);
     r.groups_left = groups;
-    for (std::size_t g = 0; g < groups; ++g) {
-      const std::size_t pb = n * g / groups, pe = n * (g + 1) / groups;
-      pool.submit([&r, pb, pe] {
-        try {
-          r.run_group(pb, pe);
-        } catch (const ErrorException& ex) {
-          r.fail(ex.error);
-        } catch (const std::exception& ex) {
-          r.fail(Error::internal(std::string("restore failed: ") + ex.what()));
-        }
-        std::lock_guard<std::mutex> lock(r.mu);
-        if (--r.groups_left == 0) r.cv.notify_all();
-      });
-    }
+    auto run = [&r, n, groups](std::size_t g) {
+      try {
+        r.run_group(n * g / groups, n * (g + 1) / groups);
+      } catch (const ErrorException& ex) {
+        r.fail(ex.error);
+      } catch (const std::exception& ex) {
+        r.fail(Error::internal(std::string("restore failed: ") + ex.what()));
+      }
+      std::lock_guard<std::mutex> lock(r.mu);
+      if (--r.groups_left == 0) r.cv.notify_all();
+    };
+    for (std::size_t g = 1; g < groups; ++g) pool.submit([run, g] { run(g); });
+    run(0);
     std::unique_lock<std::mutex> lock(r.mu);
     r.cv.wait(lock, [&] { return r.groups_left == 0; });
   }
