@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_session.sh STEP [STEP ...]
 # Steps: tests | dd | engine | proof | nanotron-180m | nanotron-1b | nanotron-180m-long | ablation-180m |
 #        ddread | nanotron-1b-e2e | nanotron-180m-ds | rounds-180m | round-180m | round-1b | restore-stress |
-#        profile-180m | stress-180m | stress-1b | crash  (see each case below for its command).
+#        profile-180m | resume-hunt | stress-180m | stress-1b | crash  (see each case below for its command).
 # Every step's output is kept in $OUT/<step>.log; results go to $OUT/<step>/ and are tarred at the end,
 # since only a few files come back from $OUT.
 set -uo pipefail
@@ -81,6 +81,9 @@ run_step() {
     profile-180m) # where a resume's time goes: cProfile of the trainer's construction (and of the second save)
       (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 80 --interval 40 --profile \
       --modes datastates,restore-datastates --work "$WORK/pr180" --out "$OUT/profile-180m") ;;
+    resume-hunt) # three checkpoint-then-resume pairs of the 180M model: the read-ahead's checksum mismatch
+      (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 80 --interval 40 --rounds 3 \
+      --modes datastates,restore-datastates --work "$WORK/hunt" --out "$OUT/resume-hunt") ;;
     stress-180m) # a checkpoint at every step, staged on the GPU: backpressure bounds the stall
       (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 60 --stress-steps 30 --modes stress \
       --work "$WORK/st180" --out "$OUT/stress-180m") ;;

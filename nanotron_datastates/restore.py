@@ -101,12 +101,24 @@ def _expected(path: str, header: fmt.Header, checksums: Mapping[str, int] | None
     return expected
 
 
-def _verify(path: str, entries: list[fmt.TensorEntry], expected: Mapping[str, int], sums: list[int]) -> None:
-    for e, got in zip(entries, sums):
+def _verify(
+    path: str,
+    entries: list[fmt.TensorEntry],
+    expected: Mapping[str, int],
+    sums: list[int],
+    read: list[torch.Tensor] | None = None,
+) -> None:
+    """`read`: the bytes as read (uint8, one tensor per entry), quoted in the error to tell a damaged file
+    from a damaged read."""
+    for i, (e, got) in enumerate(zip(entries, sums)):
         if got != expected[e.name]:
+            head = ""
+            if read is not None:
+                data = read[i].reshape(-1)[:16].cpu().tolist()
+                head = f", {read[i].numel()} bytes read beginning {bytes(data).hex(' ')}"
             raise ChecksumError(
                 f"{path}: tensor {e.name!r} fails its checksum (stored {expected[e.name]:08x}, read "
-                f"{got:08x}); the file is corrupt"
+                f"{got:08x}{head}); the file is corrupt"
             )
 
 
@@ -118,7 +130,7 @@ def _read_to_host(
     begins, ends = [e.begin for e in header.tensors], [e.end for e in header.tensors]
     raws, sums = core.restore_host(path, header.data_start, data_len, begins, ends, expected is not None)
     if expected is not None:
-        _verify(path, list(header.tensors), expected, sums)
+        _verify(path, list(header.tensors), expected, sums, raws)
     return {e.name: _typed(raw, header.data_start + e.begin, e) for e, raw in zip(header.tensors, raws)}
 
 
@@ -142,7 +154,7 @@ def _read_to_device(
         path, header.data_start, data_len, [e.begin for e in entries], dests, expected is not None
     )
     if expected is not None:
-        _verify(path, entries, expected, sums)
+        _verify(path, entries, expected, sums, dests)
         zero = [e for e in header.tensors if e.name in targets and not e.nbytes]
         _verify(path, zero, expected, [0] * len(zero))
 
