@@ -36,7 +36,7 @@ def load_file(
     if device.type == "cpu":
         tensors = _read_to_host(core, path, header, verify, checksums)
     else:
-        tensors = {e.name: torch.empty(e.shape, dtype=e.dtype.torch, device=device) for e in header.tensors}
+        tensors = {e.name: empty(e.shape, e.dtype.torch, device) for e in header.tensors}
         _read_to_device(core, path, header, tensors, verify, checksums)
     skel = header.metadata.get(fmt.KEY_SKELETON)
     if skel is None:
@@ -83,6 +83,23 @@ def load_into_tensors(
     with torch.no_grad():
         for name, t in targets.items():
             t.copy_(loaded[name])
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new contiguous tensor of exactly this dtype and device. Not `torch.empty`: Nanotron replaces it,
+    process-wide, while it builds a model (forcing the model's dtype: a resume reading ahead on another thread
+    meanwhile got bf16 tensors for fp32 state), and other libraries patch it likewise."""
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= max(size, 1)
+    t = torch.empty_strided(tuple(shape), tuple(reversed(strides)), dtype=dtype, device=device)
+    if t.dtype != dtype or t.device != device or tuple(t.shape) != tuple(shape):
+        raise RuntimeError(
+            f"allocating {dtype}{list(shape)} on {device} gave {t.dtype}{list(t.shape)} on {t.device}: "
+            "torch.empty_strided is patched by another library"
+        )
+    return t
 
 
 def _device(device: str | torch.device, path: str) -> torch.device:
@@ -164,6 +181,6 @@ def _typed(raw: torch.Tensor, file_offset: int, e: fmt.TensorEntry) -> torch.Ten
     for files written by the engine or by safetensors: only when the file offset is misaligned)."""
     if file_offset % e.dtype.itemsize == 0:
         return raw.view(e.dtype.torch).view(e.shape)
-    out = torch.empty(e.shape, dtype=e.dtype.torch)
+    out = empty(e.shape, e.dtype.torch, torch.device("cpu"))
     out.reshape(-1).view(torch.uint8).copy_(raw)
     return out

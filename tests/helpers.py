@@ -103,3 +103,26 @@ def write_nanotron_checkpoint(engine, root: Path, step: int, *, latest: bool = T
     if latest:
         layout.write_atomic(root / layout.LATEST, str(step))
     return folder
+
+
+@contextlib.contextmanager
+def constructors_forced_to(dtype: torch.dtype):
+    """What Nanotron's `init_on_device_and_dtype` does while it builds a model, process-wide: torch.empty,
+    zeros, ones and full replaced by wrappers that force their dtype."""
+    names = ("empty", "zeros", "ones", "full")
+    saved = {n: getattr(torch, n) for n in names}
+
+    def forcing(fn):
+        def wrapper(*args, **kwargs):
+            kwargs["dtype"] = dtype
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for n in names:
+        setattr(torch, n, forcing(saved[n]))
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch, n, fn)

@@ -56,7 +56,7 @@ def test_flipped_data_byte_names_the_tensor(engine, tmp_path):
     with pytest.raises(ChecksumError, match=r"tensor 'a' fails its checksum") as err:
         engine.load(p)
     assert str(p) in str(err.value)
-    first = engine.load(p, verify=False)["a"].reshape(-1).view(torch.uint8)[:16]  # unverified reads still work
+    first = engine.load(p, verify=False)["a"].reshape(-1).view(torch.uint8)[:16]  # unverified: still read
     assert f"20000 bytes read beginning {bytes(first.tolist()).hex(' ')}" in str(err.value)  # as read
 
 

@@ -9,7 +9,7 @@ import torch
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
 from nanotron_datastates import format as fmt
 
-from helpers import random_tensor, same
+from helpers import constructors_forced_to, random_tensor, same
 
 pytestmark = [
     pytest.mark.gpu,
@@ -151,3 +151,17 @@ def test_concurrent_restores_to_the_gpu_read_every_byte_while_the_main_thread_wo
                 assert same(back["state"][i]["step"].cpu(), s["step"]) and same(
                     back["state"][i]["m"].cpu(), s["m"]
                 )
+
+
+def test_a_load_on_another_thread_keeps_the_file_dtypes_while_torch_empty_is_patched(gpu_engine, tmp_path):
+    """Resume reads ahead while Nanotron builds the model with torch.empty forced to bf16, process-wide: the
+    fp32 optimizer state once came back as bf16 tensors and failed its checksums (NOTES step 16)."""
+    state = {
+        "state": {"0": {"step": torch.tensor(80.0), "exp_avg": random_tensor(torch.float32, (1 << 20,))}}
+    }
+    gpu_engine.save(state, tmp_path / "opt.safetensors").wait_persisted()
+    with constructors_forced_to(torch.bfloat16), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        got = pool.submit(gpu_engine.load, tmp_path / "opt.safetensors", "cuda").result()
+    for key in ("step", "exp_avg"):
+        assert got["state"]["0"][key].dtype == torch.float32
+        assert same(got["state"]["0"][key].cpu(), state["state"]["0"][key])

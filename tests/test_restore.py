@@ -8,10 +8,10 @@ import safetensors
 import safetensors.torch
 import torch
 
-from nanotron_datastates import ChecksumError, _core
+from nanotron_datastates import ChecksumError, _core, restore
 from nanotron_datastates import format as fmt
 
-from helpers import random_tensor, same
+from helpers import constructors_forced_to, random_tensor, same
 
 SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (3, 5), (2, 3, 4, 5), (65537,)]
 
@@ -191,3 +191,13 @@ def test_load_into_existing_tensors(engine, tmp_path):
         engine.load_into(tmp_path / "i.safetensors", {"b": torch.empty(5)})
     with pytest.raises(KeyError, match="'zz'"):
         engine.load_into(tmp_path / "i.safetensors", {"zz": torch.empty(1)})
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (2, 3), (7,)])
+def test_tensors_are_allocated_as_the_file_says_while_another_library_patches_torch_empty(shape):
+    # A resume reads ahead on a thread of its own while Nanotron builds the model with torch.empty patched to
+    # its dtype: the optimizer's fp32 state once came back as bf16 and failed its checksums.
+    with constructors_forced_to(torch.bfloat16):
+        assert torch.empty(2).dtype == torch.bfloat16  # the patch is in force
+        t = restore.empty(shape, torch.float32, torch.device("cpu"))
+    assert t.dtype == torch.float32 and tuple(t.shape) == shape and t.is_contiguous()
