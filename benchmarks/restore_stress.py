@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -99,11 +100,20 @@ def differences(name: str, got: torch.Tensor, want: torch.Tensor) -> dict[str, A
 
 
 def build_model(params: list[torch.Tensor]) -> None:
-    """Stands for Nanotron building the model: allocations, init kernels, frees, while the reads run."""
-    for shape in shapes():
-        t = torch.empty(shape, device=DEVICE, dtype=torch.float32).normal_()
-        params.append(t.to(torch.bfloat16))
-        del t
+    """Stands for Nanotron building the model: allocations, init kernels, frees, while the reads run, under
+    Nanotron's own `init_on_device_and_dtype` where Nanotron is installed (it patches torch.empty & co.
+    process-wide to force bf16: how the fp32 state read ahead once came back as bf16, NOTES step 16)."""
+    try:
+        from nanotron.models.base import init_on_device_and_dtype
+
+        building = init_on_device_and_dtype(torch.device(DEVICE), torch.bfloat16)
+    except ImportError:
+        building = contextlib.nullcontext()
+    with building:
+        for shape in shapes():
+            t = torch.empty(shape, device=DEVICE, dtype=torch.float32).normal_()
+            params.append(t.to(torch.bfloat16))
+            del t
 
 
 def one_round(work: Path, verify: bool, reference: dict[str, torch.Tensor]) -> dict[str, Any]:
