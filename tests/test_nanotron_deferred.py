@@ -35,66 +35,63 @@ def _resumed(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optim
     return twin, torch.optim.AdamW(twin.parameters(), lr=0.05)
 
 
-def _save(engine, opt, path) -> None:
-    engine.save(opt.state_dict(), path).wait_persisted()
-
-
-def test_the_first_step_runs_on_the_state_read_ahead(tmp_path):
+@pytest.fixture
+def saved(tmp_path):
+    """(model, opt, path, engine): a trained model and optimizer, the state saved by the engine at path."""
     model, opt = _trained()
     path = tmp_path / "optimizer.safetensors"
     with DataStatesEngine(small_config()) as engine:
-        _save(engine, opt, path)
-        twin, twin_opt = _resumed(model)
-        ahead = Prefetch(engine, torch.device("cpu"), [], path, lambda p: None)
-        deferred = DeferredLoad(twin_opt, lambda: twin_opt.load_state_dict(ahead.optimizer(path)))
-        assert deferred.pending and not twin_opt.state  # nothing loaded before the step
-        _backward(model, 3)
-        _backward(twin, 3)  # the forward and backward passes overlap the read
-        opt.step()
+        engine.save(opt.state_dict(), path).wait_persisted()
+        yield model, opt, path, engine
+
+
+def test_the_first_step_runs_on_the_state_read_ahead(saved):
+    model, opt, path, engine = saved
+    twin, twin_opt = _resumed(model)
+    ahead = Prefetch(engine, torch.device("cpu"), [], path, lambda p: None)
+    deferred = DeferredLoad(twin_opt, lambda: twin_opt.load_state_dict(ahead.optimizer(path)))
+    assert deferred.pending and not twin_opt.state  # nothing loaded before the step
+    _backward(model, 3)
+    _backward(twin, 3)  # the forward and backward passes overlap the read
+    opt.step()
+    twin_opt.step()
+    assert not deferred.pending
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert same(a, b)  # loaded after the step, or not at all, the update would differ
+    assert twin_opt.state_dict()["state"][0]["step"].item() == 4
+
+
+def test_state_dict_before_the_first_step_is_the_restored_one(saved):
+    model, opt, path, engine = saved
+    _, twin_opt = _resumed(model)
+    DeferredLoad(twin_opt, lambda: twin_opt.load_state_dict(engine.load(path)))
+    got, want = twin_opt.state_dict()["state"], opt.state_dict()["state"]
+    assert set(got) == set(want)
+    for i in want:
+        assert all(same(got[i][k], want[i][k]) for k in want[i])
+
+
+def test_a_failed_load_stays_pending_and_no_step_runs_before_it_succeeds(saved):
+    model, opt, path, engine = saved
+    with open(path, "r+b") as f:  # flip one byte of the tensor data
+        f.seek(-12, 2)
+        b = f.read(1)
+        f.seek(-12, 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    twin, twin_opt = _resumed(model)
+    before = [p.detach().clone() for p in twin.parameters()]
+    deferred = DeferredLoad(twin_opt, lambda: twin_opt.load_state_dict(engine.load(path)))
+    _backward(twin, 3)
+    with pytest.raises(ChecksumError, match="optimizer.safetensors"):
         twin_opt.step()
-        assert not deferred.pending
-        for a, b in zip(model.parameters(), twin.parameters()):
-            assert same(a, b)  # loaded after the step, or not at all, the update would differ
-        assert twin_opt.state_dict()["state"][0]["step"].item() == 4
-
-
-def test_state_dict_before_the_first_step_is_the_restored_one(tmp_path):
-    model, opt = _trained()
-    path = tmp_path / "optimizer.safetensors"
-    with DataStatesEngine(small_config()) as engine:
-        _save(engine, opt, path)
-        _, twin_opt = _resumed(model)
-        DeferredLoad(twin_opt, lambda: twin_opt.load_state_dict(engine.load(path)))
-        got, want = twin_opt.state_dict()["state"], opt.state_dict()["state"]
-        assert set(got) == set(want)
-        for i in want:
-            assert all(same(got[i][k], want[i][k]) for k in want[i])
-
-
-def test_a_failed_load_stays_pending_and_no_step_runs_before_it_succeeds(tmp_path):
-    model, opt = _trained()
-    path = tmp_path / "optimizer.safetensors"
-    with DataStatesEngine(small_config()) as engine:
-        _save(engine, opt, path)
-        with open(path, "r+b") as f:  # flip one byte of the tensor data
-            f.seek(-12, 2)
-            b = f.read(1)
-            f.seek(-12, 2)
-            f.write(bytes([b[0] ^ 0xFF]))
-        twin, twin_opt = _resumed(model)
-        before = [p.detach().clone() for p in twin.parameters()]
-        deferred = DeferredLoad(twin_opt, lambda: twin_opt.load_state_dict(engine.load(path)))
-        _backward(twin, 3)
-        with pytest.raises(ChecksumError, match="optimizer.safetensors"):
-            twin_opt.step()
-        assert deferred.pending
-        assert all(same(a, b) for a, b in zip(before, twin.parameters()))  # the step did not run
-        _save(engine, opt, path)  # repaired: the engine keeps working, and the next step loads it
-        _backward(model, 3)
-        opt.step()
-        twin_opt.step()
-        assert not deferred.pending
-        assert all(same(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    assert deferred.pending
+    assert all(same(a, b) for a, b in zip(before, twin.parameters()))  # the step did not run
+    engine.save(opt.state_dict(), path).wait_persisted()  # repaired: the engine keeps working
+    _backward(model, 3)
+    opt.step()
+    twin_opt.step()  # and the next step loads it
+    assert not deferred.pending
+    assert all(same(a, b) for a, b in zip(model.parameters(), twin.parameters()))
 
 
 def test_a_load_that_reads_the_state_itself_does_not_recurse(tmp_path):
