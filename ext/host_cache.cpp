@@ -94,11 +94,6 @@ void HostCache::prepare(std::size_t i) {
   prepared_.fetch_add(1);
 }
 
-void HostCache::prepare_upto(std::size_t count) {
-  for (std::size_t i = 1; i < std::min(count, num_chunks_) && !stop_.load(); ++i)
-    std::call_once(prepare_once_[i], [this, i] { prepare(i); });
-}
-
 char* HostCache::acquire() {
   char* c = nullptr;
   {
@@ -138,8 +133,9 @@ CacheStats HostCache::stats(bool reset) {
 }
 
 void HostCache::prepare_rest(std::size_t count) {
-  prepare_upto(
-      count);  // alongside the background thread: each chunk is prepared once, by whoever comes first
+  // Alongside the background thread: each chunk is prepared once, by whoever comes first.
+  for (std::size_t i = 1; i < std::min(count, num_chunks_) && !stop_.load(); ++i)
+    std::call_once(prepare_once_[i], [this, i] { prepare(i); });
 }
 
 }  // namespace ds

@@ -60,7 +60,6 @@ class HostCache {
 
  private:
   void prepare(std::size_t i);
-  void prepare_upto(std::size_t count);
 
   char* base_ = nullptr;
   std::size_t bytes_ = 0;
