@@ -1,4 +1,5 @@
-"""Resume's read-ahead, repeated: hunts the checksum mismatch seen once on the GPU (NOTES step 15).
+"""Resume's read-ahead, repeated: the hunt for its checksum mismatch (NOTES steps 15-18; the cause was
+Nanotron's patched torch.empty, which the model build below reproduces where Nanotron is installed).
 
 A state shaped like the 180M model's checkpoint (51 bf16 weight files, one optimizer file of AdamW moments
 with CPU `step` scalars) is saved once. Then each round, in a fresh process with a fresh engine (a cold host

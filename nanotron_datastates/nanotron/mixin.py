@@ -286,8 +286,7 @@ class DataStatesTrainerMixin:
         checkpoint finds them ready. Chunks beyond are pinned by their first use."""
         engine = self._ds_engine
         chunk = engine.cache_stats()["chunk_bytes"]
-        weights = shards.weight_shards(self.unwrapped_model, self.parallel_context, Path())
-        sizes = [p.numel() * p.element_size() for _, p, _ in weights]
+        sizes = [plan.nbytes for _, plan in self._ds_planned_files().weights]  # planned once, used at saves
         sizes.append(engine.plan(self.optimizer.state_dict()).nbytes)
         chunks = sum(-(-size // chunk) for size in sizes) + 2  # + the scheduler's and random states' files
         engine.prepare_cache(wait=False, nbytes=chunks * chunk)
@@ -320,20 +319,7 @@ class DataStatesTrainerMixin:
         pc, engine = self.parallel_context, self._ds_engine
         log_rank(f"Saving checkpoint at {folder} (datastates)", logger=logger, level=logging.INFO, rank=0)
 
-        if self._ds_files is None:  # the same files and weight tensors at every checkpoint: planned once
-            weights = shards.weight_shards(self.unwrapped_model, pc, Path())
-            self._ds_files = _Files(
-                weights=[
-                    (path, engine.plan({"data": param}, metadata=md, exact_metadata=True))
-                    for path, param, md in weights
-                ],  # fmt: skip
-                optimizer=shards.optimizer_path(self.optimizer, pc, Path(), writing=True),
-                lr_scheduler=shards.lr_scheduler_path(
-                    self.config.optimizer.zero_stage, pc, Path(), writing=True
-                ),
-                random=shards.random_states_path(pc, Path()),
-            )
-        files = self._ds_files
+        files = self._ds_planned_files()
         random_state = {
             "nanotron": {k: states.random_state_to_plain(v) for k, v in self.random_states.items()},
             "global": states.global_rng_state(),
@@ -353,6 +339,24 @@ class DataStatesTrainerMixin:
         self._ds_committer.submit(pending)
         pending.stall_s += time.perf_counter() - t0
         return folder
+
+    def _ds_planned_files(self) -> _Files:
+        """This rank's files: the same files and weight tensors at every checkpoint, so planned once."""
+        if self._ds_files is None:
+            pc, engine = self.parallel_context, self._ds_engine
+            weights = shards.weight_shards(self.unwrapped_model, pc, Path())
+            self._ds_files = _Files(
+                weights=[
+                    (path, engine.plan({"data": param}, metadata=md, exact_metadata=True))
+                    for path, param, md in weights
+                ],  # fmt: skip
+                optimizer=shards.optimizer_path(self.optimizer, pc, Path(), writing=True),
+                lr_scheduler=shards.lr_scheduler_path(
+                    self.config.optimizer.zero_stage, pc, Path(), writing=True
+                ),
+                random=shards.random_states_path(pc, Path()),
+            )
+        return self._ds_files
 
     def _ds_submit(self, folder: Path, todo: list[tuple[Path, SavePlan]]) -> list[Any]:
         """Queues every file; staged on the GPU (all of them, so the optimizer step waits for none) where
