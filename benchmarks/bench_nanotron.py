@@ -13,7 +13,8 @@ Each mode trains the same model for the same steps in its own torchrun, on the s
 * `datastates-NAME` (`--variant NAME:key=value,...`): datastates with other `datastates:` settings, for
   ablations (e.g. `p1:parser_threads=1`);
 * `restore-torch`, `restore-datastates`: new runs that resume from the last checkpoint of `torch` /
-  `datastates` with the page cache dropped; restore cost = their time from constructing the trainer to the end
+  `datastates` with the checkpoint's files evicted from the page cache (`--cold system`: the whole page
+  cache, libraries included); restore cost = their time from constructing the trainer to the end
   of the first step, minus the median of the same time over the runs that build the model from scratch.
 
 An iteration is timed from the end of one step to the end of the next, after `torch.cuda.synchronize()`, so a
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import evict
+from _common import evict, resident_bytes
 from _nanotron import REPO, load_run_train, write_config
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -64,6 +65,7 @@ def run_phase(args: argparse.Namespace) -> None:
     t_start = time.perf_counter()
     rec: dict[str, Any] = {"mode": args.mode, "trainer": DistributedTrainer.__name__, "ends": [], "saves": []}
     rec["commits"], rec["dcp"], rec["losses"] = [], [], []
+    rec["marks"] = {}  # seconds after t_start at which the set-up's phases ended
 
     engine_time = [0.0]  # seconds in the engine's plan, save and save_plan (planning + queuing), summed
     staged = [0]  # files staged on the GPU
@@ -97,7 +99,14 @@ def run_phase(args: argparse.Namespace) -> None:
             self._dcp_future = None
             self._gloo = torch.distributed.new_group(backend="gloo") if args.mode == "dcp" else None
 
+        def _load_model_checkpoint(self, model: Any) -> Any:  # when the model was built, its weights set
+            rec["marks"]["model_built_s"] = time.perf_counter() - t_start
+            out = super()._load_model_checkpoint(model)
+            rec["marks"]["weights_loaded_s"] = time.perf_counter() - t_start
+            return out
+
         def training_step(self, dataloader: Any) -> Any:
+            rec["marks"].setdefault("first_step_start_s", time.perf_counter() - t_start)
             out = super().training_step(dataloader)
             torch.cuda.synchronize()
             rec["ends"].append([self.iteration_step, time.perf_counter() - t_start])
@@ -157,7 +166,9 @@ def run_phase(args: argparse.Namespace) -> None:
     with Profiled(Path(args.record).with_suffix(".init.prof.txt") if restoring else None):
         trainer = Trainer(args.config)
     rec["init_s"] = time.perf_counter() - t_start
-    trainer.train(run_train.get_dataloader(trainer))
+    dataloader = run_train.get_dataloader(trainer)
+    rec["marks"]["dataloader_s"] = time.perf_counter() - t_start
+    trainer.train(dataloader)
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.record).write_text(json.dumps(rec))
 
@@ -190,25 +201,26 @@ class Profiled:
 # -- all runs ----------------------------------------------------------------------------------------------
 
 
-def make_cold(folder: Path) -> dict[str, Any]:
-    """Evicts `folder`'s files from the page cache (drop_caches where allowed, and per-file fadvise, which
-    needs no privilege); returns how many of their bytes stay resident (mincore through `fincore`)."""
+def make_cold(folder: Path, scope: str) -> dict[str, Any]:
+    """Evicts `folder`'s files from the page cache and returns how many of their bytes stay resident.
+
+    `scope` "checkpoint" (the default) evicts those files only (fadvise, after a sync): the restore then reads
+    the checkpoint from the disk, while the libraries stay as warm as for the scratch runs its cost is taken
+    over. "system" empties the whole page cache (drop_caches, root): the restore then also reloads CUDA's and
+    torch's libraries from the disk, a cost the warm scratch runs do not pay (what earlier results measured).
+    """
     os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        method = "drop_caches+fadvise"
-    except OSError:
-        method = "fadvise"
+    method = "fadvise"
+    if scope == "system":
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            method = "drop_caches+fadvise"
+        except OSError:
+            pass
     files = [p for p in folder.rglob("*") if p.is_file()]
     evict(files)
-    size = sum(p.stat().st_size for p in files)
-    try:
-        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "-o", "RES", *map(str, files)],
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
-        resident: int | None = sum(int(x) for x in out.split())
-    except (OSError, subprocess.CalledProcessError, ValueError):
-        resident = None
-    return {"method": method, "files": len(files), "bytes": size, "resident_bytes": resident}
+    return {"method": method, "files": len(files), "bytes": sum(p.stat().st_size for p in files),
+            "resident_bytes": resident_bytes(files)}  # fmt: skip
 
 
 def prune_before(folder: Path, step: int) -> None:
@@ -256,7 +268,7 @@ def run_all(args: argparse.Namespace) -> int:
     cold: dict[str, Any] = {}
     for name, cfg, stock in runs:
         if name.startswith("restore"):
-            cold[name] = make_cold(work / f"ckpt_{name.split('-', 1)[1]}")
+            cold[name] = make_cold(work / f"ckpt_{name.split('-', 1)[1]}", args.cold)
         record = work / f"{name}.json"
         cmd = ["torchrun", "--nproc_per_node=1", __file__, "phase", "--mode", name, "--config", str(cfg)]
         cmd += ["--record", str(record)] + (["--profile"] if args.profile else [])
@@ -452,6 +464,8 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
             ratios[key] = ds / modes[other]["stall_median_s"]
     if len(restore) == 2 and restore["restore-datastates"] > 0:
         ratios["restore_speedup_vs_native"] = restore["restore-torch"] / restore["restore-datastates"]
+    # When each run's set-up phases ended (seconds after the trainer's construction began).
+    marks = {k: {"init_s": v["init_s"], **v.get("marks", {})} for k, v in records.items() if "init_s" in v}
     return {
         "command": " ".join(sys.argv),
         "gpu": _gpu_name(),
@@ -462,6 +476,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         "modes": modes,
         "restore_to_first_step_s": restore,
         "first_step_end_s": first,
+        "setup_marks_s": marks,
         # Nanotron's dummy data restarts from its seed on resume, so a resumed run is compared with the run
         # resumed from the other engine's checkpoint of the same step (same data), and the two training
         # runs with each other (the same seed: equal if training is deterministic).
@@ -512,6 +527,8 @@ def table(r: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", "restore to the first step, over the median scratch start: "
               + ", ".join(f"{k} {v:.2f} s" for k, v in r["restore_to_first_step_s"].items()),
+              "first step ends, after the trainer's construction began: "
+              + ", ".join(f"{k} {v:.2f} s" for k, v in r["first_step_end_s"].items() if v is not None),
               "losses equal, bit for bit: "
               + ", ".join(f"{k} {v['bitwise']} ({len(v['steps'])} steps)"
                           for k, v in r["resume_losses"].items()),
@@ -553,6 +570,8 @@ def main() -> int:
     a.add_argument("--stress-steps", type=int, default=30)
     a.add_argument("--cache-gib", type=float, default=8.0)
     a.add_argument("--profile", action="store_true", help="cProfile the second save and the restores' init")
+    a.add_argument("--cold", choices=("checkpoint", "system"), default="checkpoint",
+                   help="before a restore, evict the checkpoint's files, or all the page cache")  # fmt: skip
     a.add_argument("--modes", help="comma-separated subset of the runs (none always runs)")
     a.add_argument("--variant", action="append", help="NAME:key=value,...: one more datastates run")
     a.add_argument("--rounds", type=int, default=1, help="repeat every run this many times, interleaved")

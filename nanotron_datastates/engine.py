@@ -22,7 +22,7 @@ import torch
 from . import _core
 from . import format as fmt
 from .config import DataStatesConfig
-from .plan import SavePlan, plan_save, prepare
+from .plan import SavePlan, plan_save, prepare_many
 from .restore import load_file, load_into_tensors, verify_file
 
 log = logging.getLogger("nanotron_datastates")
@@ -227,18 +227,32 @@ class DataStatesEngine:
 
     def save_plan(self, plan: SavePlan, path: str | os.PathLike, *, stage: bool = False) -> SaveHandle:
         """Saves a plan from :meth:`plan`, as :meth:`save` saves a state (the same rules, and `stage`)."""
+        return self.save_plans([(plan, path)], stage=stage)[0]
+
+    def save_plans(
+        self, files: Sequence[tuple[SavePlan, str | os.PathLike]], *, stage: bool = False
+    ) -> list[SaveHandle]:
+        """Saves several plans, each to its path, as :meth:`save_plan` would one by one. Staged, their copies
+        are made together (one allocation per device and dtype, one multi-tensor copy): for a checkpoint of
+        many files, far fewer kernel launches on the caller's thread. If staging runs out of memory, nothing
+        is queued and torch's OutOfMemoryError propagates."""
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
-        path = os.path.abspath(os.fspath(path))
-        plan = prepare(plan, stage=stage)
-        job = self._core.save(
-            path, plan.names, plan.dtypes, plan.arrays, plan.metadata, plan.streams, not plan.exact_metadata
-        )
-        handle = SaveHandle(job, path, plan.arrays, plan.nbytes, stage)
-        with self._lock:
-            self._prune()
-            self._handles.append(handle)
-        return handle
+        paths = [os.path.abspath(os.fspath(path)) for _, path in files]
+        prepared = prepare_many([plan for plan, _ in files], stage=stage)
+        handles: list[SaveHandle] = []
+        try:
+            for plan, path in zip(prepared, paths):
+                job = self._core.save(
+                    path, plan.names, plan.dtypes, plan.arrays, plan.metadata, plan.streams,
+                    not plan.exact_metadata,
+                )  # fmt: skip
+                handles.append(SaveHandle(job, path, plan.arrays, plan.nbytes, stage))
+        finally:  # those queued before a failure are tracked (waited for, reported) all the same
+            with self._lock:
+                self._prune()
+                self._handles.extend(handles)
+        return handles
 
     def wait_snapshot(self, timeout: float | None = None) -> None:
         """Waits for the snapshot of every save in flight; raises the first error not yet reported."""

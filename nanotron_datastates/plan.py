@@ -9,8 +9,9 @@ and every byte copy happen on the engine's threads.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -45,15 +46,51 @@ def prepare(plan: SavePlan, *, stage: bool = False) -> SavePlan:
     of the CUDA views that need one. With `stage`, every tensor is copied (on its own device, in the
     caller's stream order): the save then reads those copies, and the caller may change the originals at
     once."""
-    arrays = list(plan.arrays)
-    fresh = set()
-    for i, t in plan.gathered:  # queued on the caller's stream, before the event the core records
-        arrays[i] = export_view(t.contiguous())
-        fresh.add(i)
+    return prepare_many([plan], stage=stage)[0]
+
+
+def prepare_many(plans: Sequence[SavePlan], *, stage: bool = False) -> list[SavePlan]:
+    """:func:`prepare` for several plans saved together (a checkpoint's files). Staged, their copies share one
+    allocation per device and dtype, filled by one multi-tensor copy: a few kernel launches on the caller's
+    thread instead of an allocation and a copy per tensor."""
+    arrays = [list(p.arrays) for p in plans]
+    fresh: set[tuple[int, int]] = set()
+    for k, p in enumerate(plans):
+        for i, t in p.gathered:  # queued on the caller's stream, before the event the core records
+            arrays[k][i] = export_view(t.contiguous())
+            fresh.add((k, i))
     if stage:
-        arrays = [a if i in fresh else a.clone() for i, a in enumerate(arrays)]
-    return SavePlan(plan.names, plan.dtypes, arrays, _streams(plan.devices), plan.metadata, plan.nbytes,
-                    plan.exact_metadata, plan.devices, plan.gathered)  # fmt: skip
+        _stage(arrays, fresh)
+    return [dataclasses.replace(p, arrays=a, streams=_streams(p.devices)) for p, a in zip(plans, arrays)]
+
+
+_ALIGN = 256  # bytes: each staged copy starts where vectorized kernels and DMA like it
+
+
+def _stage(arrays: list[list[torch.Tensor]], skip: set[tuple[int, int]]) -> None:
+    """Replaces every tensor of `arrays` (except at `skip`, already fresh copies) by a copy of it."""
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, int]]] = {}
+    for k, row in enumerate(arrays):
+        for i, a in enumerate(row):
+            if (k, i) not in skip:
+                groups.setdefault((a.device, a.dtype), []).append((k, i))
+    for (device, dtype), where in groups.items():
+        srcs = [arrays[k][i] for k, i in where]
+        step = max(1, _ALIGN // srcs[0].element_size())
+        offsets, total = [], 0
+        for s in srcs:
+            offsets.append(total)
+            total += -(-s.numel() // step) * step
+        # empty_strided: Nanotron patches torch.empty (and others) while it builds a model, forcing its dtype
+        flat = torch.empty_strided((total,), (1,), dtype=dtype, device=device)
+        dsts = [flat[o : o + s.numel()].view(s.shape) for o, s in zip(offsets, srcs)]
+        if hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_(dsts, srcs)
+        else:  # torch before 2.1
+            for d, s in zip(dsts, srcs):
+                d.copy_(s)
+        for (k, i), d in zip(where, dsts):
+            arrays[k][i] = d
 
 
 def _streams(devices: list[int]) -> list[tuple[int, int]]:

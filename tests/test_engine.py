@@ -231,6 +231,43 @@ def test_a_staged_plan_is_copied_afresh_at_every_save(engine, tmp_path):
     assert [engine.load(tmp_path / f"{i}.safetensors")["w"][0].item() for i in range(3)] == [0.0, 1.0, 2.0]
 
 
+def test_staged_plans_saved_together_share_one_copy_per_dtype_and_keep_their_values(engine, tmp_path):
+    w = torch.randn(333, 7).to(torch.bfloat16)  # odd sizes: each copy still starts aligned
+    files = {
+        "a": {"w": w, "b": torch.randn(5)},
+        "b": {"m": torch.randn(17, 3), "step": torch.tensor(3.0), "t": torch.randn(40)[::2]},  # a view
+        "c": {"empty": torch.zeros(0, 4), "i": torch.arange(9, dtype=torch.int64)},
+    }
+    expect = {k: {n: t.clone() for n, t in v.items()} for k, v in files.items()}
+    plans = [(engine.plan(state), tmp_path / f"{k}.safetensors") for k, state in files.items()]
+    handles = engine.save_plans(plans, stage=True)
+    assert [h.path for h in handles] == [str(p) for _, p in plans] and all(h.staged for h in handles)
+    storages = {}
+    for h in handles:
+        for t in h._keepalive:
+            if t.numel():
+                storages.setdefault(t.dtype, set()).add(t.untyped_storage().data_ptr())
+            assert t.storage_offset() * t.element_size() % 256 == 0
+    assert all(len(ptrs) == 1 for ptrs in storages.values()), storages  # one allocation per dtype
+    for state in files.values():  # the caller may change them at once
+        for t in state.values():
+            t.fill_(-1) if t.numel() else None
+    engine.wait_persisted()
+    for k, state in expect.items():
+        back = engine.load(tmp_path / f"{k}.safetensors")
+        assert back.keys() == state.keys() and all(same(back[n], t) for n, t in state.items()), k
+
+
+def test_save_plans_without_staging_reads_the_tensors_themselves(engine, tmp_path):
+    x = torch.arange(1000.0)
+    (h,) = engine.save_plans([(engine.plan({"x": x}), tmp_path / "x.safetensors")])
+    assert not h.staged and h._keepalive[0].data_ptr() == x.data_ptr()
+    h.wait_snapshot()
+    x.zero_()
+    h.wait_persisted()
+    assert same(engine.load(tmp_path / "x.safetensors")["x"], torch.arange(1000.0))
+
+
 def test_wait_handles_waits_for_all_at_once_and_leaves_errors_to_each_handle(engine, tmp_path):
     with injected_fault("write", errno.EIO, "bad"):
         hs = [engine.save({"x": torch.full((100_000,), float(i))}, tmp_path / f"{n}.safetensors")

@@ -86,6 +86,43 @@ def test_a_staged_save_is_copied_in_the_callers_stream_order(gpu_engine, tmp_pat
     assert bool((back["x"] == 1.0).all()) and bool((back["v"] == 1.0).all())
 
 
+def test_staged_plans_saved_together_are_copied_in_the_callers_stream_order(gpu_engine, tmp_path):
+    w = torch.zeros(3 << 20, device="cuda", dtype=torch.bfloat16)
+    m, cpu = torch.zeros(5 << 20, device="cuda"), torch.zeros(1000)
+    plans = [(gpu_engine.plan({"w": w, "m": m}), tmp_path / "a.safetensors"),
+             (gpu_engine.plan({"m2": m[1:], "cpu": cpu}), tmp_path / "b.safetensors")]  # fmt: skip
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        a = a @ a / 64
+    for t in (w, m, cpu):
+        t.add_(1)  # the CUDA ones queued after the matmuls
+    handles = gpu_engine.save_plans(plans, stage=True)
+    staged = [t for h in handles for t in h._keepalive]
+    by_device = {(t.device.type, t.dtype): t.untyped_storage().data_ptr() for t in staged}
+    assert all(t.untyped_storage().data_ptr() == by_device[(t.device.type, t.dtype)] for t in staged)
+    for t in (w, m, cpu):
+        t.add_(1)  # after the copies on the same stream: must not reach the files
+    gpu_engine.wait_persisted()
+    a_back, b_back = (gpu_engine.load(p) for _, p in plans)
+    assert bool((a_back["w"] == 1).all()) and bool((a_back["m"] == 1).all())
+    assert bool((b_back["m2"] == 1).all()) and bool((b_back["cpu"] == 1).all())
+
+
+def test_staging_out_of_memory_queues_nothing_and_the_engine_goes_on(gpu_engine, tmp_path):
+    x = torch.ones(64 << 20, device="cuda")  # 256 MiB
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated() + (128 << 20)) / total)
+    try:
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            gpu_engine.save_plans([(gpu_engine.plan({"x": x}), tmp_path / "x.safetensors")], stage=True)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert not (tmp_path / "x.safetensors").exists()
+    gpu_engine.save_plans([(gpu_engine.plan({"x": x}), tmp_path / "x.safetensors")])[0].wait_persisted()
+    assert same(gpu_engine.load(tmp_path / "x.safetensors")["x"], x)
+
+
 def test_state_larger_than_the_cache_streams_from_the_gpu(tmp_path):
     with DataStatesEngine(DataStatesConfig(host_cache_size=8 / 1024, chunk_size=1)) as e:
         state = {"big": torch.randn(10 << 20, device="cuda"), "small": torch.arange(10, device="cuda")}

@@ -359,25 +359,22 @@ class DataStatesTrainerMixin:
         return self._ds_files
 
     def _ds_submit(self, folder: Path, todo: list[tuple[Path, SavePlan]]) -> list[Any]:
-        """Queues every file; staged on the GPU (all of them, so the optimizer step waits for none) where
-        `device_snapshot` says so, the rest straight from the state if the memory runs out midway."""
+        """Queues every file; staged on the GPU (all of them together, so the optimizer step waits for none)
+        where `device_snapshot` says so, else, or if staging runs out of memory, straight from the state."""
         engine = self._ds_engine
         stage, why = staging.decide(self._ds_config.device_snapshot, sum(p.nbytes for _, p in todo))
         if stage != self._ds_staged:
             self._ds_staged = stage
             self._ds_log(f"checkpoints {'' if stage else 'not '}copied on the GPU first ({why})")
-        handles = []
-        for path, plan in todo:
-            if stage:
-                try:
-                    handles.append(engine.save_plan(plan, folder / path, stage=True))
-                    continue
-                except torch.cuda.OutOfMemoryError:
-                    stage = self._ds_staged = False
-                    self._ds_log("out of GPU memory copying a checkpoint on the GPU: the rest is copied "
-                                 "from the state itself")  # fmt: skip
-            handles.append(engine.save_plan(plan, folder / path))
-        return handles
+        files = [(plan, folder / path) for path, plan in todo]
+        if stage:
+            try:
+                return engine.save_plans(files, stage=True)
+            except torch.cuda.OutOfMemoryError:
+                self._ds_staged = False
+                self._ds_log("out of GPU memory copying a checkpoint on the GPU: it is copied from the state "
+                             "itself")  # fmt: skip
+        return engine.save_plans(files)
 
     def _ds_finalizer(self, folder: Path, step: int) -> Any:
         """Rank 0's commit, with every text captured now (training moves on while the files are flushed)."""
