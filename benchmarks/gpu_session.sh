@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_session.sh STEP [STEP ...]
 # Steps: tests | dd | engine | proof | nanotron-180m | nanotron-1b | nanotron-180m-long | ablation-180m |
 #        ddread | nanotron-1b-e2e | nanotron-180m-ds | rounds-180m | round-180m | round-1b | restore-stress |
-#        profile-180m | resume-hunt | stress-180m | stress-1b | crash  (see each case below for its command).
+#        profile-180m | resume-hunt | stress-180m | stress-1b | staging | crash  (see each case below).
 # Every step's output is kept in $OUT/<step>.log; results go to $OUT/<step>/ and are tarred at the end,
 # since only a few files come back from $OUT.
 set -uo pipefail
@@ -89,6 +89,9 @@ run_step() {
       --work "$WORK/st180" --out "$OUT/stress-180m") ;;
     stress-1b) (cd benchmarks && python3 bench_nanotron.py all --model 1b --steps 20 --stress-steps 6 \
       --cache-gib 16 --modes stress --work "$WORK/st1b" --out "$OUT/stress-1b") ;;
+    staging) # what staging a checkpoint costs the training thread: its files one by one, or all together
+      (cd benchmarks && python3 bench_staging.py --model 180m --out "$OUT/staging" && \
+      python3 bench_staging.py --model 1b --cache-gib 20 --out "$OUT/staging") ;;
     crash) (cd benchmarks && python3 nanotron_crash.py --trials 3 --out "$OUT/crash" --work "$WORK/crash") ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
