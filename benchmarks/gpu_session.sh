@@ -91,7 +91,7 @@ run_step() {
       --cache-gib 16 --modes stress --work "$WORK/st1b" --out "$OUT/stress-1b") ;;
     staging) # what staging a checkpoint costs the training thread: its files one by one, or all together
       (cd benchmarks && python3 bench_staging.py --model 180m --out "$OUT/staging" && \
-      python3 bench_staging.py --model 1b --cache-gib 20 --out "$OUT/staging") ;;
+      python3 bench_staging.py --model 1b --repeat 3 --cache-gib 20 --out "$OUT/staging") ;;
     crash) (cd benchmarks && python3 nanotron_crash.py --trials 3 --out "$OUT/crash" --work "$WORK/crash") ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
