@@ -51,6 +51,7 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 WARMUP = 3  # iterations left out of every statistic
 WINDOW = 3  # iterations after a checkpoint that carry its cost
+BEFORE = 10  # iterations before a checkpoint that its local reference is taken over
 
 
 # -- one run, under torchrun -------------------------------------------------------------------------------
@@ -385,8 +386,18 @@ def stall_figures(rec: dict[str, Any], fallback_median: float) -> dict[str, Any]
     excess = [[it[s + j] - median for j in range(1, window + 1) if s + j in it] for s in saves]
     excess = [e for e in excess if e]  # the last step's checkpoint has no iteration after it
     stalls = [sum(e) for e in excess]
+    # Local stall: the same excess over the median of the quiet iterations among the BEFORE just before each
+    # checkpoint. The iteration time drifts by 10-20% over tens of steps (in every mode), and the run's
+    # median puts that drift into the stall of a checkpoint that falls in a slow or fast stretch.
+    local = []
+    for s in saves:
+        before = [it[k] for k in range(s - BEFORE + 1, s + 1) if k in it and k > WARMUP and k not in windows]
+        after = [it[s + j] for j in range(1, window + 1) if s + j in it]
+        if before and after and quiet:
+            local.append(sum(after) - len(after) * statistics.median(before))
     return {"median_quiet_iteration_s": median, "window_excess_s": excess, "stall_s": stalls,
-            "stall_median_s": statistics.median(stalls) if stalls else None}  # fmt: skip
+            "stall_median_s": statistics.median(stalls) if stalls else None, "stall_local_s": local,
+            "stall_local_median_s": statistics.median(local) if local else None}  # fmt: skip
 
 
 def flush_phase_slowdown(rec: dict[str, Any], interval: int) -> float | None:
@@ -462,6 +473,9 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
     for key, other in (("stall_vs_native", "torch"), ("stall_vs_dcp", "dcp")):
         if modes[other]["stall_median_s"] and ds is not None:
             ratios[key] = ds / modes[other]["stall_median_s"]
+        local = modes["datastates"]["stall_local_median_s"], modes[other]["stall_local_median_s"]
+        if local[0] is not None and local[1]:
+            ratios[f"{key}_local"] = local[0] / local[1]
     if len(restore) == 2 and restore["restore-datastates"] > 0:
         ratios["restore_speedup_vs_native"] = restore["restore-torch"] / restore["restore-datastates"]
     # When each run's set-up phases ended (seconds after the trainer's construction began).
@@ -511,9 +525,9 @@ def table(r: dict[str, Any]) -> str:
 
     lines = [f"model {r['model']}, {r['steps']} steps, checkpoint every {r['interval']}; median iteration "
              f"{ms(r['median_iteration_s'])} ms", "",
-             "| mode | checkpoints | median stall ms | stall / interval | flushing vs idle | "
-             "mean iteration ms | mean vs none | persisted s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "| mode | checkpoints | median stall ms | local stall ms | stall / interval | "
+             "flushing vs idle | mean iteration ms | mean vs none | persisted s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for name, m in r["modes"].items():
         loss = m.get("throughput_loss")
         persisted = ", ".join(f"{p:.2f}" for p in m["persisted_s"][:6]) or "-"
@@ -523,7 +537,8 @@ def table(r: dict[str, Any]) -> str:
         share_text = "-" if share is None else f"{100 * share:.2f}%"
         flush = m.get("flush_phase_slowdown")
         flush_text = "-" if flush is None else f"{100 * flush:+.1f}%"
-        cells = [name, m["checkpoints"], stall, share_text, flush_text, mean, loss_text, persisted]
+        local = ms(m.get("stall_local_median_s"))
+        cells = [name, m["checkpoints"], stall, local, share_text, flush_text, mean, loss_text, persisted]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", "restore to the first step, over the median scratch start: "
               + ", ".join(f"{k} {v:.2f} s" for k, v in r["restore_to_first_step_s"].items()),
