@@ -114,21 +114,40 @@ Error PieceCopier::copy(const TensorSrc& t, std::size_t begin, std::size_t end, 
     return {};
   }
   if (!t.contiguous) return Error::internal("non-contiguous CUDA tensor reached the copy stage: " + t.name);
+  const char* src = t.data + begin;
+  if (run_.len && run_.device == t.device && run_.src + run_.len == src && run_.dst + run_.len == dst) {
+    run_.len += end - begin;
+    return {};
+  }
+  if (Error e = issue()) return e;
+  run_ = {t.device, src, dst, end - begin};
+  return {};
+}
+
+Error PieceCopier::finish() {
+  Error err = issue();
+  if (Error e = in_flight_.sync(); e && !err) err = e;
+  return err;
+}
+
+Error PieceCopier::issue() {
+  if (run_.len == 0) return {};
+  const Run r = run_;
+  run_.len = 0;
   cuda::CUstream s = nullptr;
   bool fresh = false;
-  if (Error e = in_flight_.stream(t.device, &s, &fresh)) return e;
+  if (Error e = in_flight_.stream(r.device, &s, &fresh)) return e;
   const cuda::Api* a = cuda::api();
   if (fresh) {
     // Order this stream after everything the caller had queued when it called save().
     const auto ev =
-        events_ ? events_->find(t.device) : std::unordered_map<int, cuda::CUevent>::const_iterator{};
+        events_ ? events_->find(r.device) : std::unordered_map<int, cuda::CUevent>::const_iterator{};
     if (!events_ || ev == events_->end())
-      return Error::internal("no CUDA event recorded for device " + std::to_string(t.device));
+      return Error::internal("no CUDA event recorded for device " + std::to_string(r.device));
     if (Error e = cuda::check(a->cuStreamWaitEvent(s, ev->second, 0), "cuStreamWaitEvent")) return e;
   }
-  return cuda::check(
-      a->cuMemcpyDtoHAsync(dst, reinterpret_cast<cuda::CUdeviceptr>(t.data + begin), end - begin, s),
-      "cuMemcpyDtoHAsync");
+  return cuda::check(a->cuMemcpyDtoHAsync(r.dst, reinterpret_cast<cuda::CUdeviceptr>(r.src), r.len, s),
+                     "cuMemcpyDtoHAsync");
 }
 
 Error DeviceUploader::copy(int device, char* dst_device, const char* src, std::size_t n) {

@@ -34,14 +34,26 @@ class PieceCopier {
   // `events[d]` is the event recorded on the caller's stream for device d (absent: no CUDA tensors).
   explicit PieceCopier(const std::unordered_map<int, cuda::CUevent>* events) : events_(events) {}
 
-  // Copies bytes [begin, end) of `t`'s row-major image to `dst`.
+  // Copies bytes [begin, end) of `t`'s row-major image to `dst` (device bytes: by finish() at the latest).
   Error copy(const TensorSrc& t, std::size_t begin, std::size_t end, char* dst);
-  // Waits for the device-to-host copies issued since the last finish().
-  Error finish() { return in_flight_.sync(); }
+  // Issues the device bytes still pending, then waits for the device-to-host copies since the last finish().
+  Error finish();
 
  private:
+  // Device bytes not yet issued. Ranges that follow each other both on the device and in the chunk go as
+  // one copy: a staged checkpoint's tensors are packed as in the file, so a piece is one copy, not one per
+  // tensor (every copy call and its driver lock compete with the training thread's kernel launches).
+  struct Run {
+    int device = -1;
+    const char* src = nullptr;
+    char* dst = nullptr;
+    std::size_t len = 0;
+  };
+  Error issue();
+
   const std::unordered_map<int, cuda::CUevent>* events_;
   InFlight in_flight_;
+  Run run_;
 };
 
 // Restore's host-to-device copies from (pinned) chunks, on this thread's stream per device.

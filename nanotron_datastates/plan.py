@@ -64,33 +64,48 @@ def prepare_many(plans: Sequence[SavePlan], *, stage: bool = False) -> list[Save
     return [dataclasses.replace(p, arrays=a, streams=_streams(p.devices)) for p, a in zip(plans, arrays)]
 
 
-_ALIGN = 256  # bytes: each staged copy starts where vectorized kernels and DMA like it
+_ALIGN = 256  # bytes: each file's staged copy starts where vectorized kernels and DMA like it
 
 
 def _stage(arrays: list[list[torch.Tensor]], skip: set[tuple[int, int]]) -> None:
-    """Replaces every tensor of `arrays` (except at `skip`, already fresh copies) by a copy of it."""
-    groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, int]]] = {}
+    """Replaces every tensor of `arrays` (a list per file; except at `skip`, already fresh copies) by a copy.
+
+    The copies go into one byte buffer per device, each file's packed in the order of its data section (the
+    core's layout: by element size, largest first, stable), so that the copies to the host can take a piece
+    of the file in one transfer; each element still sits at a multiple of its size. One multi-tensor copy per
+    dtype fills the buffer."""
+    places: dict[torch.device, list[tuple[int, int, int]]] = {}  # per device: (file, index, byte offset)
+    sizes: dict[torch.device, int] = {}
     for k, row in enumerate(arrays):
-        for i, a in enumerate(row):
-            if (k, i) not in skip:
-                groups.setdefault((a.device, a.dtype), []).append((k, i))
-    for (device, dtype), where in groups.items():
-        srcs = [arrays[k][i] for k, i in where]
-        step = max(1, _ALIGN // srcs[0].element_size())
-        offsets, total = [], 0
-        for s in srcs:
-            offsets.append(total)
-            total += -(-s.numel() // step) * step
+        order = sorted(range(len(row)), key=lambda i: -row[i].element_size())  # stable, as the core's layout
+        starts: dict[torch.device, int] = {}  # this file's next byte on each device
+        for i in order:
+            if (k, i) in skip:
+                continue
+            a = row[i]
+            if a.device not in starts:
+                starts[a.device] = -(-sizes.get(a.device, 0) // _ALIGN) * _ALIGN
+            places.setdefault(a.device, []).append((k, i, starts[a.device]))
+            starts[a.device] += a.numel() * a.element_size()
+        for device, end in starts.items():
+            sizes[device] = end
+    for device, where in places.items():
         # empty_strided: Nanotron patches torch.empty (and others) while it builds a model, forcing its dtype
-        flat = torch.empty_strided((total,), (1,), dtype=dtype, device=device)
-        dsts = [flat[o : o + s.numel()].view(s.shape) for o, s in zip(offsets, srcs)]
-        if hasattr(torch, "_foreach_copy_"):
-            torch._foreach_copy_(dsts, srcs)
-        else:  # torch before 2.1
-            for d, s in zip(dsts, srcs):
-                d.copy_(s)
-        for (k, i), d in zip(where, dsts):
-            arrays[k][i] = d
+        flat = torch.empty_strided((sizes[device],), (1,), dtype=torch.uint8, device=device)
+        pairs: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for k, i, at in where:
+            src = arrays[k][i]
+            dst = flat[at : at + src.numel() * src.element_size()].view(src.dtype).view(src.shape)
+            dsts, srcs = pairs.setdefault(src.dtype, ([], []))
+            dsts.append(dst)
+            srcs.append(src)
+            arrays[k][i] = dst
+        for dsts, srcs in pairs.values():
+            if hasattr(torch, "_foreach_copy_"):
+                torch._foreach_copy_(dsts, srcs)
+            else:  # torch before 2.1
+                for d, s in zip(dsts, srcs):
+                    d.copy_(s)
 
 
 def _streams(devices: list[int]) -> list[tuple[int, int]]:

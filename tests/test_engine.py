@@ -231,24 +231,33 @@ def test_a_staged_plan_is_copied_afresh_at_every_save(engine, tmp_path):
     assert [engine.load(tmp_path / f"{i}.safetensors")["w"][0].item() for i in range(3)] == [0.0, 1.0, 2.0]
 
 
-def test_staged_plans_saved_together_share_one_copy_per_dtype_and_keep_their_values(engine, tmp_path):
-    w = torch.randn(333, 7).to(torch.bfloat16)  # odd sizes: each copy still starts aligned
+def test_staged_plans_saved_together_are_packed_as_their_files_and_keep_their_values(engine, tmp_path):
+    w = torch.randn(333, 7).to(torch.bfloat16)  # odd sizes: each file's copy still starts aligned
     files = {
         "a": {"w": w, "b": torch.randn(5)},
         "b": {"m": torch.randn(17, 3), "step": torch.tensor(3.0), "t": torch.randn(40)[::2]},  # a view
-        "c": {"empty": torch.zeros(0, 4), "i": torch.arange(9, dtype=torch.int64)},
+        "c": {
+            "empty": torch.zeros(0, 4),
+            "i": torch.arange(9, dtype=torch.int64),
+            "u": torch.ones(3, 5).byte(),
+        },
     }
     expect = {k: {n: t.clone() for n, t in v.items()} for k, v in files.items()}
     plans = [(engine.plan(state), tmp_path / f"{k}.safetensors") for k, state in files.items()]
     handles = engine.save_plans(plans, stage=True)
     assert [h.path for h in handles] == [str(p) for _, p in plans] and all(h.staged for h in handles)
-    storages = {}
+    storages = set()
     for h in handles:
-        for t in h._keepalive:
-            if t.numel():
-                storages.setdefault(t.dtype, set()).add(t.untyped_storage().data_ptr())
-            assert t.storage_offset() * t.element_size() % 256 == 0
-    assert all(len(ptrs) == 1 for ptrs in storages.values()), storages  # one allocation per dtype
+        staged = [t for t in h._keepalive if t.numel()]
+        storages |= {t.untyped_storage().data_ptr() for t in staged}
+        # The file's data section order (element size, largest first, stable), back to back.
+        at = [t.storage_offset() * t.element_size() for t in sorted(staged, key=lambda t: -t.element_size())]
+        ends = [
+            a + t.numel() * t.element_size()
+            for a, t in zip(at, sorted(staged, key=lambda t: -t.element_size()))
+        ]
+        assert at[0] % 256 == 0 and at[1:] == ends[:-1], h.path
+    assert len(storages) == 1  # one allocation for the whole checkpoint
     for state in files.values():  # the caller may change them at once
         for t in state.values():
             t.fill_(-1) if t.numel() else None

@@ -98,14 +98,27 @@ def test_staged_plans_saved_together_are_copied_in_the_callers_stream_order(gpu_
         t.add_(1)  # the CUDA ones queued after the matmuls
     handles = gpu_engine.save_plans(plans, stage=True)
     staged = [t for h in handles for t in h._keepalive]
-    by_device = {(t.device.type, t.dtype): t.untyped_storage().data_ptr() for t in staged}
-    assert all(t.untyped_storage().data_ptr() == by_device[(t.device.type, t.dtype)] for t in staged)
+    by_device = {t.device.type: t.untyped_storage().data_ptr() for t in staged}
+    assert all(t.untyped_storage().data_ptr() == by_device[t.device.type] for t in staged)
     for t in (w, m, cpu):
         t.add_(1)  # after the copies on the same stream: must not reach the files
     gpu_engine.wait_persisted()
     a_back, b_back = (gpu_engine.load(p) for _, p in plans)
     assert bool((a_back["w"] == 1).all()) and bool((a_back["m"] == 1).all())
     assert bool((b_back["m2"] == 1).all()) and bool((b_back["cpu"] == 1).all())
+
+
+def test_tensors_adjacent_on_the_device_are_copied_together_across_pieces(tmp_path):
+    # Views of one buffer, in and out of its order, with a 1 MiB chunk: runs merged, split at pieces' ends.
+    base = torch.arange(3 << 20, dtype=torch.int32, device="cuda")  # 12 MiB
+    cut = [0, 1000, (1 << 20) + 3, 2 << 20, 3 << 20]
+    parts = {f"p{i}": base[a:b] for i, (a, b) in enumerate(zip(cut, cut[1:]))}
+    states = {"in_order": parts, "reversed": dict(reversed(list(parts.items())))}
+    with DataStatesEngine(DataStatesConfig(host_cache_size=8 / 1024, chunk_size=1)) as e:
+        for name, state in states.items():
+            e.save(state, tmp_path / f"{name}.safetensors").wait_persisted()
+            back = e.load(tmp_path / f"{name}.safetensors")
+            assert all(same(back[k], v) for k, v in state.items()), name
 
 
 def test_staging_out_of_memory_queues_nothing_and_the_engine_goes_on(gpu_engine, tmp_path):
