@@ -233,9 +233,10 @@ class DataStatesEngine:
         self, files: Sequence[tuple[SavePlan, str | os.PathLike]], *, stage: bool = False
     ) -> list[SaveHandle]:
         """Saves several plans, each to its path, as :meth:`save_plan` would one by one. Staged, their copies
-        are made together (one allocation per device and dtype, one multi-tensor copy): for a checkpoint of
-        many files, far fewer kernel launches on the caller's thread. If staging runs out of memory, nothing
-        is queued and torch's OutOfMemoryError propagates."""
+        are made together (one allocation per device, packed as the files are, and one multi-tensor copy per
+        dtype): for a checkpoint of many files, far fewer kernel launches on the caller's thread, and fewer
+        copies to the host. If staging runs out of memory, nothing is queued and torch's OutOfMemoryError
+        propagates."""
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         paths = [os.path.abspath(os.fspath(path)) for _, path in files]

@@ -51,7 +51,7 @@ def prepare(plan: SavePlan, *, stage: bool = False) -> SavePlan:
 
 def prepare_many(plans: Sequence[SavePlan], *, stage: bool = False) -> list[SavePlan]:
     """:func:`prepare` for several plans saved together (a checkpoint's files). Staged, their copies share one
-    allocation per device and dtype, filled by one multi-tensor copy: a few kernel launches on the caller's
+    allocation per device, filled by one multi-tensor copy per dtype: a few kernel launches on the caller's
     thread instead of an allocation and a copy per tensor."""
     arrays = [list(p.arrays) for p in plans]
     fresh: set[tuple[int, int]] = set()
