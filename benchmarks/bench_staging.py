@@ -26,16 +26,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import yaml
 from _common import command_info
+from _nanotron import BASE_CONFIG
 from bench_nanotron import MODELS
 
-BASE = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 16,
-        "num_key_value_heads": 4, "vocab_size": 32000}  # fmt: skip  # the 180M model of tiny_llama.yaml
+
+def model_config(model: str) -> dict[str, Any]:
+    """The model's shape as the benchmarks train it: the example config's, with `MODELS[model]` over it."""
+    base = yaml.safe_load(BASE_CONFIG.read_text())["model"]["model_config"]
+    return {**base, **MODELS[model]}
 
 
 def llama_files(model: str, device: str) -> dict[str, Any]:
     """File name -> state, with the shapes of the trainer's checkpoint of the model."""
-    c = {**BASE, **MODELS[model]}
+    c = model_config(model)
     h, inter, heads, kv = (
         c["hidden_size"],
         c["intermediate_size"],
