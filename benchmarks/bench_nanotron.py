@@ -160,8 +160,8 @@ def run_phase(args: argparse.Namespace) -> None:
             if r.committed:
                 prune_before(Path(self.config.checkpoints.checkpoints_path), r.step)
             rec["commits"].append({"step": r.step, "bytes": r.bytes, "stall_s": r.stall_s,
-                                   "snapshot_s": r.snapshot_s, "persisted_s": r.persisted_s,
-                                   "committed_s": r.committed_s})  # fmt: skip
+                                   "queued_s": getattr(r, "queued_s", 0.0), "snapshot_s": r.snapshot_s,
+                                   "persisted_s": r.persisted_s, "committed_s": r.committed_s})  # fmt: skip
 
     restoring = args.profile and args.mode.startswith("restore")
     with Profiled(Path(args.record).with_suffix(".init.prof.txt") if restoring else None):
@@ -448,6 +448,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
             or [d["persisted_s"] for d in rec.get("dcp", [])],
             "committed_s": [c["committed_s"] for c in rec.get("commits", [])],
             "engine_stall_s": [c["stall_s"] for c in rec.get("commits", [])],
+            "engine_queued_at_step_s": [c["queued_s"] for c in rec.get("commits", []) if "queued_s" in c],
             "checkpoint_bytes": max((c["bytes"] for c in rec.get("commits", [])), default=None),
         }
         m = modes[name]
@@ -544,9 +545,10 @@ def table(r: dict[str, Any]) -> str:
               + ", ".join(f"{k} {v:.2f} s" for k, v in r["restore_to_first_step_s"].items()),
               "first step ends, after the trainer's construction began: "
               + ", ".join(f"{k} {v:.2f} s" for k, v in r["first_step_end_s"].items() if v is not None),
-              "losses equal, bit for bit: "
-              + ", ".join(f"{k} {v['bitwise']} ({len(v['steps'])} steps)"
-                          for k, v in r["resume_losses"].items()),
+              "losses equal, bit for bit (training is not deterministic here, so False is expected: "
+              "nanotron_proof.py compares the restored state itself): "
+              + ", ".join(f"{k} {v['bitwise']} ({len(v['steps'])} steps, largest difference "
+                          f"{v['max_abs_diff']})" for k, v in r["resume_losses"].items()),
               "ratios: " + ", ".join(f"{k} {v:.4f}" for k, v in r["ratios"].items()), ""]  # fmt: skip
     return "\n".join(lines)
 

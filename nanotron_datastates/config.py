@@ -63,6 +63,12 @@ class DataStatesConfig:
     order), so that the optimizer step never waits for the copies to the host, which then read from that
     copy. 'auto' does so when the GPU has room for it above the peak memory training has used so far, with
     the larger of 1 GiB and 5% of the GPU to spare; 'always' whenever the memory can be had; 'never'."""
+    queue_at_step: bool = True
+    """Nanotron trainer, for checkpoints copied on the GPU first: plan, copy and queue the files at the start
+    of the next optimizer step instead of in `save_checkpoint` (neither the forward nor the backward pass
+    changes them). There the training thread's few milliseconds of work overlap the GPU still running the
+    backward pass; in `save_checkpoint`, just after Nanotron's end-of-step synchronization, the GPU waits for
+    them. Off: everything is queued before `save_checkpoint` returns."""
     telemetry: bool = True
     """Nanotron trainer: append one JSON line per checkpoint to `datastates_telemetry.jsonl` in the
     checkpoints folder (bytes, stall, snapshot, persisted, throughput, cache high-water mark and waits)."""

@@ -29,6 +29,7 @@ BAD = {
     "io_backend": ["aio", 3],
     "keep_last_n": [-1, 1.0, "3", True],
     "device_snapshot": [True, "on", None],
+    "queue_at_step": ["false", 0],
     "telemetry": ["yes", 0],
 }
 ACCEPTS = {"host_cache_size": "[1/1024, 2**20]", "parser_threads": "[1, 256]", "copy_threads": "[1, 256]",

@@ -70,3 +70,32 @@ def test_two_ranks_commit_only_when_both_persisted(tmp_path):
             (back.load(root / "3" / f"rank{rank}" / "w.safetensors", checksums=sums)["w"] == 30 + rank).all()
         )
         back.close()
+
+
+def test_a_checkpoint_that_could_not_be_queued_is_reported_failed_and_the_next_commits(tmp_path):
+    """The trainer hands the committer a checkpoint whose files it could not queue (its error, no handles):
+    every rank then agrees it failed (here one rank), latest.txt stays, and the next checkpoint commits."""
+    root = tmp_path / "ckpt"
+    with DataStatesEngine(DataStatesConfig(host_cache_size=4 / 1024, chunk_size=1)) as engine:
+        committer = Committer(None)
+
+        def finalize(step):
+            def commit(files):
+                layout.write_atomic(
+                    root / str(step) / layout.MANIFEST, json.dumps(layout.manifest(step, {}, files))
+                )
+                layout.write_atomic(root / layout.LATEST, str(step))
+
+            return commit
+
+        failed = PendingCheckpoint(
+            1, root / "1", [], finalize(1), errors=["queuing its files failed: TypeError()"]
+        )
+        committer.submit(failed)
+        h = engine.save({"w": torch.ones(1000)}, root / "2" / "w.safetensors")
+        committer.submit(PendingCheckpoint(2, root / "2", [h], finalize(2)))
+        first, second = committer.take(2)
+        committer.close()
+    assert not first.committed and first.errors == ["rank 0: queuing its files failed: TypeError()"]
+    assert second.committed and (root / layout.LATEST).read_text() == "2"
+    assert not (root / "1").exists()

@@ -1,6 +1,7 @@
 """The trainer's step deferral against a real torch optimizer: `step` waits for the snapshot of the
 checkpoint just queued, so the file holds the state from before the step, and the step proceeds after."""
 
+import pytest
 import torch
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
@@ -45,3 +46,58 @@ def test_failed_save_does_not_block_the_step(tmp_path):
         gate.add([h])
         opt.step()
         assert h.exception() is not None
+
+
+def test_work_deferred_to_the_step_runs_before_it_and_its_save_holds_the_state_of_the_request(tmp_path):
+    """`queue_at_step`: a checkpoint asked for after step N is queued at the start of step N+1, after that
+    step's forward and backward passes: the file holds the state of step N all the same, and step N+1 waits
+    for the copies it queued before it changes anything."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(8, 512)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    gate = SnapshotGate()
+    gate.guard(opt)
+    asked = {k: v.clone() for k, v in model.state_dict().items()}
+    avg_asked = opt.state_dict()["state"][0]["exp_avg"].clone()
+    with DataStatesEngine(DataStatesConfig(host_cache_size=1 / 1024)) as engine:
+        handles, order = [], []
+
+        def queue():
+            order.append("queued")
+            handles.append(engine.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                                       tmp_path / "c.safetensors"))  # fmt: skip
+            gate.add(handles)
+
+        gate.defer(queue)
+        assert gate.deferred == 1 and not handles  # nothing queued by the request itself
+        model(torch.randn(8, 512)).sum().backward()  # the next step's passes: grads change, not the state
+        order.append("passes")
+        opt.step()  # queues, waits for the snapshot, then steps
+        assert order == ["passes", "queued"] and gate.deferred == 0
+        assert handles[0].snapshot_done()
+        assert not torch.equal(model.weight, asked["weight"])
+        handles[0].wait_persisted()
+        back = engine.load(handles[0].path)
+    assert all(torch.equal(back["model"][k], asked[k]) for k in asked)
+    assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], avg_asked)
+
+
+def test_deferred_work_runs_once_in_order_even_when_one_piece_raises():
+    gate = SnapshotGate()
+    ran = []
+
+    def broken():
+        ran.append("broken")
+        raise OSError("no room")
+
+    gate.defer(lambda: ran.append("first"))
+    gate.defer(broken)
+    gate.defer(lambda: ran.append("third"))
+    with pytest.raises(OSError, match="no room"):
+        gate.run_deferred()
+    assert ran == ["first", "broken"] and gate.deferred == 1  # the one after the failure is still due
+    assert gate.wait() == 0.0  # the step runs it, then has nothing to wait for
+    assert ran == ["first", "broken", "third"] and gate.deferred == 0

@@ -43,6 +43,8 @@ class PendingCheckpoint:
     finalize: Callable[[dict[str, Any]], None] | None = None  # rank 0: commit, given every rank's files
     t_start: float = dataclasses.field(default_factory=time.monotonic)
     stall_s: float = 0.0  # caller's time in save plus waits for the snapshot, filled in by the trainer
+    queued_s: float = 0.0  # the trainer's time queuing the files at the next step (when deferred there)
+    errors: list[str] = dataclasses.field(default_factory=list)  # this rank's, before any file was queued
 
 
 @dataclasses.dataclass
@@ -57,6 +59,7 @@ class CommitResult:
     snapshot_s: float  # this rank: until all its tensors were captured
     persisted_s: float  # this rank: until all its files were persisted
     committed_s: float  # until every rank agreed and rank 0 committed
+    queued_s: float = 0.0  # this rank: queuing the files at the step after the checkpoint (0: in the call)
 
     @property
     def gbps(self) -> float:
@@ -124,7 +127,7 @@ class Committer:
 
     def _commit(self, p: PendingCheckpoint) -> CommitResult:
         files: dict[str, dict[str, Any]] = {}
-        errors: list[str] = []
+        errors = [f"rank {self._rank}: {e}" for e in p.errors]  # every rank still takes part below
         snapshot_s = persisted_s = 0.0
         # One wait for all (this thread takes the GIL back once, not once per file, while training runs):
         # first for the copies, so that staged copies on the GPU go back as soon as they are in the host
@@ -163,6 +166,7 @@ class Committer:
             snapshot_s=snapshot_s,
             persisted_s=persisted_s,
             committed_s=time.monotonic() - p.t_start,
+            queued_s=p.queued_s,
         )
 
     def _gather(self, obj: Any) -> list[Any]:

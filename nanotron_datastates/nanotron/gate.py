@@ -1,6 +1,10 @@
 """The snapshot gate: an optimizer's `step` waits until every tensor of the checkpoints just queued has been
 captured (the engine's first future), and nothing else waits. Forward and backward passes never mutate the
-parameters or the optimizer state, so the copies overlap them (DataStates-LLM's observation)."""
+parameters or the optimizer state, so the copies overlap them (DataStates-LLM's observation).
+
+For the same reason, a checkpoint's files may be queued as late as the start of the next step (`defer`):
+there the GPU still has the backward pass to run, and the work on the training thread overlaps it, where
+just after a step (Nanotron synchronizes there) the GPU would wait for it."""
 
 from __future__ import annotations
 
@@ -12,6 +16,22 @@ from typing import Any, Callable, Iterable
 class SnapshotGate:
     def __init__(self) -> None:
         self._pending: list[tuple[list[Any], Callable[[float], None] | None]] = []
+        self._deferred: list[Callable[[], None]] = []
+
+    def defer(self, work: Callable[[], None]) -> None:
+        """`work` runs at the start of the next step (or at :meth:`run_deferred`), before the wait: it may
+        `add` handles, which that step then waits for."""
+        self._deferred.append(work)
+
+    @property
+    def deferred(self) -> int:
+        """How many pieces of work wait for the next step."""
+        return len(self._deferred)
+
+    def run_deferred(self) -> None:
+        """Runs the deferred work now, oldest first; each piece once, even if it raises."""
+        while self._deferred:
+            self._deferred.pop(0)()
 
     def add(self, handles: Iterable[Any], on_wait: Callable[[float], None] | None = None) -> None:
         """Handles of a checkpoint just queued; `on_wait(seconds)` is told how long the next step waited for
@@ -19,7 +39,9 @@ class SnapshotGate:
         self._pending.append((list(handles), on_wait))
 
     def wait(self) -> float:
-        """Waits for every snapshot added since the last wait; returns the seconds spent waiting."""
+        """Runs the deferred work, then waits for every snapshot added since the last wait; returns the
+        seconds spent waiting."""
+        self.run_deferred()
         if not self._pending:
             return 0.0
         t0 = time.perf_counter()

@@ -76,6 +76,7 @@ def telemetry_record(result: Any, cache: dict[str, Any], removed: list[Path]) ->
         "bytes": result.bytes,
         "files": result.files,
         "stall_s": result.stall_s,
+        "queued_s": result.queued_s,
         "snapshot_s": result.snapshot_s,
         "persisted_s": result.persisted_s,
         "committed_s": result.committed_s,

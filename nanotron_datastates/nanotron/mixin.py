@@ -4,7 +4,9 @@ With `checkpointing_engine: datastates`:
 
 * `save_checkpoint` queues every file of this rank (weights with Nanotron's names and metadata; optimizer with
   its fp32 master weights, LR scheduler and random states as safetensors) and returns as soon as the copies
-  are queued; the forward and backward passes of the next step run while they proceed;
+  are queued; the forward and backward passes of the next step run while they proceed. Checkpoints copied
+  on the GPU first are queued at the start of the next optimizer step instead (`queue_at_step`): only the
+  random states and plain values, which those passes change, are captured in `save_checkpoint`;
 * the optimizer's `step` waits for the snapshot of the previous checkpoint (every tensor captured), and
   nothing else waits;
 * a background committer waits for persistence and lets rank 0 write the checkpoint's metadata, its manifest
@@ -309,6 +311,7 @@ class DataStatesTrainerMixin:
         if not self._ds_active:
             return super().save_checkpoint()
         t0 = time.perf_counter()
+        self._ds_gate.run_deferred()  # one still waiting for a step (none since it was asked for) goes first
         # Backpressure, identical on every rank: the oldest checkpoint in flight must be done first.
         self._ds_take(self._ds_outstanding - (MAX_IN_FLIGHT - 1))
         self.pre_save_checkpoint()
@@ -319,26 +322,51 @@ class DataStatesTrainerMixin:
         pc, engine = self.parallel_context, self._ds_engine
         log_rank(f"Saving checkpoint at {folder} (datastates)", logger=logger, level=logging.INFO, rank=0)
 
+        # What the next forward and backward passes change (the random states, the schedule's and the
+        # metadata's plain values) is captured now; the weights and the optimizer state may wait for the step.
         files = self._ds_planned_files()
         random_state = {
             "nanotron": {k: states.random_state_to_plain(v) for k, v in self.random_states.items()},
             "global": states.global_rng_state(),
         }
-        todo = list(files.weights)
-        if files.optimizer is not None:
-            todo.append((files.optimizer, engine.plan(self.optimizer.state_dict())))
+        later: list[tuple[Path, SavePlan]] = []
         if files.lr_scheduler is not None:
-            todo.append((files.lr_scheduler, engine.plan(self.lr_scheduler.state_dict())))
-        todo.append((files.random, engine.plan(random_state)))
-        handles = self._ds_submit(folder, todo)
-
+            later.append((files.lr_scheduler, engine.plan(self.lr_scheduler.state_dict())))
+        later.append((files.random, engine.plan(random_state)))
         finalize = self._ds_finalizer(folder, step) if dist.get_rank(pc.world_pg) == 0 else None
-        pending = PendingCheckpoint(step, folder, handles, finalize)
-        self._ds_gate.add(handles, on_wait=lambda s: setattr(pending, "stall_s", pending.stall_s + s))
+        pending = PendingCheckpoint(step, folder, [], finalize)
         self._ds_outstanding += 1
-        self._ds_committer.submit(pending)
+        if self._ds_config.queue_at_step and self._ds_staged:  # the last one was staged: this one likely too
+            self._ds_gate.defer(functools.partial(self._ds_queue, pending, files, later, deferred=True))
+        else:  # unstaged copies must start now, to overlap the forward and backward passes
+            self._ds_queue(pending, files, later, deferred=False)
         pending.stall_s += time.perf_counter() - t0
         return folder
+
+    def _ds_queue(
+        self, pending: PendingCheckpoint, files: _Files, later: list[tuple[Path, SavePlan]], *, deferred: bool
+    ) -> None:
+        """Plans the optimizer state, queues every file of the checkpoint and hands it to the committer, which
+        is told of any failure here: every rank's committer then agrees that the checkpoint failed."""
+        t0 = time.perf_counter()
+        try:
+            todo = list(files.weights)
+            if files.optimizer is not None:
+                todo.append((files.optimizer, self._ds_engine.plan(self.optimizer.state_dict())))
+            pending.handles = self._ds_submit(pending.folder, todo + later)
+            on_wait = functools.partial(self._ds_add_stall, pending)
+            self._ds_gate.add(pending.handles, on_wait=on_wait)
+        except Exception as e:  # reported at the next checkpoint or the end, as a failed write would be
+            pending.errors.append(f"queuing its files failed: {e!r}")
+            log_rank(f"[datastates] checkpoint {pending.step}: {pending.errors[-1]}", logger=logger,
+                     level=logging.ERROR)  # fmt: skip
+        if deferred:
+            pending.queued_s = time.perf_counter() - t0
+        self._ds_committer.submit(pending)
+
+    @staticmethod
+    def _ds_add_stall(pending: PendingCheckpoint, seconds: float) -> None:
+        pending.stall_s += seconds
 
     def _ds_planned_files(self) -> _Files:
         """This rank's files: the same files and weight tensors at every checkpoint, so planned once."""
@@ -418,6 +446,7 @@ class DataStatesTrainerMixin:
     def _ds_take(self, count: int) -> None:
         """Waits for the outcome of the `count` oldest checkpoints in flight (the same ones on every rank),
         runs the post-save hooks of those committed, and raises CheckpointError for one that failed."""
+        self._ds_gate.run_deferred()
         if count <= 0 or self._ds_committer is None:
             return
         results = self._ds_committer.take(count)
@@ -443,6 +472,7 @@ class DataStatesTrainerMixin:
 
     def _ds_close(self) -> None:
         if self._ds_committer is not None:
+            self._ds_gate.run_deferred()  # a checkpoint asked for after the last step
             try:  # bounded: at exit after a crash, other ranks may be gone
                 self._ds_committer.take(self._ds_outstanding, timeout=600)
             except TimeoutError as e:
@@ -464,9 +494,10 @@ class DataStatesTrainerMixin:
                 log_rank(f"[datastates] after checkpoint {r.step}: {e!r}", logger=logger, level=logging.ERROR,
                          rank=0)  # fmt: skip
         if r.committed:
+            queued = f" (queued at the next step in {1e3 * r.queued_s:.1f} ms)" if r.queued_s else ""
             msg = (
                 f"[datastates] checkpoint {r.step}: {r.bytes / 1e9:.2f} GB in {r.files} files, training "
-                f"stall {1e3 * r.stall_s:.1f} ms, snapshot {1e3 * r.snapshot_s:.1f} ms, persisted "
+                f"stall {1e3 * r.stall_s:.1f} ms{queued}, snapshot {1e3 * r.snapshot_s:.1f} ms, persisted "
                 f"{r.persisted_s:.2f} s, committed {r.committed_s:.2f} s ({r.gbps:.2f} GB/s)"
             )
             log_rank(msg, logger=logger, level=logging.INFO, rank=0)
