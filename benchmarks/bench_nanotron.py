@@ -65,7 +65,7 @@ def run_phase(args: argparse.Namespace) -> None:
 
     t_start = time.perf_counter()
     rec: dict[str, Any] = {"mode": args.mode, "trainer": DistributedTrainer.__name__, "ends": [], "saves": []}
-    rec["commits"], rec["dcp"], rec["losses"] = [], [], []
+    rec["commits"], rec["dcp"], rec["losses"], rec["queues"] = [], [], [], []
     rec["marks"] = {}  # seconds after t_start at which the set-up's phases ended
 
     engine_time = [0.0]  # seconds in the engine's plan, save and save_plan (planning + queuing), summed
@@ -91,8 +91,26 @@ def run_phase(args: argparse.Namespace) -> None:
 
             return call
 
-        for name in ("save", "plan", "save_plan"):
+        for name in ("save", "plan", "save_plan", "save_plans"):
             setattr(DataStatesEngine, name, timed(getattr(DataStatesEngine, name)))
+
+        # Where a checkpoint's queuing goes: planning, staging on the GPU (prepare_many), the core's calls.
+        from nanotron_datastates import engine as engine_module
+
+        split = {"plan": 0.0, "prepare": 0.0}
+
+        def adds_to(key: str, plain: Any) -> Any:
+            def call(*a: Any, **k: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return plain(*a, **k)
+                finally:
+                    split[key] += time.perf_counter() - t
+
+            return call
+
+        DataStatesEngine.plan = adds_to("plan", DataStatesEngine.plan)
+        engine_module.prepare_many = adds_to("prepare", engine_module.prepare_many)
 
     class Trainer(DistributedTrainer):
         def __init__(self, *a: Any, **k: Any) -> None:
@@ -154,6 +172,14 @@ def run_phase(args: argparse.Namespace) -> None:
             if self._dcp_future is not None:
                 self._dcp_future.result()
             super().post_training()
+
+        def _ds_queue(self, *a: Any, **k: Any) -> None:  # datastates: its time taken apart
+            t, plan0, prep0, eng0 = time.perf_counter(), split["plan"], split["prepare"], engine_time[0]
+            super()._ds_queue(*a, **k)
+            plan_s, prep_s = split["plan"] - plan0, split["prepare"] - prep0
+            rec["queues"].append({"step": a[0].step, "deferred": k.get("deferred"),
+                                  "total_s": time.perf_counter() - t, "plan_s": plan_s,
+                                  "prepare_s": prep_s, "engine_s": engine_time[0] - eng0})  # fmt: skip
 
         def _ds_report(self, r: Any) -> None:  # datastates: the committer's figures
             super()._ds_report(r)
@@ -416,6 +442,18 @@ def flush_phase_slowdown(rec: dict[str, Any], interval: int) -> float | None:
     return statistics.median(early) / statistics.median(late) - 1
 
 
+def queue_split(rec: dict[str, Any]) -> dict[str, float] | None:
+    """Median seconds of a checkpoint's queuing (datastates, past the first): in all, planning (the
+    optimizer state), staging on the GPU, and the rest (the core's calls)."""
+    qs = rec.get("queues", [])[1:]
+    if not qs:
+        return None
+    med = statistics.median
+    return {"total": med(q["total_s"] for q in qs), "plan": med(q["plan_s"] for q in qs),
+            "stage": med(q["prepare_s"] for q in qs),
+            "core": med(q["engine_s"] - q["plan_s"] - q["prepare_s"] for q in qs)}  # fmt: skip
+
+
 def loss_match(run: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     """Losses of two runs at the steps both ran (bitwise is the bar)."""
     mine, theirs = dict(run.get("losses", [])), dict(other.get("losses", []))
@@ -449,6 +487,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
             "committed_s": [c["committed_s"] for c in rec.get("commits", [])],
             "engine_stall_s": [c["stall_s"] for c in rec.get("commits", [])],
             "engine_queued_at_step_s": [c["queued_s"] for c in rec.get("commits", []) if "queued_s" in c],
+            "queue_split_median_s": queue_split(rec),
             "checkpoint_bytes": max((c["bytes"] for c in rec.get("commits", [])), default=None),
         }
         m = modes[name]

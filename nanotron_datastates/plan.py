@@ -90,12 +90,18 @@ def _stage(arrays: list[list[torch.Tensor]], skip: set[tuple[int, int]]) -> None
         for device, end in starts.items():
             sizes[device] = end
     for device, where in places.items():
+        size = -(-sizes[device] // 16) * 16  # a whole number of elements of every dtype
         # empty_strided: Nanotron patches torch.empty (and others) while it builds a model, forcing its dtype
-        flat = torch.empty_strided((sizes[device],), (1,), dtype=torch.uint8, device=device)
+        flat = torch.empty_strided((size,), (1,), dtype=torch.uint8, device=device)
+        typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer seen as each dtype
         pairs: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for k, i, at in where:
             src = arrays[k][i]
-            dst = flat[at : at + src.numel() * src.element_size()].view(src.dtype).view(src.shape)
+            whole = typed.get(src.dtype)
+            if whole is None:
+                whole = typed[src.dtype] = flat.view(src.dtype)
+            # One view op per tensor (slicing and two views cost three; it adds up over hundreds of tensors).
+            dst = whole.as_strided(src.shape, _contiguous_strides(src.shape), at // src.element_size())
             dsts, srcs = pairs.setdefault(src.dtype, ([], []))
             dsts.append(dst)
             srcs.append(src)
@@ -106,6 +112,14 @@ def _stage(arrays: list[list[torch.Tensor]], skip: set[tuple[int, int]]) -> None
             else:  # torch before 2.1
                 for d, s in zip(dsts, srcs):
                     d.copy_(s)
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _streams(devices: list[int]) -> list[tuple[int, int]]:

@@ -31,7 +31,8 @@ def decide(mode: str, nbytes: int) -> tuple[bool, str]:
         return True, "device_snapshot: always"
     device = torch.cuda.current_device()
     free, total = torch.cuda.mem_get_info(device)
-    reserved, peak = torch.cuda.memory_reserved(device), torch.cuda.max_memory_allocated(device)
+    stats = torch.cuda.memory_stats(device)  # one call: each builds the allocator's whole table (~0.2 ms)
+    reserved, peak = stats.get("reserved_bytes.all.current", 0), stats.get("allocated_bytes.all.peak", 0)
     room = free + reserved - peak - spare_bytes(total)
     ok = fits(nbytes, free=free, reserved=reserved, peak=peak, total=total)
     return ok, f"{nbytes / GIB:.2f} GiB to stage, {max(room, 0) / GIB:.2f} GiB of room above the peak"
