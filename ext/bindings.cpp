@@ -66,6 +66,60 @@ ds::TensorSrc to_src(const nb::ndarray<>& a, std::string name, std::string dtype
   return t;
 }
 
+// A staged tensor: bytes [offset, offset + itemsize * prod(shape)) of one of the bases (uint8 buffers).
+using View = std::tuple<std::size_t, std::size_t, std::size_t, std::vector<std::int64_t>>;
+// A file to save: path, tensor names, safetensors dtypes, then the tensors (arrays), or their views into
+// the bases (a staged checkpoint: two DLPack exports instead of hundreds), metadata, embed_checksums.
+using FileArg = std::tuple<std::string, std::vector<std::string>, std::vector<std::string>,
+                           std::vector<nb::ndarray<>>, std::vector<View>, ds::Metadata, bool>;
+
+ds::TensorSrc view_src(const View& v, const std::vector<nb::ndarray<>>& bases, std::string name,
+                       std::string dtype, const std::string& path) {
+  const auto& [base, offset, itemsize, shape] = v;
+  auto bad = [&](const std::string& why) {
+    return ds::ErrorException(ds::Error::value("tensor '" + name + "' of " + path + ": " + why));
+  };
+  if (base >= bases.size()) throw bad("its view names buffer " + std::to_string(base) + ", which is absent");
+  const nb::ndarray<>& b = bases[base];
+  if (b.ndim() != 1 || b.itemsize() != 1 || (b.shape(0) > 1 && b.stride(0) != 1))
+    throw bad("its buffer is not a contiguous byte buffer");
+  std::vector<std::int64_t> strides(shape.size());
+  std::size_t numel = 1;
+  for (std::size_t d = shape.size(); d-- > 0;) {
+    if (shape[d] < 0) throw bad("negative dimension");
+    strides[d] = static_cast<std::int64_t>(numel);
+    numel *= static_cast<std::size_t>(shape[d]);
+  }
+  const std::size_t nbytes = numel * itemsize;
+  if (offset > b.shape(0) || nbytes > b.shape(0) - offset) throw bad("its view ends past its buffer");
+  ds::TensorSrc t;
+  t.device = device_of(b, name);
+  t.name = std::move(name);
+  t.dtype = std::move(dtype);
+  t.itemsize = itemsize;
+  t.shape = shape;
+  t.strides = std::move(strides);
+  t.nbytes = nbytes;
+  t.data = static_cast<const char*>(b.data()) + offset;
+  return t;
+}
+
+ds::SaveRequest to_request(FileArg& f, const std::vector<nb::ndarray<>>& bases) {
+  auto& [path, names, dtypes, arrays, views, metadata, embed_checksums] = f;
+  const std::size_t n = views.empty() ? arrays.size() : views.size();
+  if (names.size() != n || dtypes.size() != n || (!views.empty() && !arrays.empty()))
+    throw ds::ErrorException(ds::Error::value(path + ": names, dtypes and tensors differ in length"));
+  ds::SaveRequest r;
+  r.tensors.reserve(n);
+  for (std::size_t i = 0; i < n; ++i)
+    r.tensors.push_back(views.empty() ? to_src(arrays[i], names[i], dtypes[i])
+                                      : view_src(views[i], bases, names[i], dtypes[i], path));
+  r.path = std::move(path);
+  r.metadata = std::move(metadata);
+  r.embed_checksums = embed_checksums;
+  return r;
+}
+
 ds::HostCache& open_cache(ds::Engine& e) {
   if (!e.cache()) throw ds::ErrorException(ds::Error::value("the engine is closed"));
   return *e.cache();
@@ -143,21 +197,17 @@ NB_MODULE(_core, m) {
           "flush_threads"_a, "queue_depth"_a, "read_bytes"_a, "io_backend"_a, "direct_io"_a, "fsync"_a,
           "checksums"_a)
       .def(
-          "save",
-          [](ds::Engine& e, std::string path, const std::vector<std::string>& names,
-             const std::vector<std::string>& dtypes, const std::vector<nb::ndarray<>>& arrays,
-             ds::Metadata metadata, const std::vector<std::pair<int, std::uintptr_t>>& streams,
-             bool embed_checksums) {
-            if (names.size() != arrays.size() || dtypes.size() != arrays.size())
-              throw ds::ErrorException(ds::Error::value("names, dtypes and arrays differ in length"));
-            std::vector<ds::TensorSrc> srcs;
-            srcs.reserve(arrays.size());
-            for (std::size_t i = 0; i < arrays.size(); ++i)
-              srcs.push_back(to_src(arrays[i], names[i], dtypes[i]));
+          "save_many",
+          [](ds::Engine& e, std::vector<FileArg> files, const std::vector<nb::ndarray<>>& bases,
+             const std::vector<std::pair<int, std::uintptr_t>>& streams) {
+            std::vector<ds::SaveRequest> requests;
+            requests.reserve(files.size());
+            for (FileArg& f : files) requests.push_back(to_request(f, bases));
             nb::gil_scoped_release release;
-            return e.save(std::move(path), std::move(srcs), std::move(metadata), streams, embed_checksums);
+            return e.save_many(std::move(requests), streams);
           },
-          "path"_a, "names"_a, "dtypes"_a, "arrays"_a, "metadata"_a, "streams"_a, "embed_checksums"_a = true)
+          "files"_a, "bases"_a, "streams"_a,
+          "Queues files [(path, names, dtypes, arrays, views, metadata, embed_checksums)]; one Job each")
       .def(
           "restore_host",
           [](ds::Engine& e, const std::string& path, std::uint64_t data_start, std::uint64_t data_len,

@@ -103,4 +103,21 @@ Error make_current(int device) {
   return check(a->cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
 }
 
+StreamEvents::~StreamEvents() {
+  for (auto& [device, ev] : events_)
+    if (!make_current(device)) api()->cuEventDestroy(ev);
+}
+
+Error StreamEvents::record(const std::vector<std::pair<int, std::uintptr_t>>& streams) {
+  for (const auto& [device, stream] : streams) {
+    if (Error e = make_current(device)) return e;
+    const Api* a = api();
+    CUevent ev = nullptr;
+    if (Error e = check(a->cuEventCreate(&ev, kEventDisableTiming), "cuEventCreate")) return e;
+    events_.emplace(device, ev);
+    if (Error e = check(a->cuEventRecord(ev, reinterpret_cast<CUstream>(stream)), "cuEventRecord")) return e;
+  }
+  return {};
+}
+
 }  // namespace ds::cuda

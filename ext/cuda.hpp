@@ -4,6 +4,9 @@
 
 #include <cstdint>
 #include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "common.hpp"
 
@@ -54,5 +57,22 @@ Error check(CUresult r, const char* call);
 
 // Makes the primary context of `device` (the one torch uses) current on this thread.
 Error make_current(int device);
+
+// One event per device, recorded on the callers' streams when files are queued: the copies of every file
+// queued together wait for them. Shared by those files' jobs; the events go with the last of them.
+class StreamEvents {
+ public:
+  StreamEvents() = default;
+  ~StreamEvents();
+  StreamEvents(const StreamEvents&) = delete;
+  StreamEvents& operator=(const StreamEvents&) = delete;
+
+  // On the caller's thread: an event on each (device, stream).
+  Error record(const std::vector<std::pair<int, std::uintptr_t>>& streams);
+  const std::unordered_map<int, CUevent>& events() const { return events_; }
+
+ private:
+  std::unordered_map<int, CUevent> events_;
+};
 
 }  // namespace ds::cuda

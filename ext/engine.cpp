@@ -40,31 +40,45 @@ Engine::~Engine() {
   close();
 }
 
-std::shared_ptr<SaveJob> Engine::save(std::string path, std::vector<TensorSrc> tensors, Metadata metadata,
-                                      const std::vector<std::pair<int, std::uintptr_t>>& streams,
-                                      bool embed_checksums) {
+std::vector<std::shared_ptr<SaveJob>> Engine::save_many(
+    std::vector<SaveRequest> requests, const std::vector<std::pair<int, std::uintptr_t>>& streams) {
   {
     // Counted in flight before touching the cache: a concurrent close() waits instead of freeing it.
     std::lock_guard<std::mutex> lock(mu_);
     if (closing_) throw ErrorException(Error::value("the engine is closed; create a new DataStatesEngine"));
-    ++in_flight_;
+    in_flight_ += requests.size();
   }
-  std::shared_ptr<SaveJob> job;
+  std::vector<std::shared_ptr<SaveJob>> jobs;
   Error e;
   try {
-    job = std::make_shared<SaveJob>(std::move(path), std::move(tensors), std::move(metadata), opts_.save,
-                                    embed_checksums, cache_.get(), this);
-    e = job->record_events(streams);
+    auto events = std::make_shared<cuda::StreamEvents>();
+    e = events->record(streams);
+    jobs.reserve(requests.size());
+    for (std::size_t i = 0; i < requests.size() && !e; ++i) {
+      SaveRequest& r = requests[i];
+      jobs.push_back(std::make_shared<SaveJob>(std::move(r.path), std::move(r.tensors), std::move(r.metadata),
+                                               opts_.save, r.embed_checksums, events, cache_.get(), this));
+    }
   } catch (const std::bad_alloc&) {
     e = Error::internal("out of memory queuing a save");
   }
   if (e) {
-    job_finished();  // never started: nothing else will
+    for (std::size_t i = 0; i < requests.size(); ++i) job_finished();  // none started: nothing else will
     throw ErrorException(e);
   }
-  job->start();
-  copiers_.submit([this, job] { run_plan(job); });
-  return job;
+  for (const auto& job : jobs) {
+    job->start();
+    copiers_.submit([this, job] { run_plan(job); });
+  }
+  return jobs;
+}
+
+std::shared_ptr<SaveJob> Engine::save(std::string path, std::vector<TensorSrc> tensors, Metadata metadata,
+                                      const std::vector<std::pair<int, std::uintptr_t>>& streams,
+                                      bool embed_checksums) {
+  std::vector<SaveRequest> one;
+  one.push_back({std::move(path), std::move(tensors), std::move(metadata), embed_checksums});
+  return save_many(std::move(one), streams).front();
 }
 
 void Engine::run_plan(const std::shared_ptr<SaveJob>& job) {

@@ -32,12 +32,25 @@ struct EngineOptions {
   SaveOptions save;
 };
 
+// One file to save: where, its tensors and its metadata (`embed_checksums`: as for SaveJob).
+struct SaveRequest {
+  std::string path;
+  std::vector<TensorSrc> tensors;
+  Metadata metadata;
+  bool embed_checksums = true;
+};
+
 class Engine final : public JobObserver {
  public:
   explicit Engine(const EngineOptions& opts);
   ~Engine() override;
 
-  // Returns at once; the job runs on the engine's threads. Throws ErrorException (Value) once closed.
+  // Queues files, each job run on the engine's threads, their device copies after one event recorded now
+  // on each of the callers' `streams` (once for all the files). Returns at once; queues none of them if one
+  // cannot start. Throws ErrorException (Value) once closed.
+  std::vector<std::shared_ptr<SaveJob>> save_many(std::vector<SaveRequest> requests,
+                                                  const std::vector<std::pair<int, std::uintptr_t>>& streams);
+  // save_many() of one file.
   std::shared_ptr<SaveJob> save(std::string path, std::vector<TensorSrc> tensors, Metadata metadata,
                                 const std::vector<std::pair<int, std::uintptr_t>>& streams,
                                 bool embed_checksums = true);

@@ -52,37 +52,23 @@ bool wait_flag(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, 
 }  // namespace
 
 SaveJob::SaveJob(std::string path, std::vector<TensorSrc> tensors, Metadata metadata, SaveOptions opts,
-                 bool embed_checksums, HostCache* cache, JobObserver* observer)
+                 bool embed_checksums, std::shared_ptr<const cuda::StreamEvents> events, HostCache* cache,
+                 JobObserver* observer)
     : path_(std::move(path)),
       tensors_(std::move(tensors)),
       metadata_(std::move(metadata)),
       opts_(opts),
       embed_checksums_(embed_checksums),
       cache_(cache),
-      observer_(observer) {
+      observer_(observer),
+      events_(std::move(events)) {
   stats_.t_submit_ns = now_ns();
 }
 
 SaveJob::~SaveJob() {
-  for (auto& [device, ev] : events_)
-    if (!cuda::make_current(device)) cuda::api()->cuEventDestroy(ev);
   std::free(header_buf_);
   if (fd_ >= 0) close(fd_);
   if (dirfd_ >= 0) close(dirfd_);
-}
-
-Error SaveJob::record_events(const std::vector<std::pair<int, std::uintptr_t>>& streams) {
-  for (const auto& [device, stream] : streams) {
-    if (Error e = cuda::make_current(device)) return e;
-    const cuda::Api* a = cuda::api();
-    cuda::CUevent ev = nullptr;
-    if (Error e = cuda::check(a->cuEventCreate(&ev, cuda::kEventDisableTiming), "cuEventCreate")) return e;
-    events_.emplace(device, ev);
-    if (Error e =
-            cuda::check(a->cuEventRecord(ev, reinterpret_cast<cuda::CUstream>(stream)), "cuEventRecord"))
-      return e;
-  }
-  return {};
 }
 
 SaveJob::Planned SaveJob::plan() {

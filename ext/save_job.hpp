@@ -60,12 +60,11 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
  public:
   // `embed_checksums` false: the CRCs are computed (see checksums()) but the header holds `metadata` only,
   // for readers that reject unknown metadata keys.
+  // `events`: recorded on the caller's streams at save() (its device copies wait for them), never null.
   SaveJob(std::string path, std::vector<TensorSrc> tensors, Metadata metadata, SaveOptions opts,
-          bool embed_checksums, HostCache* cache, JobObserver* observer);
+          bool embed_checksums, std::shared_ptr<const cuda::StreamEvents> events, HostCache* cache,
+          JobObserver* observer);
   ~SaveJob() override;
-
-  // On the caller's thread, at save(): an event on each CUDA device's current stream of the caller.
-  Error record_events(const std::vector<std::pair<int, std::uintptr_t>>& streams);
 
   struct Planned {
     std::size_t pieces = 0;
@@ -81,7 +80,7 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   // A piece not copied because the job had failed already.
   void skip_piece(std::size_t i);
 
-  const std::unordered_map<int, cuda::CUevent>* events() const { return &events_; }
+  const std::unordered_map<int, cuda::CUevent>* events() const { return &events_->events(); }
 
   void on_io_prepare(IoOp& op) override;
   IoOp* on_io_complete(IoOp& op, int err) override;
@@ -125,7 +124,7 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   int fd_ = -1;
   int dirfd_ = -1;
   bool direct_ = false;
-  std::unordered_map<int, cuda::CUevent> events_;
+  const std::shared_ptr<const cuda::StreamEvents> events_;
 
   std::vector<IoOp> piece_ops_;
   IoOp header_op_, fsync_op_, dirsync_op_;

@@ -241,18 +241,21 @@ class DataStatesEngine:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         paths = [os.path.abspath(os.fspath(path)) for _, path in files]
         prepared = prepare_many([plan for plan, _ in files], stage=stage)
-        handles: list[SaveHandle] = []
-        try:
-            for plan, path in zip(prepared, paths):
-                job = self._core.save(
-                    path, plan.names, plan.dtypes, plan.arrays, plan.metadata, plan.streams,
-                    not plan.exact_metadata,
-                )  # fmt: skip
-                handles.append(SaveHandle(job, path, plan.arrays, plan.nbytes, stage))
-        finally:  # those queued before a failure are tracked (waited for, reported) all the same
-            with self._lock:
-                self._prune()
-                self._handles.extend(handles)
+        # One call to the core for all: one event per device on the caller's streams, and a staged file's
+        # tensors as places in the staged buffers rather than a DLPack export each.
+        requests = [
+            (path, p.names, p.dtypes, [] if p.views else p.arrays, p.views, p.metadata, not p.exact_metadata)
+            for p, path in zip(prepared, paths)
+        ]
+        streams = sorted({s for p in prepared for s in p.streams})
+        bases = prepared[0].bases if prepared else []
+        jobs = self._core.save_many(requests, bases, streams)  # all queued, or none (it raises)
+        handles = [
+            SaveHandle(job, path, p.arrays, p.nbytes, stage) for job, p, path in zip(jobs, prepared, paths)
+        ]
+        with self._lock:
+            self._prune()
+            self._handles.extend(handles)
         return handles
 
     def wait_snapshot(self, timeout: float | None = None) -> None:

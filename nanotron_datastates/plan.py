@@ -39,6 +39,10 @@ class SavePlan:
     devices: list[int] = field(default_factory=list)  # CUDA devices of the tensors
     # CUDA tensors that are not contiguous, by index into `arrays`: each save copies them (prepare()).
     gathered: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # Set by a staging prepare(): every tensor's place in the staged copies, as (index into `bases`, byte
+    # offset, element size, shape): the core takes the few buffers instead of a DLPack export per tensor.
+    views: list[tuple[int, int, int, torch.Size]] = field(default_factory=list)
+    bases: list[torch.Tensor] = field(default_factory=list)  # one uint8 buffer per device
 
 
 def prepare(plan: SavePlan, *, stage: bool = False) -> SavePlan:
@@ -54,21 +58,26 @@ def prepare_many(plans: Sequence[SavePlan], *, stage: bool = False) -> list[Save
     allocation per device, filled by one multi-tensor copy per dtype: a few kernel launches on the caller's
     thread instead of an allocation and a copy per tensor."""
     arrays = [list(p.arrays) for p in plans]
-    fresh: set[tuple[int, int]] = set()
-    for k, p in enumerate(plans):
-        for i, t in p.gathered:  # queued on the caller's stream, before the event the core records
-            arrays[k][i] = export_view(t.contiguous())
-            fresh.add((k, i))
-    if stage:
-        _stage(arrays, fresh)
-    return [dataclasses.replace(p, arrays=a, streams=_streams(p.devices)) for p, a in zip(plans, arrays)]
+    views: list[list[Any]] = [[] for _ in plans]
+    bases: list[torch.Tensor] = []
+    if stage:  # every tensor copied, the non-contiguous ones too
+        bases = _stage(arrays, views)
+    else:
+        for k, p in enumerate(plans):
+            for i, t in p.gathered:  # queued on the caller's stream, before the event the core records
+                arrays[k][i] = export_view(t.contiguous())
+    return [
+        dataclasses.replace(p, arrays=a, views=v, bases=bases, streams=_streams(p.devices))
+        for p, a, v in zip(plans, arrays, views)
+    ]
 
 
 _ALIGN = 256  # bytes: each file's staged copy starts where vectorized kernels and DMA like it
 
 
-def _stage(arrays: list[list[torch.Tensor]], skip: set[tuple[int, int]]) -> None:
-    """Replaces every tensor of `arrays` (a list per file; except at `skip`, already fresh copies) by a copy.
+def _stage(arrays: list[list[torch.Tensor]], views: list[list[Any]]) -> list[torch.Tensor]:
+    """Replaces every tensor of `arrays` (a list per file) by a copy, fills `views` (a list per file: where
+    each copy lies) and returns the buffers that hold the copies.
 
     The copies go into one byte buffer per device, each file's packed in the order of its data section (the
     core's layout: by element size, largest first, stable), so that the copies to the host can take a piece
@@ -77,11 +86,10 @@ def _stage(arrays: list[list[torch.Tensor]], skip: set[tuple[int, int]]) -> None
     places: dict[torch.device, list[tuple[int, int, int]]] = {}  # per device: (file, index, byte offset)
     sizes: dict[torch.device, int] = {}
     for k, row in enumerate(arrays):
+        views[k] = [None] * len(row)
         order = sorted(range(len(row)), key=lambda i: -row[i].element_size())  # stable, as the core's layout
         starts: dict[torch.device, int] = {}  # this file's next byte on each device
         for i in order:
-            if (k, i) in skip:
-                continue
             a = row[i]
             if a.device not in starts:
                 starts[a.device] = -(-sizes.get(a.device, 0) // _ALIGN) * _ALIGN
@@ -89,10 +97,13 @@ def _stage(arrays: list[list[torch.Tensor]], skip: set[tuple[int, int]]) -> None
             starts[a.device] += a.numel() * a.element_size()
         for device, end in starts.items():
             sizes[device] = end
+    bases = []
     for device, where in places.items():
         size = -(-sizes[device] // 16) * 16  # a whole number of elements of every dtype
         # empty_strided: Nanotron patches torch.empty (and others) while it builds a model, forcing its dtype
         flat = torch.empty_strided((size,), (1,), dtype=torch.uint8, device=device)
+        base = len(bases)
+        bases.append(flat)
         typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer seen as each dtype
         pairs: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for k, i, at in where:
@@ -102,6 +113,7 @@ def _stage(arrays: list[list[torch.Tensor]], skip: set[tuple[int, int]]) -> None
                 whole = typed[src.dtype] = flat.view(src.dtype)
             # One view op per tensor (slicing and two views cost three; it adds up over hundreds of tensors).
             dst = whole.as_strided(src.shape, _contiguous_strides(src.shape), at // src.element_size())
+            views[k][i] = (base, at, src.element_size(), src.shape)
             dsts, srcs = pairs.setdefault(src.dtype, ([], []))
             dsts.append(dst)
             srcs.append(src)
@@ -112,6 +124,7 @@ def _stage(arrays: list[list[torch.Tensor]], skip: set[tuple[int, int]]) -> None
             else:  # torch before 2.1
                 for d, s in zip(dsts, srcs):
                     d.copy_(s)
+    return bases
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:

@@ -292,3 +292,19 @@ def test_wait_handles_waits_for_all_at_once_and_leaves_errors_to_each_handle(eng
     with pytest.raises(TimeoutError, match="not all persisted"):
         wait_handles([big], persisted=True, timeout=0)
     engine.wait_persisted()
+
+
+def test_the_core_refuses_a_staged_view_outside_its_buffer_and_queues_none_of_the_files(engine, tmp_path):
+    """The binding's check of staged views (engine.save_plans passes a staged file's tensors as places in
+    the staged buffers): a bad one is a ValueError naming the file and the tensor, no file of the call is
+    queued, and the engine goes on."""
+    base = torch.zeros(64, dtype=torch.uint8)
+    good = (str(tmp_path / "a.safetensors"), ["x"], ["F32"], [], [(0, 0, 4, (4,))], [], True)
+    past = (str(tmp_path / "b.safetensors"), ["y"], ["F32"], [], [(0, 60, 4, (2,))], [], True)
+    with pytest.raises(ValueError, match=r"tensor 'y' of .*b\.safetensors: its view ends past its buffer"):
+        engine._core.save_many([good, past], [base], [])
+    absent = (str(tmp_path / "c.safetensors"), ["z"], ["F32"], [], [(1, 0, 4, (1,))], [], True)
+    with pytest.raises(ValueError, match="names buffer 1, which is absent"):
+        engine._core.save_many([absent], [base], [])
+    engine.save({"w": torch.ones(3)}, tmp_path / "d.safetensors").wait_persisted()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.safetensors"]  # a.safetensors never started
