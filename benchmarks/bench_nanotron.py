@@ -26,6 +26,7 @@ markdown table (.md) and a plot of the iteration times around checkpoints (.png)
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -69,6 +70,7 @@ def run_phase(args: argparse.Namespace) -> None:
     rec["marks"] = {}  # seconds after t_start at which the set-up's phases ended
 
     engine_time = [0.0]  # seconds in the engine's plan, save and save_plan (planning + queuing), summed
+    split = {"plan": 0.0, "prepare": 0.0}  # seconds planning and staging, summed (datastates modes)
     staged = [0]  # files staged on the GPU
     if args.mode.startswith("datastates") or args.mode == "stress":
         from nanotron_datastates import DataStatesEngine
@@ -96,8 +98,6 @@ def run_phase(args: argparse.Namespace) -> None:
 
         # Where a checkpoint's queuing goes: planning, staging on the GPU (prepare_many), the core's calls.
         from nanotron_datastates import engine as engine_module
-
-        split = {"plan": 0.0, "prepare": 0.0}
 
         def adds_to(key: str, plain: Any) -> Any:
             def call(*a: Any, **k: Any) -> Any:
@@ -129,6 +129,7 @@ def run_phase(args: argparse.Namespace) -> None:
             out = super().training_step(dataloader)
             torch.cuda.synchronize()
             rec["ends"].append([self.iteration_step, time.perf_counter() - t_start])
+            rec.setdefault("gc2", []).append([self.iteration_step, gc.get_stats()[2]["collections"]])
             loss = out[1] if isinstance(out, tuple) and len(out) > 1 else None
             if isinstance(loss, torch.Tensor):
                 rec["losses"].append([self.iteration_step, loss.item()])
@@ -174,12 +175,17 @@ def run_phase(args: argparse.Namespace) -> None:
             super().post_training()
 
         def _ds_queue(self, *a: Any, **k: Any) -> None:  # datastates: its time taken apart
+            allocs0 = torch.cuda.memory_stats().get("num_device_alloc", 0)
             t, plan0, prep0, eng0 = time.perf_counter(), split["plan"], split["prepare"], engine_time[0]
             super()._ds_queue(*a, **k)
             plan_s, prep_s = split["plan"] - plan0, split["prepare"] - prep0
+            total_s = time.perf_counter() - t
+            allocs = torch.cuda.memory_stats().get("num_device_alloc", 0) - allocs0  # cudaMalloc calls
             rec["queues"].append({"step": a[0].step, "deferred": k.get("deferred"),
-                                  "total_s": time.perf_counter() - t, "plan_s": plan_s,
-                                  "prepare_s": prep_s, "engine_s": engine_time[0] - eng0})  # fmt: skip
+                                  "total_s": total_s, "plan_s": plan_s,
+                                  "prepare_s": prep_s, "engine_s": engine_time[0] - eng0,
+                                  "cuda_mallocs": allocs,
+                                  "cache": self._ds_engine.cache_stats()})  # fmt: skip
 
         def _ds_report(self, r: Any) -> None:  # datastates: the committer's figures
             super()._ds_report(r)
