@@ -303,6 +303,7 @@ def run_all(args: argparse.Namespace) -> int:
         if name.startswith("restore"):
             cold[name] = make_cold(work / f"ckpt_{name.split('-', 1)[1]}", args.cold)
         record = work / f"{name}.json"
+        os.sync()  # no write-back of the previous run's files left to compete with this one
         cmd = ["torchrun", "--nproc_per_node=1", __file__, "phase", "--mode", name, "--config", str(cfg)]
         cmd += ["--record", str(record)] + (["--profile"] if args.profile else [])
         env = {**os.environ, **({"NANOTRON_DATASTATES_AUTOLOAD": "0"} if stock else {})}
