@@ -235,8 +235,8 @@ class DataStatesEngine:
         """Saves several plans, each to its path, as :meth:`save_plan` would one by one. Staged, their copies
         are made together (one allocation per device, packed as the files are, and one multi-tensor copy per
         dtype): for a checkpoint of many files, far fewer kernel launches on the caller's thread, and fewer
-        copies to the host. If staging runs out of memory, nothing is queued and torch's OutOfMemoryError
-        propagates."""
+        copies to the host. The files are queued all together or, if this raises (staging out of memory:
+        torch's OutOfMemoryError), none of them."""
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         paths = [os.path.abspath(os.fspath(path)) for _, path in files]
