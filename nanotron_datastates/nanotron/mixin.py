@@ -311,8 +311,8 @@ class DataStatesTrainerMixin:
         if not self._ds_active:
             return super().save_checkpoint()
         t0 = time.perf_counter()
-        self._ds_gate.run_deferred()  # one still waiting for a step (none since it was asked for) goes first
-        # Backpressure, identical on every rank: the oldest checkpoint in flight must be done first.
+        # Backpressure, identical on every rank: the oldest checkpoint in flight must be done first (and one
+        # still waiting for a step, none having run since it was asked for, is queued before this one).
         self._ds_take(self._ds_outstanding - (MAX_IN_FLIGHT - 1))
         self.pre_save_checkpoint()
         step = self.iteration_step
@@ -445,7 +445,8 @@ class DataStatesTrainerMixin:
 
     def _ds_take(self, count: int) -> None:
         """Waits for the outcome of the `count` oldest checkpoints in flight (the same ones on every rank),
-        runs the post-save hooks of those committed, and raises CheckpointError for one that failed."""
+        runs the post-save hooks of those committed, and raises CheckpointError for one that failed. First
+        queues any checkpoint still waiting for a step, even when nothing is waited for."""
         self._ds_gate.run_deferred()
         if count <= 0 or self._ds_committer is None:
             return
