@@ -176,13 +176,14 @@ NB_MODULE(_core, m) {
       .def(
           "__init__",
           [](ds::Engine* self, std::size_t cache_bytes, std::size_t chunk_bytes, int pin_device,
-             unsigned parser_threads, unsigned copy_threads, unsigned flush_threads, unsigned queue_depth,
-             std::size_t read_bytes, const std::string& io_backend, bool direct_io, bool fsync,
-             bool checksums) {
+             bool huge_pages, unsigned parser_threads, unsigned copy_threads, unsigned flush_threads,
+             unsigned queue_depth, std::size_t read_bytes, const std::string& io_backend, bool direct_io,
+             bool fsync, bool checksums) {
             ds::EngineOptions o;
             o.cache_bytes = cache_bytes;
             o.chunk_bytes = chunk_bytes;
             o.pin_device = pin_device;
+            o.huge_pages = huge_pages;
             o.parser_threads = parser_threads;
             o.copy_threads = copy_threads;
             o.flush_threads = flush_threads;
@@ -193,9 +194,9 @@ NB_MODULE(_core, m) {
             nb::gil_scoped_release release;  // allocating and pinning the cache can take seconds
             new (self) ds::Engine(o);
           },
-          "cache_bytes"_a, "chunk_bytes"_a, "pin_device"_a, "parser_threads"_a, "copy_threads"_a,
-          "flush_threads"_a, "queue_depth"_a, "read_bytes"_a, "io_backend"_a, "direct_io"_a, "fsync"_a,
-          "checksums"_a)
+          "cache_bytes"_a, "chunk_bytes"_a, "pin_device"_a, "huge_pages"_a, "parser_threads"_a,
+          "copy_threads"_a, "flush_threads"_a, "queue_depth"_a, "read_bytes"_a, "io_backend"_a, "direct_io"_a,
+          "fsync"_a, "checksums"_a)
       .def(
           "save_many",
           [](ds::Engine& e, std::vector<FileArg> files, const std::vector<nb::ndarray<>>& bases,
@@ -278,6 +279,7 @@ NB_MODULE(_core, m) {
             d["high_water"] = s.high_water;
             d["wait_ns"] = s.wait_ns;
             d["pinned"] = s.pinned;
+            d["huge_pages"] = s.huge_pages;
             d["prepared"] = s.prepared;
             return d;
           },

@@ -4,7 +4,8 @@ namespace ds {
 
 Engine::Engine(const EngineOptions& opts)
     : opts_(opts),
-      cache_(std::make_unique<HostCache>(opts.cache_bytes, opts.chunk_bytes, opts.pin_device)),
+      cache_(
+          std::make_unique<HostCache>(opts.cache_bytes, opts.chunk_bytes, opts.pin_device, opts.huge_pages)),
       parsers_(opts.parser_threads),
       copiers_(opts.copy_threads) {
   pinned_ = cache_->pinned();

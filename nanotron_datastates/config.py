@@ -35,6 +35,9 @@ class DataStatesConfig:
     training steps around a checkpoint: benchmarks/NOTES.md); more speed up saves of CPU tensors."""
     pin_host_cache: bool = True
     """Page-lock the cache for DMA from GPUs (fast device-to-host copies). Ignored without a GPU."""
+    huge_pages: bool = True
+    """Back the cache with transparent huge pages where the kernel allows (not set to 'never'): faulting in
+    and pinning many GiB then walk 2 MiB pages instead of 4 KiB ones."""
     flush_threads: int = 2
     """Flush workers; each owns an io_uring with `queue_depth` writes in flight."""
     queue_depth: int = 16

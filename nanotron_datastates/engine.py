@@ -160,6 +160,7 @@ class DataStatesEngine:
             cache_bytes=config.cache_bytes,
             chunk_bytes=config.chunk_bytes,
             pin_device=pin_device,
+            huge_pages=config.huge_pages,
             parser_threads=config.parser_threads,
             copy_threads=config.copy_threads,
             flush_threads=config.flush_threads,

@@ -18,6 +18,7 @@ BAD = {
     "parser_threads": [0, 1.5, 257, "4"],
     "copy_threads": [0, 2.0, 257, None],
     "pin_host_cache": ["yes", 1],
+    "huge_pages": ["on", 0],
     "flush_threads": [0, 65],
     "queue_depth": [0, 5000],
     "chunk_size": [0, 2.5, 5000],

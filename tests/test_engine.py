@@ -3,6 +3,7 @@ lost, close() drains and is idempotent, the context manager, stats."""
 
 import errno
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,6 +171,30 @@ def test_a_restore_prepares_only_the_chunks_it_uses(tmp_path):
         assert engine.cache_stats()["prepared"] == 128
         with pytest.raises(ValueError, match="nbytes"):
             engine.prepare_cache(nbytes=-1)
+
+
+def _anon_huge_kib() -> int:
+    text = Path("/proc/self/smaps_rollup").read_text()
+    return int(next(line.split()[1] for line in text.splitlines() if line.startswith("AnonHugePages:")))
+
+
+def test_the_cache_is_backed_by_huge_pages_where_the_kernel_grants_them():
+    # Faulting in and pinning a cache of many GiB walk its pages: 2 MiB pages make that 512 times fewer.
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("transparent huge pages are off on this machine")
+    before = _anon_huge_kib()
+    with DataStatesEngine(small_config(host_cache_size=64 / 1024, chunk_size=8)) as engine:
+        engine.prepare_cache()
+        assert engine.cache_stats()["huge_pages"] is True
+        # 64 MiB faulted in: most of it in huge pages (some may be refused under memory fragmentation)
+        assert _anon_huge_kib() - before >= 32 << 10
+    before = _anon_huge_kib()
+    with DataStatesEngine(small_config(host_cache_size=64 / 1024, chunk_size=8, huge_pages=False)) as engine:
+        engine.prepare_cache()
+        assert engine.cache_stats()["huge_pages"] is False
+        if "[always]" not in mode.read_text():  # "always" gives them without the advice
+            assert _anon_huge_kib() - before < 32 << 10
 
 
 def test_a_plan_saved_again_captures_the_values_of_that_time(engine, tmp_path):

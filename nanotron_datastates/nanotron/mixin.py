@@ -288,10 +288,23 @@ class DataStatesTrainerMixin:
         checkpoint finds them ready. Chunks beyond are pinned by their first use."""
         engine = self._ds_engine
         chunk = engine.cache_stats()["chunk_bytes"]
-        sizes = [plan.nbytes for _, plan in self._ds_planned_files().weights]  # planned once, used at saves
-        sizes.append(engine.plan(self.optimizer.state_dict()).nbytes)
-        chunks = sum(-(-size // chunk) for size in sizes) + 2  # + the scheduler's and random states' files
+        chunks = sum(-(-size // chunk) for size in self._ds_file_sizes()) + 2  # + scheduler, random states
         engine.prepare_cache(wait=False, nbytes=chunks * chunk)
+
+    def _ds_file_sizes(self) -> list[int]:
+        """Bytes of this rank's weight files and optimizer file, as of now."""
+        sizes = [plan.nbytes for _, plan in self._ds_planned_files().weights]  # planned once, used at saves
+        sizes.append(self._ds_engine.plan(self.optimizer.state_dict()).nbytes)
+        return sizes
+
+    def _ds_expect_staged(self) -> bool:
+        """Whether the checkpoint asked for now will be copied on the GPU first (decided where it is queued):
+        as the last one was; the first, as the staging rule says of its size now (one planning more, once).
+        Staged checkpoints are queued at the next step; the others now."""
+        if self._ds_staged is None:
+            stage, _ = staging.decide(self._ds_config.device_snapshot, sum(self._ds_file_sizes()))
+            return stage
+        return self._ds_staged
 
     # -- saving ---------------------------------------------------------------------------------------------
 
@@ -336,7 +349,7 @@ class DataStatesTrainerMixin:
         finalize = self._ds_finalizer(folder, step) if dist.get_rank(pc.world_pg) == 0 else None
         pending = PendingCheckpoint(step, folder, [], finalize)
         self._ds_outstanding += 1
-        if self._ds_config.queue_at_step and self._ds_staged:  # the last one was staged: this one likely too
+        if self._ds_config.queue_at_step and self._ds_expect_staged():
             self._ds_gate.defer(functools.partial(self._ds_queue, pending, files, later, deferred=True))
         else:  # unstaged copies must start now, to overlap the forward and backward passes
             self._ds_queue(pending, files, later, deferred=False)
