@@ -6,7 +6,8 @@ and between its steps, in turn, one of these events happens:
 * `save`: the trainer's save: its files staged together and saved to `--dir` (`engine.save_plans`);
 * `save_nocrc`: the same without checksums (`checksums: false`);
 * `save_shm`: the same to /dev/shm (no disk);
-* `save_1chunk`: the same with a host cache of 256 MiB chunks (fewer, larger copies to the host).
+* `save_1chunk`: the same with a host cache of 256 MiB chunks (fewer, larger copies to the host);
+* `save_4k`: the same with a host cache of 4 KiB pages (`huge_pages: false`; the others ask for huge pages).
 
     python3 benchmarks/bench_interference.py --out DIR [--rounds 12 --dir /tmp/ds_interf]
 
@@ -74,7 +75,8 @@ def main() -> int:
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     disk, shm = Path(args.dir), Path("/dev/shm/ds_interf")
     settings = {"save": ({}, disk), "save_nocrc": ({"checksums": False}, disk), "save_shm": ({}, shm),
-                "save_1chunk": ({"chunk_size": 256}, disk)}  # fmt: skip
+                "save_1chunk": ({"chunk_size": 256}, disk),
+                "save_4k": ({"huge_pages": False}, disk)}  # fmt: skip
     engines = {
         name: (DataStatesEngine(DataStatesConfig(host_cache_size=args.cache_gib, **kw)), folder)
         for name, (kw, folder) in settings.items()

@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_session.sh STEP [STEP ...]
 # Steps: tests | dd | engine | proof | nanotron-180m | nanotron-1b | nanotron-180m-long | ablation-180m |
 #        ddread | nanotron-1b-e2e | nanotron-180m-ds | rounds-180m | round-180m | round-1b | restore-stress |
-#        profile-180m | resume-hunt | stress-180m | stress-1b | staging | interference | crash  (see each case
+#        profile-180m | resume-hunt | stress-180m | stress-1b | staging | interference | pinning | crash (see each case
 #        below for its command).
 # Every step's output is kept in $OUT/<step>.log; results go to $OUT/<step>/ and are tarred at the end,
 # since only a few files come back from $OUT.
@@ -95,6 +95,8 @@ run_step() {
       python3 bench_staging.py --model 1b --repeat 3 --cache-gib 20 --out "$OUT/staging") ;;
     interference) # what a checkpoint costs the steps after it, taken apart (staging, saving, checksums, disk)
       (cd benchmarks && python3 bench_interference.py --dir "$WORK/interf" --out "$OUT/interference") ;;
+    pinning) # preparing the host cache with 4 KiB and huge pages: time, launches meanwhile, D2H throughput
+      (cd benchmarks && python3 bench_pinning.py --cache-gib 16 --rounds 2 --out "$OUT/pinning") ;;
     crash) (cd benchmarks && python3 nanotron_crash.py --trials 3 --out "$OUT/crash" --work "$WORK/crash") ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
