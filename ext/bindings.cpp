@@ -101,6 +101,7 @@ ds::TensorSrc view_src(const View& v, const std::vector<nb::ndarray<>>& bases, s
   t.strides = std::move(strides);
   t.nbytes = nbytes;
   t.data = static_cast<const char*>(b.data()) + offset;
+  t.buffer = static_cast<int>(base);
   return t;
 }
 

@@ -115,12 +115,13 @@ Error PieceCopier::copy(const TensorSrc& t, std::size_t begin, std::size_t end, 
   }
   if (!t.contiguous) return Error::internal("non-contiguous CUDA tensor reached the copy stage: " + t.name);
   const char* src = t.data + begin;
-  if (run_.len && run_.device == t.device && run_.src + run_.len == src && run_.dst + run_.len == dst) {
+  if (run_.len && t.buffer >= 0 && run_.buffer == t.buffer && run_.device == t.device &&
+      run_.src + run_.len == src && run_.dst + run_.len == dst) {
     run_.len += end - begin;
     return {};
   }
   if (Error e = issue()) return e;
-  run_ = {t.device, src, dst, end - begin};
+  run_ = {t.device, t.buffer, src, dst, end - begin};
   return {};
 }
 

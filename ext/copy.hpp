@@ -40,11 +40,13 @@ class PieceCopier {
   Error finish();
 
  private:
-  // Device bytes not yet issued. Ranges that follow each other both on the device and in the chunk go as
-  // one copy: a staged checkpoint's tensors are packed as in the file, so a piece is one copy, not one per
-  // tensor (every copy call and its driver lock compete with the training thread's kernel launches).
+  // Device bytes not yet issued. Ranges of one buffer that follow each other both on the device and in the
+  // chunk go as one copy: a staged checkpoint's tensors are packed as in the file, so a piece is one copy,
+  // not one per tensor (every copy call and its driver lock compete with the training thread's kernel
+  // launches).
   struct Run {
     int device = -1;
+    int buffer = -1;
     const char* src = nullptr;
     char* dst = nullptr;
     std::size_t len = 0;

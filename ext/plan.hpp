@@ -27,6 +27,10 @@ struct TensorSrc {
   int device = -1;             // CUDA ordinal, -1 for host memory
   std::size_t nbytes = 0;
   bool contiguous = true;
+  // The device buffer the bytes lie in when several tensors share one (a staged checkpoint's: its index);
+  // -1: unknown. Only ranges of one buffer may go as one copy: a copy may not span two allocations, even
+  // ones that happen to follow each other in the address space.
+  int buffer = -1;
 };
 
 using Metadata = std::vector<std::pair<std::string, std::string>>;
