@@ -119,12 +119,17 @@ def _stage(arrays: list[list[torch.Tensor]], views: list[list[Any]]) -> list[tor
             srcs.append(src)
             arrays[k][i] = dst
         for dsts, srcs in pairs.values():
-            if hasattr(torch, "_foreach_copy_"):
-                torch._foreach_copy_(dsts, srcs)
-            else:  # torch before 2.1
-                for d, s in zip(dsts, srcs):
-                    d.copy_(s)
+            copy_many(dsts, srcs)
     return bases
+
+
+def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Copies each of `srcs` into the tensor of `dsts` beside it (same dtype): one multi-tensor kernel."""
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(dsts, srcs)
+    else:  # torch before 2.1
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:

@@ -47,7 +47,7 @@ from nanotron.serialize.metadata import CheckpointMetadata, load_meta, process_t
 
 from ..config import DataStatesConfig
 from ..engine import DataStatesEngine
-from ..plan import SavePlan
+from ..plan import SavePlan, copy_many
 from . import housekeeping, layout, shards, staging, states
 from .commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
 from .deferred import DeferredLoad
@@ -278,9 +278,10 @@ class DataStatesTrainerMixin:
             self.config.checkpoints.load_optimizer = self._ds_load_flags[0]
         if not self._ds_pinning and self._ds_active and self._ds_engine is not None:
             self._ds_pinning = True
-            sizes = self._ds_file_sizes()
+            plans = self._ds_file_plans()
+            sizes = [plan.nbytes for plan in plans]
             self._ds_pin_ahead(sizes)
-            self._ds_reserve_staging(sizes)
+            self._ds_prepare_staging(plans)
         return out
 
     def _ds_pin_ahead(self, sizes: list[int]) -> None:
@@ -293,28 +294,33 @@ class DataStatesTrainerMixin:
         chunks = sum(-(-size // chunk) for size in sizes) + 2  # + the scheduler's and random states' files
         engine.prepare_cache(wait=False, nbytes=chunks * chunk)
 
-    def _ds_reserve_staging(self, sizes: list[int]) -> None:
-        """Where checkpoints will be staged on the GPU: allocates and frees a buffer of their size after the
-        first step, so that torch's allocator holds it for the first checkpoint, whose staging otherwise
-        pays for the allocation (a 2.2 GB cudaMalloc took 20 ms on an H100). The allocator hands it back to
-        training should training run short."""
+    def _ds_prepare_staging(self, plans: list[SavePlan]) -> None:
+        """Where checkpoints will be staged on the GPU, what the first staging would pay for once is paid
+        after the first step instead: a buffer of the checkpoint's size is allocated and freed, so that
+        torch's allocator holds it (a 2.2 GB cudaMalloc took 20 ms on an H100; the allocator hands it back
+        to training should training run short), and the staging copy runs once per dtype, so that its
+        kernels are loaded (CUDA loads them lazily, at their first launch)."""
         if not self._ds_expect_staged():
             return
-        slack = 256 * (len(sizes) + 2) + (2 << 20)  # each file's alignment in the buffer, and a whole 2 MiB
-        torch.empty_strided((sum(sizes) + slack,), (1,), dtype=torch.uint8, device="cuda")
+        slack = 256 * (len(plans) + 2) + (2 << 20)  # each file's alignment in the buffer, and a whole 2 MiB
+        torch.empty_strided((sum(p.nbytes for p in plans) + slack,), (1,), dtype=torch.uint8, device="cuda")
+        for dtype in {a.dtype for p in plans for a in p.arrays if a.is_cuda}:
+            src = torch.zeros(2, dtype=dtype, device="cuda")
+            copy_many([torch.empty_like(src)], [src])
 
-    def _ds_file_sizes(self) -> list[int]:
-        """Bytes of this rank's weight files and optimizer file, as of now."""
-        sizes = [plan.nbytes for _, plan in self._ds_planned_files().weights]  # planned once, used at saves
-        sizes.append(self._ds_engine.plan(self.optimizer.state_dict()).nbytes)
-        return sizes
+    def _ds_file_plans(self) -> list[SavePlan]:
+        """Plans of this rank's weight files and optimizer file, as of now."""
+        plans = [plan for _, plan in self._ds_planned_files().weights]  # planned once, used at saves
+        plans.append(self._ds_engine.plan(self.optimizer.state_dict()))
+        return plans
 
     def _ds_expect_staged(self) -> bool:
         """Whether the checkpoint asked for now will be copied on the GPU first (decided where it is queued):
         as the last one was; the first, as the staging rule says of its size now (one planning more, once).
         Staged checkpoints are queued at the next step; the others now."""
         if self._ds_staged is None:
-            stage, _ = staging.decide(self._ds_config.device_snapshot, sum(self._ds_file_sizes()))
+            nbytes = sum(plan.nbytes for plan in self._ds_file_plans())
+            stage, _ = staging.decide(self._ds_config.device_snapshot, nbytes)
             return stage
         return self._ds_staged
 
