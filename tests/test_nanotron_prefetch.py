@@ -2,11 +2,13 @@
 manifest's checksums, and anything that cannot be read ahead is left to the ordinary path, never raised."""
 
 import logging
+import os
 
+import pytest
 import torch
 
 from nanotron_datastates import DataStatesEngine
-from nanotron_datastates.nanotron.prefetch import Prefetch
+from nanotron_datastates.nanotron.prefetch import Prefetch, warm_page_cache
 
 from helpers import same, small_config
 
@@ -71,3 +73,34 @@ def test_the_report_says_when_each_read_ended_and_how_long_it_was_waited_for(tmp
         assert 0 < t["weights_read"] <= t["optimizer_read"]
         assert t["weights_waited"] >= 0 and t["optimizer_waited"] >= 0
         assert "weights read" in ahead.report() and "optimizer waited" in ahead.report()
+
+
+def _cached(path) -> bool:
+    """Whether every byte of `path` is in the page cache: a read that may not wait for the disk succeeds."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        buf = bytearray(size)
+        try:
+            return os.preadv(fd, [buf], 0, os.RWF_NOWAIT) == size
+        except BlockingIOError:
+            return False
+    finally:
+        os.close(fd)
+
+
+def test_small_files_are_read_into_the_page_cache_before_the_read_ahead(tmp_path):
+    # Read after the read-ahead has filled the disk's queue, the scheduler's, random states' and metadata
+    # files each waited behind it on the GPU machine; read first, they come from memory.
+    files = [tmp_path / f"small{i}" for i in range(3)]
+    for i, path in enumerate(files):
+        path.write_bytes(bytes([i]) * (20_000 + i))
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages: dropped
+        os.close(fd)
+    if any(_cached(p) for p in files):
+        pytest.skip("this file system keeps the pages (tmpfs?)")
+    missing = tmp_path / "absent"  # skipped: read again where it is used, which raises there
+    assert warm_page_cache([*files, missing]) == sum(20_000 + i for i in range(3))
+    assert all(_cached(p) for p in files)

@@ -52,7 +52,7 @@ from . import housekeeping, layout, shards, staging, states
 from .commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
 from .deferred import DeferredLoad
 from .gate import SnapshotGate
-from .prefetch import Prefetch
+from .prefetch import Prefetch, warm_page_cache
 
 logger = logging.get_logger(__name__)
 
@@ -116,6 +116,10 @@ class DataStatesTrainerMixin:
             weights = [root / f for f in sorted(self._ds_manifest["files"]) if f.startswith("model/")]
         if optimizer is None and not weights:
             return None
+        small = [shards.random_states_path(pc, root), root / CHECKPOINT_FILE_NAME]
+        if self._ds_load_flags[1]:
+            small.append(shards.lr_scheduler_path(self.config.optimizer.zero_stage, pc, root, writing=False))
+        warm_page_cache(small)  # first, while the disk is idle
         return Prefetch(
             self._ds_get_engine(),
             torch.device("cuda", torch.cuda.current_device()),

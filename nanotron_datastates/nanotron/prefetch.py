@@ -8,16 +8,29 @@ the one wanted) the trainer reads again the ordinary way, which raises the error
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
 from ..engine import DataStatesEngine
 
 log = logging.getLogger("nanotron_datastates")
+
+
+def warm_page_cache(paths: Iterable[Path]) -> int:
+    """Reads these (small) files through the page cache now; returns the bytes read. Read after the read-ahead
+    has filled the disk's queue, as the trainer reads the scheduler's, the random states' and the metadata
+    files, each waits behind it (0 to 0.6 s in all on an H100); read before, they come from memory then. A
+    file that cannot be read is skipped: it is read again where it is used, which raises its error."""
+    total = 0
+    for path in paths:
+        with contextlib.suppress(OSError):
+            total += len(Path(path).read_bytes())
+    return total
 
 
 class Prefetch:
