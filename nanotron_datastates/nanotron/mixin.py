@@ -83,6 +83,7 @@ class DataStatesTrainerMixin:
         self._ds_optimizer_flag_held = False  # checkpoints.load_optimizer, off until the first step is done
         self._ds_files: _Files | None = None
         self._ds_staged: bool | None = None  # whether the last checkpoint was copied on the GPU first
+        self._ds_checkpoint_bytes: int | None = None  # this rank's weight and optimizer files, once known
         self._ds_prefetch: Prefetch | None = None
         self._ds_pinning = False  # whether the host cache is being pinned (from the first step on)
         self._ds_deferred: DeferredLoad | None = None  # the optimizer state read ahead, until the first step
@@ -282,9 +283,9 @@ class DataStatesTrainerMixin:
             self.config.checkpoints.load_optimizer = self._ds_load_flags[0]
         if not self._ds_pinning and self._ds_active and self._ds_engine is not None:
             self._ds_pinning = True
-            plans = self._ds_file_plans()
-            sizes = [plan.nbytes for plan in plans]
-            self._ds_pin_ahead(sizes)
+            plans = self._ds_file_plans()  # the optimizer state exists from the first step on
+            self._ds_checkpoint_bytes = sum(plan.nbytes for plan in plans)
+            self._ds_pin_ahead([plan.nbytes for plan in plans])
             self._ds_prepare_staging(plans)
         return out
 
@@ -320,10 +321,12 @@ class DataStatesTrainerMixin:
 
     def _ds_expect_staged(self) -> bool:
         """Whether the checkpoint asked for now will be copied on the GPU first (decided where it is queued):
-        as the last one was; the first, as the staging rule says of its size now (one planning more, once).
-        Staged checkpoints are queued at the next step; the others now."""
+        as the last one was; the first, as the staging rule says of its size now. Staged checkpoints are
+        queued at the next step; the others now."""
         if self._ds_staged is None:
-            nbytes = sum(plan.nbytes for plan in self._ds_file_plans())
+            nbytes = self._ds_checkpoint_bytes
+            if nbytes is None:  # asked for before the first step ended
+                nbytes = sum(plan.nbytes for plan in self._ds_file_plans())
             stage, _ = staging.decide(self._ds_config.device_snapshot, nbytes)
             return stage
         return self._ds_staged
