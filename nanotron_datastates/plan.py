@@ -123,6 +123,11 @@ def _stage(arrays: list[list[torch.Tensor]], views: list[list[Any]]) -> list[tor
     return bases
 
 
+def staged_nbytes(plans: Sequence[SavePlan]) -> int:
+    """The most bytes staging these plans together takes on one device (each file's copy starts aligned)."""
+    return sum(-(-p.nbytes // _ALIGN) * _ALIGN for p in plans) + 16
+
+
 def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """Copies each of `srcs` into the tensor of `dsts` beside it (same dtype): one multi-tensor kernel."""
     if hasattr(torch, "_foreach_copy_"):

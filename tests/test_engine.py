@@ -333,3 +333,12 @@ def test_the_core_refuses_a_staged_view_outside_its_buffer_and_queues_none_of_th
         engine._core.save_many([absent], [base], [])
     engine.save({"w": torch.ones(3)}, tmp_path / "d.safetensors").wait_persisted()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.safetensors"]  # a.safetensors never started
+
+
+def test_staged_nbytes_bounds_the_staged_buffer(engine):
+    from nanotron_datastates.plan import prepare_many, staged_nbytes
+
+    plans = [engine.plan({"a": torch.randn(333, 7), "b": torch.arange(5)}), engine.plan({"c": torch.ones(3)})]
+    plans.append(engine.plan({"d": torch.randn(100).to(torch.bfloat16)}))
+    (base,) = prepare_many(plans, stage=True)[0].bases
+    assert base.numel() <= staged_nbytes(plans) < base.numel() + 256 * len(plans) + 16

@@ -47,7 +47,7 @@ from nanotron.serialize.metadata import CheckpointMetadata, load_meta, process_t
 
 from ..config import DataStatesConfig
 from ..engine import DataStatesEngine
-from ..plan import SavePlan, copy_many
+from ..plan import SavePlan, copy_many, staged_nbytes
 from . import housekeeping, layout, shards, staging, states
 from .commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
 from .deferred import DeferredLoad
@@ -307,8 +307,8 @@ class DataStatesTrainerMixin:
         kernels are loaded (CUDA loads them lazily, at their first launch)."""
         if not self._ds_expect_staged():
             return
-        slack = 256 * (len(plans) + 2) + (2 << 20)  # each file's alignment in the buffer, and a whole 2 MiB
-        torch.empty_strided((sum(p.nbytes for p in plans) + slack,), (1,), dtype=torch.uint8, device="cuda")
+        nbytes = staged_nbytes(plans) + (2 << 20)  # + the scheduler's and random states' files, planned later
+        torch.empty_strided((nbytes,), (1,), dtype=torch.uint8, device="cuda")
         for dtype in {a.dtype for p in plans for a in p.arrays if a.is_cuda}:
             src = torch.zeros(2, dtype=dtype, device="cuda")
             copy_many([torch.empty_like(src)], [src])
