@@ -16,6 +16,9 @@ Each mode trains the same model for the same steps in its own torchrun, on the s
   `datastates` with the checkpoint's files evicted from the page cache (`--cold system`: the whole page
   cache, libraries included); restore cost = their time from constructing the trainer to the end
   of the first step, minus the median of the same time over the runs that build the model from scratch.
+  `--restore-repeats N` runs the two restores N times in turn after every training run (`restore-torch-2`,
+  `restore-datastates-2`, ...), keeping both checkpoints on the disk: the disk's read speed drifts between
+  minutes by more than the ratio's margin, so each pair is taken side by side and the speedup is their median.
 
 An iteration is timed from the end of one step to the end of the next, after `torch.cuda.synchronize()`, so a
 checkpoint's cost lands in the iterations after it. Stall of a checkpoint = the sum, over the 3 iterations
@@ -297,11 +300,17 @@ def run_all(args: argparse.Namespace) -> int:
     if args.modes:
         wanted = set(args.modes.split(",")) | {"none"} | {n for n, _ in variants(args.variant)}
         runs = [r for r in runs if r[0] in wanted]
+    if args.restore_repeats > 1:  # the restores last, in pairs, each pair one after the other
+        restores = [r for r in runs if r[0].startswith("restore-")]
+        runs = [r for r in runs if not r[0].startswith("restore-")]
+        for k in range(args.restore_repeats):
+            runs += [(name if k == 0 else f"{name}-{k + 1}", cfg, stock) for name, cfg, stock in restores]
     records: dict[str, Any] = {}
     cold: dict[str, Any] = {}
-    for name, cfg, stock in runs:
+    for i, (name, cfg, stock) in enumerate(runs):
         if name.startswith("restore"):
-            cold[name] = make_cold(work / f"ckpt_{name.split('-', 1)[1]}", args.cold)
+            cold[name] = make_cold(work / f"ckpt_{resumed_from(name)}", args.cold)
+            shutil.rmtree(work / f"ckpt_restore-{resumed_from(name)}", ignore_errors=True)  # a repeat's save
         record = work / f"{name}.json"
         os.sync()  # no write-back of the previous run's files left to compete with this one
         cmd = ["torchrun", "--nproc_per_node=1", __file__, "phase", "--mode", name, "--config", str(cfg)]
@@ -315,9 +324,11 @@ def run_all(args: argparse.Namespace) -> int:
         print(f"{name:20s} rc={rc} {records[name]['seconds']:6.1f} s", flush=True)
         for prof in work.glob(f"{name}.*.prof.txt"):
             shutil.copy(prof, out / prof.name)
+        later = {resumed_from(r[0]) for r in runs[i + 1 :] if r[0].startswith("restore-")}
         if name.startswith("restore"):
-            shutil.rmtree(work / f"ckpt_{name.split('-', 1)[1]}", ignore_errors=True)
-        elif f"restore-{name}" not in {r[0] for r in runs}:  # kept for the restore that comes next
+            if resumed_from(name) not in later:
+                shutil.rmtree(work / f"ckpt_{resumed_from(name)}", ignore_errors=True)
+        elif name not in later:  # kept for the restores that come next
             shutil.rmtree(work / f"ckpt_{name}", ignore_errors=True)
         result = summarize(args, records)  # after every run: a call cut short keeps what it measured
         result["cold_cache"] = cold
@@ -328,6 +339,11 @@ def run_all(args: argparse.Namespace) -> int:
     plot(records, args, stem.with_suffix(".png"))
     print(table(result))
     return 0 if all(r["rc"] == 0 for r in records.values()) else 1
+
+
+def resumed_from(restore: str) -> str:
+    """The training run a restore run resumes: `restore-torch-2` -> `torch`."""
+    return restore.split("-")[1]
 
 
 def resummarize(out: Path) -> int:
@@ -511,8 +527,8 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
     # call, cold, may take a second more than the others; a single run as the baseline swung the ratio).
     scratch = [v for k, v in first.items() if not k.startswith("restore") and v is not None]
     first["scratch_median"] = statistics.median(scratch) if scratch else None
-    restore = {name: first[name] - first["scratch_median"] for name in ("restore-torch", "restore-datastates")
-               if first.get(name) is not None and scratch}  # fmt: skip
+    restore = {name: v - first["scratch_median"] for name, v in first.items()
+               if name.startswith("restore-") and v is not None and scratch}  # fmt: skip
     if modes["stress"]["mean_iteration_s"]:  # every iteration carries one checkpoint: its cost, on average
         modes["stress"]["cost_per_checkpoint_s"] = modes["stress"]["mean_iteration_s"] - median
     ratios = {}
@@ -523,8 +539,11 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         local = modes["datastates"]["stall_local_median_s"], modes[other]["stall_local_median_s"]
         if local[0] is not None and local[1]:
             ratios[f"{key}_local"] = local[0] / local[1]
-    if len(restore) == 2 and restore["restore-datastates"] > 0:
-        ratios["restore_speedup_vs_native"] = restore["restore-torch"] / restore["restore-datastates"]
+    pairs = restore_pairs(restore)
+    if pairs:
+        ratios["restore_speedup_vs_native"] = statistics.median(pairs)
+        if len(pairs) > 1:
+            ratios["restore_speedup_by_pair"] = pairs
     # When each run's set-up phases ended (seconds after the trainer's construction began).
     marks = {k: {"init_s": v["init_s"], **v.get("marks", {})} for k, v in records.items() if "init_s" in v}
     return {
@@ -550,6 +569,17 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         "ratios": ratios,
         "runs": {k: {"rc": v["rc"], "seconds": v["seconds"]} for k, v in records.items()},
     }
+
+
+def restore_pairs(restore: dict[str, float]) -> list[float]:
+    """Native's restore time over datastates', for each pair of restores run one after the other."""
+    out = []
+    for name, native in restore.items():
+        if name.startswith("restore-torch"):
+            ours = restore.get(name.replace("restore-torch", "restore-datastates"))
+            if ours is not None and ours > 0:
+                out.append(native / ours)
+    return out
 
 
 def _gpu_name() -> str | None:
@@ -638,6 +668,8 @@ def main() -> int:
     a.add_argument("--modes", help="comma-separated subset of the runs (none always runs)")
     a.add_argument("--variant", action="append", help="NAME:key=value,...: one more datastates run")
     a.add_argument("--rounds", type=int, default=1, help="repeat every run this many times, interleaved")
+    a.add_argument("--restore-repeats", type=int, default=1,
+                   help="run the two restores this many times in turn, after the training runs")  # fmt: skip
     rs = sub.add_parser("resummarize", help="recompute DIR's JSON and table from its records")
     rs.add_argument("dir")
     ph = sub.add_parser("phase")

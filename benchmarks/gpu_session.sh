@@ -3,8 +3,8 @@
 #   bash benchmarks/gpu_session.sh STEP [STEP ...]
 # Steps: tests | dd | engine | proof | nanotron-180m | nanotron-1b | nanotron-180m-long | ablation-180m |
 #        ddread | nanotron-1b-e2e | nanotron-180m-ds | rounds-180m | round-180m | round-1b | restore-stress |
-#        profile-180m | resume-hunt | stress-180m | stress-1b | staging | interference | pinning | crash (see each case
-#        below for its command).
+#        profile-180m | resume-hunt | stress-180m | stress-1b | staging | interference | pinning | restore-pairs |
+#        crash (see each case below for its command).
 # Every step's output is kept in $OUT/<step>.log; results go to $OUT/<step>/ and are tarred at the end,
 # since only a few files come back from $OUT.
 set -uo pipefail
@@ -97,6 +97,10 @@ run_step() {
       (cd benchmarks && python3 bench_interference.py --dir "$WORK/interf" --out "$OUT/interference") ;;
     pinning) # preparing the host cache with 4 KiB and huge pages: time, launches meanwhile, D2H throughput
       (cd benchmarks && python3 bench_pinning.py --cache-gib 16 --rounds 2 --out "$OUT/pinning") ;;
+    restore-pairs) # both restores of the 180M model five times in turn, side by side: the disk's drift between
+      # minutes moves one pair's ratio; the median of five does not
+      (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 80 --interval 40 --restore-repeats 5 \
+      --modes torch,datastates,restore-torch,restore-datastates --work "$WORK/rp180" --out "$OUT/restore-pairs") ;;
     crash) (cd benchmarks && python3 nanotron_crash.py --trials 3 --out "$OUT/crash" --work "$WORK/crash") ;;
     *) echo "unknown step $1"; return 2 ;;
   esac

@@ -73,6 +73,8 @@ def test_the_report_says_when_each_read_ended_and_how_long_it_was_waited_for(tmp
         assert 0 < t["weights_read"] <= t["optimizer_read"]
         assert t["weights_waited"] >= 0 and t["optimizer_waited"] >= 0
         assert "weights read" in ahead.report() and "optimizer waited" in ahead.report()
+        assert ahead.nbytes == sum(p.stat().st_size for p in [*weights, opt_path])
+        assert f"{ahead.nbytes / 1e9:.2f} GB at " in ahead.report()
 
 
 def _cached(path) -> bool:

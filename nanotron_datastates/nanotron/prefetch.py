@@ -33,6 +33,13 @@ def warm_page_cache(paths: Iterable[Path]) -> int:
     return total
 
 
+def _size(path: Path) -> int:
+    try:
+        return Path(path).stat().st_size
+    except OSError:  # read again where it is used, which raises the error
+        return 0
+
+
 class Prefetch:
     """Reads `weights` (files, each a flat dict of tensors), then `optimizer` (one file), onto `device`;
     `checksums(path)` gives the CRC-32C a weight file is checked against (None: those in the file)."""
@@ -48,6 +55,7 @@ class Prefetch:
         self._engine, self._device, self._checksums = engine, device, checksums
         self._t0 = time.perf_counter()
         self.timings: dict[str, float] = {}  # seconds after the start: each read's end, each wait
+        self.nbytes = sum(_size(p) for p in [*weights, *([optimizer] if optimizer is not None else [])])
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datastates-prefetch")
         # One thread, so the weights (needed first, once the model is built) are read before the optimizer.
         self._weights = pool.submit(self._read_weights, weights) if weights else None
@@ -105,8 +113,14 @@ class Prefetch:
         return path, state
 
     def report(self) -> str:
-        """When each read ended and how long the trainer waited for it, in seconds after the start."""
-        return ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in self.timings.items())
+        """When each read ended and how long the trainer waited for it, in seconds after the start, and the
+        rate of the reads (bytes of all the files over the time until the last read ended): where that rate is
+        the disk's, a resume cannot start sooner."""
+        text = ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in self.timings.items())
+        ends = [v for k, v in self.timings.items() if k.endswith("_read")]
+        if ends and max(ends) > 0:
+            text += f"; {self.nbytes / 1e9:.2f} GB at {self.nbytes / max(ends) / 1e9:.2f} GB/s"
+        return text
 
     def _on_device(self) -> None:
         if self._device.type == "cuda":
