@@ -120,6 +120,25 @@ def run_phase(args: argparse.Namespace) -> None:
             super().__init__(*a, **k)
             self._dcp_future = None
             self._gloo = torch.distributed.new_group(backend="gloo") if args.mode == "dcp" else None
+            step = self.optimizer.step  # the first step's phases: forward and backward, then the update
+
+            def first_step(*a: Any, **k: Any) -> Any:
+                first = "optimizer_step_start_s" not in rec["marks"]
+                if first:
+                    torch.cuda.synchronize()
+                    rec["marks"]["optimizer_step_start_s"] = time.perf_counter() - t_start
+                out = step(*a, **k)
+                if first:
+                    torch.cuda.synchronize()
+                    rec["marks"]["optimizer_step_end_s"] = time.perf_counter() - t_start
+                return out
+
+            self.optimizer.step = first_step
+
+        def pre_init(self) -> None:  # the read-ahead of a datastates resume starts here
+            rec["marks"]["pre_init_s"] = time.perf_counter() - t_start
+            super().pre_init()
+            rec["marks"]["pre_init_end_s"] = time.perf_counter() - t_start
 
         def _load_model_checkpoint(self, model: Any) -> Any:  # when the model was built, its weights set
             rec["marks"]["model_built_s"] = time.perf_counter() - t_start
@@ -625,8 +644,12 @@ def table(r: dict[str, Any]) -> str:
               "nanotron_proof.py compares the restored state itself): "
               + ", ".join(f"{k} {v['bitwise']} ({len(v['steps'])} steps, largest difference "
                           f"{v['max_abs_diff']})" for k, v in r["resume_losses"].items()),
-              "ratios: " + ", ".join(f"{k} {v:.4f}" for k, v in r["ratios"].items()), ""]  # fmt: skip
+              "ratios: " + ", ".join(f"{k} {_figure(v)}" for k, v in r["ratios"].items()), ""]  # fmt: skip
     return "\n".join(lines)
+
+
+def _figure(v: float | list[float]) -> str:
+    return f"[{', '.join(f'{x:.2f}' for x in v)}]" if isinstance(v, list) else f"{v:.4f}"
 
 
 def plot(records: dict[str, Any], args: argparse.Namespace, path: Path) -> None:
