@@ -48,7 +48,7 @@ from nanotron.serialize.metadata import CheckpointMetadata, load_meta, process_t
 from ..config import DataStatesConfig
 from ..engine import DataStatesEngine
 from ..plan import SavePlan, copy_many, staged_nbytes
-from . import housekeeping, layout, shards, staging, states
+from . import early, housekeeping, layout, shards, staging, states
 from .commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
 from .deferred import DeferredLoad
 from .gate import SnapshotGate
@@ -76,7 +76,8 @@ class DataStatesTrainerMixin:
 
     def pre_init(self) -> None:
         super().pre_init()  # Nanotron resolves the checkpoint to resume from
-        self._ds_engine: DataStatesEngine | None = None
+        ahead = getattr(self, "_ds_early", None)
+        self._ds_engine: DataStatesEngine | None = ahead.engine if ahead is not None else None
         self._ds_committer: Committer | None = None
         self._ds_gate = SnapshotGate()
         self._ds_outstanding = 0
@@ -85,6 +86,7 @@ class DataStatesTrainerMixin:
         self._ds_staged: bool | None = None  # whether the last checkpoint was copied on the GPU first
         self._ds_checkpoint_bytes: int | None = None  # this rank's weight and optimizer files, once known
         self._ds_prefetch: Prefetch | None = None
+        self._ds_read_early = False  # whether the read-ahead began with the trainer's construction (early.py)
         self._ds_pinning = False  # whether the host cache is being pinned (from the first step on)
         self._ds_deferred: DeferredLoad | None = None  # the optimizer state read ahead, until the first step
         path = self.init_checkpoint_path
@@ -117,20 +119,27 @@ class DataStatesTrainerMixin:
             weights = [root / f for f in sorted(self._ds_manifest["files"]) if f.startswith("model/")]
         if optimizer is None and not weights:
             return None
+        device = torch.device("cuda", torch.cuda.current_device())
+        ahead, self._ds_early = self._ds_early, None
+        if ahead is not None and ahead.matches(root, weights, optimizer, device):
+            self._ds_read_early = True
+            return ahead.prefetch
         small = [shards.random_states_path(pc, root), root / CHECKPOINT_FILE_NAME]
         if self._ds_load_flags[1]:
             small.append(shards.lr_scheduler_path(self.config.optimizer.zero_stage, pc, root, writing=False))
         warm_page_cache(small)  # first, while the disk is idle
         return Prefetch(
             self._ds_get_engine(),
-            torch.device("cuda", torch.cuda.current_device()),
+            device,
             weights,
             optimizer,
             lambda path: layout.file_checksums(self._ds_manifest, root, path),
         )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._ds_early = early.start(args, kwargs)  # before Nanotron sets up its process groups
         super().__init__(*args, **kwargs)
+        self._ds_early = None  # not adopted (nothing to resume here after all): its buffers go back
         if self._ds_resume is not None:
             t0 = time.perf_counter()
             self._ds_restore_rest()
@@ -259,7 +268,8 @@ class DataStatesTrainerMixin:
 
     def _ds_drop_prefetch(self) -> None:
         if self._ds_prefetch is not None:
-            self._ds_log(f"read ahead: {self._ds_prefetch.report()}")
+            since = "the trainer's start" if self._ds_read_early else "the process groups were set up"
+            self._ds_log(f"read ahead, since {since}: {self._ds_prefetch.report()}")
         self._ds_prefetch = None  # whatever was read ahead and not used goes back
 
     def _ds_topology_changes(self) -> dict[str, tuple[Any, int]]:
