@@ -16,8 +16,9 @@ With `checkpointing_engine: datastates`:
 
 Resuming from a checkpoint that has a manifest reads it with the engine (weights straight into the
 parameters, in parallel), whatever `checkpointing_engine` says; any other checkpoint is left to Nanotron. On a
-GPU the files are read ahead while Nanotron builds the model (prefetch.py), and the optimizer state is loaded
-at the first optimizer step, its read overlapping the first forward and backward passes (deferred.py).
+GPU the files are read ahead while Nanotron sets up its process groups and builds the model (early.py,
+prefetch.py), and the optimizer state is loaded at the first optimizer step, its read overlapping the first
+forward and backward passes (deferred.py).
 With `checkpointing_engine: torch` and such a checkpoint, the trainer is Nanotron's, unchanged.
 """
 
