@@ -1,4 +1,4 @@
-"""Resume, read ahead from the trainer's first line: before Nanotron sets up its process groups (0.5 to 0.7 s
+"""Resume, read ahead from the trainer's first line: before Nanotron sets up its process groups (0.4 to 0.7 s
 on an H100, NCCL's first communicator and a barrier per group), which files this rank will read is guessed
 from the config and the checkpoint's manifest, and the read-ahead (prefetch.py) starts on them at once.
 
