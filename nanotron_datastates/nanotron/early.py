@@ -116,8 +116,6 @@ def _files(config: Any, manifest: dict[str, Any], root: Path) -> tuple[list[Path
     }
     if manifest.get("topology", {}) != here or (par.tp, par.pp, par.expert_parallel_size) != (1, 1, 1):
         return [], None
-    files = sorted(manifest["files"])
-    weights = [root / f for f in files if f.startswith("model/")]
-    optimizers = [f for f in files if f.startswith("optimizer/") and f.endswith(".safetensors")]
+    optimizers = [f for f in manifest["files"] if f.startswith("optimizer/") and f.endswith(".safetensors")]
     optimizer = root / optimizers[0] if len(optimizers) == 1 and config.checkpoints.load_optimizer else None
-    return weights, optimizer
+    return layout.weight_files(manifest, root), optimizer

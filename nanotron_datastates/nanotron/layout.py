@@ -110,6 +110,12 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
     return doc
 
 
+def weight_files(doc: dict[str, Any], folder: Path) -> list[Path]:
+    """Every weight file a manifest names, under `folder`, in name order: what a rank of a layout without
+    tensor, pipeline or expert parallelism reads."""
+    return [folder / f for f in sorted(doc["files"]) if f.startswith("model/")]
+
+
 def file_checksums(
     doc: dict[str, Any], folder: str | os.PathLike, path: str | os.PathLike
 ) -> dict[str, int] | None:

@@ -117,7 +117,7 @@ class DataStatesTrainerMixin:
             optimizer = shards.optimizer_file(pc, root, zero=zero)
         weights = []
         if pc.tp_pg.size() == 1 and pc.pp_pg.size() == 1 and pc.expert_parallel_size == 1:
-            weights = [root / f for f in sorted(self._ds_manifest["files"]) if f.startswith("model/")]
+            weights = layout.weight_files(self._ds_manifest, root)
         if optimizer is None and not weights:
             return None
         device = torch.device("cuda", torch.cuda.current_device())
