@@ -58,3 +58,16 @@ def load_run_train() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def book_dummy_tokens(metadata: Any) -> None:
+    """Nanotron main counts the tokens trained in total and per dataset folder of the stage, and its
+    `load_meta` refuses a checkpoint whose two counts differ; its dummy data (no dataset) has no folder, so
+    stock main cannot resume its own checkpoints of it. The dummy data's tokens are booked under one folder,
+    as a real dataset's are. Nanotron before 2025-04 counts neither."""
+    total = getattr(metadata, "consumed_tokens_total", None)
+    if total is None or len(metadata.data_stages) != 1:
+        return
+    folders = metadata.data_stages[0].consumed_tokens_per_dataset_folder
+    if not folders or set(folders) == {"dummy"}:
+        folders["dummy"] = total

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import evict, resident_bytes
-from _nanotron import REPO, load_run_train, write_config
+from _nanotron import REPO, book_dummy_tokens, load_run_train, write_config
 
 MODELS: dict[str, dict[str, Any]] = {
     "180m": {},  # the example config's model
@@ -158,6 +158,7 @@ def run_phase(args: argparse.Namespace) -> None:
             return out
 
         def save_checkpoint(self) -> Path:
+            book_dummy_tokens(self.metadata)
             engine_s0, staged0 = engine_time[0], staged[0]
             t0 = time.perf_counter()
             profile = args.profile and len(rec["saves"]) == 1  # the second save: the engine is warm

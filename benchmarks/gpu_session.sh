@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool, carry .gpu): build, then the named steps, results under $OUT.
 #   bash benchmarks/gpu_session.sh STEP [STEP ...]
-# Steps: tests | dd | engine | proof | nanotron-180m | nanotron-1b | nanotron-180m-long | ablation-180m |
+# Steps: tests | dd | engine | proof | proof-all | proof-dp2-zero1 | nanotron-180m | nanotron-1b | nanotron-180m-long | ablation-180m |
 #        ddread | nanotron-1b-e2e | nanotron-180m-ds | rounds-180m | round-180m | round-1b | restore-stress |
 #        profile-180m | resume-hunt | stress-180m | stress-1b | staging | interference | pinning | restore-pairs |
 #        crash (see each case below for its command).
+# NANOTRON_DIR=<folder with src/ and run_train.py> runs them on another Nanotron tree than .gpu/nanotron.
 # Every step's output is kept in $OUT/<step>.log; results go to $OUT/<step>/ and are tarred at the end,
 # since only a few files come back from $OUT.
 set -uo pipefail
 OUT=${OUT:?set OUT}
+mkdir -p "$OUT"
 source .gpu/tools/device-env.sh .gpu
+if [ -n "${NANOTRON_DIR:-}" ]; then  # another Nanotron tree (its src/ and run_train.py) than .gpu's
+  NANOTRON_DIR=$(cd "$NANOTRON_DIR" && pwd)
+  export PYTHONPATH=$NANOTRON_DIR/src:$PYTHONPATH NANOTRON_RUN_TRAIN=$NANOTRON_DIR/run_train.py
+fi
+python3 -c "import nanotron, sys; print('nanotron from', nanotron.__file__)" > "$OUT/nanotron.txt" 2>&1
 export PYTHONUNBUFFERED=1
 WORK=${WORK:-/tmp/ds_bench}
 mkdir -p "$WORK"
@@ -56,6 +63,11 @@ run_step() {
       --out "$OUT/engine/engine_gpu.json" ;;
     proof) python3 benchmarks/nanotron_proof.py all --gpus 1 --phases ds-train,ds-resume --out "$OUT/proof" \
       --work "$WORK/proof" ;;
+    proof-all) # every phase of the proof, one GPU: the engine's resume, stock reading ours, ours resuming stock
+      python3 benchmarks/nanotron_proof.py all --gpus 1 --out "$OUT/proof-all" --work "$WORK/proof-all" ;;
+    proof-dp2-zero1) # every phase on two GPUs, data-parallel with ZeRO-1 optimizer shards
+      python3 benchmarks/nanotron_proof.py all --gpus 2 --dp 2 --zero 1 --out "$OUT/proof-dp2-zero1" \
+      --work "$WORK/proof-dp2" ;;
     nanotron-180m) (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 130 --interval 40 \
       --work "$WORK/bn180" --out "$OUT/nanotron-180m") ;;
     nanotron-1b) (cd benchmarks && python3 bench_nanotron.py all --model 1b --steps 65 --interval 30 \

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _nanotron import REPO, load_run_train, write_config
+from _nanotron import REPO, book_dummy_tokens, load_run_train, write_config
 
 TRAIN_STEPS, INTERVAL, RESUME_STEPS = 6, 3, 9  # checkpoints at 3 and 6; the reference is taken at 6
 # ds-train runs one step more: the engine queues a checkpoint's files at the next step (`queue_at_step`), so
@@ -142,6 +142,7 @@ def run_phase(args: argparse.Namespace) -> None:
 
     class Trainer(DistributedTrainer):
         def save_checkpoint(self) -> Path:
+            book_dummy_tokens(self.metadata)
             if args.reference_step and self.iteration_step == args.reference_step:
                 torch.cuda.synchronize()
                 torch.save(capture(self), Path(args.refs) / f"reference_{args.name}_rank{rank}.pt")

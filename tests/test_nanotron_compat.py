@@ -42,3 +42,18 @@ def test_broken_circular_import_is_named(tmp_path):
 def test_missing_nanotron_is_named(tmp_path):
     r = _run(PROBE + "\n", ":".join(p for p in sys.path if p and "nanotron/src" not in p))
     assert "UNAVAILABLE: cannot import nanotron" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_module_nanotron_imports_is_named_with_what_provides_it(tmp_path):
+    """Nanotron main imports CUDA builds and packages its pyproject does not declare: the message names the
+    missing module and where it comes from, not Nanotron's install."""
+    pkg = tmp_path / "nanotron"
+    (pkg / "config").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config" / "__init__.py").write_text("")
+    (pkg / "config" / "config.py").write_text("import grouped_gemm\n")
+    r = _run(PROBE, f"{tmp_path}:{':'.join(p for p in sys.path if p)}")
+    assert "UNAVAILABLE: cannot import nanotron.config.config: Nanotron imports 'grouped_gemm'" in r.stdout, (
+        r.stdout + r.stderr
+    )
+    assert "a CUDA build" in r.stdout and "install Nanotron from source" not in r.stdout

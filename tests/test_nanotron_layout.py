@@ -51,3 +51,37 @@ def test_global_random_states_round_trip_through_the_engine(engine, tmp_path):
     torch.manual_seed(9)
     states.set_global_rng_state(engine.load(tmp_path / "r.safetensors"))
     assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(3), expected[2])
+
+
+def test_random_states_name_with_context_parallelism():
+    """Nanotron main names one file for all context-parallel ranks; each of ours has its own."""
+    assert (
+        layout.random_states_name((0, 1), (1, 2), (0, 1), (1, 2))
+        == "tp-0-of-1_dp-1-of-2_pp-0-of-1_cp-1-of-2.safetensors"
+    )
+    assert (
+        layout.random_states_name((0, 1), (1, 2), (0, 1), (0, 1))
+        == "tp-0-of-1_dp-1-of-2_pp-0-of-1.safetensors"
+    )
+    assert layout.stock_random_states("tp-0-of-1_dp-1-of-2_pp-0-of-1_cp-1-of-2.safetensors") == (
+        "tp-0-of-1_dp-1-of-2_pp-0-of-1.pt",
+        False,
+    )
+    assert layout.stock_random_states("tp-0-of-1_dp-1-of-2_pp-0-of-1_cp-0-of-2.safetensors") == (
+        "tp-0-of-1_dp-1-of-2_pp-0-of-1.pt",
+        True,
+    )
+    assert layout.stock_random_states("tp-0-of-1_dp-1-of-2_pp-0-of-1.safetensors") == (
+        "tp-0-of-1_dp-1-of-2_pp-0-of-1.pt",
+        True,
+    )
+    assert layout.stock_random_states("notes.safetensors") is None
+
+
+def test_topology_changes_default_cp_to_one():
+    """Manifests written before context parallelism have no cp: they were written with cp=1."""
+    here = layout.topology(tp=1, pp=1, dp=2, cp=1, expert=1, zero_stage=1)
+    old = {"tp": 1, "pp": 1, "dp": 2, "expert": 1, "zero_stage": 1}
+    assert layout.topology_changes(old, here) == {}
+    assert layout.topology_changes(old, {**here, "cp": 2}) == {"cp": (1, 2)}
+    assert layout.topology_changes({**old, "dp": 4}, here) == {"dp": (4, 2)}

@@ -111,8 +111,9 @@ def describe_checkpoint(folder: str | os.PathLike) -> dict[str, Any]:
     meta = layout.read_json(folder / layout.NANOTRON_METADATA)
     if meta:
         out["step"] = out["step"] if out["step"] is not None else meta.get("metas", {}).get("last_train_step")
-        for key in ("tp", "dp"):
-            out["topology"].setdefault(key, meta.get(key))
+        for key in ("tp", "dp", "cp"):  # cp: Nanotron main's
+            if key in meta:
+                out["topology"].setdefault(key, meta[key])
     parallelism = layout.read_yaml(folder / "config.yaml").get("parallelism") or {}
     out["topology"].setdefault("pp", parallelism.get("pp"))
     root = folder.parent
@@ -218,19 +219,27 @@ def _verify_checkpoint(engine: DataStatesEngine, folder: Path, report: Report) -
             report.problems.append(f"{path}: {size} bytes, the manifest says {entry.get('bytes')}")
             continue
         _verify_file(engine, path, layout.file_checksums(doc, folder, path), report)
-    topo = doc.get("topology", {})
-    sizes = [topo.get(k) for k in ("tp", "dp", "pp")]
-    if all(isinstance(s, int) and s > 0 for s in sizes):
-        for tp, dp, pp in itertools.product(*(range(s) for s in sizes)):
-            rel = f"random/{layout.random_states_name((tp, sizes[0]), (dp, sizes[1]), (pp, sizes[2]))}"
-            if rel not in doc["files"]:
-                report.problems.append(f"{folder / rel}: no file from rank tp={tp} dp={dp} pp={pp}")
+    _verify_random_states(folder, doc, report)
     listed = {folder / rel for rel in doc["files"]}
     for p in sorted(folder.rglob("*.safetensors")):
         if p not in listed and not p.name.startswith("."):
             report.notes.append(f"{p}: not in the manifest (ignored on resume)")
     for p in temporaries(folder):
         report.notes.append(f"{p}: temporary left by a process that died mid-save")
+
+
+def _verify_random_states(folder: Path, doc: dict[str, Any], report: Report) -> None:
+    """Every rank writes its random states: one file per tp × dp × pp × cp rank of the saved layout."""
+    topo = doc.get("topology", {})
+    dims = ("tp", "dp", "pp", "cp")
+    sizes = [topo.get(k, layout.TOPOLOGY_DEFAULTS.get(k)) for k in dims]
+    if not all(isinstance(s, int) and s > 0 for s in sizes):
+        return
+    for ranks in itertools.product(*(range(s) for s in sizes)):
+        rel = f"random/{layout.random_states_name(*zip(ranks, sizes))}"
+        if rel not in doc["files"]:
+            where = " ".join(f"{k}={r}" for k, r in zip(dims, ranks) if k != "cp" or sizes[3] > 1)
+            report.problems.append(f"{folder / rel}: no file from rank {where}")
 
 
 def _verify_file(

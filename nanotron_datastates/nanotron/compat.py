@@ -15,9 +15,21 @@ REQUIRED = {
     "nanotron.random": ("RandomState", "RandomStates"),
 }
 INSTALL_HINT = (
-    "install Nanotron from source (pip install -e . in a checkout of huggingface/nanotron; tested at commit "
-    "2cde8f6), with its extras dacite and datasets"
+    "install Nanotron from source (pip install -e . in a checkout of huggingface/nanotron; supported from "
+    "commit 2cde8f6, 2024-12-05, to main), with its extras dacite and datasets"
 )
+# Modules Nanotron imports, and where they come from: main imports several its pyproject does not declare.
+PROVIDERS = {
+    "dacite": "pip install dacite (Nanotron's extra)",
+    "datasets": "pip install datasets (Nanotron's extra)",
+    "transformers": "pip install transformers (Nanotron main imports it without declaring it)",
+    "psutil": "pip install psutil (Nanotron main imports it without declaring it)",
+    "einops": "pip install einops (Nanotron main imports it without declaring it)",
+    "torchtyping": "pip install torchtyping (Nanotron main imports it without declaring it)",
+    "flash_attn": "the flash-attn package, a CUDA build (pip install flash-attn --no-build-isolation)",
+    "triton": "triton, which CUDA builds of torch install",
+    "grouped_gemm": "the grouped_gemm package, a CUDA build (Nanotron main imports it for its experts)",
+}
 
 
 class NanotronUnavailable(ImportError):
@@ -34,6 +46,12 @@ def load(module: str) -> ModuleType:
             raise NanotronUnavailable(
                 f"this Nanotron cannot be imported ({text}): PyPI's nanotron 0.4 wheel is broken; "
                 + INSTALL_HINT
+            ) from e
+        missing = (getattr(e, "name", None) or "").split(".")[0]
+        if missing and missing != "nanotron":
+            provider = PROVIDERS.get(missing, f"pip install {missing}")
+            raise NanotronUnavailable(
+                f"cannot import {module}: Nanotron imports {missing!r}, which is not installed; {provider}"
             ) from e
         raise NanotronUnavailable(f"cannot import {module} ({text}); {INSTALL_HINT}") from e
     missing = [name for name in REQUIRED.get(module, ()) if not hasattr(mod, name)]

@@ -124,6 +124,13 @@ def _to_torch(src: Path, out: Path, engine: DataStatesEngine) -> None:
             _copy(path, out / rel)
             engine.verify(out / rel, sums)
         elif parts[0] == RANDOM:
+            stock = layout.stock_random_states(parts[-1])
+            if stock is None:
+                raise FormatError(f"{path}: not a random-state file name of Nanotron's layout")
+            name, kept = stock
+            if not kept:  # Nanotron main keeps one file for all context-parallel ranks: rank 0's
+                engine.verify(path, sums)
+                continue
             saved = engine.load(path, checksums=sums)
             if not isinstance(saved, dict) or "nanotron" not in saved:
                 raise FormatError(f"{path}: not the random states of a datastates checkpoint")
@@ -131,7 +138,7 @@ def _to_torch(src: Path, out: Path, engine: DataStatesEngine) -> None:
             random_states = _nanotron_random().RandomStates(
                 {k: states.random_state_from_plain(v) for k, v in saved["nanotron"].items()}
             )
-            _torch_save(random_states, out / _as_pt(rel))
+            _torch_save(random_states, out / RANDOM / name)
         else:
             _torch_save(engine.load(path, checksums=sums), out / _as_pt(rel))
     _copy_rest(src, out, listed=set(doc["files"]), to="torch")
@@ -175,13 +182,14 @@ def _to_datastates(src: Path, out: Path, engine: DataStatesEngine, handles: list
     step = _step(src, meta)
     config = layout.read_yaml(src / CONFIG)
     parallelism = config.get("parallelism") or {}
-    topology = {
-        "tp": meta["tp"],
-        "pp": int(parallelism.get("pp") or 1),
-        "dp": meta["dp"],
-        "expert": int(parallelism.get("expert_parallel_size") or 1),
-        "zero_stage": int((config.get("optimizer") or {}).get("zero_stage") or 0),
-    }
+    topology = layout.topology(
+        tp=meta["tp"],
+        pp=int(parallelism.get("pp") or 1),
+        dp=meta["dp"],
+        cp=int(meta.get("cp") or parallelism.get("context_parallel_size") or 1),  # Nanotron main's
+        expert=int(parallelism.get("expert_parallel_size") or 1),
+        zero_stage=int((config.get("optimizer") or {}).get("zero_stage") or 0),
+    )
     saved: list[tuple[str, SaveHandle]] = []  # (file in `out`, its save)
     for rel in _files(src):
         parts = Path(rel).parts
@@ -190,11 +198,11 @@ def _to_datastates(src: Path, out: Path, engine: DataStatesEngine, handles: list
             metadata = engine.read_metadata(src / rel)
             # Rewritten rather than copied: the engine computes the checksums the manifest keeps. The file
             # stays Nanotron's (its metadata verbatim, nothing of ours), as the trainer writes weights.
-            target, h = rel, engine.save(tensors, out / rel, metadata=metadata, exact_metadata=True)
+            made = [(rel, engine.save(tensors, out / rel, metadata=metadata, exact_metadata=True))]
         elif parts[0] in PICKLED and rel.endswith(".pt"):
             obj = torch.load(src / rel, map_location="cpu", weights_only=False)
             target = layout.as_safetensors(rel)
-            h = engine.save(obj, out / target)
+            made = [(target, engine.save(obj, out / target))]
         elif parts[0] == RANDOM and rel.endswith(".pt"):
             _nanotron_random()  # unpickling needs it: fail with a clear message
             loaded = torch.load(src / rel, map_location="cpu", weights_only=False)
@@ -202,16 +210,17 @@ def _to_datastates(src: Path, out: Path, engine: DataStatesEngine, handles: list
                 raise ValueError(f"{src / rel}: {type(loaded).__name__}, not Nanotron's RandomStates")
             # No "global" entry: the stock layout never kept the process-wide generators (resume allows it).
             plain = {"nanotron": {k: states.random_state_to_plain(v) for k, v in loaded.items()}}
-            target = layout.as_safetensors(rel)
-            h = engine.save(plain, out / target)
+            # Nanotron main's context-parallel ranks all read this one file: each of ours gets a copy.
+            made = [(t, engine.save(plain, out / t)) for t in _random_targets(rel, topology["cp"])]
         else:
             if rel != METADATA:  # written last
                 _copy(src / rel, out / rel)
             continue
-        handles.append(h)
-        saved.append((target, h))
-        # One file in memory at a time: the next is read while this one is flushed.
-        h.wait_snapshot()
+        for target, h in made:
+            handles.append(h)
+            saved.append((target, h))
+            # One file in memory at a time: the next is read while this one is flushed.
+            h.wait_snapshot()
     entries = {}
     for target, h in saved:
         sums = h.checksums()  # waits until persisted; raises the save's error
@@ -223,6 +232,15 @@ def _to_datastates(src: Path, out: Path, engine: DataStatesEngine, handles: list
     # As the trainer commits: the metadata, then the manifest, which makes the folder a datastates checkpoint.
     layout.write_atomic(out / METADATA, (src / METADATA).read_bytes())
     layout.write_atomic(out / layout.MANIFEST, json.dumps(layout.manifest(step, topology, entries), indent=1))
+
+
+def _random_targets(rel: str, cp: int) -> list[str]:
+    """Our names for Nanotron's random-state file `rel`, one per context-parallel rank."""
+    base = layout.as_safetensors(rel)
+    if cp == 1:
+        return [base]
+    stem = base.removesuffix(".safetensors")
+    return [f"{stem}_cp-{r}-of-{cp}.safetensors" for r in range(cp)]
 
 
 def _step(src: Path, meta: dict[str, Any]) -> int:

@@ -3,10 +3,10 @@ on an H100, NCCL's first communicator and a barrier per group), which files this
 from the config and the checkpoint's manifest, and the read-ahead (prefetch.py) starts on them at once.
 
 The guess is only taken where it cannot be wrong in practice: the layout saved is the configured one, with no
-tensor, pipeline or expert parallelism (every rank reads every weight file), and the checkpoint holds one
-optimizer file (every rank reads it). Once the process groups exist, the trainer computes the files itself and
-adopts this read-ahead only if they are the same (`matches`); otherwise it reads its own, and this one's
-buffers are let go when its reads end.
+tensor, pipeline or expert parallelism (every rank reads every weight file; data- and context-parallel ranks
+hold the whole model), and the checkpoint holds one optimizer file (every rank reads it). Once the process
+groups exist, the trainer computes the files itself and adopts this read-ahead only if they are the same
+(`matches`); otherwise it reads its own, and this one's buffers are let go when its reads end.
 """
 
 from __future__ import annotations
@@ -107,14 +107,16 @@ def _files(config: Any, manifest: dict[str, Any], root: Path) -> tuple[list[Path
     """The weight files and the optimizer file every rank of this layout reads; none if the layout differs
     from the saved one or spreads the model over ranks."""
     par = config.parallelism
-    here = {
-        "tp": par.tp,
-        "pp": par.pp,
-        "dp": par.dp,
-        "expert": par.expert_parallel_size,
-        "zero_stage": int(config.optimizer.zero_stage),
-    }
-    if manifest.get("topology", {}) != here or (par.tp, par.pp, par.expert_parallel_size) != (1, 1, 1):
+    here = layout.topology(
+        tp=par.tp,
+        pp=par.pp,
+        dp=par.dp,
+        cp=getattr(par, "context_parallel_size", 1),  # Nanotron main's; 1 before
+        expert=par.expert_parallel_size,
+        zero_stage=int(config.optimizer.zero_stage),
+    )
+    changed = layout.topology_changes(manifest.get("topology", {}), here)
+    if changed or (par.tp, par.pp, par.expert_parallel_size) != (1, 1, 1):
         return [], None
     optimizers = [f for f in manifest["files"] if f.startswith("optimizer/") and f.endswith(".safetensors")]
     optimizer = root / optimizers[0] if len(optimizers) == 1 and config.checkpoints.load_optimizer else None

@@ -18,6 +18,12 @@ def on_import(name: str) -> None:
             config.register()
             trainer_module = sys.modules["nanotron.trainer"]
             config.patch_trainer_module(trainer_module)
+            ours = sys.modules.get(f"{__package__}.trainer")
+            if ours is not None and not hasattr(ours, "install"):
+                # Our trainer module is what imports Nanotron's (the explicit route, first): it installs
+                # itself once its class is defined.
+                ours.INSTALL_WHEN_DEFINED = True
+                return
             from .trainer import install
 
             install(trainer_module)

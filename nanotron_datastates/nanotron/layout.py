@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,48 @@ def as_safetensors(pt_name: str) -> str:
     return pt_name[: -len(".pt")] + ".safetensors" if pt_name.endswith(".pt") else pt_name + ".safetensors"
 
 
-def random_states_name(tp: tuple[int, int], dp: tuple[int, int], pp: tuple[int, int]) -> str:
-    """Nanotron's `random/` file name (rank, size per dimension), as safetensors."""
-    return f"tp-{tp[0]}-of-{tp[1]}_dp-{dp[0]}-of-{dp[1]}_pp-{pp[0]}-of-{pp[1]}.safetensors"
+def random_states_name(
+    tp: tuple[int, int], dp: tuple[int, int], pp: tuple[int, int], cp: tuple[int, int] = (0, 1)
+) -> str:
+    """Nanotron's `random/` file name (rank, size per dimension), as safetensors. With context parallelism,
+    `_cp-<rank>-of-<size>` follows: Nanotron main names the file without it, so that its context-parallel
+    ranks all write one file and all read it back; each of ours keeps its own generators."""
+    name = f"tp-{tp[0]}-of-{tp[1]}_dp-{dp[0]}-of-{dp[1]}_pp-{pp[0]}-of-{pp[1]}"
+    if cp[1] > 1:
+        name += f"_cp-{cp[0]}-of-{cp[1]}"
+    return name + ".safetensors"
+
+
+_RANDOM_NAME = re.compile(r"tp-(\d+)-of-(\d+)_dp-(\d+)-of-(\d+)_pp-(\d+)-of-(\d+)(?:_cp-(\d+)-of-(\d+))?")
+
+
+def stock_random_states(name: str) -> tuple[str, bool] | None:
+    """For one of our `random/` file names: Nanotron's name for it (`.pt`, without the context-parallel part)
+    and whether this file is the one Nanotron keeps there (context-parallel rank 0's); None for another
+    name."""
+    m = _RANDOM_NAME.fullmatch(name.removesuffix(".safetensors"))
+    if m is None:
+        return None
+    return m.group(0).split("_cp-")[0] + ".pt", m.group(7) in (None, "0")
+
+
+TOPOLOGY_KEYS = ("tp", "pp", "dp", "cp", "expert", "zero_stage")
+# What a manifest without the key was written with (cp: before Nanotron had context parallelism).
+TOPOLOGY_DEFAULTS = {"cp": 1}
+
+
+def topology(*, tp: int, pp: int, dp: int, cp: int, expert: int, zero_stage: int) -> dict[str, int]:
+    """The parallel layout a checkpoint was written with, as its manifest records it."""
+    return {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "expert": expert, "zero_stage": zero_stage}
+
+
+def topology_changes(saved: dict[str, Any], here: dict[str, int]) -> dict[str, tuple[Any, int]]:
+    """{key: (saved, here)} for every dimension that differs; a key the manifest lacks has its default."""
+    return {
+        k: (saved.get(k, TOPOLOGY_DEFAULTS.get(k)), v)
+        for k, v in here.items()
+        if saved.get(k, TOPOLOGY_DEFAULTS.get(k)) != v
+    }
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:

@@ -41,15 +41,15 @@ import yaml
 from nanotron import distributed as dist
 from nanotron import logging
 from nanotron.config.utils_config import serialize
-from nanotron.constants import CHECKPOINT_FILE_NAME, CHECKPOINT_VERSION, MODEL_CONFIG_FILE_NAME
+from nanotron.constants import CHECKPOINT_FILE_NAME, MODEL_CONFIG_FILE_NAME
 from nanotron.logging import log_rank
 from nanotron.s3_checkpoints import check_path_is_local
-from nanotron.serialize.metadata import CheckpointMetadata, load_meta, process_type
+from nanotron.serialize.metadata import load_meta
 
 from ..config import DataStatesConfig
 from ..engine import DataStatesEngine
 from ..plan import SavePlan, copy_many, staged_nbytes
-from . import early, housekeeping, layout, shards, staging, states
+from . import early, groups, housekeeping, layout, shards, staging, states
 from .commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
 from .deferred import DeferredLoad
 from .gate import SnapshotGate
@@ -96,6 +96,9 @@ class DataStatesTrainerMixin:
             if path is not None and check_path_is_local(path) and layout.is_datastates_checkpoint(path)
             else None
         )
+        if self._ds_active or self._ds_resume is not None:
+            groups.check(self.parallel_context)  # at start-up, not at the first checkpoint
+        self._ds_last_step: int | None = None  # the step of the last checkpoint asked for
         if self._ds_resume is not None:
             self._ds_manifest = layout.read_manifest(self._ds_resume)
             ck = self.config.checkpoints
@@ -274,18 +277,10 @@ class DataStatesTrainerMixin:
         self._ds_prefetch = None  # whatever was read ahead and not used goes back
 
     def _ds_topology_changes(self) -> dict[str, tuple[Any, int]]:
-        saved = self._ds_manifest.get("topology", {})
-        return {k: (saved.get(k), v) for k, v in self._ds_topology().items() if saved.get(k) != v}
+        return layout.topology_changes(self._ds_manifest.get("topology", {}), self._ds_topology())
 
     def _ds_topology(self) -> dict[str, int]:
-        pc = self.parallel_context
-        return {
-            "tp": pc.tp_pg.size(),
-            "pp": pc.pp_pg.size(),
-            "dp": pc.dp_pg.size(),
-            "expert": pc.expert_parallel_size,
-            "zero_stage": int(self.config.optimizer.zero_stage),
-        }
+        return groups.layout_of(self.parallel_context, int(self.config.optimizer.zero_stage))
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         out = super().training_step(*args, **kwargs)
@@ -366,6 +361,12 @@ class DataStatesTrainerMixin:
         self.pre_save_checkpoint()
         step = self.iteration_step
         folder = Path(self.config.checkpoints.checkpoints_path) / str(step)
+        if step == self._ds_last_step:
+            # Nanotron's final save (`save_final_state`, on by default on main) after the interval's save of
+            # the same step: the same state, already on its way.
+            self._ds_log(f"checkpoint {step} already asked for: not written again")
+            return folder
+        self._ds_last_step = step
         self.config.general.step = self.metadata.last_train_step
         self.config.general.consumed_train_samples = self.metadata.consumed_train_samples
         pc, engine = self.parallel_context, self._ds_engine
@@ -456,17 +457,8 @@ class DataStatesTrainerMixin:
     def _ds_finalizer(self, folder: Path, step: int) -> Any:
         """Rank 0's commit, with every text captured now (training moves on while the files are flushed)."""
         pc = self.parallel_context
-        meta = CheckpointMetadata(
-            version=CHECKPOINT_VERSION,
-            tp=pc.tp_pg.size(),
-            dp=pc.dp_pg.size(),
-            metas=copy.deepcopy(self.metadata),  # its data stages keep counting while the files are flushed
-        )
-        meta_text = json.dumps(
-            process_type(dataclasses.asdict(meta), type_hooks={type(CHECKPOINT_VERSION): str}),
-            indent=2,
-            sort_keys=True,
-        )
+        # Now: its data stages keep counting while the files are flushed.
+        meta_text = shards.checkpoint_metadata_text(pc, self.metadata)
         config_doc = copy.deepcopy(serialize(self.config))  # dumping it (ms) is left to the committer
         if hasattr(self.model_config, "to_json_string"):
             model_config_text = self.model_config.to_json_string()
@@ -504,13 +496,24 @@ class DataStatesTrainerMixin:
         failed = [r for r in results if not r.committed]
         for r in results:
             if r.committed:
-                self.post_save_checkpoint()
+                self._ds_post_save(r.step)
         if failed:
             r = failed[0]
             raise CheckpointError(
                 f"checkpoint {r.step} at {r.folder} was not committed (latest.txt still names the previous "
                 "one): " + "; ".join(r.errors)
             )
+
+    def _ds_post_save(self, step: int) -> None:
+        """Nanotron's post-save hooks (S3 upload; on main, lighteval too) for a checkpoint now committed. They
+        read the checkpoint's step from `iteration_step` and `config.general.step`, which have moved on since
+        it was asked for: both are set to its step while they run."""
+        now = self.iteration_step, self.config.general.step
+        self.iteration_step = self.config.general.step = step
+        try:
+            self.post_save_checkpoint()
+        finally:
+            self.iteration_step, self.config.general.step = now
 
     def post_training(self) -> None:
         if self._ds_active and self._ds_committer is not None:

@@ -1,12 +1,17 @@
 """This rank's share of a Nanotron checkpoint: which files it writes and reads, under Nanotron's rules.
 
-`weight_shards` mirrors `nanotron.serialize.weights.save_weights` (DP rank 0 only; one rank per tied group;
-experts; sharded parameters carry Nanotron's TensorMetadata), and `weight_sources` mirrors `load_weights` for
-the same topology. ZeRO-1 optimizer and scheduler shards are written by every DP rank, otherwise by DP rank 0.
+`weight_shards` mirrors `nanotron.serialize.weights.save_weights` (rank 0 of the data- and context-parallel
+replicas only; one rank per tied group; experts; sharded parameters carry Nanotron's TensorMetadata), and
+`weight_sources` mirrors `load_weights` for the same topology. ZeRO-1 optimizer and scheduler shards are
+written by every DP rank, otherwise by rank 0 of the replicas. Context-parallel ranks hold the same optimizer
+state (ZeRO shards over the data-parallel group only): where Nanotron main has each of them write the same
+file, only context-parallel rank 0 writes it here, since one file has one writer.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +21,11 @@ from nanotron import optim
 from nanotron.constants import CHECKPOINT_VERSION
 from nanotron.distributed import get_global_rank
 from nanotron.parallel.parameters import NanotronParameter
-from nanotron.serialize.metadata import TensorMetadata
+from nanotron.serialize.metadata import CheckpointMetadata, TensorMetadata, process_type
 from nanotron.serialize.optimizer import lr_scheduler_filename, optimizer_filename
 from nanotron.serialize.utils import ObjectType, get_exp_tp_pp_rank_and_size_from, get_path
 
+from . import groups
 from .layout import as_safetensors, random_states_name
 
 
@@ -45,12 +51,13 @@ def weight_shards(
     """(file, parameter, Nanotron's tensor metadata) for every weight file this rank writes.
 
     Depends on the model and topology only, so a trainer computes it once, with a relative `root`."""
-    if dist.get_rank(pc.dp_pg) != 0:
+    if groups.rank(groups.dp_cp(pc)) != 0:
         return []
     prefixes = _prefixes(model)
     out = []
+    planned: set[Path] = set()
     for name in model.state_dict():
-        if dist.get_rank(pc.expert_pg) != 0 and "experts" not in name:
+        if groups.rank(groups.ep(pc)) != 0 and "experts" not in name:
             continue
         param = _param(model, name)
         base_name = name
@@ -75,6 +82,9 @@ def weight_shards(
             ).to_str_dict()
         path = get_path(base_name, type=ObjectType.MODEL, exp_tp_pp_rank_and_size=ranks,
                         is_expert_sharded=expert_sharded, prefix=root / "model")  # fmt: skip
+        if path in planned:  # tied within this rank (embeddings and LM head): one file, written once
+            continue
+        planned.add(path)
         out.append((path, param, metadata))  # the parameter, not the state_dict's detached alias of it
     return out
 
@@ -118,9 +128,10 @@ def is_zero(optimizer: Any) -> bool:
 
 
 def optimizer_path(optimizer: Any, pc: Any, root: Path, *, writing: bool) -> Path | None:
-    """This rank's optimizer file (None when it writes none: ZeRO-0 and DP rank > 0)."""
+    """This rank's optimizer file; when `writing`, None where it writes none: every DP rank writes its shard
+    with ZeRO, rank 0 of the replicas the one file otherwise; context-parallel rank 0 only, in both cases."""
     zero = is_zero(optimizer)
-    if writing and not zero and dist.get_rank(pc.dp_pg) > 0:
+    if writing and (groups.cp_rank(pc) != 0 or (not zero and groups.rank(groups.dp_cp(pc)) != 0)):
         return None
     return optimizer_file(pc, root, zero=zero)
 
@@ -131,16 +142,17 @@ def optimizer_file(pc: Any, root: Path, *, zero: bool) -> Path:
 
 
 def lr_scheduler_path(zero_stage: int, pc: Any, root: Path, *, writing: bool) -> Path | None:
-    if writing and not zero_stage and dist.get_rank(pc.dp_pg) > 0:
+    """The scheduler's file, named as Nanotron names it for `zero_stage`. Every rank holds the same schedule,
+    and Nanotron's name has no data-parallel rank for an integer stage (its `lr_scheduler_filename` tests
+    `is_zero is True`), so rank 0 of the replicas writes it and every rank reads it."""
+    if writing and groups.rank(groups.dp_cp(pc)) != 0:
         return None
     return root / "lr_scheduler" / as_safetensors(lr_scheduler_filename(pc, zero_stage))
 
 
 def random_states_path(pc: Any, root: Path) -> Path:
-    def rank(pg: Any) -> tuple[int, int]:
-        return dist.get_rank(pg), pg.size()
-
-    return root / "random" / random_states_name(rank(pc.tp_pg), rank(pc.dp_pg), rank(pc.pp_pg))
+    """This rank's random-state file (every rank writes one)."""
+    return root / "random" / random_states_name(**groups.place(pc))
 
 
 def optimizer_config(optimizer: Any, pc: Any) -> dict[str, Any]:
@@ -169,3 +181,15 @@ def optimizer_config(optimizer: Any, pc: Any) -> dict[str, Any]:
         config["configs"]["param_name_to_dp_rank_offsets"] = strings(optimizer.param_name_to_dp_rank_offsets)
         config["configs"]["orig_param_shapes"] = strings(optimizer._orig_param_shapes)
     return config
+
+
+def checkpoint_metadata_text(pc: Any, metas: Any) -> str:
+    """The `checkpoint_metadata.json` Nanotron's `save_meta` writes for the training metadata `metas`: its
+    sizes (cp too where this Nanotron's CheckpointMetadata has it) and every field of `metas` (main's
+    consumed tokens per dataset folder and sequence lengths, which its dataloader resumes from)."""
+    sizes = {"tp": pc.tp_pg.size(), "dp": pc.dp_pg.size()}
+    if "cp" in {f.name for f in dataclasses.fields(CheckpointMetadata)}:
+        sizes["cp"] = groups.cp_size(pc)
+    meta = CheckpointMetadata(version=CHECKPOINT_VERSION, metas=metas, **sizes)
+    doc = process_type(dataclasses.asdict(meta), type_hooks={type(CHECKPOINT_VERSION): str})
+    return json.dumps(doc, indent=2, sort_keys=True)

@@ -19,7 +19,8 @@ def find_run_train(explicit: str | None) -> Path:
     try:
         import nanotron
 
-        candidates.append(str(Path(nanotron.__file__).resolve().parents[2] / "run_train.py"))
+        if getattr(nanotron, "__file__", None):  # not a namespace package named nanotron
+            candidates.append(str(Path(nanotron.__file__).resolve().parents[2] / "run_train.py"))
     except ImportError:
         pass
     for c in candidates:

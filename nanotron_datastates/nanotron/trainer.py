@@ -7,6 +7,7 @@ from types import ModuleType
 
 from . import compat, config
 
+INSTALL_WHEN_DEFINED = False  # set by the post-import hook when this module imports Nanotron's trainer
 compat.check()
 config.register()
 
@@ -31,3 +32,7 @@ def install(trainer_module: ModuleType) -> None:
         return
     trainer_module.NanotronDistributedTrainer = _NanotronTrainer
     trainer_module.DistributedTrainer = DataStatesTrainer
+
+
+if INSTALL_WHEN_DEFINED:
+    install(_nanotron_trainer)

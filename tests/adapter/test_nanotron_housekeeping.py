@@ -8,10 +8,12 @@ import types
 import pytest
 import torch.distributed as tdist
 
-mixin = pytest.importorskip("nanotron_datastates.nanotron.mixin")
-
 from nanotron_datastates import DataStatesConfig, DataStatesEngine  # noqa: E402
-from nanotron_datastates.nanotron import housekeeping, layout  # noqa: E402
+from nanotron_datastates.nanotron import (  # noqa: E402
+    housekeeping,
+    layout,
+    mixin,  # noqa: E402
+)
 from nanotron_datastates.nanotron.commit import CommitResult  # noqa: E402
 
 

@@ -2,9 +2,10 @@
 from the config and the manifest alone, and where it guesses nothing. Reading them is prefetch.py's, tested
 in test_nanotron_prefetch.py; a GPU resume adopts it (the benchmarks' logs say so).
 
-Needs a Nanotron source tree importable (e.g. PYTHONPATH=<checkout>/src, with dacite and datasets installed).
+Runs against each Nanotron tree (see conftest.py).
 """
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,12 +13,10 @@ import pytest
 import torch
 import yaml
 
-pytest.importorskip("nanotron.config", reason="needs a Nanotron source tree (see the module docstring)")
-
 from nanotron_datastates.nanotron import config as ds_config  # noqa: E402
 from nanotron_datastates.nanotron import early, layout  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "config_tiny_llama_datastates.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "config_tiny_llama_datastates.yaml"
 OPTIMIZER = "optimizer/optimizer_pp-rank-0-of-1_tp-rank-0-of-1_exp-rank-0-of-1.safetensors"
 TOPOLOGY = {"tp": 1, "pp": 1, "dp": 1, "expert": 1, "zero_stage": 0}
 
@@ -117,3 +116,21 @@ def test_an_early_read_is_adopted_only_for_the_same_files_on_the_same_device(tmp
     assert not a.matches(tmp_path, [tmp_path / "w"], tmp_path / "o", torch.device("cuda", 1))
     assert not a.matches(tmp_path, [tmp_path / "w"], None, torch.device("cuda", 0))
     assert not a.matches(tmp_path, [], tmp_path / "o", torch.device("cuda", 0))
+
+
+def test_context_parallel_ranks_read_the_whole_model(tmp_path):
+    """Where this Nanotron has context parallelism: a checkpoint saved with cp=2 is read ahead by a cp=2
+    layout (each of its ranks holds the whole model); one saved before cp existed (no cp in its manifest)
+    is not, by a layout with cp=2."""
+    from nanotron.config import ParallelismArgs
+
+    if "context_parallel_size" not in {f.name for f in dataclasses.fields(ParallelismArgs)}:
+        with pytest.raises(Exception, match="context_parallel_size"):  # a Nanotron without it refuses the key
+            guess(tmp_path, checkpoint(tmp_path / "ckpt"), context_parallel_size=2)
+        return
+    folder = checkpoint(tmp_path / "a", topology={**TOPOLOGY, "cp": 2})
+    _, (weights, optimizer) = guess(tmp_path, tmp_path / "a", context_parallel_size=2)
+    assert len(weights) == 2 and optimizer == folder / OPTIMIZER
+    checkpoint(tmp_path / "b")
+    assert guess(tmp_path, tmp_path / "b", context_parallel_size=2)[1] == ([], None)
+    assert guess(tmp_path, tmp_path / "b", context_parallel_size=1)[1][1] is not None

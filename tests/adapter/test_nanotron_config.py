@@ -1,7 +1,6 @@
 """`checkpointing_engine: datastates` and the `datastates:` section, parsed by Nanotron's own config code.
 
-Needs a Nanotron source tree importable (e.g. PYTHONPATH=<checkout>/src, with dacite and datasets installed);
-skipped otherwise, since Nanotron is not on PyPI in a usable form and its code is never vendored here."""
+Runs against each Nanotron tree (see conftest.py)."""
 
 import copy
 import os
@@ -11,10 +10,6 @@ import textwrap
 
 import pytest
 import yaml
-
-nanotron = pytest.importorskip(
-    "nanotron.config", reason="needs a Nanotron source tree (see the module docstring)"
-)
 
 from nanotron_datastates import DataStatesConfig  # noqa: E402
 from nanotron_datastates.nanotron import config as ds_config  # noqa: E402
@@ -179,6 +174,7 @@ def test_config_yaml_round_trip(tmp_path):
 
 HOOK = textwrap.dedent(
     """
+    import cpu_stand_ins  # main's CUDA-only imports
     import nanotron.trainer as t
     from nanotron.config import get_config_from_file
     print(t.DistributedTrainer.__name__, get_config_from_file.__defaults__[0].__module__,
@@ -202,3 +198,17 @@ def test_post_import_hook_can_be_turned_off():
     r = _run({"NANOTRON_DATASTATES_AUTOLOAD": "0"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["DistributedTrainer", "nanotron.config.config", "False"]
+
+
+def test_explicit_trainer_import_first_with_the_hook_on():
+    """`from nanotron_datastates.nanotron import DataStatesTrainer` before anything imported Nanotron's
+    trainer: our module imports it, the hook fires inside that import, and the trainer is still installed."""
+    code = (
+        "import cpu_stand_ins\n"
+        "from nanotron_datastates.nanotron import DataStatesTrainer\n"
+        "import nanotron.trainer as t\n"
+        "print(t.DistributedTrainer is DataStatesTrainer)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["True"]

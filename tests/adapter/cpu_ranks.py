@@ -1,0 +1,224 @@
+"""Nanotron's real classes on a CPU machine: a gloo ParallelContext, a small Llama (tied embeddings, tensor-
+parallel layers), its optimizer (ZeRO or not), LR scheduler, random states and training metadata.
+
+Two of Nanotron's calls are CUDA-only and get CPU stand-ins here: `ParallelContext.set_device` (picks the
+rank's GPU) and the pipeline's P2P buffers (allocated on "cuda"). Nothing else is changed.
+
+Run as a script, once per rank (`launch`): each rank builds that state for a layout, writes Nanotron's own
+checkpoint of it (`stock/`, with Nanotron's save functions), and reports which files the adapter plans for it
+(`rank-<r>.json`), so a test compares the two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "config_tiny_llama_datastates.yaml"
+
+
+def parallel_context(tp: int = 1, dp: int = 1, pp: int = 1, cp: int = 1) -> Any:
+    """Nanotron's ParallelContext over the gloo process group already initialized."""
+    from nanotron.parallel import ParallelContext
+    from nanotron.parallel.pipeline_parallel import p2p
+
+    ParallelContext.set_device = lambda self: None
+    if not getattr(p2p.P2P, "_cpu", False):
+        init = p2p.P2P.__init__
+        p2p.P2P.__init__ = lambda self, pg, device: init(self, pg, torch.device("cpu"))
+        p2p.P2P._cpu = True
+    kw = {}
+    if cp > 1 or "context_parallel_size" in inspect.signature(ParallelContext).parameters:
+        kw["context_parallel_size"] = cp  # a Nanotron without context parallelism fails here, as it should
+    return ParallelContext(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, **kw)
+
+
+def config(tp: int = 1, dp: int = 1, pp: int = 1, cp: int = 1, zero_stage: int = 0) -> Any:
+    """The example YAML, parsed by Nanotron, with this layout and a model of a few thousand parameters."""
+    from nanotron.config import get_config_from_file
+
+    from nanotron_datastates.nanotron import config as ds_config
+
+    ds_config.register()  # the example's `datastates:` keys
+    c = get_config_from_file(str(EXAMPLE))
+    c.parallelism.tp, c.parallelism.dp, c.parallelism.pp = tp, dp, pp
+    if cp > 1:
+        c.parallelism.context_parallel_size = cp
+    c.optimizer.zero_stage = zero_stage
+    c.optimizer.accumulate_grad_in_fp32 = False  # its fp32 gradient buffers are allocated on "cuda"
+    m = c.model.model_config
+    m.hidden_size, m.intermediate_size, m.num_hidden_layers = 16, 32, 2
+    m.num_attention_heads = m.num_key_value_heads = 4
+    m.vocab_size, m.max_position_embeddings = 64, 32
+    m.tie_word_embeddings = True
+    return c
+
+
+def training_state(pc: Any, c: Any) -> tuple[Any, Any, Any, Any]:
+    """(model, optimizer, lr_scheduler, random_states) as Nanotron's trainer builds them; one optimizer step
+    taken, so that the Adam moments exist."""
+    from nanotron.helpers import init_optimizer_and_grad_accumulator, lr_scheduler_builder
+    from nanotron.models import build_model
+    from nanotron.models.llama import LlamaForTraining
+    from nanotron.parallel.parameters import NanotronParameter
+    from nanotron.random import RandomStates, get_current_random_state
+    from nanotron.scaling.parametrization import ParametrizationMethod
+    from nanotron.trainer import mark_tied_parameters
+
+    torch.manual_seed(0)
+    random_states = RandomStates({"tp_synced": get_current_random_state()})
+    model = build_model(
+        model_builder=lambda: LlamaForTraining(
+            config=c.model.model_config,
+            parallel_context=pc,
+            parallel_config=c.parallelism,
+            random_states=random_states,
+        ),
+        parallel_context=pc,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    mark_tied_parameters(model=model, parallel_context=pc, parallel_config=c.parallelism)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+    optimizer, _ = init_optimizer_and_grad_accumulator(
+        parametrization_method=ParametrizationMethod.STANDARD,
+        model=model,
+        optimizer_args=c.optimizer,
+        parallel_context=pc,
+    )
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert all(isinstance(p, NanotronParameter) for p in model.parameters())
+    lr_scheduler = lr_scheduler_builder(
+        optimizer=optimizer,
+        lr_scheduler_args=c.optimizer.learning_rate_scheduler,
+        total_training_steps=c.tokens.train_steps,
+    )
+    return model, optimizer, lr_scheduler, random_states
+
+
+def training_metadata(step: int) -> Any:
+    """Nanotron's TrainingMetadata after `step` steps, with every field this Nanotron has set."""
+    from nanotron.serialize.metadata import DataStageMetadata, TrainingMetadata
+
+    stage = {"name": "stable", "start_training_step": 1, "consumed_train_samples": 8 * step}
+    stage_fields = {f.name for f in dataclasses.fields(DataStageMetadata)}
+    if "sequence_length" in stage_fields:  # Nanotron main: tokens per dataset folder, for its dataloader
+        stage.update(
+            sequence_length=32,
+            consumed_tokens_per_dataset_folder={"/data/a": 200 * step, "/data/b": 56 * step},
+        )
+    meta = {"consumed_train_samples": 8 * step, "last_train_step": step, "last_stage_idx": 0}
+    if "consumed_tokens_total" in {f.name for f in dataclasses.fields(TrainingMetadata)}:
+        meta["consumed_tokens_total"] = 256 * step
+    return TrainingMetadata(data_stages=[DataStageMetadata(**stage)], **meta)
+
+
+def stock_save(pc: Any, c: Any, state: tuple[Any, Any, Any, Any], root: Path, step: int) -> None:
+    """Nanotron's own checkpoint of `state`, by its trainer's rules (weights, optimizer, scheduler, random
+    states, metadata), but for config.yaml."""
+    from nanotron.serialize.metadata import save_meta
+    from nanotron.serialize.optimizer import save_lr_scheduler, save_optimizer
+    from nanotron.serialize.random import save_random_states
+    from nanotron.serialize.weights import save_weights
+
+    model, optimizer, lr_scheduler, random_states = state
+    save_weights(model=model, parallel_context=pc, root_folder=root)  # returns on all but the rank writing
+    save_optimizer(optimizer=optimizer, parallel_context=pc, root_folder=root)
+    save_lr_scheduler(
+        lr_scheduler=lr_scheduler, is_zero=c.optimizer.zero_stage, parallel_context=pc, root_folder=root
+    )
+    save_random_states(random_states=random_states, parallel_context=pc, root_folder=root)
+    save_meta(parallel_context=pc, root_folder=root, training_metadata=training_metadata(step))
+
+
+def planned(pc: Any, c: Any, state: tuple[Any, Any, Any, Any]) -> dict[str, Any]:
+    """The files the adapter plans for this rank, relative to the checkpoint's folder."""
+    from nanotron_datastates.nanotron import groups, shards
+
+    model, optimizer, _, _ = state
+    zero = int(c.optimizer.zero_stage)
+    files = [str(p) for p, _, _ in shards.weight_shards(model, pc, Path())]
+    files.append(shards.optimizer_path(optimizer, pc, Path(), writing=True))
+    files.append(shards.lr_scheduler_path(zero, pc, Path(), writing=True))
+    files.append(shards.random_states_path(pc, Path()))
+    return {
+        "writes": sorted(str(f) for f in files if f is not None),
+        "reads": [
+            str(shards.optimizer_path(optimizer, pc, Path(), writing=False)),
+            str(shards.random_states_path(pc, Path())),
+        ],
+        "topology": groups.layout_of(pc, zero),
+    }
+
+
+def main() -> None:
+    import cpu_stand_ins  # noqa: F401 - main's CUDA-only imports, before nanotron's
+    import torch.distributed as tdist
+
+    work, tp, dp, pp, cp, zero = Path(sys.argv[1]), *map(int, sys.argv[2:7])
+    rank = int(os.environ["RANK"])
+    tdist.init_process_group(
+        "gloo", init_method=f"file://{work}/init", rank=rank, world_size=int(os.environ["WORLD_SIZE"])
+    )
+    from nanotron_datastates.nanotron import shards
+
+    pc = parallel_context(tp, dp, pp, cp)
+    c = config(tp, dp, pp, cp, zero)
+    state = training_state(pc, c)
+    stock_save(pc, c, state, work / "stock", step=7)
+    tdist.barrier()
+    out = planned(pc, c, state)
+    sources = shards.weight_sources(state[0], pc, work / "stock")
+    out["weight_sources"] = (
+        None if sources is None else sorted(str(p.relative_to(work / "stock")) for _, _, p in sources)
+    )
+    if rank == 0:
+        out["metadata_text"] = shards.checkpoint_metadata_text(pc, training_metadata(7))
+    (work / f"rank-{rank}.json").write_text(json.dumps(out))
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
+def launch(
+    work: Path, world: int, tp: int = 1, dp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0
+) -> list[dict]:
+    """Runs `main` on `world` processes; their reports, by rank."""
+    work.mkdir(parents=True, exist_ok=True)
+    args = [str(a) for a in (tp, dp, pp, cp, zero)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(work), *args],
+            env=dict(
+                os.environ,
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                WORLD_SIZE=str(world),
+                NANOTRON_DATASTATES_AUTOLOAD="0",
+                CUDA_DEVICE_MAX_CONNECTIONS="1",  # Nanotron asserts it with tensor parallelism
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r} of tp={tp} dp={dp} pp={pp} cp={cp} zero={zero}:\n{out[-4000:]}"
+    return [json.loads((work / f"rank-{r}.json").read_text()) for r in range(world)]
+
+
+if __name__ == "__main__":
+    main()
