@@ -109,9 +109,10 @@ run_step() {
       (cd benchmarks && python3 bench_interference.py --dir "$WORK/interf" --out "$OUT/interference") ;;
     pinning) # preparing the host cache with 4 KiB and huge pages: time, launches meanwhile, D2H throughput
       (cd benchmarks && python3 bench_pinning.py --cache-gib 16 --rounds 2 --out "$OUT/pinning") ;;
-    restore-pairs) # both restores of the 180M model five times in turn, side by side: the disk's drift between
-      # minutes moves one pair's ratio; the median of five does not
-      (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 80 --interval 40 --restore-repeats 5 \
+    restore-pairs) # both restores of the 180M model in turn, side by side, RESTORE_REPEATS times (5): the disk's
+      # drift between minutes moves one pair's ratio; the median of the pairs does not
+      (cd benchmarks && python3 bench_nanotron.py all --model 180m --steps 80 --interval 40 \
+      --restore-repeats "${RESTORE_REPEATS:-5}" \
       --modes torch,datastates,restore-torch,restore-datastates --work "$WORK/rp180" --out "$OUT/restore-pairs") ;;
     crash) (cd benchmarks && python3 nanotron_crash.py --trials 3 --out "$OUT/crash" --work "$WORK/crash") ;;
     *) echo "unknown step $1"; return 2 ;;
