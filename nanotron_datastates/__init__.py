@@ -5,12 +5,38 @@
 ...     h = engine.save(state, "ckpt/model.safetensors")
 ...     h.wait_snapshot()     # before mutating `state`
 ...     h.wait_persisted()    # durable
+
+The public names are imported on first use: the post-import hook that every Python start runs (see
+`_autoload.py`) imports this package, and must not import torch.
 """
 
-from .config import DataStatesConfig
-from .engine import DataStatesEngine, SaveHandle
-from .errors import ChecksumError, FormatError
-from .plan import SavePlan
+TYPE_CHECKING = False  # not typing's: importing typing costs milliseconds at every start
+if TYPE_CHECKING:
+    from .config import DataStatesConfig
+    from .engine import DataStatesEngine, SaveHandle
+    from .errors import ChecksumError, FormatError
+    from .plan import SavePlan
 
-__all__ = ["ChecksumError", "DataStatesConfig", "DataStatesEngine", "FormatError", "SaveHandle", "SavePlan"]
+_WHERE = {
+    "DataStatesConfig": "config",
+    "DataStatesEngine": "engine",
+    "SaveHandle": "engine",
+    "ChecksumError": "errors",
+    "FormatError": "errors",
+    "SavePlan": "plan",
+}
+__all__ = sorted(_WHERE)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = __import__(f"{__name__}.{_WHERE[name]}", fromlist=[name])
+    value = getattr(module, name)
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__() -> "list[str]":
+    return sorted({*globals(), *_WHERE})

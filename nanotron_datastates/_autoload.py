@@ -5,20 +5,28 @@ imported, our config keys are registered; when `nanotron.trainer` has been, its 
 `DataStatesTrainer` (Nanotron's trainer plus our mixin, which behaves exactly like Nanotron's unless the
 config says `checkpointing_engine: datastates`). So Nanotron's unmodified `run_train.py` understands the keys.
 
-Set NANOTRON_DATASTATES_AUTOLOAD=0 to turn this off.
+Every Python start in the environment runs it, so it imports nothing but `os` and `sys` (and this package's
+`__init__`, which imports nothing either): `python3 -c pass` costs what it costs without the package. Set
+NANOTRON_DATASTATES_AUTOLOAD=0 to turn it off; the `.pth` line reads the variable before importing anything.
+
+This is the one route that needs no change to a training script. The explicit ones:
+`from nanotron_datastates.nanotron import DataStatesTrainer` and `python -m nanotron_datastates.nanotron.train`.
 """
 
 from __future__ import annotations
 
-import importlib.abc
 import os
 import sys
 
 ENV = "NANOTRON_DATASTATES_AUTOLOAD"
+_OFF = ("0", "false", "no", "off")  # the .pth line in the package's root repeats these
 _TARGETS = ("nanotron.config", "nanotron.trainer")
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
+    """A meta path finder (importlib's protocol: `find_spec`); not derived from importlib.abc, whose import
+    costs milliseconds at every start."""
+
     def find_spec(self, name, path, target=None):  # noqa: ANN001 (importlib's signature)
         if name not in _TARGETS:
             return None
@@ -51,7 +59,7 @@ def _after(name: str) -> None:
 
 def install() -> None:
     """Registers the finder once; a no-op when disabled by NANOTRON_DATASTATES_AUTOLOAD=0."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if os.environ.get(ENV, "1").strip().lower() in _OFF:
         return
     if any(isinstance(f, _Finder) for f in sys.meta_path):
         return

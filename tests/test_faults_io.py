@@ -80,9 +80,9 @@ def test_eacces(what):
     script = textwrap.dedent(
         f"""
         import errno, os, sys, torch
+        from nanotron_datastates import DataStatesEngine, DataStatesConfig
         if os.geteuid() == 0:  # root ignores permissions: drop to nobody for the save
             os.setgid(65534); os.setuid(65534)
-        from nanotron_datastates import DataStatesEngine, DataStatesConfig
         with DataStatesEngine(DataStatesConfig(host_cache_size=16 / 1024, chunk_size=1)) as e:
             try:
                 e.save({{"a": torch.ones(10)}}, {str(target)!r}).wait_persisted()

@@ -1,8 +1,10 @@
 """The package as users get it: a wheel built by pip (scikit-build-core + nanobind) with the private extension
 and its generated stub, installed into a fresh virtual environment and used from outside the source tree."""
 
+import os
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -10,6 +12,22 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_py(py: str, code: str, **env: str) -> str:
+    r = subprocess.run([py, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def start_time(py: str, runs: int = 15) -> float:
+    """The fastest of `runs` starts of `python -c pass` (the least disturbed by the rest of the machine)."""
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        subprocess.run([py, "-c", "pass"], check=True)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 @pytest.mark.slow
@@ -45,9 +63,16 @@ def test_wheel_installs_and_works_outside_the_tree(tmp_path):
         text=True,
     ).stdout.strip()
     Path(site, "host_torch.pth").write_text(str(Path(torch.__file__).parents[1]) + "\n")
+    without = start_time(py)
     subprocess.run(
         [py, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)], check=True
     )
+    # The post-import hook runs at every Python start: it must cost next to nothing and import no torch.
+    with_hook = start_time(py)
+    assert with_hook <= 1.2 * without, (with_hook, without)
+    probe = "import sys; print(sorted(m for m in ('torch', 'nanotron_datastates') if m in sys.modules))"
+    assert run_py(py, probe) == "['nanotron_datastates']"  # the hook's finder, registered; nothing else
+    assert run_py(py, probe, NANOTRON_DATASTATES_AUTOLOAD="0") == "[]"  # turned off before any import
     script = (
         "import torch, nanotron_datastates as n; from nanotron_datastates import DataStatesEngine;"
         "assert 'site-packages' in n.__file__, n.__file__;"
