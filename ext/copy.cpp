@@ -20,7 +20,7 @@ struct ThreadStreams {
 };
 thread_local ThreadStreams t_streams;
 
-// One non-blocking stream per device per thread, created on first use; each parser thread copies on its own
+// One non-blocking stream per device per thread, created on first use; each copy thread copies on its own
 // stream so several chunks are in flight on the copy engines at once.
 cuda::CUstream thread_stream(int device, Error* err) {
   auto& streams = t_streams.streams;

@@ -1,6 +1,6 @@
 // Stage 2 of a save: copy tensor bytes into a chunk of the host cache.
 //
-// Host tensors are copied by the calling parser thread (memcpy, or a strided gather for non-contiguous
+// Host tensors are copied by the calling copy thread (memcpy, or a strided gather for non-contiguous
 // views, so nothing is copied on the caller's thread). CUDA tensors are copied device-to-host on this
 // thread's own stream, after the event the caller recorded on its stream at save(); finish() waits for
 // them, so when it returns the chunk holds the bytes and the source may change.

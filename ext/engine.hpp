@@ -1,5 +1,6 @@
-// The engine: owns the host cache, the parser threads and the flush workers, and drives each SaveJob through
-// plan -> copy -> flush -> commit. Restore runs read -> verify -> scatter on the same threads.
+// The engine: owns the host cache, the copy threads (save), the parser threads (restore) and the flush
+// workers, and drives each SaveJob through plan -> copy -> flush -> commit. Restore runs read -> verify ->
+// scatter on the parser threads.
 #pragma once
 
 #include <atomic>

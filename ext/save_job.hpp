@@ -1,14 +1,14 @@
 // One save of one file, from plan to commit. The engine drives it:
 //
-//   1. plan()        parser thread: layout and header, parent directories, temporary file opened (O_DIRECT
+//   1. plan()        copy thread: layout and header, parent directories, temporary file opened (O_DIRECT
 //                    when it can), so no byte is queued before the file exists and nothing truncates later;
-//   2. copy_piece()  parser threads: piece i (a chunk-sized, 4096-aligned slice of the data section) copied
+//   2. copy_piece()  copy threads: piece i (a chunk-sized, 4096-aligned slice of the data section) copied
 //                    into a cache chunk; when every piece is copied or dropped the snapshot is done;
 //   3. flush         flush workers: on_io_prepare() sums the piece (CRC-32C per tensor range), the worker
 //                    writes it; its chunk goes back to the cache when the write completes;
 //   4. commit        after the last piece: header (with checksums) written, ftruncate to the exact size
-//   (O_DIRECT
-//                    pads the tail), fsync, rename onto the final path, fsync of the directory; persisted.
+//                    (O_DIRECT pads the tail), fsync, rename onto the final path, fsync of the directory;
+//                    persisted.
 //
 // An error at any step is stored (the first one wins), later pieces are dropped, the temporary file is
 // removed, and both waits resolve: nothing is ever left at the final path, and earlier files are untouched.

@@ -1,4 +1,4 @@
-// A fixed pool of threads running tasks in FIFO order: the engine's parser threads.
+// A fixed pool of threads running tasks in FIFO order: the engine's copy threads, and its parser threads.
 #pragma once
 
 #include <condition_variable>

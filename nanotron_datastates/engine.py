@@ -2,7 +2,7 @@
 
 A save goes through four stages; only the first runs on the caller's thread::
 
-    plan (flatten, caller) -> copy (parser threads, into the host cache) -> flush (io_uring) -> commit
+    plan (flatten, caller) -> copy (copy threads, into the host cache) -> flush (io_uring) -> commit
 
 and resolves two futures, as PyTorch DCP's ``AsyncSaveResponse`` does: *snapshot* (every tensor captured, the
 caller may mutate them) and *persisted* (fsync'd, renamed into place, directory fsync'd).
@@ -141,7 +141,7 @@ def wait_handles(
 class DataStatesEngine:
     """Lazy asynchronous checkpointing into valid safetensors files.
 
-    ``save`` returns at once; tensors are copied into a pinned host cache by parser threads and flushed by
+    ``save`` returns at once; tensors are copied into a pinned host cache by copy threads and flushed by
     io_uring workers. ``load`` reads files (ours or any safetensors) in parallel. Use as a context manager, or
     call :meth:`close`, which drains every save.
     """

@@ -1,16 +1,9 @@
-"""The file format: safetensors, with the engine's extras in `__metadata__`.
+"""The file format (specified in docs/FORMAT.md): safetensors, with the engine's extras in `__metadata__`.
 
-A file is ``u64 N`` (little endian), then N bytes of JSON padded with spaces (``8 + N`` is a multiple of
-4096), then the tensors back to back. The JSON maps each tensor name to
-``{"dtype", "shape", "data_offsets"}`` and ``"__metadata__"`` to a string-to-string map. The engine's keys
-there:
-
-- ``datastates.version``: format version (``"1"``);
-- ``datastates.skeleton``: JSON of the saved structure (see :mod:`nanotron_datastates.skeleton`);
-- ``datastates.crc32c``: 8 lowercase hex digits (CRC-32C) per tensor, in file (data offset) order.
-
-:func:`parse_header` accepts any valid safetensors file, and rejects anything else with a FormatError naming
-the file: it is the only code that trusts nothing about its input.
+:func:`header_metadata` composes a file's `__metadata__` (the core lays the file out and writes it, adding
+`datastates.crc32c` once the data is summed); :func:`parse_header` accepts any valid safetensors file and
+rejects anything else with a FormatError naming the file: it is the only code that trusts nothing about
+its input.
 """
 
 from __future__ import annotations
@@ -32,6 +25,21 @@ KEY_SKELETON = "datastates.skeleton"
 KEY_CRC = "datastates.crc32c"
 RESERVED_PREFIX = "datastates."
 MAX_HEADER = 100_000_000  # the safetensors limit
+
+
+def header_metadata(user: dict[str, str], skeleton: str | None) -> list[tuple[str, str]]:
+    """A file's `__metadata__`, in order, but for the checksums: the caller's keys alone for an exact-
+    metadata file (`skeleton` None), else `format` (unless the caller sets it), the caller's keys, the format
+    version and the skeleton. Raises for a key that is not a string or is reserved."""
+    for k, v in user.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"metadata must map str to str; got {k!r}: {type(v).__name__}")
+        if k.startswith(RESERVED_PREFIX):
+            raise ValueError(f"metadata key {k!r} is reserved (prefix {RESERVED_PREFIX!r})")
+    if skeleton is None:
+        return list(user.items())
+    md = [] if "format" in user else [("format", "pt")]  # what safetensors' torch writer puts there
+    return [*md, *user.items(), (KEY_VERSION, str(FORMAT_VERSION)), (KEY_SKELETON, skeleton)]
 
 
 @dataclass(frozen=True)

@@ -218,18 +218,5 @@ def plan_save(
         skel = skeleton.encode(state, on_tensor, allow_pickle=allow_pickle)
     plan.devices = sorted(devices)
 
-    user = dict(metadata or {})
-    for k, v in user.items():
-        if not isinstance(k, str) or not isinstance(v, str):
-            raise TypeError(f"metadata must map str to str; got {k!r}: {type(v).__name__}")
-        if k.startswith(fmt.RESERVED_PREFIX):
-            raise ValueError(f"metadata key {k!r} is reserved (prefix {fmt.RESERVED_PREFIX!r})")
-    if exact_metadata:
-        plan.metadata = list(user.items())
-        return plan
-    md = [] if "format" in user else [("format", "pt")]  # what safetensors' torch writer puts there
-    md.extend(user.items())
-    md.append((fmt.KEY_VERSION, str(fmt.FORMAT_VERSION)))
-    md.append((fmt.KEY_SKELETON, skel))
-    plan.metadata = md
+    plan.metadata = fmt.header_metadata(dict(metadata or {}), None if exact_metadata else skel)
     return plan
