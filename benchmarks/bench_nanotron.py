@@ -134,6 +134,9 @@ def run_phase(args: argparse.Namespace) -> None:
                 return out
 
             self.optimizer.step = first_step
+            if getattr(self, "datastates", None) is not None:  # datastates: the saver's public observers
+                self.datastates.observers.append(self._observe)
+            self._queue_start: dict[str, Any] = {}
 
         def pre_init(self) -> None:  # the read-ahead of a datastates resume starts here
             rec["marks"]["pre_init_s"] = time.perf_counter() - t_start
@@ -197,26 +200,26 @@ def run_phase(args: argparse.Namespace) -> None:
                 self._dcp_future.result()
             super().post_training()
 
-        def _ds_queue(self, *a: Any, **k: Any) -> None:  # datastates: its time taken apart
-            allocs0 = torch.cuda.memory_stats().get("num_device_alloc", 0)
-            t, plan0, prep0, eng0 = time.perf_counter(), split["plan"], split["prepare"], engine_time[0]
-            super()._ds_queue(*a, **k)
-            plan_s, prep_s = split["plan"] - plan0, split["prepare"] - prep0
-            total_s = time.perf_counter() - t
-            allocs = torch.cuda.memory_stats().get("num_device_alloc", 0) - allocs0  # cudaMalloc calls
-            rec["queues"].append({"step": a[0].step, "deferred": k.get("deferred"),
-                                  "total_s": total_s, "plan_s": plan_s,
-                                  "prepare_s": prep_s, "engine_s": engine_time[0] - eng0,
-                                  "cuda_mallocs": allocs,
-                                  "cache": self._ds_engine.cache_stats()})  # fmt: skip
-
-        def _ds_report(self, r: Any) -> None:  # datastates: the committer's figures
-            super()._ds_report(r)
-            if r.committed:
-                prune_before(Path(self.config.checkpoints.checkpoints_path), r.step)
-            rec["commits"].append({"step": r.step, "bytes": r.bytes, "stall_s": r.stall_s,
-                                   "queued_s": getattr(r, "queued_s", 0.0), "snapshot_s": r.snapshot_s,
-                                   "persisted_s": r.persisted_s, "committed_s": r.committed_s})  # fmt: skip
+        def _observe(self, event: str, fields: dict[str, Any]) -> None:
+            """datastates: each queuing's time taken apart, and the committer's figures."""
+            if event == "queue_start":
+                self._queue_start = {"allocs": torch.cuda.memory_stats().get("num_device_alloc", 0),
+                                     "plan": split["plan"], "prepare": split["prepare"],
+                                     "engine": engine_time[0]}  # fmt: skip
+            elif event == "queued":
+                s0 = self._queue_start
+                allocs = torch.cuda.memory_stats().get("num_device_alloc", 0) - s0["allocs"]  # cudaMallocs
+                rec["queues"].append({"step": fields["step"], "deferred": fields["deferred"],
+                                      "total_s": fields["seconds"], "plan_s": split["plan"] - s0["plan"],
+                                      "prepare_s": split["prepare"] - s0["prepare"],
+                                      "engine_s": engine_time[0] - s0["engine"], "cuda_mallocs": allocs,
+                                      "cache": self.datastates.engine.cache_stats()})  # fmt: skip
+            elif event == "committed":  # on the committer's thread
+                r = fields["result"]
+                if r.committed:
+                    prune_before(Path(self.config.checkpoints.checkpoints_path), r.step)
+                keys = ("step", "bytes", "stall_s", "queued_s", "snapshot_s", "persisted_s", "committed_s")
+                rec["commits"].append({k: getattr(r, k) for k in keys})
 
     restoring = args.profile and args.mode.startswith("restore")
     with Profiled(Path(args.record).with_suffix(".init.prof.txt") if restoring else None):

@@ -1,6 +1,7 @@
 """DataStatesConfig: every knob of the engine, validated, with defaults that suit a laptop and an 8-GPU node.
 
-Nanotron's YAML `datastates:` section maps onto this dataclass key for key (see `from_dict`).
+The Nanotron trainer's own settings (rotation, staging, telemetry) are `nanotron.settings.TrainerSettings`;
+Nanotron's YAML `datastates:` section holds the keys of both (see `Settings.from_dict`).
 """
 
 from __future__ import annotations
@@ -8,19 +9,81 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping, TypeVar
 
-_IO_BACKENDS = ("auto", "io_uring", "pwrite")
-_DEVICE_SNAPSHOTS = ("auto", "always", "never")
 ENV_PREFIX = "DATASTATES_"
+S = TypeVar("S", bound="Settings")
+
+
+class Settings:
+    """Validation and parsing shared by the settings dataclasses: every message names the key (as
+    `datastates.<key>`) and what it accepts, for a wrong type as for a value out of range."""
+
+    RANGES: ClassVar[dict[str, tuple[float, float, str]]] = {}  # number fields: (low, high, rule)
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}  # str fields: the values accepted
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            kind = _kind(f)
+            if kind == "bool":
+                ok, rule = isinstance(value, bool), "expected true or false"
+            elif kind == "str":
+                choices = self.CHOICES[f.name]
+                ok, rule = value in choices, f"expected one of {', '.join(choices)}"
+            else:
+                lo, hi, rule = self.RANGES[f.name]
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi
+                ok = ok and (kind == "float" or isinstance(value, int))
+            if not ok:
+                raise ValueError(f"datastates.{f.name}={value!r} is invalid: {rule}")
+
+    @classmethod
+    def from_dict(cls: type[S], d: Mapping[str, Any] | None = None, *, env: bool = True) -> S:
+        """Builds the settings from a mapping (e.g. Nanotron's `datastates:` YAML section).
+
+        Unknown keys raise ValueError naming them. With `env`, variables `DATASTATES_<KEY>` (e.g.
+        `DATASTATES_HOST_CACHE_SIZE=8`) override the mapping: one job can be tuned without editing its YAML.
+        """
+        d = dict(d or {})
+        known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ValueError(
+                f"unknown datastates key(s): {', '.join(unknown)}; known keys: {', '.join(sorted(known))}"
+            )
+        if env:
+            for name, f in known.items():
+                raw = os.environ.get(ENV_PREFIX + name.upper())
+                if raw is not None:
+                    d[name] = _parse_env(name, _kind(f), raw)
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+
+def _kind(f: dataclasses.Field) -> str:
+    return f.type if isinstance(f.type, str) else f.type.__name__
 
 
 @dataclass(frozen=True)
-class DataStatesConfig:
+class DataStatesConfig(Settings):
     """Configuration of a :class:`DataStatesEngine`.
 
     Sizes are in GiB (cache) and MiB (chunks, reads), as users write them in YAML.
     """
+
+    RANGES = {
+        "host_cache_size": (1 / 1024, 1 << 20, "expected GiB in [1/1024, 2**20]"),
+        "parser_threads": (1, 256, "expected an integer in [1, 256]"),
+        "copy_threads": (1, 256, "expected an integer in [1, 256]"),
+        "flush_threads": (1, 64, "expected an integer in [1, 64]"),
+        "queue_depth": (1, 1024, "expected an integer in [1, 1024]"),
+        "chunk_size": (1, 4096, "expected MiB in [1, 4096] (an integer)"),
+        "read_size": (1, 4096, "expected MiB in [1, 4096] (an integer)"),
+    }
+    CHOICES = {"io_backend": ("auto", "io_uring", "pwrite")}
 
     host_cache_size: float = 2.0
     """GiB of host memory for the cache, reserved at engine start and faulted in (and pinned) on first use or
@@ -57,79 +120,6 @@ class DataStatesConfig:
     """Verify stored checksums on load."""
     io_backend: str = "auto"
     """'auto' (io_uring, else pwrite with a warning), 'io_uring' (error if refused) or 'pwrite'."""
-    keep_last_n: int = 0
-    """Nanotron trainer: keep the newest N committed checkpoints and remove older ones, off the training
-    thread, once a newer one is committed (never the one `latest.txt` names, never one in flight). 0 keeps
-    every checkpoint."""
-    device_snapshot: str = "auto"
-    """Nanotron trainer: copy each checkpoint on the GPU first (at memory speed, in the training stream's
-    order), so that the optimizer step never waits for the copies to the host, which then read from that
-    copy. 'auto' does so when the GPU has room for it above the peak memory training has used so far, with
-    the larger of 1 GiB and 5% of the GPU to spare; 'always' whenever the memory can be had; 'never'."""
-    queue_at_step: bool = True
-    """Nanotron trainer, for checkpoints copied on the GPU first: plan, copy and queue the files at the start
-    of the next optimizer step instead of in `save_checkpoint` (neither the forward nor the backward pass
-    changes them). There the training thread's few milliseconds of work overlap the GPU still running the
-    backward pass; in `save_checkpoint`, just after Nanotron's end-of-step synchronization, the GPU waits for
-    them. Off: everything is queued before `save_checkpoint` returns."""
-    telemetry: bool = True
-    """Nanotron trainer: append one JSON line per checkpoint to `datastates_telemetry.jsonl` in the
-    checkpoints folder (bytes, stall, snapshot, persisted, throughput, cache high-water mark and waits)."""
-
-    def __post_init__(self) -> None:
-        def need(ok: bool, name: str, rule: str) -> None:
-            if not ok:
-                raise ValueError(f"datastates.{name}={getattr(self, name)!r} is invalid: {rule}")
-
-        # Every message names the key and what it accepts, for a wrong type as for a value out of range.
-        ranges = {
-            "host_cache_size": (1 / 1024, 1 << 20, "expected GiB in [1/1024, 2**20]"),
-            "parser_threads": (1, 256, "expected an integer in [1, 256]"),
-            "copy_threads": (1, 256, "expected an integer in [1, 256]"),
-            "flush_threads": (1, 64, "expected an integer in [1, 64]"),
-            "queue_depth": (1, 1024, "expected an integer in [1, 1024]"),
-            "chunk_size": (1, 4096, "expected MiB in [1, 4096] (an integer)"),
-            "read_size": (1, 4096, "expected MiB in [1, 4096] (an integer)"),
-            "keep_last_n": (0, 1 << 20, "expected an integer >= 0 (0 keeps every checkpoint)"),
-        }
-        for f in fields(self):
-            value = getattr(self, f.name)
-            kind = f.type if isinstance(f.type, str) else f.type.__name__
-            if kind == "bool":
-                need(isinstance(value, bool), f.name, "expected true or false")
-            elif kind == "str":
-                choices = _IO_BACKENDS if f.name == "io_backend" else _DEVICE_SNAPSHOTS
-                need(value in choices, f.name, f"expected one of {', '.join(choices)}")
-            else:
-                number = isinstance(value, (int, float)) and not isinstance(value, bool)
-                if kind == "int":
-                    number = number and isinstance(value, int)
-                lo, hi, rule = ranges[f.name]
-                need(number and lo <= value <= hi, f.name, rule)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None = None, *, env: bool = True) -> DataStatesConfig:
-        """Builds a config from a mapping (e.g. Nanotron's `datastates:` YAML section).
-
-        Unknown keys raise ValueError naming them. With `env`, variables `DATASTATES_<KEY>` (e.g.
-        `DATASTATES_HOST_CACHE_SIZE=8`) override the mapping: one job can be tuned without editing its YAML.
-        """
-        d = dict(d or {})
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(d) - set(known))
-        if unknown:
-            raise ValueError(
-                f"unknown datastates key(s): {', '.join(unknown)}; known keys: {', '.join(sorted(known))}"
-            )
-        if env:
-            for name, f in known.items():
-                raw = os.environ.get(ENV_PREFIX + name.upper())
-                if raw is not None:
-                    d[name] = _parse_env(name, f.type if isinstance(f.type, str) else f.type.__name__, raw)
-        return cls(**d)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     # Derived sizes, in bytes, as the core takes them.
     @property

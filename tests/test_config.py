@@ -1,10 +1,12 @@
-"""DataStatesConfig: defaults, validation naming the field, from_dict, environment overrides."""
+"""DataStatesConfig (the engine's settings) and TrainerSettings (the Nanotron trainer's), and the `datastates:`
+section holding both: defaults, validation naming the field, from_dict, environment overrides."""
 
 import dataclasses
 
 import pytest
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
+from nanotron_datastates.nanotron.settings import Section, TrainerSettings
 
 
 def test_defaults_are_valid_and_sized():
@@ -41,14 +43,18 @@ ACCEPTS = {"host_cache_size": "[1/1024, 2**20]", "parser_threads": "[1, 256]", "
            "telemetry": "true or false"}  # fmt: skip
 
 
-def test_every_key_has_bad_values_under_test():
-    assert set(BAD) == {f.name for f in dataclasses.fields(DataStatesConfig)}
+ENGINE = {f.name for f in dataclasses.fields(DataStatesConfig)}
+TRAINER = {f.name for f in dataclasses.fields(TrainerSettings)}
+
+
+def test_every_key_has_bad_values_under_test_and_belongs_to_one_of_the_two():
+    assert set(BAD) == ENGINE | TRAINER and not ENGINE & TRAINER
 
 
 @pytest.mark.parametrize("field,value", [(f, v) for f, values in BAD.items() for v in values])
 def test_bad_value_names_the_key_and_what_it_accepts(field, value):
     with pytest.raises(ValueError) as e:
-        DataStatesConfig(**{field: value})
+        (DataStatesConfig if field in ENGINE else TrainerSettings)(**{field: value})
     msg = str(e.value)
     assert msg.startswith(f"datastates.{field}={value!r} is invalid: expected"), msg
     assert ACCEPTS.get(field, "true or false") in msg, msg
@@ -70,6 +76,17 @@ def test_environment_overrides(monkeypatch):
     monkeypatch.setenv("DATASTATES_PARSER_THREADS", "many")
     with pytest.raises(ValueError, match="DATASTATES_PARSER_THREADS"):
         DataStatesConfig.from_dict({})
+
+
+def test_the_section_splits_its_keys_between_engine_and_trainer(monkeypatch):
+    s = Section.from_dict({"host_cache_size": 0.5, "keep_last_n": 3})
+    assert s.engine.host_cache_size == 0.5 and s.trainer.keep_last_n == 3
+    assert s.to_dict() == {**s.engine.to_dict(), **s.trainer.to_dict()}
+    assert Section.from_dict(s.to_dict()) == s
+    with pytest.raises(ValueError, match=r"keep_lst_n; known keys: .*host_cache_size.*keep_last_n"):
+        Section.from_dict({"keep_lst_n": 3})
+    monkeypatch.setenv("DATASTATES_KEEP_LAST_N", "5")
+    assert Section.from_dict({}).trainer.keep_last_n == 5
 
 
 def test_small_cache_clamps_chunks():

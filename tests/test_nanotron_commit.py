@@ -26,7 +26,7 @@ def _worker(rank: int, world: int, init: str, root: str, out: str) -> None:
         for step in (1, 2, 3):
             folder = root_p / str(step)
             # Checkpoint 2 fails on rank 1: a file stands where its folder should be.
-            sub = "blocked/x" if (step == 2 and rank == 1) else f"rank{rank}"
+            sub = "blocked/x" if (step == 2 and rank == 1) else f"model/rank{rank}"
             handles = [
                 engine.save(
                     {"w": torch.full((300_000,), float(step * 10 + rank))}, folder / sub / "w.safetensors"
@@ -62,12 +62,12 @@ def test_two_ranks_commit_only_when_both_persisted(tmp_path):
     assert (root / layout.LATEST).read_text() == "3"
     assert not (root / "2" / layout.MANIFEST).exists()  # the failed checkpoint is not marked committed
     doc = layout.read_manifest(root / "3")
-    assert set(doc["files"]) == {"rank0/w.safetensors", "rank1/w.safetensors"}
+    assert set(doc["files"]) == {"model/rank0/w.safetensors", "model/rank1/w.safetensors"}
     for rank in (0, 1):
         back = DataStatesEngine(DataStatesConfig(host_cache_size=4 / 1024, chunk_size=1))
-        sums = layout.file_checksums(doc, root / "3", root / "3" / f"rank{rank}" / "w.safetensors")
+        sums = layout.file_checksums(doc, root / "3", root / "3" / f"model/rank{rank}" / "w.safetensors")
         assert bool(
-            (back.load(root / "3" / f"rank{rank}" / "w.safetensors", checksums=sums)["w"] == 30 + rank).all()
+            (back.load(root / "3" / f"model/rank{rank}" / "w.safetensors", checksums=sums)["w"] == 30 + rank).all()
         )
         back.close()
 

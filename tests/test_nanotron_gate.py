@@ -1,5 +1,6 @@
-"""The trainer's step deferral against a real torch optimizer: `step` waits for the snapshot of the
-checkpoint just queued, so the file holds the state from before the step, and the step proceeds after."""
+"""The snapshot gate against a real torch optimizer: a `step` that waits on the gate first (as the trainer's
+one wrapper does) waits for the snapshot of the checkpoint just queued, so the file holds the state from
+before the step, and the step proceeds after."""
 
 import pytest
 import torch
@@ -8,14 +9,25 @@ from nanotron_datastates import DataStatesConfig, DataStatesEngine
 from nanotron_datastates.nanotron.gate import SnapshotGate
 
 
+def guarded(optimizer: torch.optim.Optimizer) -> SnapshotGate:
+    """A gate that `optimizer.step` waits on first."""
+    gate, original = SnapshotGate(), optimizer.step
+
+    def step(*args, **kwargs):
+        gate.wait()
+        return original(*args, **kwargs)
+
+    optimizer.step = step
+    return gate
+
+
 def test_step_waits_for_the_snapshot_then_mutates(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(1024, 1024)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(8, 1024)).sum().backward()
     opt.step()  # optimizer state exists
-    gate = SnapshotGate()
-    gate.guard(opt)
+    gate = guarded(opt)
     # A 1 MiB cache: the ~12 MB state streams through it, so the snapshot takes a while.
     with DataStatesEngine(DataStatesConfig(host_cache_size=1 / 1024)) as engine:
         state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
@@ -39,8 +51,7 @@ def test_step_waits_for_the_snapshot_then_mutates(tmp_path):
 def test_failed_save_does_not_block_the_step(tmp_path):
     (tmp_path / "blocker").write_text("")
     opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
-    gate = SnapshotGate()
-    gate.guard(opt)
+    gate = guarded(opt)
     with DataStatesEngine(DataStatesConfig(host_cache_size=1 / 1024)) as engine:
         h = engine.save({"x": torch.ones(3)}, tmp_path / "blocker" / "x.safetensors")
         gate.add([h])
@@ -58,8 +69,7 @@ def test_work_deferred_to_the_step_runs_before_it_and_its_save_holds_the_state_o
     model(torch.randn(8, 512)).sum().backward()
     opt.step()
     opt.zero_grad()
-    gate = SnapshotGate()
-    gate.guard(opt)
+    gate = guarded(opt)
     asked = {k: v.clone() for k, v in model.state_dict().items()}
     avg_asked = opt.state_dict()["state"][0]["exp_avg"].clone()
     with DataStatesEngine(DataStatesConfig(host_cache_size=1 / 1024)) as engine:

@@ -4,7 +4,9 @@ Nanotron builds its Config with dacite in strict mode, so unknown keys are error
 therefore swaps in subclasses of Nanotron's own `Config` and `CheckpointsArgs` that add our keys, everywhere
 Nanotron looks them up (the `nanotron.config` namespaces, the default arguments of `get_config_from_file`
 and of `DistributedTrainer`). After parsing, `config.checkpoints.checkpointing_engine` is "torch" (Nanotron's
-own behaviour, the default) or "datastates", and `config.datastates` is a validated DataStatesConfig.
+own behaviour, the default) or "datastates"; `config.datastates` holds the section's keys with the values in
+effect (environment overrides applied: what `config.yaml` then records), and `section(config)` the parsed
+`Section` (engine and trainer settings).
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import dataclasses
 import sys
 from typing import Any, Optional
 
-from ..config import DataStatesConfig
 from . import compat
+from .settings import Section
 
 ENGINES = ("torch", "datastates")
 
@@ -42,8 +44,8 @@ def make_classes(ncc: Any) -> tuple[type, type]:
         checkpoints: Optional[CheckpointsArgs] = None
         # DataStates' own Nanotron docs put the key at the top level; it is moved into `checkpoints`.
         checkpointing_engine: Optional[str] = None
-        # Parsed by DataStatesConfig.from_dict, not by dacite: its messages name the key, and YAML ints are
-        # accepted where floats are expected. Holds a DataStatesConfig after __post_init__.
+        # Parsed by Section.from_dict, not by dacite: its messages name the key, and YAML ints are accepted
+        # where floats are expected. After __post_init__: every key, with its value in effect.
         datastates: Optional[dict] = None
 
         def __post_init__(self) -> None:
@@ -60,8 +62,13 @@ def make_classes(ncc: Any) -> tuple[type, type]:
                     )
                 self.checkpoints.checkpointing_engine = self.checkpointing_engine
                 self.checkpointing_engine = None
-            if not isinstance(self.datastates, DataStatesConfig):
-                self.datastates = DataStatesConfig.from_dict(self.datastates or {})
+            parsed = (
+                self.datastates
+                if isinstance(self.datastates, Section)
+                else Section.from_dict(self.datastates)
+            )
+            self.datastates = parsed.to_dict()
+            self._datastates_section = parsed  # not a field: config.yaml records the plain keys
 
         @property
         def uses_datastates(self) -> bool:
@@ -72,6 +79,12 @@ def make_classes(ncc: Any) -> tuple[type, type]:
     CheckpointsArgs.__qualname__ = CheckpointsArgs.__name__ = "CheckpointsArgs"
     Config.__datastates__ = True
     return Config, CheckpointsArgs
+
+
+def section(config: Any) -> Section:
+    """The parsed `datastates:` section of a config (the defaults where it has none)."""
+    parsed = getattr(config, "_datastates_section", None)
+    return parsed if isinstance(parsed, Section) else Section()
 
 
 def _swap_default(fn: Any, old: type, new: type) -> None:

@@ -56,14 +56,3 @@ class SnapshotGate:
             on_wait(waited)
         self._pending.clear()
         return waited
-
-    def guard(self, optimizer: Any) -> None:
-        """Makes `optimizer.step` wait first (on this instance; its class is untouched)."""
-        original = optimizer.step
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            self.wait()
-            return original(*args, **kwargs)
-
-        step.__wrapped__ = original  # type: ignore[attr-defined]
-        optimizer.step = step

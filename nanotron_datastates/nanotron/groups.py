@@ -12,7 +12,7 @@ from typing import Any
 from nanotron import distributed as dist
 
 from .compat import NanotronUnavailable
-from .layout import topology
+from .layout import Place, topology
 
 # What the adapter reads from a ParallelContext; a tuple means any one of these names.
 REQUIRED: tuple[str | tuple[str, ...], ...] = (
@@ -65,14 +65,15 @@ def rank(pg: Any) -> int:
     return dist.get_rank(pg)
 
 
-def place(pc: Any) -> dict[str, tuple[int, int]]:
-    """(rank, size) in each dimension that names a random-state file."""
-    return {
-        "tp": (rank(pc.tp_pg), pc.tp_pg.size()),
-        "dp": (rank(pc.dp_pg), pc.dp_pg.size()),
-        "pp": (rank(pc.pp_pg), pc.pp_pg.size()),
-        "cp": (cp_rank(pc), cp_size(pc)),
-    }
+def place(pc: Any) -> Place:
+    """This rank's (rank, size) in each dimension that names its files."""
+    return Place(
+        tp=(rank(pc.tp_pg), pc.tp_pg.size()),
+        dp=(rank(pc.dp_pg), pc.dp_pg.size()),
+        pp=(rank(pc.pp_pg), pc.pp_pg.size()),
+        cp=(cp_rank(pc), cp_size(pc)),
+        ep=(rank(ep(pc)), pc.expert_parallel_size),
+    )
 
 
 def layout_of(pc: Any, zero_stage: int) -> dict[str, int]:

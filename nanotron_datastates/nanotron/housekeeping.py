@@ -51,6 +51,30 @@ def rotate(root: str | os.PathLike, keep_last_n: int, committed_step: int) -> li
     return doomed
 
 
+def after_commit(result: Any, root: Path, settings: Any, cache: dict[str, Any]) -> list[Path]:
+    """Rank 0, after each checkpoint's outcome (`result`, a CommitResult): for a committed one, its folder's
+    stale temporaries removed and rotation (`settings.keep_last_n`); then the telemetry line (with `cache`,
+    the engine's cache statistics since the last one) where `settings.telemetry`. Returns what was removed."""
+    removed: list[Path] = []
+    if result.committed:
+        remove_temporaries(result.folder)
+        # With an S3 upload hook, keep at least 2: a hook runs at the next checkpoint, after this one.
+        removed = rotate(root, settings.keep_last_n, result.step)
+    if settings.telemetry:
+        append_telemetry(root, telemetry_record(result, cache, removed))
+    return removed
+
+
+def describe(r: Any) -> str:
+    """The log line of a committed checkpoint (`r`, a CommitResult)."""
+    queued = f" (queued at the next step in {1e3 * r.queued_s:.1f} ms)" if r.queued_s else ""
+    return (
+        f"checkpoint {r.step}: {r.bytes / 1e9:.2f} GB in {r.files} files, "
+        f"training stall {1e3 * r.stall_s:.1f} ms{queued}, snapshot {1e3 * r.snapshot_s:.1f} ms, "
+        f"persisted {r.persisted_s:.2f} s, committed {r.committed_s:.2f} s ({r.gbps:.2f} GB/s)"
+    )
+
+
 def remove_temporaries(folder: str | os.PathLike) -> int:
     """Removes the temporaries in a committed checkpoint folder: every rank's files are persisted by then, so
     any left are from a process killed while saving into the same step earlier."""

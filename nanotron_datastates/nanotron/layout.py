@@ -7,17 +7,23 @@ Nanotron writes with pickle (`.pt`), are written by the engine as safetensors un
 
 `datastates.json`, written by rank 0 once every rank's files are persisted and before `latest.txt` names the
 checkpoint, lists each file with its size and per-tensor CRC-32C. A checkpoint folder without it is either
-Nanotron's own or incomplete.
+Nanotron's own or incomplete. A manifest is trusted for nothing: every file it names must be a file of this
+layout inside the checkpoint's folder (`member`), or reading it is a ManifestError naming the entry.
+
+`files_to_read` is the one answer to "which files does this rank read on resume", given the manifest, the
+layout here and, once the process groups exist, this rank's `Place` in them (before, only files every rank
+reads are named).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 MANIFEST = "datastates.json"
@@ -25,6 +31,14 @@ MANIFEST_FORMAT = "nanotron-datastates"
 MANIFEST_VERSION = 1
 LATEST = "latest.txt"
 NANOTRON_METADATA = "checkpoint_metadata.json"  # Nanotron's CHECKPOINT_FILE_NAME, without importing Nanotron
+
+
+FOLDERS = ("model", "optimizer", "lr_scheduler", "random")  # where the engine's files of a checkpoint go
+MAX_SMALL_FILES = 16  # the scheduler's and random states' files read into the page cache first, at most
+
+
+class ManifestError(ValueError):
+    """A manifest that is not ours, or names a file outside the checkpoint's layout."""
 
 
 def is_datastates_checkpoint(folder: str | os.PathLike) -> bool:
@@ -46,6 +60,36 @@ def random_states_name(
     if cp[1] > 1:
         name += f"_cp-{cp[0]}-of-{cp[1]}"
     return name + ".safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """A rank's (rank, size) in each parallel dimension: what its optimizer, scheduler and random-state files
+    are named after."""
+
+    tp: tuple[int, int]
+    dp: tuple[int, int]
+    pp: tuple[int, int]
+    cp: tuple[int, int] = (0, 1)
+    ep: tuple[int, int] = (0, 1)
+
+    def _ranks(self, dp: bool) -> str:
+        parts = [f"pp-{self.pp[0]}-of-{self.pp[1]}", f"tp-{self.tp[0]}-of-{self.tp[1]}"]
+        if dp:
+            parts.insert(1, f"dp-{self.dp[0]}-of-{self.dp[1]}")
+        return "_".join([*parts, f"exp-{self.ep[0]}-of-{self.ep[1]}"])
+
+    def optimizer_name(self, zero: bool) -> str:
+        """Nanotron's `optimizer_filename`, as safetensors: with the data-parallel rank for a ZeRO shard."""
+        return f"optimizer_{self._ranks(dp=zero)}.safetensors"
+
+    def lr_scheduler_name(self) -> str:
+        """Nanotron's `lr_scheduler_filename` for an integer ZeRO stage (it tests `is_zero is True`, so the
+        name never has the data-parallel rank), as safetensors."""
+        return f"lr_scheduler_{self._ranks(dp=False)}.safetensors"
+
+    def random_states_name(self) -> str:
+        return random_states_name(self.tp, self.dp, self.pp, self.cp)
 
 
 _RANDOM_NAME = re.compile(r"tp-(\d+)-of-(\d+)_dp-(\d+)-of-(\d+)_pp-(\d+)-of-(\d+)(?:_cp-(\d+)-of-(\d+))?")
@@ -140,27 +184,111 @@ def manifest(step: int, topology: dict[str, int], files: dict[str, dict[str, Any
 
 
 def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of a checkpoint folder; ManifestError if it is not ours, is newer than this package, or
+    names anything but a file of the layout (checked again against links when each is opened: `member`)."""
     path = Path(folder) / MANIFEST
-    with open(path) as f:
-        doc = json.load(f)
-    if doc.get("format") != MANIFEST_FORMAT or not isinstance(doc.get("files"), dict):
-        raise ValueError(f"{path} is not a nanotron-datastates manifest")
+    try:
+        doc = json.loads(path.read_text())
+    except ValueError as e:
+        raise ManifestError(f"{path} is not valid JSON: {e}") from None
+    if (
+        not isinstance(doc, dict)
+        or doc.get("format") != MANIFEST_FORMAT
+        or not isinstance(doc.get("files"), dict)
+    ):
+        raise ManifestError(f"{path} is not a nanotron-datastates manifest")
     if doc.get("version", 0) > MANIFEST_VERSION:
-        raise ValueError(f"{path} was written by a newer nanotron-datastates (version {doc['version']})")
+        raise ManifestError(f"{path} was written by a newer nanotron-datastates (version {doc['version']})")
+    for rel in doc["files"]:
+        why = _not_a_member(rel)
+        if why:
+            raise ManifestError(f"{path}: entry {rel!r} {why}")
     return doc
+
+
+def _not_a_member(rel: Any) -> str | None:
+    """Why `rel` cannot name a file of a checkpoint's layout, or None."""
+    if not isinstance(rel, str) or not rel:
+        return "is not a file name"
+    p = PurePosixPath(rel)
+    if p.is_absolute() or "\\" in rel:
+        return "is an absolute path"
+    if any(part in ("", ".", "..") for part in rel.split("/")):
+        return "leaves the checkpoint's folder or is not a plain path"
+    if len(p.parts) < 2 or p.parts[0] not in FOLDERS or p.suffix != ".safetensors":
+        return f"is not a safetensors file under {', '.join(f + '/' for f in FOLDERS)}"
+    return None
+
+
+def member(folder: str | os.PathLike, rel: str) -> Path:
+    """`folder / rel`, for a file a manifest names; ManifestError if `rel` is not a file of the layout or
+    resolves (through a link) outside `folder`."""
+    why = _not_a_member(rel)
+    if why:
+        raise ManifestError(f"{Path(folder) / MANIFEST}: entry {rel!r} {why}")
+    path = Path(folder) / rel
+    real, top = os.path.realpath(path), os.path.realpath(folder)
+    if os.path.commonpath([real, top]) != top:
+        raise ManifestError(f"{path} is a link out of the checkpoint's folder (to {real})")
+    return path
 
 
 def weight_files(doc: dict[str, Any], folder: Path) -> list[Path]:
     """Every weight file a manifest names, under `folder`, in name order: what a rank of a layout without
     tensor, pipeline or expert parallelism reads."""
-    return [folder / f for f in sorted(doc["files"]) if f.startswith("model/")]
+    return [member(folder, f) for f in sorted(doc["files"]) if f.startswith("model/")]
 
 
 def file_checksums(
     doc: dict[str, Any], folder: str | os.PathLike, path: str | os.PathLike
 ) -> dict[str, int] | None:
     """The checksums the manifest holds for `path` (a file of the checkpoint in `folder`), if any."""
-    entry = doc["files"].get(os.path.relpath(path, folder))
+    entry = doc["files"].get(Path(os.path.relpath(path, folder)).as_posix())
     if not entry or "crc32c" not in entry:
         return None
     return {name: int(v, 16) for name, v in entry["crc32c"].items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadSet:
+    """What a rank reads to resume: weight files (every one, where no rank holds a part of the model only;
+    else none, as which ones depends on the model), its optimizer file, and the small files (scheduler,
+    random states, metadata) to read into the page cache before the large ones."""
+
+    weights: list[Path]
+    optimizer: Path | None
+    small: list[Path]
+
+
+def files_to_read(
+    doc: dict[str, Any],
+    folder: Path,
+    here: dict[str, int],
+    place: Place | None,
+    *,
+    optimizer: bool,
+    scheduler: bool,
+) -> ReadSet | None:
+    """The files this rank reads from the checkpoint `doc` describes, in `folder`, for the layout `here`
+    (`topology`); None where the layout differs from the saved one (the state is resharded). Without a
+    `place` (before the process groups exist), only what every rank reads: the optimizer file where there
+    is one, the small files where there are few."""
+    if topology_changes(doc.get("topology", {}), here):
+        return None
+    whole = (here["tp"], here["pp"], here["expert"]) == (1, 1, 1)
+    if place is None and not whole:  # which shard a rank holds is not known yet
+        return ReadSet([], None, [])
+    weights = weight_files(doc, folder) if whole else []
+    names = [f for f in doc["files"] if f.startswith("optimizer/")]
+    if place is not None:
+        names = [f for f in names if f == "optimizer/" + place.optimizer_name(zero=here["zero_stage"] > 0)]
+    opt = member(folder, names[0]) if optimizer and len(names) == 1 else None
+    small = [folder / NANOTRON_METADATA]
+    if place is not None:
+        small.append(folder / "random" / place.random_states_name())
+        if scheduler:
+            small.append(folder / "lr_scheduler" / place.lr_scheduler_name())
+    else:
+        rest = [f for f in sorted(doc["files"]) if f.startswith(("lr_scheduler/", "random/"))]
+        small += [member(folder, f) for f in rest] if len(rest) <= MAX_SMALL_FILES else []
+    return ReadSet(weights, opt, small)

@@ -22,11 +22,9 @@ from nanotron.constants import CHECKPOINT_VERSION
 from nanotron.distributed import get_global_rank
 from nanotron.parallel.parameters import NanotronParameter
 from nanotron.serialize.metadata import CheckpointMetadata, TensorMetadata, process_type
-from nanotron.serialize.optimizer import lr_scheduler_filename, optimizer_filename
 from nanotron.serialize.utils import ObjectType, get_exp_tp_pp_rank_and_size_from, get_path
 
 from . import groups
-from .layout import as_safetensors, random_states_name
 
 
 def _prefixes(model: torch.nn.Module) -> dict[int, str]:
@@ -138,21 +136,20 @@ def optimizer_path(optimizer: Any, pc: Any, root: Path, *, writing: bool) -> Pat
 
 def optimizer_file(pc: Any, root: Path, *, zero: bool) -> Path:
     """This rank's optimizer file under `root`, for a ZeRO optimizer (`zero`) or not."""
-    return root / "optimizer" / as_safetensors(optimizer_filename(pc, is_zero=zero))
+    return root / "optimizer" / groups.place(pc).optimizer_name(zero)
 
 
-def lr_scheduler_path(zero_stage: int, pc: Any, root: Path, *, writing: bool) -> Path | None:
-    """The scheduler's file, named as Nanotron names it for `zero_stage`. Every rank holds the same schedule,
-    and Nanotron's name has no data-parallel rank for an integer stage (its `lr_scheduler_filename` tests
-    `is_zero is True`), so rank 0 of the replicas writes it and every rank reads it."""
+def lr_scheduler_path(pc: Any, root: Path, *, writing: bool) -> Path | None:
+    """The scheduler's file. Every rank holds the same schedule, and Nanotron's name has no data-parallel rank
+    for an integer ZeRO stage, so rank 0 of the replicas writes it and every rank reads it."""
     if writing and groups.rank(groups.dp_cp(pc)) != 0:
         return None
-    return root / "lr_scheduler" / as_safetensors(lr_scheduler_filename(pc, zero_stage))
+    return root / "lr_scheduler" / groups.place(pc).lr_scheduler_name()
 
 
 def random_states_path(pc: Any, root: Path) -> Path:
     """This rank's random-state file (every rank writes one)."""
-    return root / "random" / random_states_name(**groups.place(pc))
+    return root / "random" / groups.place(pc).random_states_name()
 
 
 def optimizer_config(optimizer: Any, pc: Any) -> dict[str, Any]:

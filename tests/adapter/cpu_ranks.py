@@ -6,7 +6,9 @@ rank's GPU) and the pipeline's P2P buffers (allocated on "cuda"). Nothing else i
 
 Run as a script, once per rank (`launch`): each rank builds that state for a layout, writes Nanotron's own
 checkpoint of it (`stock/`, with Nanotron's save functions), and reports which files the adapter plans for it
-(`rank-<r>.json`), so a test compares the two.
+(`rank-<r>.json`), so a test compares the two. With `roundtrip=True` each rank instead saves its state with
+the adapter's Saver, changes it, resumes it with the adapter's Resume into a state built afresh, and reports
+every tensor that differs from the one captured at the save.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def config(tp: int = 1, dp: int = 1, pp: int = 1, cp: int = 1, zero_stage: int =
     return c
 
 
-def training_state(pc: Any, c: Any) -> tuple[Any, Any, Any, Any]:
+def training_state(pc: Any, c: Any, seed: int = 0) -> tuple[Any, Any, Any, Any]:
     """(model, optimizer, lr_scheduler, random_states) as Nanotron's trainer builds them; one optimizer step
     taken, so that the Adam moments exist."""
     from nanotron.helpers import init_optimizer_and_grad_accumulator, lr_scheduler_builder
@@ -73,7 +75,7 @@ def training_state(pc: Any, c: Any) -> tuple[Any, Any, Any, Any]:
     from nanotron.scaling.parametrization import ParametrizationMethod
     from nanotron.trainer import mark_tied_parameters
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     random_states = RandomStates({"tp_synced": get_current_random_state()})
     model = build_model(
         model_builder=lambda: LlamaForTraining(
@@ -96,9 +98,7 @@ def training_state(pc: Any, c: Any) -> tuple[Any, Any, Any, Any]:
         optimizer_args=c.optimizer,
         parallel_context=pc,
     )
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    optimizer.step()
+    step(model, optimizer)
     assert all(isinstance(p, NanotronParameter) for p in model.parameters())
     lr_scheduler = lr_scheduler_builder(
         optimizer=optimizer,
@@ -106,6 +106,101 @@ def training_state(pc: Any, c: Any) -> tuple[Any, Any, Any, Any]:
         total_training_steps=c.tokens.train_steps,
     )
     return model, optimizer, lr_scheduler, random_states
+
+
+def step(model: Any, optimizer: Any) -> None:
+    """One optimizer step with gradients of ones (the same on every rank)."""
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def snapshot(model: Any, optimizer: Any, lr_scheduler: Any, random_states: Any) -> dict[str, Any]:
+    """Copies of everything a checkpoint holds, to compare a resumed state with."""
+    import copy
+
+    return copy.deepcopy({
+        "model": {k: v.detach() for k, v in model.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+        "lr_scheduler": lr_scheduler.state_dict(),
+        "random": {k: vars(v) for k, v in random_states.items()},
+    })  # fmt: skip
+
+
+def differences(a: Any, b: Any, where: str = "") -> list[str]:
+    """Where two nested states differ (tensors bit for bit, dtype and shape included)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        ok = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        ok = ok and a.dtype == b.dtype and a.shape == b.shape
+        ok = ok and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        return [] if ok else [where]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{where}: keys {sorted(map(str, set(a) ^ set(b)))}"]
+        return [d for k in a for d in differences(a[k], b[k], f"{where}/{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{where}[{i}]")]
+    if hasattr(a, "__array__") and hasattr(b, "__array__"):
+        import numpy as np
+
+        return [] if np.array_equal(a, b) else [where]
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
+
+
+def count_tensors(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return 1
+    if isinstance(x, dict):
+        return sum(count_tensors(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return sum(count_tensors(v) for v in x)
+    return 0
+
+
+def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
+    """Saves this rank's state with the Saver (rank 0 commits), steps on, then resumes it with Resume into a
+    state built afresh from another seed; returns what differs from the state captured at the save."""
+    from nanotron_datastates import DataStatesEngine
+    from nanotron_datastates.nanotron.finalize import finalizer
+    from nanotron_datastates.nanotron.resume import Resume
+    from nanotron_datastates.nanotron.saver import Saver
+    from nanotron_datastates.nanotron.settings import TrainerSettings
+
+    state = training_state(pc, c)
+    model, optimizer, lr_scheduler, random_states = state
+    ckpt = work / "ckpt"
+    engine = DataStatesEngine(host_cache_size=1 / 64, chunk_size=1)
+    saver = Saver(engine, TrainerSettings(), pc, model, optimizer, ckpt)
+    events: list[str] = []
+    saver.observers.append(lambda event, fields: events.append(event))
+    saver.after_first_step()
+    saved = snapshot(*state)
+    finalize = None
+    if torch.distributed.get_rank() == 0:
+        finalize = finalizer(step=7, checkpoints=ckpt, pc=pc, config=c, model_config=c.model.model_config,
+                             optimizer=optimizer, metadata=training_metadata(7))  # fmt: skip
+    saver.request(7, lr_scheduler, random_states, finalize)
+    saver.before_step()
+    step(model, optimizer)  # the checkpoint holds the state asked for, not this one
+    saver.drain(lambda s: None)
+    saver.close()
+    engine.close()
+
+    fresh = training_state(pc, c, seed=1)
+    resume = Resume()
+    assert resume.plan(c, pc, ckpt / "7", device=torch.device("cpu"))
+    resume.load_weights(fresh[0])
+    metadata = resume.load_rest(*fresh[1:])
+    resume.before_step()
+    resume.finish(close_engine=True)
+    return {
+        "events": events,
+        "differences": differences(saved, snapshot(*fresh)),
+        "tensors": count_tensors(saved),
+        "last_train_step": metadata.last_train_step,
+        "flags": [c.checkpoints.load_optimizer, c.checkpoints.load_lr_scheduler],
+    }
 
 
 def training_metadata(step: int) -> Any:
@@ -151,7 +246,7 @@ def planned(pc: Any, c: Any, state: tuple[Any, Any, Any, Any]) -> dict[str, Any]
     zero = int(c.optimizer.zero_stage)
     files = [str(p) for p, _, _ in shards.weight_shards(model, pc, Path())]
     files.append(shards.optimizer_path(optimizer, pc, Path(), writing=True))
-    files.append(shards.lr_scheduler_path(zero, pc, Path(), writing=True))
+    files.append(shards.lr_scheduler_path(pc, Path(), writing=True))
     files.append(shards.random_states_path(pc, Path()))
     return {
         "writes": sorted(str(f) for f in files if f is not None),
@@ -176,6 +271,11 @@ def main() -> None:
 
     pc = parallel_context(tp, dp, pp, cp)
     c = config(tp, dp, pp, cp, zero)
+    if sys.argv[7:] == ["roundtrip"]:
+        (work / f"rank-{rank}.json").write_text(json.dumps(roundtrip(pc, c, work)))
+        tdist.barrier()
+        tdist.destroy_process_group()
+        return
     state = training_state(pc, c)
     stock_save(pc, c, state, work / "stock", step=7)
     tdist.barrier()
@@ -192,11 +292,18 @@ def main() -> None:
 
 
 def launch(
-    work: Path, world: int, tp: int = 1, dp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0
+    work: Path,
+    world: int,
+    tp: int = 1,
+    dp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    zero: int = 0,
+    roundtrip: bool = False,
 ) -> list[dict]:
     """Runs `main` on `world` processes; their reports, by rank."""
     work.mkdir(parents=True, exist_ok=True)
-    args = [str(a) for a in (tp, dp, pp, cp, zero)]
+    args = [str(a) for a in (tp, dp, pp, cp, zero)] + (["roundtrip"] if roundtrip else [])
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, str(work), *args],

@@ -13,6 +13,7 @@ import yaml
 
 from nanotron_datastates import DataStatesConfig  # noqa: E402
 from nanotron_datastates.nanotron import config as ds_config  # noqa: E402
+from nanotron_datastates.nanotron.settings import Section, TrainerSettings  # noqa: E402
 
 BASE = {
     "checkpoints": {"checkpoint_interval": 5, "checkpoints_path": "/tmp/ckpt"},
@@ -123,22 +124,21 @@ def parse(tmp_path, **changes):
 def test_default_is_nanotrons_engine(tmp_path):
     c = parse(tmp_path)
     assert c.checkpoints.checkpointing_engine == "torch" and not c.uses_datastates
-    assert c.datastates == DataStatesConfig.from_dict({})
+    assert ds_config.section(c) == Section.from_dict({})
 
 
 def test_datastates_under_checkpoints_with_a_section(tmp_path):
     c = parse(
         tmp_path,
         checkpoints={"checkpointing_engine": "datastates"},
-        datastates={"host_cache_size": 8, "parser_threads": 3, "pin_host_cache": False},
+        datastates={"host_cache_size": 8, "parser_threads": 3, "pin_host_cache": False, "keep_last_n": 2},
     )
     assert c.uses_datastates and c.checkpoints.checkpointing_engine == "datastates"
-    assert (c.datastates.host_cache_size, c.datastates.parser_threads, c.datastates.pin_host_cache) == (
-        8,
-        3,
-        False,
-    )
-    assert c.datastates.flush_threads == DataStatesConfig().flush_threads  # the engine's default
+    engine, trainer = ds_config.section(c).engine, ds_config.section(c).trainer
+    assert (engine.host_cache_size, engine.parser_threads, engine.pin_host_cache) == (8, 3, False)
+    assert engine.flush_threads == DataStatesConfig().flush_threads  # the engine's default
+    assert trainer.keep_last_n == 2 and trainer.telemetry is TrainerSettings().telemetry
+    assert c.datastates["keep_last_n"] == 2 and c.datastates["flush_threads"] == engine.flush_threads
 
 
 def test_top_level_key_as_datastates_docs_write_it(tmp_path):
@@ -152,6 +152,7 @@ def test_top_level_key_as_datastates_docs_write_it(tmp_path):
         ({"datastates": {"host_cache_sise": 1}}, "host_cache_sise"),
         ({"datastates": {"parser_threads": 0}}, r"datastates\.parser_threads=0"),
         ({"datastates": {"io_backend": "aio"}}, r"datastates\.io_backend"),
+        ({"datastates": {"keep_last_n": -1}}, r"datastates\.keep_last_n=-1"),
         ({"checkpoints": {"checkpointing_engine": "tensorstore"}}, "checkpoints.checkpointing_engine"),
         ({"checkpointing_engine": "x"}, "checkpointing_engine='x'"),
     ],
@@ -169,7 +170,8 @@ def test_config_yaml_round_trip(tmp_path):
     from nanotron.config import get_config_from_file
 
     again = get_config_from_file(str(tmp_path / "again.yaml"))
-    assert again.uses_datastates and again.datastates.host_cache_size == 0.5
+    assert again.uses_datastates and ds_config.section(again) == ds_config.section(c)
+    assert ds_config.section(again).engine.host_cache_size == 0.5
 
 
 HOOK = textwrap.dedent(

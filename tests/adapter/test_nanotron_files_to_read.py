@@ -1,6 +1,7 @@
-"""The read-ahead started with the trainer's construction (early.py): which files it guesses every rank reads,
-from the config and the manifest alone, and where it guesses nothing. Reading them is prefetch.py's, tested
-in test_nanotron_prefetch.py; a GPU resume adopts it (the benchmarks' logs say so).
+"""Which files a rank reads on resume (`layout.files_to_read`): before the process groups exist, from the
+config and the manifest alone (what the read-ahead from the trainer's first line reads: only what every rank
+reads), and with a rank's place in the groups. Reading them is prefetch.py's, tested in
+test_nanotron_prefetch.py; a GPU resume adopts the early read-ahead (the benchmarks' logs say so).
 
 Runs against each Nanotron tree (see conftest.py).
 """
@@ -14,17 +15,19 @@ import torch
 import yaml
 
 from nanotron_datastates.nanotron import config as ds_config  # noqa: E402
-from nanotron_datastates.nanotron import early, layout  # noqa: E402
+from nanotron_datastates.nanotron import layout, target  # noqa: E402
+from nanotron_datastates.nanotron.resume import Resume  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "config_tiny_llama_datastates.yaml"
-OPTIMIZER = "optimizer/optimizer_pp-rank-0-of-1_tp-rank-0-of-1_exp-rank-0-of-1.safetensors"
+OPTIMIZER = "optimizer/optimizer_pp-0-of-1_tp-0-of-1_exp-0-of-1.safetensors"
+RANDOM = "random/tp-0-of-1_dp-0-of-1_pp-0-of-1.safetensors"
 TOPOLOGY = {"tp": 1, "pp": 1, "dp": 1, "expert": 1, "zero_stage": 0}
 
 
 def checkpoint(root: Path, step: int = 7, topology=None, optimizers=(OPTIMIZER,)) -> Path:
     """A checkpoints folder holding one committed step (a manifest naming its files) and latest.txt."""
     files = ["model/model/decoder/0/w.safetensors", "model/model/lm_head/w.safetensors", *optimizers]
-    files += ["optimizer/optimizer_config.json", "random/tp-0-of-1_dp-0-of-1_pp-0-of-1.safetensors"]
+    files += [RANDOM]
     folder = root / str(step)
     folder.mkdir(parents=True)
     doc = layout.manifest(step, topology or TOPOLOGY, {f: {"bytes": 1} for f in files})
@@ -42,11 +45,17 @@ def config_file(tmp_path: Path, resume: Path | None, **parallelism) -> Path:
     return path
 
 
-def guess(tmp_path: Path, resume: Path | None, **parallelism):
+def guess(tmp_path: Path, resume: Path | None, place: layout.Place | None = None, **parallelism):
+    """(folder, (weights, optimizer)) the config resumes from and reads, where no process group exists."""
     ds_config.register()
-    config = early._config((str(config_file(tmp_path, resume, **parallelism)),), {})
-    root = early._resume_folder(config)
-    return root, (early._files(config, layout.read_manifest(root), root) if root is not None else None)
+    config = target.parse_config((str(config_file(tmp_path, resume, **parallelism)),), {})
+    root = target.resume_folder(config)
+    if root is None:
+        return None, None
+    reads = layout.files_to_read(
+        layout.read_manifest(root), root, target.asked_layout(config), place, **target.loads(config)
+    )
+    return root, ([], None) if reads is None else (reads.weights, reads.optimizer)
 
 
 def test_every_weight_file_and_the_one_optimizer_file_of_the_latest_step(tmp_path):
@@ -78,7 +87,7 @@ def test_nothing_is_guessed_where_ranks_read_different_files(tmp_path, saved, he
 
 
 def test_several_optimizer_files_leave_the_optimizer_to_the_trainer(tmp_path):
-    other = OPTIMIZER.replace("tp-rank-0", "tp-rank-1")
+    other = OPTIMIZER.replace("_pp-0-of-1_", "_pp-0-of-1_dp-1-of-2_")
     checkpoint(tmp_path / "ckpt", optimizers=(OPTIMIZER, other))
     _, (weights, optimizer) = guess(tmp_path, tmp_path / "ckpt")
     assert len(weights) == 2 and optimizer is None
@@ -97,25 +106,57 @@ def test_the_config_is_parsed_from_positional_and_keyword_arguments(tmp_path):
 
     ds_config.register()
     path = str(config_file(tmp_path, None))
-    by_position = early._config((path, Config), {})
-    by_keyword = early._config((), {"config_or_config_file": path, "config_class": Config})
+    by_position = target.parse_config((path, Config), {})
+    by_keyword = target.parse_config((), {"config_or_config_file": path, "config_class": Config})
     assert by_position.checkpoints == by_keyword.checkpoints
     assert by_position.datastates == by_keyword.datastates
 
 
 def test_start_never_raises_and_starts_nothing_it_cannot_use(tmp_path):
-    assert early.start((str(tmp_path / "missing.yaml"),), {}) is None
+    assert not Resume.start((str(tmp_path / "missing.yaml"),), {}).prefetch
     if not torch.cuda.is_available():  # a CPU trainer reads no checkpoint ahead
         checkpoint(tmp_path / "ckpt")
-        assert early.start((str(config_file(tmp_path, tmp_path / "ckpt")),), {}) is None
+        started = Resume.start((str(config_file(tmp_path, tmp_path / "ckpt")),), {})
+        assert started.state == "idle" and started.prefetch is None and started.engine is None
 
 
-def test_an_early_read_is_adopted_only_for_the_same_files_on_the_same_device(tmp_path):
-    a = early.EarlyRead(tmp_path, None, None, [tmp_path / "w"], tmp_path / "o", torch.device("cuda", 0))
-    assert a.matches(tmp_path, [tmp_path / "w"], tmp_path / "o", torch.device("cuda", 0))
-    assert not a.matches(tmp_path, [tmp_path / "w"], tmp_path / "o", torch.device("cuda", 1))
-    assert not a.matches(tmp_path, [tmp_path / "w"], None, torch.device("cuda", 0))
-    assert not a.matches(tmp_path, [], tmp_path / "o", torch.device("cuda", 0))
+def test_with_its_place_a_rank_reads_its_own_optimizer_shard_and_random_states(tmp_path):
+    """ZeRO-1 over two data-parallel ranks: before the process groups nothing tells the two shards apart;
+    with its place, each rank reads its own, and its own random states and the scheduler first."""
+    shards = [f"optimizer/optimizer_pp-0-of-1_dp-{r}-of-2_tp-0-of-1_exp-0-of-1.safetensors" for r in (0, 1)]
+    folder = checkpoint(tmp_path / "ckpt", topology={**TOPOLOGY, "dp": 2, "zero_stage": 1}, optimizers=shards)
+    assert guess(tmp_path, tmp_path / "ckpt", dp=2)[1][1] is None
+    place = layout.Place(tp=(0, 1), dp=(1, 2), pp=(0, 1))
+    doc = layout.read_manifest(folder)
+    here = {**TOPOLOGY, "cp": 1, "dp": 2, "zero_stage": 1}
+    reads = layout.files_to_read(doc, folder, here, place, optimizer=True, scheduler=True)
+    assert reads.optimizer == folder / shards[1] and len(reads.weights) == 2
+    assert folder / "random/tp-0-of-1_dp-1-of-2_pp-0-of-1.safetensors" in reads.small
+    assert folder / "lr_scheduler/lr_scheduler_pp-0-of-1_tp-0-of-1_exp-0-of-1.safetensors" in reads.small
+    assert layout.files_to_read(doc, folder, here, place, optimizer=False, scheduler=True).optimizer is None
+
+
+@pytest.mark.parametrize(
+    "entry",
+    ["/etc/passwd.safetensors", "model/../../x.safetensors", "model/./w.safetensors", "other/w.safetensors",
+     "model/w.bin", "model", ""],
+)  # fmt: skip
+def test_a_manifest_naming_anything_but_a_file_of_the_layout_is_refused(tmp_path, entry):
+    folder = checkpoint(tmp_path / "ckpt")
+    doc = json.loads((folder / layout.MANIFEST).read_text())
+    doc["files"][entry] = {"bytes": 1}
+    (folder / layout.MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(layout.ManifestError, match="entry"):
+        layout.read_manifest(folder)
+
+
+def test_a_file_of_the_manifest_linked_out_of_the_checkpoint_is_refused(tmp_path):
+    folder = checkpoint(tmp_path / "ckpt")
+    (tmp_path / "elsewhere.safetensors").write_bytes(b"")
+    (folder / "model" / "model" / "lm_head").mkdir(parents=True)
+    (folder / "model/model/lm_head/w.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    with pytest.raises(layout.ManifestError, match="link out of the checkpoint"):
+        layout.weight_files(layout.read_manifest(folder), folder)
 
 
 def test_context_parallel_ranks_read_the_whole_model(tmp_path):

@@ -1,0 +1,59 @@
+"""Rank 0's commit of a checkpoint, run by its committer once every rank's files are persisted: Nanotron's
+own files (`config.yaml`, `model_config.json`, `optimizer/optimizer_config.json`, `checkpoint_metadata.json`),
+the manifest, then `latest.txt`, each written atomically.
+
+Their texts are captured when the checkpoint is asked for (`finalizer`): training moves on while the files
+are flushed, and the metadata's counters with it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import fasteners
+import yaml
+from nanotron.config.utils_config import serialize
+from nanotron.constants import CHECKPOINT_FILE_NAME, MODEL_CONFIG_FILE_NAME
+
+from . import groups, housekeeping, layout, shards
+
+
+def finalizer(
+    *,
+    step: int,
+    checkpoints: Path,
+    pc: Any,
+    config: Any,
+    model_config: Any,
+    optimizer: Any,
+    metadata: Any,
+) -> Callable[[dict[str, Any]], None]:
+    """The commit of the checkpoint of `step` under `checkpoints`, given every rank's files (the manifest's
+    entries, gathered by the committers)."""
+    folder = checkpoints / str(step)
+    meta_text = shards.checkpoint_metadata_text(pc, metadata)
+    config_doc = copy.deepcopy(serialize(config))  # dumping it (ms) is left to the committer
+    if hasattr(model_config, "to_json_string"):
+        model_config_text = model_config.to_json_string()
+    else:
+        model_config_text = json.dumps(dataclasses.asdict(model_config))
+    optimizer_text = json.dumps(shards.optimizer_config(optimizer, pc))
+    topology = groups.layout_of(pc, int(config.optimizer.zero_stage))
+
+    def finalize(files: dict[str, Any]) -> None:
+        layout.write_atomic(folder / "config.yaml", yaml.dump(config_doc))
+        layout.write_atomic(folder / MODEL_CONFIG_FILE_NAME, model_config_text)
+        layout.write_atomic(folder / "optimizer" / "optimizer_config.json", optimizer_text)
+        layout.write_atomic(folder / CHECKPOINT_FILE_NAME, meta_text)
+        layout.write_atomic(
+            folder / layout.MANIFEST, json.dumps(layout.manifest(step, topology, files), indent=1)
+        )
+        # Several jobs (or a pruning tool) may share the folder: latest.txt only moves under the lock.
+        with fasteners.InterProcessLock(str(checkpoints / housekeeping.LOCK)):
+            layout.write_atomic(checkpoints / layout.LATEST, str(step))
+
+    return finalize

@@ -1,0 +1,257 @@
+"""Saving: each checkpoint the trainer asks for, from the request to its outcome. The trainer mixin calls:
+
+1. `after_first_step()`, once: this rank's files are planned (weights once, with Nanotron's names and tensor
+   metadata), the host cache chunks one checkpoint fills are pinned in the background, and where
+   checkpoints will be staged on the GPU, what the first staging would pay once is paid now (`staging.warm`).
+2. `request(step, folder, finalize)` in `save_checkpoint`: backpressure first (at most MAX_IN_FLIGHT
+   checkpoints in flight: a new one waits for the oldest), then what the next forward and backward passes
+   change (random states, the schedule's state) is captured now; staging is decided once for the whole
+   checkpoint (`staging.decide`); a staged checkpoint is queued at the start of the next optimizer step
+   (`queue_at_step`: there its few milliseconds on the training thread overlap the GPU's backward pass),
+   any other now (its copies must overlap the forward and backward passes).
+3. `before_step()`, at every optimizer step: the queuing left for it, then the wait for the snapshots of the
+   checkpoints just queued (gate.py). Nothing else ever waits.
+4. `take(count)` at the next request and `drain()` at the end: the outcomes (commit.py), in order, the same
+   on every rank; post-save hooks run for those committed; a failed one raises CheckpointError.
+
+`observers` are told of each queuing and commit (`observer(event, fields)`), for benchmarks and logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ..engine import DataStatesEngine
+from ..plan import SavePlan
+from . import groups, housekeeping, say, shards, staging, states
+from .commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
+from .gate import SnapshotGate
+from .settings import TrainerSettings
+
+MAX_IN_FLIGHT = 2  # checkpoints being flushed at once; a third waits for the oldest
+Observer = Callable[[str, dict[str, Any]], None]
+
+
+@dataclasses.dataclass
+class RankFiles:
+    """What this rank writes at every checkpoint, relative to the checkpoint's folder."""
+
+    weights: list[tuple[Path, SavePlan]]
+    optimizer: Path | None
+    lr_scheduler: Path | None
+    random: Path
+
+
+class Saver:
+    """One trainer's checkpoints into `checkpoints` (Nanotron's `checkpoints_path`). Collective: every rank
+    constructs its Saver at the same point (its committer's gloo group is made here)."""
+
+    def __init__(
+        self,
+        engine: DataStatesEngine,
+        settings: TrainerSettings,
+        pc: Any,
+        model: Any,
+        optimizer: Any,
+        checkpoints: Path,
+    ) -> None:
+        import torch.distributed as tdist
+
+        self.engine, self.settings, self.pc = engine, settings, pc
+        self.model, self.optimizer, self.checkpoints = model, optimizer, Path(checkpoints)
+        # A gloo group of its own: the committer's collectives run on a background thread, off the GPU.
+        group = tdist.new_group(backend="gloo") if tdist.is_initialized() else None
+        self.gate = SnapshotGate()
+        self.observers: list[Observer] = []
+        self.outstanding = 0  # checkpoints asked for and not taken yet
+        self.last_step: int | None = None  # the step of the last checkpoint asked for
+        self._files: RankFiles | None = None
+        self._nbytes: int | None = None  # this rank's weight and optimizer files, known from the first step
+        self._staged: bool | None = None  # the last checkpoint's decision, logged when it changes
+        self.committer = Committer(group, on_result=self._report)
+
+    # -- 1. after the first step ----------------------------------------------------------------------------
+
+    def after_first_step(self) -> None:
+        """Plans this rank's files and prepares the cache (and the staging) for the first checkpoint."""
+        plans = [plan for _, plan in self.files().weights] + [self.engine.plan(self.optimizer.state_dict())]
+        self._nbytes = sum(p.nbytes for p in plans)
+        # Pinning stalls other CUDA calls (8 GiB pinned at start took the first step from 0.97 to 2.99 s on an
+        # H100): after the first step, no more than one checkpoint fills (each file takes whole chunks).
+        chunk = self.engine.cache_stats()["chunk_bytes"]
+        chunks = sum(-(-p.nbytes // chunk) for p in plans) + 2  # + the scheduler's and random states' files
+        self.engine.prepare_cache(wait=False, nbytes=chunks * chunk)
+        if self._decide()[0]:
+            staging.warm(plans)
+
+    def files(self) -> RankFiles:
+        """This rank's files: the same files and weight tensors at every checkpoint, so planned once."""
+        if self._files is None:
+            self._files = RankFiles(
+                weights=[
+                    (path, self.engine.plan({"data": param}, metadata=md, exact_metadata=True))
+                    for path, param, md in shards.weight_shards(self.model, self.pc, Path())
+                ],
+                optimizer=shards.optimizer_path(self.optimizer, self.pc, Path(), writing=True),
+                lr_scheduler=shards.lr_scheduler_path(self.pc, Path(), writing=True),
+                random=shards.random_states_path(self.pc, Path()),
+            )
+        return self._files
+
+    # -- 2. a checkpoint asked for --------------------------------------------------------------------------
+
+    def request(
+        self,
+        step: int,
+        lr_scheduler: Any,
+        random_states: Any,
+        finalize: Callable[[dict], None] | None,
+        since: float | None = None,
+    ) -> None:
+        """Captures and queues (now or at the next step) the checkpoint of `step`; `finalize`, rank 0's, runs
+        once every rank's files are persisted. The training stall counted for it starts at `since`
+        (`time.perf_counter()`; default: now), and includes the next step's wait for its snapshot."""
+        t0 = time.perf_counter() if since is None else since
+        folder = self.checkpoints / str(step)
+        self.last_step = step
+        files = self.files()
+        random_state = {
+            "nanotron": {k: states.random_state_to_plain(v) for k, v in random_states.items()},
+            "global": states.global_rng_state(),
+        }
+        later: list[tuple[Path, SavePlan]] = []
+        if files.lr_scheduler is not None:
+            later.append((files.lr_scheduler, self.engine.plan(lr_scheduler.state_dict())))
+        later.append((files.random, self.engine.plan(random_state)))
+        pending = PendingCheckpoint(step, folder, [], finalize)
+        self.outstanding += 1
+        stage = self._decide()[0]
+        queue = functools.partial(self._queue, pending, later, stage)
+        if stage and self.settings.queue_at_step:
+            self.gate.defer(functools.partial(queue, deferred=True))
+        else:  # unstaged copies must start now, to overlap the forward and backward passes
+            queue(deferred=False)
+        pending.stall_s += time.perf_counter() - t0
+
+    def _decide(self) -> tuple[bool, str]:
+        nbytes = self._nbytes
+        if nbytes is None:  # asked for before the first step ended
+            nbytes = sum(p.nbytes for _, p in self.files().weights)
+            nbytes += self.engine.plan(self.optimizer.state_dict()).nbytes
+        stage, why = staging.decide(self.settings.device_snapshot, nbytes)
+        if stage != self._staged:
+            self._staged = stage
+            say.info(f"checkpoints {'' if stage else 'not '}copied on the GPU first ({why})")
+        return stage, why
+
+    def _queue(self, pending: PendingCheckpoint, later: list[tuple[Path, SavePlan]], stage: bool, *,
+               deferred: bool) -> None:  # fmt: skip
+        """Plans the optimizer state, queues every file of the checkpoint and hands it to the committer, which
+        is told of any failure here: every rank's committer then agrees that the checkpoint failed."""
+        t0 = time.perf_counter()
+        self._notify("queue_start", step=pending.step, deferred=deferred)
+        try:
+            files = self.files()
+            todo = list(files.weights)
+            if files.optimizer is not None:
+                todo.append((files.optimizer, self.engine.plan(self.optimizer.state_dict())))
+            pending.handles = self._submit(
+                [(plan, pending.folder / path) for path, plan in todo + later], stage
+            )
+            self.gate.add(pending.handles, on_wait=functools.partial(_add_stall, pending))
+        except Exception as e:  # reported at the next checkpoint or the end, as a failed write would be
+            pending.errors.append(f"queuing its files failed: {e!r}")
+            say.error(f"checkpoint {pending.step}: {pending.errors[-1]}", every_rank=True)
+        if deferred:
+            pending.queued_s = time.perf_counter() - t0
+        self._notify("queued", step=pending.step, deferred=deferred, seconds=time.perf_counter() - t0)
+        self.committer.submit(pending)
+
+    def _submit(self, files: list[tuple[SavePlan, Path]], stage: bool) -> list[Any]:
+        """Queues every file: all staged on the GPU together (so the optimizer step waits for none), or
+        straight from the state where unstaged or where staging runs out of GPU memory."""
+        if stage:
+            import torch
+
+            try:
+                return self.engine.save_plans(files, stage=True)
+            except torch.cuda.OutOfMemoryError:
+                self._staged = False
+                say.info(
+                    "out of GPU memory copying a checkpoint on the GPU: it is copied from the state itself"
+                )
+        return self.engine.save_plans(files)
+
+    # -- 3. every optimizer step ----------------------------------------------------------------------------
+
+    def before_step(self) -> float:
+        """Queues what waits for this step, then waits for the snapshots; returns the seconds waited."""
+        return self.gate.wait()
+
+    # -- 4. outcomes ----------------------------------------------------------------------------------------
+
+    def take(self, count: int, on_committed: Callable[[int], None]) -> None:
+        """Waits for the outcome of the `count` oldest checkpoints in flight (the same ones on every rank),
+        runs `on_committed(step)` for those committed, and raises CheckpointError for one that failed. First
+        queues any checkpoint still waiting for a step, even when nothing is waited for."""
+        self.gate.run_deferred()
+        if count <= 0:
+            return
+        results = self.committer.take(count)
+        self.outstanding -= len(results)
+        for r in results:
+            if r.committed:
+                on_committed(r.step)
+        failed = [r for r in results if not r.committed]
+        if failed:
+            r = failed[0]
+            raise CheckpointError(
+                f"checkpoint {r.step} at {r.folder} was not committed (latest.txt still names the previous "
+                "one): " + "; ".join(r.errors)
+            )
+
+    def backpressure(self, on_committed: Callable[[int], None]) -> None:
+        """Before a new checkpoint: the oldest in flight must be done first (identical on every rank)."""
+        self.take(self.outstanding - (MAX_IN_FLIGHT - 1), on_committed)
+
+    def drain(self, on_committed: Callable[[int], None]) -> None:
+        t0 = time.perf_counter()
+        self.take(self.outstanding, on_committed)
+        say.info(f"all checkpoints committed ({time.perf_counter() - t0:.2f} s waiting at the end)")
+
+    def close(self) -> None:
+        """Bounded (at exit after a crash, other ranks may be gone); idempotent."""
+        self.gate.run_deferred()  # a checkpoint asked for after the last step
+        try:
+            self.committer.take(self.outstanding, timeout=600)
+        except TimeoutError as e:
+            say.error(f"{e}; exiting anyway")
+        self.outstanding = 0
+        self.committer.close()
+
+    def _report(self, r: CommitResult) -> None:
+        """On the committer thread, for every checkpoint: rank 0's housekeeping and telemetry, the log line,
+        the observers."""
+        if groups.rank(self.pc.world_pg) == 0:
+            try:
+                cache = self.engine.cache_stats(reset=True) if self.settings.telemetry else {}
+                housekeeping.after_commit(r, self.checkpoints, self.settings, cache)
+            except Exception as e:  # never fatal: the checkpoint itself is committed (or reported failed)
+                say.error(f"after checkpoint {r.step}: {e!r}")
+        if r.committed:
+            say.info(housekeeping.describe(r))
+        else:
+            say.error(f"checkpoint {r.step} NOT committed: {'; '.join(r.errors)}")
+        self._notify("committed", result=r)
+
+    def _notify(self, event: str, **fields: Any) -> None:
+        for observe in self.observers:
+            observe(event, fields)
+
+
+def _add_stall(pending: PendingCheckpoint, seconds: float) -> None:
+    pending.stall_s += seconds

@@ -1,0 +1,69 @@
+"""The `datastates:` section of Nanotron's YAML: the engine's settings (`DataStatesConfig`) and the trainer's
+own (`TrainerSettings`: rotation, staging on the GPU, queuing at the step, telemetry), side by side under one
+section, each key once. Imports no Nanotron.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from ..config import DataStatesConfig, Settings
+
+
+@dataclass(frozen=True)
+class TrainerSettings(Settings):
+    """What the Nanotron trainer does around the engine."""
+
+    RANGES = {"keep_last_n": (0, 1 << 20, "expected an integer >= 0 (0 keeps every checkpoint)")}
+    CHOICES = {"device_snapshot": ("auto", "always", "never")}
+
+    keep_last_n: int = 0
+    """Keep the newest N committed checkpoints and remove older ones, off the training thread, once a newer
+    one is committed (never the one `latest.txt` names, never one in flight). 0 keeps every checkpoint."""
+    device_snapshot: str = "auto"
+    """Copy each checkpoint on the GPU first (at memory speed, in the training stream's order), so that the
+    optimizer step never waits for the copies to the host, which then read from that copy. 'auto' does so
+    when the GPU has room for it above the peak memory training has used so far, with the larger of 1 GiB
+    and 5% of the GPU to spare; 'always' whenever the memory can be had; 'never'."""
+    queue_at_step: bool = True
+    """For checkpoints copied on the GPU first: plan, copy and queue the files at the start of the next
+    optimizer step instead of in `save_checkpoint` (neither the forward nor the backward pass changes them).
+    There the training thread's few milliseconds of work overlap the GPU still running the backward pass; in
+    `save_checkpoint`, just after Nanotron's end-of-step synchronization, the GPU waits for them. Off:
+    everything is queued before `save_checkpoint` returns."""
+    telemetry: bool = True
+    """Append one JSON line per checkpoint to `datastates_telemetry.jsonl` in the checkpoints folder (bytes,
+    stall, snapshot, persisted, throughput, cache high-water mark and waits)."""
+
+
+@dataclass(frozen=True)
+class Section:
+    """The parsed `datastates:` section."""
+
+    engine: DataStatesConfig = dataclasses.field(default_factory=DataStatesConfig)
+    trainer: TrainerSettings = dataclasses.field(default_factory=TrainerSettings)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None = None, *, env: bool = True) -> Section:
+        """Splits the section's keys between the two; a key of neither raises ValueError naming it and every
+        known key. `env`: see `Settings.from_dict`."""
+        d = dict(d or {})
+        names = {c: {f.name for f in fields(c)} for c in (DataStatesConfig, TrainerSettings)}
+        unknown = sorted(set(d) - names[DataStatesConfig] - names[TrainerSettings])
+        if unknown:
+            known = sorted(names[DataStatesConfig] | names[TrainerSettings])
+            raise ValueError(
+                f"unknown datastates key(s): {', '.join(unknown)}; known keys: {', '.join(known)}"
+            )
+        engine = DataStatesConfig.from_dict(
+            {k: v for k, v in d.items() if k in names[DataStatesConfig]}, env=env
+        )
+        trainer = TrainerSettings.from_dict(
+            {k: v for k, v in d.items() if k in names[TrainerSettings]}, env=env
+        )
+        return cls(engine, trainer)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.engine.to_dict(), **self.trainer.to_dict()}
