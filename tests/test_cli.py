@@ -92,6 +92,28 @@ def test_verify_a_truncated_weight_file(ckpt, capsys):
     assert rc == 1 and f"{weight}: " in out and "the manifest says" in out
 
 
+def test_a_manifest_entry_out_of_the_folder_is_refused_by_every_command(ckpt, tmp_path, capsys):
+    folder = ckpt / "20"
+    doc = json.loads((folder / layout.MANIFEST).read_text())
+    doc["files"]["model/../../../secret.safetensors"] = {"bytes": 1}
+    (folder / layout.MANIFEST).write_text(json.dumps(doc))
+    rc, out, _ = run(capsys, "verify", str(folder))
+    assert rc == 1 and "model/../../../secret.safetensors" in out and "leaves the checkpoint" in out
+    rc, _, err = run(capsys, "inspect", str(folder))
+    assert rc == 1 and "leaves the checkpoint" in err
+    rc, _, err = run(capsys, "convert", str(folder), str(tmp_path / "out"), "--to", "torch")
+    assert rc == 1 and "leaves the checkpoint" in err
+
+
+def test_a_file_linked_out_of_the_folder_is_a_problem(ckpt, tmp_path, capsys):
+    (weight,) = [p for p in (ckpt / "20" / "model").rglob("*weight*")]
+    moved = tmp_path / "elsewhere.safetensors"
+    weight.rename(moved)
+    weight.symlink_to(moved)
+    rc, out, _ = run(capsys, "verify", str(ckpt / "20"))
+    assert rc == 1 and "link out of the checkpoint" in out
+
+
 def test_bad_paths_and_usage(tmp_path, capsys):
     rc, _, err = run(capsys, "inspect", str(tmp_path / "nowhere"))
     assert rc == 1 and str(tmp_path / "nowhere") in err

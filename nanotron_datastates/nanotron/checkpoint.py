@@ -210,7 +210,11 @@ def _verify_checkpoint(engine: DataStatesEngine, folder: Path, report: Report) -
     if folder.name.isdigit() and doc.get("step") != int(folder.name):
         report.problems.append(f"{folder / layout.MANIFEST}: step {doc.get('step')} in folder {folder.name}")
     for rel, entry in doc["files"].items():
-        path = folder / rel
+        try:
+            path = layout.member(folder, rel)
+        except layout.ManifestError as e:
+            report.problems.append(str(e))
+            continue
         if not path.is_file():
             report.problems.append(f"{path}: listed in the manifest, missing")
             continue

@@ -113,7 +113,7 @@ def _convert(src: Path, out: Path, to: str, engine: DataStatesEngine) -> Path:
 def _to_torch(src: Path, out: Path, engine: DataStatesEngine) -> None:
     doc = layout.read_manifest(src)
     for rel, entry in doc["files"].items():
-        path = src / rel
+        path = layout.member(src, rel)
         size = path.stat().st_size  # FileNotFoundError names a file the manifest lists but the folder lacks
         if size != entry.get("bytes"):
             raise FormatError(f"{path}: {size} bytes, the manifest says {entry.get('bytes')}")
