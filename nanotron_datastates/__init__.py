@@ -25,7 +25,7 @@ _WHERE = {
     "FormatError": "errors",
     "SavePlan": "plan",
 }
-__all__ = sorted(_WHERE)
+__all__ = ["ChecksumError", "DataStatesConfig", "DataStatesEngine", "FormatError", "SaveHandle", "SavePlan"]
 __version__ = "0.1.0"
 
 

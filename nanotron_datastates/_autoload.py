@@ -9,8 +9,8 @@ Every Python start in the environment runs it, so it imports nothing but `os` an
 `__init__`, which imports nothing either): `python3 -c pass` costs what it costs without the package. Set
 NANOTRON_DATASTATES_AUTOLOAD=0 to turn it off; the `.pth` line reads the variable before importing anything.
 
-This is the one route that needs no change to a training script. The explicit ones:
-`from nanotron_datastates.nanotron import DataStatesTrainer` and `python -m nanotron_datastates.nanotron.train`.
+This is the one route that needs no change to a training script. The explicit ones: `from
+nanotron_datastates.nanotron import DataStatesTrainer` and `python -m nanotron_datastates.nanotron.train`.
 """
 
 from __future__ import annotations

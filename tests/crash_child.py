@@ -43,7 +43,9 @@ def save_loop(root_dir: str, ready: Any) -> None:
             )  # fmt: skip
             for i in range(2)
         ]
-        handles.append(engine.save({"step": step, **tensors(step)}, folder / "optimizer" / "optimizer.safetensors"))
+        handles.append(
+            engine.save({"step": step, **tensors(step)}, folder / "optimizer" / "optimizer.safetensors")
+        )
 
         def finalize(files: dict[str, Any], folder: Path = folder, step: int = step) -> None:
             layout.write_atomic(folder / layout.MANIFEST, json.dumps(layout.manifest(step, {}, files)))

@@ -1,4 +1,4 @@
-"""DataStatesConfig (the engine's settings) and TrainerSettings (the Nanotron trainer's), and the `datastates:`
+"""DataStatesConfig (the engine's settings), TrainerSettings (the Nanotron trainer's) and the `datastates:`
 section holding both: defaults, validation naming the field, from_dict, environment overrides."""
 
 import dataclasses

@@ -67,7 +67,10 @@ def test_two_ranks_commit_only_when_both_persisted(tmp_path):
         back = DataStatesEngine(DataStatesConfig(host_cache_size=4 / 1024, chunk_size=1))
         sums = layout.file_checksums(doc, root / "3", root / "3" / f"model/rank{rank}" / "w.safetensors")
         assert bool(
-            (back.load(root / "3" / f"model/rank{rank}" / "w.safetensors", checksums=sums)["w"] == 30 + rank).all()
+            (
+                back.load(root / "3" / f"model/rank{rank}" / "w.safetensors", checksums=sums)["w"]
+                == 30 + rank
+            ).all()
         )
         back.close()
 
