@@ -29,7 +29,7 @@ __all__ = ["ChecksumError", "DataStatesConfig", "DataStatesEngine", "FormatError
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> object:
+def __getattr__(name: str):  # noqa: ANN202 - any of the public names
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module = __import__(f"{__name__}.{_WHERE[name]}", fromlist=[name])

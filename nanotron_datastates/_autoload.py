@@ -47,7 +47,7 @@ class _Finder:
             run(module)
             _after(name)
 
-        loader.exec_module = exec_module
+        loader.exec_module = exec_module  # type: ignore[method-assign]  # this loader only
         return spec
 
 

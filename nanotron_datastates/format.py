@@ -132,9 +132,11 @@ def _fail(path: str, msg: str) -> FormatError:
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     d = dict(pairs)
     if len(d) != len(pairs):
-        seen = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"duplicate key {dup!r}")
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"duplicate key {k!r}")
+            seen.add(k)
     return d
 
 
@@ -173,7 +175,8 @@ def parse_header(buf: bytes, file_size: int, path: str = "<buffer>") -> Header:
     for name, info in doc.items():
         if not isinstance(info, dict):
             raise _fail(path, f"tensor {name!r}: entry is not an object")
-        dtype = DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+        spelled = info.get("dtype")
+        dtype = DTYPES.get(spelled) if isinstance(spelled, str) else None
         if dtype is None:
             raise _fail(path, f"tensor {name!r}: unknown dtype {info.get('dtype')!r}")
         shape, offs = info.get("shape"), info.get("data_offsets")
@@ -190,13 +193,13 @@ def parse_header(buf: bytes, file_size: int, path: str = "<buffer>") -> Header:
             )
         entries.append(TensorEntry(name, dtype, tuple(shape), begin, end))
 
-    entries.sort(key=lambda e: (e.begin, e.end))
+    entries.sort(key=lambda entry: (entry.begin, entry.end))
     pos = 0
-    for e in entries:
-        if e.begin != pos:
-            what = "overlaps the previous one" if e.begin < pos else "leaves a hole before it"
-            raise _fail(path, f"tensor {e.name!r} at offset {e.begin} {what} (expected {pos})")
-        pos = e.end
+    for entry in entries:
+        if entry.begin != pos:
+            what = "overlaps the previous one" if entry.begin < pos else "leaves a hole before it"
+            raise _fail(path, f"tensor {entry.name!r} at offset {entry.begin} {what} (expected {pos})")
+        pos = entry.end
     data_len = file_size - 8 - n
     if pos != data_len:
         raise _fail(path, f"tensors cover {pos} bytes but the data section has {data_len}; truncated?")

@@ -97,7 +97,7 @@ def _stage(arrays: list[list[torch.Tensor]], views: list[list[Any]]) -> list[tor
             starts[a.device] += a.numel() * a.element_size()
         for device, end in starts.items():
             sizes[device] = end
-    bases = []
+    bases: list[torch.Tensor] = []
     for device, where in places.items():
         size = -(-sizes[device] // 16) * 16  # a whole number of elements of every dtype
         # empty_strided: Nanotron patches torch.empty (and others) while it builds a model, forcing its dtype

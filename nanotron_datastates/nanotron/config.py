@@ -100,7 +100,7 @@ def register() -> type:
     old_config = ncc.Config
     config, ckpt = make_classes(ncc)
     for name in ("nanotron.config.config", "nanotron.config"):
-        mod = sys.modules.get(name)
+        mod: Any = sys.modules.get(name)
         if mod is not None:
             mod.Config, mod.CheckpointsArgs = config, ckpt
     _swap_default(ncc.get_config_from_file, old_config, config)

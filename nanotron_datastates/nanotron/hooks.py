@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 log = logging.getLogger("nanotron_datastates")
 
@@ -18,7 +19,7 @@ def on_import(name: str) -> None:
             config.register()
             trainer_module = sys.modules["nanotron.trainer"]
             config.patch_trainer_module(trainer_module)
-            ours = sys.modules.get(f"{__package__}.trainer")
+            ours: Any = sys.modules.get(f"{__package__}.trainer")
             if ours is not None and not hasattr(ours, "install"):
                 # Our trainer module is what imports Nanotron's (the explicit route, first): it installs
                 # itself once its class is defined.

@@ -22,7 +22,7 @@ from __future__ import annotations
 import atexit
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,8 +33,13 @@ from .finalize import finalizer
 from .resume import Resume
 from .saver import Saver
 
+if TYPE_CHECKING:  # for type checkers: the mixin's attributes and hooks are those of Nanotron's trainer
+    from nanotron.trainer import DistributedTrainer as _Trainer
+else:
+    _Trainer = object
 
-class DataStatesTrainerMixin:
+
+class DataStatesTrainerMixin(_Trainer):
     """Mix in before Nanotron's trainer: ``class T(DataStatesTrainerMixin, DistributedTrainer)``.
 
     `trainer.datastates` is the Saver while checkpoints go through the engine (None otherwise): append to its

@@ -67,6 +67,11 @@ class Resume:
         """Whether this trainer resumes a datastates checkpoint."""
         return self.folder is not None
 
+    def _root(self) -> Path:
+        if self.folder is None:
+            raise RuntimeError("Resume.plan found no datastates checkpoint to resume from")
+        return self.folder
+
     # -- 1. the trainer's first line ------------------------------------------------------------------------
 
     @classmethod
@@ -112,7 +117,7 @@ class Resume:
         groups.check(pc)  # at start-up, not in the middle of loading
         self.folder, self._config, self._pc = Path(folder), config, pc
         self._device = device or _device()
-        self.manifest = layout.read_manifest(self.folder)
+        self.manifest = layout.read_manifest(folder)
         ck = config.checkpoints
         self._flags = (ck.load_optimizer, ck.load_lr_scheduler)
         ck.load_optimizer = ck.load_lr_scheduler = False
@@ -123,7 +128,7 @@ class Resume:
             return True
         if (
             early is not None
-            and early[0] == self.folder
+            and early[0] == self._root()
             and early[2] == device
             and _same_large(early[1], reads)
         ):
@@ -132,7 +137,7 @@ class Resume:
         self._drop_prefetch(report=False)
         warm_page_cache(reads.small)  # first, while the disk is idle
         if reads.weights or reads.optimizer is not None:
-            self.prefetch = self._read_ahead(self.manifest, self.folder, reads, device)
+            self.prefetch = self._read_ahead(self.manifest, self._root(), reads, device)
         return True
 
     def files(self) -> layout.ReadSet | None:
@@ -141,7 +146,7 @@ class Resume:
         here = groups.layout_of(self._pc, int(self._config.optimizer.zero_stage))
         place = groups.place(self._pc)
         return layout.files_to_read(
-            self.manifest, self.folder, here, place, **loads(self._config, self._flags)
+            self.manifest, self._root(), here, place, **loads(self._config, self._flags)
         )
 
     def topology_changes(self) -> dict[str, tuple[Any, int]]:
@@ -165,12 +170,12 @@ class Resume:
         """Loads this rank's weights into `model`'s parameters; returns Nanotron's `param_shard_metadata`.
         Where the layout changed, Nanotron's own loader merges and reshards the weight files."""
         t0 = time.perf_counter()
-        sources = shards.weight_sources(model, self._pc, self.folder)
+        sources = shards.weight_sources(model, self._pc, self._root())
         if sources is None:
             from nanotron.serialize import load_weights
 
             say.info("topology changed: weights loaded by Nanotron's load_weights")
-            return load_weights(model, self._pc, self.folder)
+            return load_weights(model, self._pc, self._root())
         engine = self.get_engine()
         ahead = self.prefetch.weights() if self.prefetch is not None else {}
 
@@ -181,7 +186,7 @@ class Resume:
                 if got is not None and got.shape == tensor.shape and got.dtype == tensor.dtype:
                     tensor.copy_(got)  # read ahead onto the GPU: a device-to-device copy
                     return
-                sums = layout.file_checksums(self.manifest, self.folder, path)
+                sums = layout.file_checksums(self.manifest, self._root(), path)
                 engine.load_into(path, {"data": tensor}, checksums=sums)
 
         from concurrent.futures import ThreadPoolExecutor
@@ -204,14 +209,14 @@ class Resume:
             changed = self.topology_changes()
             if changed:
                 raise NotImplementedError(
-                    f"{self.folder} was written with another parallel layout ({changed}); datastates "
+                    f"{self._root()} was written with another parallel layout ({changed}); datastates "
                     "optimizer and scheduler shards resume on the same layout only (the weights reshard): "
                     "set checkpoints.load_optimizer and checkpoints.load_lr_scheduler to false to resume "
                     "the weights"
                 )
         engine, pc, metadata = self.get_engine(), self._pc, None
         if load_optimizer:
-            path = shards.optimizer_path(optimizer, pc, self.folder, writing=False)
+            path = shards.optimizer_file(pc, self._root(), zero=shards.is_zero(optimizer))
             # Straight onto the GPU (Nanotron's loader reads onto the CPU, and its first step copies the state
             # over from pageable memory); its `load_optimizer` flag stays off until that step has run.
             device = self._device
@@ -224,18 +229,18 @@ class Resume:
         if load_scheduler:
             from nanotron.serialize.metadata import load_meta
 
-            path = shards.lr_scheduler_path(pc, self.folder, writing=False)
+            path = shards.lr_scheduler_file(pc, self._root())
             # Unlike Nanotron's loader, no `_initial_step()` after this: it steps the schedule once more, so
             # the resumed run would use the next step's learning rate. The optimizer's param groups, restored
             # above, already hold the rate the original run would use now.
             lr_scheduler.load_state_dict(engine.load(path))
-            metadata = load_meta(parallel_context=pc, root_folder=self.folder).metas
+            metadata = load_meta(parallel_context=pc, root_folder=self._root()).metas
             if self._config.tokens.train_steps <= metadata.last_train_step:
                 raise ValueError(
                     f"the checkpoint has already trained {metadata.last_train_step} steps; set "
                     "tokens.train_steps higher"
                 )
-        path = shards.random_states_path(pc, self.folder)
+        path = shards.random_states_path(pc, self._root())
         if path.exists():
             saved = engine.load(path)
             for key, value in saved["nanotron"].items():

@@ -134,6 +134,11 @@ def optimizer_path(optimizer: Any, pc: Any, root: Path, *, writing: bool) -> Pat
     return optimizer_file(pc, root, zero=zero)
 
 
+def lr_scheduler_file(pc: Any, root: Path) -> Path:
+    """The scheduler's file under `root`, which every rank reads."""
+    return root / "lr_scheduler" / groups.place(pc).lr_scheduler_name()
+
+
 def optimizer_file(pc: Any, root: Path, *, zero: bool) -> Path:
     """This rank's optimizer file under `root`, for a ZeRO optimizer (`zero`) or not."""
     return root / "optimizer" / groups.place(pc).optimizer_name(zero)
@@ -144,7 +149,7 @@ def lr_scheduler_path(pc: Any, root: Path, *, writing: bool) -> Path | None:
     for an integer ZeRO stage, so rank 0 of the replicas writes it and every rank reads it."""
     if writing and groups.rank(groups.dp_cp(pc)) != 0:
         return None
-    return root / "lr_scheduler" / groups.place(pc).lr_scheduler_name()
+    return lr_scheduler_file(pc, root)
 
 
 def random_states_path(pc: Any, root: Path) -> Path:

@@ -34,7 +34,8 @@ def random_state_from_plain(d: dict[str, Any]) -> Any:
 
 def global_rng_state() -> dict[str, Any]:
     """The process-wide generators (Python, NumPy, torch CPU and current CUDA device)."""
-    kind, keys, *rest = np.random.get_state()
+    state: Any = np.random.get_state()  # the legacy tuple (its stubs also allow a dict)
+    kind, keys, *rest = state
     return {
         "random": random.getstate(),
         "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), *rest),

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from types import ModuleType
+from typing import Any
 
 from . import compat, config
 
@@ -17,7 +17,7 @@ from .mixin import DataStatesTrainerMixin  # noqa: E402
 
 config.patch_trainer_module(_nanotron_trainer)
 # Nanotron's own class, also when the hook has already put ours in its place.
-_NanotronTrainer = getattr(
+_NanotronTrainer: Any = getattr(
     _nanotron_trainer, "NanotronDistributedTrainer", _nanotron_trainer.DistributedTrainer
 )
 
@@ -26,7 +26,7 @@ class DataStatesTrainer(DataStatesTrainerMixin, _NanotronTrainer):
     """Nanotron's trainer; with `checkpointing_engine: datastates`, checkpoints go through the engine."""
 
 
-def install(trainer_module: ModuleType) -> None:
+def install(trainer_module: Any) -> None:
     """Makes `nanotron.trainer.DistributedTrainer` our trainer (once)."""
     if trainer_module.DistributedTrainer is DataStatesTrainer:
         return
