@@ -74,9 +74,13 @@ def main() -> int:
     tensors = [t for s in files.values() for t in _tensors(s)]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     disk, shm = Path(args.dir), Path("/dev/shm/ds_interf")
-    settings = {"save": ({}, disk), "save_nocrc": ({"checksums": False}, disk), "save_shm": ({}, shm),
-                "save_1chunk": ({"chunk_size": 256}, disk),
-                "save_4k": ({"huge_pages": False}, disk)}  # fmt: skip
+    settings = {
+        "save": ({}, disk),
+        "save_nocrc": ({"checksums": False}, disk),
+        "save_shm": ({}, shm),
+        "save_1chunk": ({"chunk_size": 256}, disk),
+        "save_4k": ({"huge_pages": False}, disk),
+    }
     engines = {
         name: (DataStatesEngine(DataStatesConfig(host_cache_size=args.cache_gib, **kw)), folder)
         for name, (kw, folder) in settings.items()

@@ -51,7 +51,7 @@ MODELS: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 22,
         "num_attention_heads": 32,
         "num_key_value_heads": 4,
-    },  # TinyLlama-1.1B's shape  # fmt: skip
+    },  # TinyLlama-1.1B's shape
 }
 WARMUP = 3  # iterations left out of every statistic
 WINDOW = 3  # iterations after a checkpoint that carry its cost
@@ -167,9 +167,14 @@ def run_phase(args: argparse.Namespace) -> None:
             profile = args.profile and len(rec["saves"]) == 1  # the second save: the engine is warm
             with Profiled(Path(args.record).with_suffix(".save.prof.txt") if profile else None):
                 path = self._dcp_save() if args.mode == "dcp" else super().save_checkpoint()
-            rec["saves"].append({"step": self.iteration_step, "call_s": time.perf_counter() - t0,
-                                 "engine_save_s": engine_time[0] - engine_s0,
-                                 "staged_files": staged[0] - staged0})  # fmt: skip
+            rec["saves"].append(
+                {
+                    "step": self.iteration_step,
+                    "call_s": time.perf_counter() - t0,
+                    "engine_save_s": engine_time[0] - engine_s0,
+                    "staged_files": staged[0] - staged0,
+                }
+            )
             if args.mode == "torch":  # durable when the call returns
                 prune_before(path.parent, self.iteration_step)
             return path
@@ -203,17 +208,27 @@ def run_phase(args: argparse.Namespace) -> None:
         def _observe(self, event: str, fields: dict[str, Any]) -> None:
             """datastates: each queuing's time taken apart, and the committer's figures."""
             if event == "queue_start":
-                self._queue_start = {"allocs": torch.cuda.memory_stats().get("num_device_alloc", 0),
-                                     "plan": split["plan"], "prepare": split["prepare"],
-                                     "engine": engine_time[0]}  # fmt: skip
+                self._queue_start = {
+                    "allocs": torch.cuda.memory_stats().get("num_device_alloc", 0),
+                    "plan": split["plan"],
+                    "prepare": split["prepare"],
+                    "engine": engine_time[0],
+                }
             elif event == "queued":
                 s0 = self._queue_start
                 allocs = torch.cuda.memory_stats().get("num_device_alloc", 0) - s0["allocs"]  # cudaMallocs
-                rec["queues"].append({"step": fields["step"], "deferred": fields["deferred"],
-                                      "total_s": fields["seconds"], "plan_s": split["plan"] - s0["plan"],
-                                      "prepare_s": split["prepare"] - s0["prepare"],
-                                      "engine_s": engine_time[0] - s0["engine"], "cuda_mallocs": allocs,
-                                      "cache": self.datastates.engine.cache_stats()})  # fmt: skip
+                rec["queues"].append(
+                    {
+                        "step": fields["step"],
+                        "deferred": fields["deferred"],
+                        "total_s": fields["seconds"],
+                        "plan_s": split["plan"] - s0["plan"],
+                        "prepare_s": split["prepare"] - s0["prepare"],
+                        "engine_s": engine_time[0] - s0["engine"],
+                        "cuda_mallocs": allocs,
+                        "cache": self.datastates.engine.cache_stats(),
+                    }
+                )
             elif event == "committed":  # on the committer's thread
                 r = fields["result"]
                 if r.committed:
@@ -278,8 +293,12 @@ def make_cold(folder: Path, scope: str) -> dict[str, Any]:
             pass
     files = [p for p in folder.rglob("*") if p.is_file()]
     evict(files)
-    return {"method": method, "files": len(files), "bytes": sum(p.stat().st_size for p in files),
-            "resident_bytes": resident_bytes(files)}  # fmt: skip
+    return {
+        "method": method,
+        "files": len(files),
+        "bytes": sum(p.stat().st_size for p in files),
+        "resident_bytes": resident_bytes(files),
+    }
 
 
 def prune_before(folder: Path, step: int) -> None:
@@ -297,12 +316,29 @@ def run_all(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = MODELS[args.model]
 
-    def config(name: str, engine: str, steps: int, interval: int, resume: str | None = None,
-               datastates: dict[str, Any] | None = None) -> Path:  # fmt: skip
-        ck = {"checkpoints_path": str(work / f"ckpt_{name}"), "checkpoint_interval": interval,
-              "resume_checkpoint_path": resume}  # fmt: skip
-        return write_config(work / f"{name}.yaml", engine=engine, checkpoints=ck, cache_gib=args.cache_gib,
-                            steps=steps, model=model, run=name, datastates=datastates)  # fmt: skip
+    def config(
+        name: str,
+        engine: str,
+        steps: int,
+        interval: int,
+        resume: str | None = None,
+        datastates: dict[str, Any] | None = None,
+    ) -> Path:
+        ck = {
+            "checkpoints_path": str(work / f"ckpt_{name}"),
+            "checkpoint_interval": interval,
+            "resume_checkpoint_path": resume,
+        }
+        return write_config(
+            work / f"{name}.yaml",
+            engine=engine,
+            checkpoints=ck,
+            cache_gib=args.cache_gib,
+            steps=steps,
+            model=model,
+            run=name,
+            datastates=datastates,
+        )
 
     never = args.steps + 1
     last = args.steps // args.interval * args.interval
@@ -314,10 +350,13 @@ def run_all(args: argparse.Namespace) -> int:
         ("restore-torch", config("restore-torch", "torch", last + 2, never, str(work / "ckpt_torch")), True),
         ("dcp", config("dcp", "torch", args.steps, args.interval), True),
         ("datastates", config("datastates", "datastates", args.steps, args.interval), False),
-        ("restore-datastates",
-         config("restore-datastates", "datastates", last + 2, never, str(work / "ckpt_datastates")), False),
+        (
+            "restore-datastates",
+            config("restore-datastates", "datastates", last + 2, never, str(work / "ckpt_datastates")),
+            False,
+        ),
         ("stress", config("stress", "datastates", args.stress_steps, 1), False),
-    ]  # fmt: skip
+    ]
     for name, settings in variants(args.variant):
         runs.append((name, config(name, "datastates", args.steps, args.interval, datastates=settings), False))
     if args.modes:
@@ -467,9 +506,14 @@ def stall_figures(rec: dict[str, Any], fallback_median: float) -> dict[str, Any]
         after = [it[s + j] for j in range(1, window + 1) if s + j in it]
         if before and after and quiet:
             local.append(sum(after) - len(after) * statistics.median(before))
-    return {"median_quiet_iteration_s": median, "window_excess_s": excess, "stall_s": stalls,
-            "stall_median_s": statistics.median(stalls) if stalls else None, "stall_local_s": local,
-            "stall_local_median_s": statistics.median(local) if local else None}  # fmt: skip
+    return {
+        "median_quiet_iteration_s": median,
+        "window_excess_s": excess,
+        "stall_s": stalls,
+        "stall_median_s": statistics.median(stalls) if stalls else None,
+        "stall_local_s": local,
+        "stall_local_median_s": statistics.median(local) if local else None,
+    }
 
 
 def flush_phase_slowdown(rec: dict[str, Any], interval: int) -> float | None:
@@ -495,9 +539,12 @@ def queue_split(rec: dict[str, Any]) -> dict[str, float] | None:
     if not qs:
         return None
     med = statistics.median
-    return {"total": med(q["total_s"] for q in qs), "plan": med(q["plan_s"] for q in qs),
-            "stage": med(q["prepare_s"] for q in qs),
-            "core": med(q["engine_s"] - q["plan_s"] - q["prepare_s"] for q in qs)}  # fmt: skip
+    return {
+        "total": med(q["total_s"] for q in qs),
+        "plan": med(q["plan_s"] for q in qs),
+        "stage": med(q["prepare_s"] for q in qs),
+        "core": med(q["engine_s"] - q["plan_s"] - q["prepare_s"] for q in qs),
+    }
 
 
 def loss_match(run: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
@@ -505,8 +552,11 @@ def loss_match(run: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     mine, theirs = dict(run.get("losses", [])), dict(other.get("losses", []))
     common = sorted(set(mine) & set(theirs))
     diffs = [abs(mine[s] - theirs[s]) for s in common]
-    return {"steps": common, "bitwise": bool(common) and all(d == 0 for d in diffs),
-            "max_abs_diff": max(diffs, default=None)}  # fmt: skip
+    return {
+        "steps": common,
+        "bitwise": bool(common) and all(d == 0 for d in diffs),
+        "max_abs_diff": max(diffs, default=None),
+    }
 
 
 def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, Any]:
@@ -550,8 +600,11 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
     # call, cold, may take a second more than the others; a single run as the baseline swung the ratio).
     scratch = [v for k, v in first.items() if not k.startswith("restore") and v is not None]
     first["scratch_median"] = statistics.median(scratch) if scratch else None
-    restore = {name: v - first["scratch_median"] for name, v in first.items()
-               if name.startswith("restore-") and v is not None and scratch}  # fmt: skip
+    restore = {
+        name: v - first["scratch_median"]
+        for name, v in first.items()
+        if name.startswith("restore-") and v is not None and scratch
+    }
     if modes["stress"]["mean_iteration_s"]:  # every iteration carries one checkpoint: its cost, on average
         modes["stress"]["cost_per_checkpoint_s"] = modes["stress"]["mean_iteration_s"] - median
     ratios = {}
@@ -607,8 +660,12 @@ def restore_pairs(restore: dict[str, float]) -> list[float]:
 
 def _gpu_name() -> str | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
     return out.strip().splitlines()[0] if out.strip() else None
@@ -623,11 +680,14 @@ def table(r: dict[str, Any]) -> str:
     def ms(x: Any) -> str:
         return "-" if x is None else f"{1e3 * x:.1f}"
 
-    lines = [f"model {r['model']}, {r['steps']} steps, checkpoint every {r['interval']}; median iteration "
-             f"{ms(r['median_iteration_s'])} ms", "",
-             "| mode | checkpoints | median stall ms | local stall ms | stall / interval | "
-             "flushing vs idle | mean iteration ms | mean vs none | persisted s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        f"model {r['model']}, {r['steps']} steps, checkpoint every {r['interval']}; median iteration "
+        f"{ms(r['median_iteration_s'])} ms",
+        "",
+        "| mode | checkpoints | median stall ms | local stall ms | stall / interval | "
+        "flushing vs idle | mean iteration ms | mean vs none | persisted s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, m in r["modes"].items():
         loss = m.get("throughput_loss")
         persisted = ", ".join(f"{p:.2f}" for p in m["persisted_s"][:6]) or "-"
@@ -640,15 +700,21 @@ def table(r: dict[str, Any]) -> str:
         local = ms(m.get("stall_local_median_s"))
         cells = [name, m["checkpoints"], stall, local, share_text, flush_text, mean, loss_text, persisted]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
-    lines += ["", "restore to the first step, over the median scratch start: "
-              + ", ".join(f"{k} {v:.2f} s" for k, v in r["restore_to_first_step_s"].items()),
-              "first step ends, after the trainer's construction began: "
-              + ", ".join(f"{k} {v:.2f} s" for k, v in r["first_step_end_s"].items() if v is not None),
-              "losses equal, bit for bit (training is not deterministic here, so False is expected: "
-              "nanotron_proof.py compares the restored state itself): "
-              + ", ".join(f"{k} {v['bitwise']} ({len(v['steps'])} steps, largest difference "
-                          f"{v['max_abs_diff']})" for k, v in r["resume_losses"].items()),
-              "ratios: " + ", ".join(f"{k} {_figure(v)}" for k, v in r["ratios"].items()), ""]  # fmt: skip
+    lines += [
+        "",
+        "restore to the first step, over the median scratch start: "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in r["restore_to_first_step_s"].items()),
+        "first step ends, after the trainer's construction began: "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in r["first_step_end_s"].items() if v is not None),
+        "losses equal, bit for bit (training is not deterministic here, so False is expected: "
+        "nanotron_proof.py compares the restored state itself): "
+        + ", ".join(
+            f"{k} {v['bitwise']} ({len(v['steps'])} steps, largest difference {v['max_abs_diff']})"
+            for k, v in r["resume_losses"].items()
+        ),
+        "ratios: " + ", ".join(f"{k} {_figure(v)}" for k, v in r["ratios"].items()),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -690,13 +756,21 @@ def main() -> int:
     a.add_argument("--stress-steps", type=int, default=30)
     a.add_argument("--cache-gib", type=float, default=8.0)
     a.add_argument("--profile", action="store_true", help="cProfile the second save and the restores' init")
-    a.add_argument("--cold", choices=("checkpoint", "system"), default="checkpoint",
-                   help="before a restore, evict the checkpoint's files, or all the page cache")  # fmt: skip
+    a.add_argument(
+        "--cold",
+        choices=("checkpoint", "system"),
+        default="checkpoint",
+        help="before a restore, evict the checkpoint's files, or all the page cache",
+    )
     a.add_argument("--modes", help="comma-separated subset of the runs (none always runs)")
     a.add_argument("--variant", action="append", help="NAME:key=value,...: one more datastates run")
     a.add_argument("--rounds", type=int, default=1, help="repeat every run this many times, interleaved")
-    a.add_argument("--restore-repeats", type=int, default=1,
-                   help="run the two restores this many times in turn, after the training runs")  # fmt: skip
+    a.add_argument(
+        "--restore-repeats",
+        type=int,
+        default=1,
+        help="run the two restores this many times in turn, after the training runs",
+    )
     rs = sub.add_parser("resummarize", help="recompute DIR's JSON and table from its records")
     rs.add_argument("dir")
     ph = sub.add_parser("phase")

@@ -91,8 +91,14 @@ def main() -> int:
             print(name, json.dumps(raw[name][-1]), flush=True)
     keys = ("prepare_s", "background_s", "launch_max_ms", "launch_p99_ms", "d2h_gbps")
     med = {n: {k: statistics.median(r[k] for r in rs) for k in keys} for n, rs in raw.items()}
-    result = {"command": command_info(), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "cache_gib": args.cache_gib, "median": med, "raw": raw}  # fmt: skip
+    result = {
+        "command": command_info(),
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cache_gib": args.cache_gib,
+        "median": med,
+        "raw": raw,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_pinning.json").write_text(json.dumps(result, indent=1))

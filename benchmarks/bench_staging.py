@@ -67,10 +67,16 @@ def llama_files(model: str, device: str) -> dict[str, Any]:
         f"model/{n}.safetensors": {"data": rand(s, torch.bfloat16)} for n, s in shapes.items()
     }
     files["optimizer/optimizer.safetensors"] = {
-        "state": {i: {"step": torch.tensor(400.0, device=device), "exp_avg": rand(s, torch.float32),
-                      "exp_avg_sq": rand(s, torch.float32).abs()} for i, s in enumerate(shapes.values())},
+        "state": {
+            i: {
+                "step": torch.tensor(400.0, device=device),
+                "exp_avg": rand(s, torch.float32),
+                "exp_avg_sq": rand(s, torch.float32).abs(),
+            }
+            for i, s in enumerate(shapes.values())
+        },
         "master": {n: rand(s, torch.float32) for n, s in shapes.items()},
-    }  # fmt: skip
+    }
     return files
 
 

@@ -63,9 +63,14 @@ def running(pid: int) -> bool:
 def trial(i: int, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     work = Path(args.work) / f"trial{i}"
     ckpts = work / "ckpt"
-    cfg = write_config(work / "train.yaml", engine="datastates", steps=100_000, cache_gib=args.cache_gib,
-                       checkpoints={"checkpoints_path": str(ckpts), "checkpoint_interval": args.interval},
-                       run=f"crash{i}")  # fmt: skip
+    cfg = write_config(
+        work / "train.yaml",
+        engine="datastates",
+        steps=100_000,
+        cache_gib=args.cache_gib,
+        checkpoints={"checkpoints_path": str(ckpts), "checkpoint_interval": args.interval},
+        run=f"crash{i}",
+    )
     cmd = ["torchrun", "--nproc_per_node=1", os.environ["NANOTRON_RUN_TRAIN"], "--config-file", str(cfg)]
     with open(Path(args.out) / f"trial{i}_train.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -88,8 +93,12 @@ def trial(i: int, args: argparse.Namespace, rng: random.Random) -> dict[str, Any
     out["temporaries"] = len(checkpoint.temporaries(ckpts))
     report = checkpoint.verify(ckpts)
     out["latest"] = checkpoint.latest_step(ckpts)
-    out["verify"] = {"ok": report.ok, "problems": report.problems, "files": report.files_checked,
-                     "tensors_checksummed": report.tensors_checksummed}  # fmt: skip
+    out["verify"] = {
+        "ok": report.ok,
+        "problems": report.problems,
+        "files": report.files_checked,
+        "tensors_checksummed": report.tensors_checksummed,
+    }
     partial = []
     for p in ckpts.rglob("*.safetensors"):
         if not p.name.startswith("."):
@@ -99,10 +108,19 @@ def trial(i: int, args: argparse.Namespace, rng: random.Random) -> dict[str, Any
                 partial.append(str(e))
     out["partial_files_at_final_paths"] = partial
     if out["latest"] is not None:
-        ck = {"checkpoints_path": str(work / "ckpt_resume"), "checkpoint_interval": 1000,
-              "resume_checkpoint_path": str(ckpts)}  # fmt: skip
-        resume = write_config(work / "resume.yaml", engine="datastates", steps=out["latest"] + 2,
-                              cache_gib=args.cache_gib, run=f"resume{i}", checkpoints=ck)  # fmt: skip
+        ck = {
+            "checkpoints_path": str(work / "ckpt_resume"),
+            "checkpoint_interval": 1000,
+            "resume_checkpoint_path": str(ckpts),
+        }
+        resume = write_config(
+            work / "resume.yaml",
+            engine="datastates",
+            steps=out["latest"] + 2,
+            cache_gib=args.cache_gib,
+            run=f"resume{i}",
+            checkpoints=ck,
+        )
         cmd[-1] = str(resume)
         with open(Path(args.out) / f"trial{i}_resume.log", "w") as f:
             rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
@@ -134,10 +152,13 @@ def main() -> int:
     for i in range(args.trials):
         results.append(trial(i, args, rng))
         r = results[-1]
-        print(f"trial {i}: killed {r['killed_after_first_checkpoint_s']:.1f} s after the first checkpoint; "
-              f"folders {r['folders']}, latest {r['latest']}, {r['temporaries']} temporaries, verify "
-              f"{'ok' if r['verify']['ok'] else r['verify']['problems']}, resume {r.get('resume')} -> "
-              f"{'PASSED' if r['passed'] else 'FAILED'}", flush=True)  # fmt: skip
+        print(
+            f"trial {i}: killed {r['killed_after_first_checkpoint_s']:.1f} s after the first checkpoint; "
+            f"folders {r['folders']}, latest {r['latest']}, {r['temporaries']} temporaries, verify "
+            f"{'ok' if r['verify']['ok'] else r['verify']['problems']}, resume {r.get('resume')} -> "
+            f"{'PASSED' if r['passed'] else 'FAILED'}",
+            flush=True,
+        )
         passed = sum(x["passed"] for x in results)
         summary = {"command": " ".join(sys.argv), "trials": results, "passed": passed}
         (Path(args.out) / "crash_trials.json").write_text(json.dumps(summary, indent=1))

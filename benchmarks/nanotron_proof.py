@@ -62,9 +62,15 @@ def make_config(
     parallelism = {"tp": args.tp, "dp": args.dp, "pp": args.pp}
     path = args.work / f"{name}.yaml"
     return write_config(
-        path, engine=engine, checkpoints=checkpoints, cache_gib=args.cache_gib, steps=steps,
-        parallelism=parallelism, zero=args.zero, run=name,
-    )  # fmt: skip
+        path,
+        engine=engine,
+        checkpoints=checkpoints,
+        cache_gib=args.cache_gib,
+        steps=steps,
+        parallelism=parallelism,
+        zero=args.zero,
+        run=name,
+    )
 
 
 # -- state capture and comparison (inside a phase) -------------------------------------------------------
@@ -185,16 +191,34 @@ def run_all(args: argparse.Namespace) -> int:
     # (name, config, environment, reference step, compared with the reference of, parts compared)
     phases = [
         ("ds-train", cfg("ds-train", "datastates", DS_TRAIN_STEPS), {}, TRAIN_STEPS, None, ""),
-        ("ds-resume", cfg("ds-resume", "datastates", RESUME_STEPS, resume=str(ds_ckpt)), {}, 0, "ds-train",
-         everything),
-        ("stock-load", cfg("stock-load", "torch", 2, resume=str(ds_ckpt), load_optimizer=False, interval=100),
-         stock, 0, "ds-train", "weights"),
+        (
+            "ds-resume",
+            cfg("ds-resume", "datastates", RESUME_STEPS, resume=str(ds_ckpt)),
+            {},
+            0,
+            "ds-train",
+            everything,
+        ),
+        (
+            "stock-load",
+            cfg("stock-load", "torch", 2, resume=str(ds_ckpt), load_optimizer=False, interval=100),
+            stock,
+            0,
+            "ds-train",
+            "weights",
+        ),
         ("stock-train", cfg("stock-train", "torch", TRAIN_STEPS), stock, TRAIN_STEPS, None, ""),
         # Nanotron's own loaders resume its checkpoints; they step the LR schedule once more on resume
         # (`_initial_step()`), so the param groups' learning rates differ by design and are left out here.
-        ("ds-from-stock", cfg("ds-from-stock", "datastates", RESUME_STEPS, resume=str(stock_ckpt)), {}, 0,
-         "stock-train", "weights,optimizer.state,optimizer.gradient_accumulator,optimizer.names,metadata"),
-    ]  # fmt: skip
+        (
+            "ds-from-stock",
+            cfg("ds-from-stock", "datastates", RESUME_STEPS, resume=str(stock_ckpt)),
+            {},
+            0,
+            "stock-train",
+            "weights,optimizer.state,optimizer.gradient_accumulator,optimizer.names,metadata",
+        ),
+    ]
     summary: dict[str, Any] = {"command": " ".join(sys.argv), "gpus": args.gpus, "phases": {}}
     if args.with_run_train:
         config = cfg("nanotron", "datastates", TRAIN_STEPS)

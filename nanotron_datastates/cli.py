@@ -130,9 +130,19 @@ def _file_text(info: dict[str, Any]) -> str:
 def cmd_verify(args: argparse.Namespace) -> int:
     report = checkpoint.verify(args.path)
     if args.json:
-        print(json.dumps({"path": str(report.path), "ok": report.ok, "problems": report.problems,
-                          "notes": report.notes, "files_checked": report.files_checked,
-                          "tensors_checksummed": report.tensors_checksummed}, indent=1))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "path": str(report.path),
+                    "ok": report.ok,
+                    "problems": report.problems,
+                    "notes": report.notes,
+                    "files_checked": report.files_checked,
+                    "tensors_checksummed": report.tensors_checksummed,
+                },
+                indent=1,
+            )
+        )
     else:
         for n in report.notes:
             print(f"note: {n}")
@@ -162,8 +172,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.size_mib < 1 or args.repeat < 1:
         raise ValueError("--size-mib and --repeat must be at least 1")
-    result = bench.run(args.size_mib, args.repeat, args.dir, args.device, baseline=not args.no_baseline,
-                       progress=not args.quiet)  # fmt: skip
+    result = bench.run(
+        args.size_mib,
+        args.repeat,
+        args.dir,
+        args.device,
+        baseline=not args.no_baseline,
+        progress=not args.quiet,
+    )
     print(bench.table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
@@ -198,8 +214,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
     failed = [r["step"] for r in records if not r["committed"]]
     for s in failed:
         top.axvline(s, color="red", linestyle=":")
-    top.set_title(f"checkpoints: {len(records)} ({len(failed)} failed), "
-                  f"{_median_gb(records):.2f} GB each (median)")  # fmt: skip
+    top.set_title(
+        f"checkpoints: {len(records)} ({len(failed)} failed), {_median_gb(records):.2f} GB each (median)"
+    )
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print(f"{args.out}: {len(records)} checkpoints")

@@ -19,8 +19,17 @@ from . import format as fmt
 from . import skeleton
 
 # Dtypes every supported torch exports through DLPack; others are exported as a same-size integer view.
-_EXPORTABLE = {torch.float16, torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.int16,
-               torch.int32, torch.int64, torch.uint8}  # fmt: skip
+_EXPORTABLE = {
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+}
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

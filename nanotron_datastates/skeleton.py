@@ -47,12 +47,19 @@ def encode(state: Any, on_tensor: Callable[[torch.Tensor, str], str], *, allow_p
             return {"t": on_tensor(x, path)}
         if tx in (dict, collections.OrderedDict):
             tag = "d" if tx is dict else "o"
-            return {tag: [[k if type(k) in _PLAIN else node(k, f"{path}[key]", True), node(v, _join(path, k))]
-                          for k, v in x.items()]}  # fmt: skip
+            return {
+                tag: [
+                    [k if type(k) in _PLAIN else node(k, f"{path}[key]", True), node(v, _join(path, k))]
+                    for k, v in x.items()
+                ]
+            }
         if tx is list or tx is tuple:
             # Fast path, e.g. the parameter names of an optimizer's param groups: no per-item paths.
-            items = list(x) if all(type(v) in _PLAIN for v in x) else [
-                node(v, _join(path, i), in_key) for i, v in enumerate(x)]  # fmt: skip
+            items = (
+                list(x)
+                if all(type(v) in _PLAIN for v in x)
+                else [node(v, _join(path, i), in_key) for i, v in enumerate(x)]
+            )
             return {"l" if tx is list else "u": items}
         if tx is torch.Size:
             return {"s": list(x)}

@@ -40,7 +40,7 @@ def save_loop(root_dir: str, ready: Any) -> None:
                 folder / "model" / f"w{i}.safetensors",
                 metadata={"step": str(step)},
                 exact_metadata=True,
-            )  # fmt: skip
+            )
             for i in range(2)
         ]
         handles.append(

@@ -82,20 +82,29 @@ def write_nanotron_checkpoint(engine, root: Path, step: int, *, latest: bool = T
         "optimizer/optimizer_pp-0-of-1_tp-0-of-1.safetensors": opt.state_dict(),
         "lr_scheduler/lr_scheduler_pp-0-of-1_tp-0-of-1.safetensors": {"last_epoch": step, "base_lrs": [1e-3]},
         f"random/{layout.random_states_name((0, 1), (0, 1), (0, 1))}": {
-            "nanotron": {}, "global": states.global_rng_state()},
-    }  # fmt: skip
+            "nanotron": {},
+            "global": states.global_rng_state(),
+        },
+    }
     for rel, obj in others.items():
         handles[rel] = engine.save(obj, folder / rel)
     files = {}
     for rel, h in handles.items():
         sums = h.checksums()
         files[rel] = {"bytes": h.stats["file_bytes"], "crc32c": {k: f"{v:08x}" for k, v in sums.items()}}
-    checkpoint_meta = {"version": "1.4", "tp": 1, "dp": 1,
-                       "metas": {"last_train_step": step, "consumed_train_samples": 4 * step}}  # fmt: skip
+    checkpoint_meta = {
+        "version": "1.4",
+        "tp": 1,
+        "dp": 1,
+        "metas": {"last_train_step": step, "consumed_train_samples": 4 * step},
+    }
     layout.write_atomic(folder / "checkpoint_metadata.json", json.dumps(checkpoint_meta))
-    config = {"checkpoints": {"checkpointing_engine": "datastates", "checkpoints_path": str(root)},
-              "datastates": {"host_cache_size": 1}, "parallelism": {"dp": 1, "pp": 1, "tp": 1},
-              "optimizer": {"zero_stage": 0}}  # fmt: skip
+    config = {
+        "checkpoints": {"checkpointing_engine": "datastates", "checkpoints_path": str(root)},
+        "datastates": {"host_cache_size": 1},
+        "parallelism": {"dp": 1, "pp": 1, "tp": 1},
+        "optimizer": {"zero_stage": 0},
+    }
     layout.write_atomic(folder / "config.yaml", yaml.dump(config))
     layout.write_atomic(folder / "model_config.json", json.dumps({"hidden_size": 8}))
     topology = {"tp": 1, "pp": 1, "dp": 1, "expert": 1, "zero_stage": 0}

@@ -126,8 +126,19 @@ def test_bad_paths_and_usage(tmp_path, capsys):
 
 def test_bench_writes_a_summary(tmp_path, capsys):
     out_json = tmp_path / "bench.json"
-    rc, out, _ = run(capsys, "bench", "--size-mib", "8", "--repeat", "1", "--quiet", "--dir", str(tmp_path),
-                     "--json", str(out_json))  # fmt: skip
+    rc, out, _ = run(
+        capsys,
+        "bench",
+        "--size-mib",
+        "8",
+        "--repeat",
+        "1",
+        "--quiet",
+        "--dir",
+        str(tmp_path),
+        "--json",
+        str(out_json),
+    )
     assert rc == 0 and "time to persisted" in out and "blocking / torch.save" in out
     result = json.loads(out_json.read_text())
     assert result["bytes"] == 8 << 20 and result["median"]["persisted_s"] > 0

@@ -35,12 +35,19 @@ BAD = {
     "queue_at_step": ["false", 0],
     "telemetry": ["yes", 0],
 }
-ACCEPTS = {"host_cache_size": "[1/1024, 2**20]", "parser_threads": "[1, 256]", "copy_threads": "[1, 256]",
-           "flush_threads": "[1, 64]",
-           "queue_depth": "[1, 1024]", "chunk_size": "[1, 4096]", "read_size": "[1, 4096]",
-           "io_backend": "auto, io_uring, pwrite", "keep_last_n": "integer >= 0",
-           "device_snapshot": "auto, always, never",
-           "telemetry": "true or false"}  # fmt: skip
+ACCEPTS = {
+    "host_cache_size": "[1/1024, 2**20]",
+    "parser_threads": "[1, 256]",
+    "copy_threads": "[1, 256]",
+    "flush_threads": "[1, 64]",
+    "queue_depth": "[1, 1024]",
+    "chunk_size": "[1, 4096]",
+    "read_size": "[1, 4096]",
+    "io_backend": "auto, io_uring, pwrite",
+    "keep_last_n": "integer >= 0",
+    "device_snapshot": "auto, always, never",
+    "telemetry": "true or false",
+}
 
 
 ENGINE = {f.name for f in dataclasses.fields(DataStatesConfig)}

@@ -304,8 +304,10 @@ def test_save_plans_without_staging_reads_the_tensors_themselves(engine, tmp_pat
 
 def test_wait_handles_waits_for_all_at_once_and_leaves_errors_to_each_handle(engine, tmp_path):
     with injected_fault("write", errno.EIO, "bad"):
-        hs = [engine.save({"x": torch.full((100_000,), float(i))}, tmp_path / f"{n}.safetensors")
-              for i, n in enumerate(["a", "bad", "c"])]  # fmt: skip
+        hs = [
+            engine.save({"x": torch.full((100_000,), float(i))}, tmp_path / f"{n}.safetensors")
+            for i, n in enumerate(["a", "bad", "c"])
+        ]
         wait_handles(hs)
         assert all(h._job.snapshot_done() for h in hs) and all(h._keepalive is None for h in hs)
         wait_handles(hs, persisted=True)  # the failed one counts as done

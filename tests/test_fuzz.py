@@ -71,8 +71,10 @@ def saved(tmp_path_factory):
 
 
 @FUZZ
-@given(flips=st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(1, 255)), min_size=1, max_size=4),
-       cut=st.one_of(st.none(), st.integers(0, 1 << 40)))  # fmt: skip
+@given(
+    flips=st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(1, 255)), min_size=1, max_size=4),
+    cut=st.one_of(st.none(), st.integers(0, 1 << 40)),
+)
 def test_load_of_a_damaged_file_fails_cleanly(saved, flips, cut):
     engine, good, folder = saved
     raw = bytearray(good)

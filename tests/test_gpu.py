@@ -89,8 +89,10 @@ def test_a_staged_save_is_copied_in_the_callers_stream_order(gpu_engine, tmp_pat
 def test_staged_plans_saved_together_are_copied_in_the_callers_stream_order(gpu_engine, tmp_path):
     w = torch.zeros(3 << 20, device="cuda", dtype=torch.bfloat16)
     m, cpu = torch.zeros(5 << 20, device="cuda"), torch.zeros(1000)
-    plans = [(gpu_engine.plan({"w": w, "m": m}), tmp_path / "a.safetensors"),
-             (gpu_engine.plan({"m2": m[1:], "cpu": cpu}), tmp_path / "b.safetensors")]  # fmt: skip
+    plans = [
+        (gpu_engine.plan({"w": w, "m": m}), tmp_path / "a.safetensors"),
+        (gpu_engine.plan({"m2": m[1:], "cpu": cpu}), tmp_path / "b.safetensors"),
+    ]
     a = torch.randn(4096, 4096, device="cuda")
     for _ in range(20):
         a = a @ a / 64
@@ -185,8 +187,10 @@ def test_concurrent_restores_to_the_gpu_read_every_byte_while_the_main_thread_wo
 
     config = DataStatesConfig(host_cache_size=1, chunk_size=64, parser_threads=4)
     with DataStatesEngine(config) as e:
-        small = {tmp_path / f"w{i}.safetensors": {"data": random_tensor(torch.bfloat16, (512, 1024), i)}
-                 for i in range(24)}  # fmt: skip
+        small = {
+            tmp_path / f"w{i}.safetensors": {"data": random_tensor(torch.bfloat16, (512, 1024), i)}
+            for i in range(24)
+        }
         moments = [random_tensor(torch.float32, (4 << 20,), i) for i in range(12)]
         big = {"state": {str(i): {"step": torch.tensor(400.0 + i), "m": m} for i, m in enumerate(moments)}}
         sums = {

@@ -35,8 +35,12 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_saving_4gib_through_a_256mib_cache_stays_within_the_cache(tmp_path):
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "big.safetensors")],
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "big.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout.strip().splitlines()[-1])
     grew = m["peak"] - m["base"]

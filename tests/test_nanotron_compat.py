@@ -9,9 +9,11 @@ import textwrap
 def _run(code, path):
     env_path = f"{path}"
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
         env={"PYTHONPATH": env_path, "NANOTRON_DATASTATES_AUTOLOAD": "0", "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+    )
 
 
 PROBE = textwrap.dedent(

@@ -77,8 +77,11 @@ def test_work_deferred_to_the_step_runs_before_it_and_its_save_holds_the_state_o
 
         def queue():
             order.append("queued")
-            handles.append(engine.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
-                                       tmp_path / "c.safetensors"))  # fmt: skip
+            handles.append(
+                engine.save(
+                    {"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "c.safetensors"
+                )
+            )
             gate.add(handles)
 
         gate.defer(queue)

@@ -46,8 +46,13 @@ def test_the_two_contract_commands_are_the_ones_ci_and_the_install_run():
 @pytest.mark.slow
 def test_the_main_job_runs(tmp_path):
     # The first command's job, as written (the install is what CI runs before this suite).
-    proc = subprocess.run([sys.executable, "examples/train_tiny_lm.py", "--out", str(tmp_path / "out")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "examples/train_tiny_lm.py", "--out", str(tmp_path / "out")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

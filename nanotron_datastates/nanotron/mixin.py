@@ -58,8 +58,14 @@ class DataStatesTrainerMixin(_Trainer):
         if getattr(self.config, "uses_datastates", False):
             engine = self._ds_resume.engine or DataStatesEngine(section(self.config).engine)
             checkpoints = Path(self.config.checkpoints.checkpoints_path)
-            self.datastates = Saver(engine, section(self.config).trainer, self.parallel_context,
-                                    self.unwrapped_model, self.optimizer, checkpoints)  # fmt: skip
+            self.datastates = Saver(
+                engine,
+                section(self.config).trainer,
+                self.parallel_context,
+                self.unwrapped_model,
+                self.optimizer,
+                checkpoints,
+            )
             atexit.register(self._ds_close)
         if self._ds_resume.active or self.datastates is not None:
             self._ds_wrap_step()
@@ -118,9 +124,15 @@ class DataStatesTrainerMixin(_Trainer):
         say.info(f"saving checkpoint {folder}")
         finalize = None
         if groups.rank(self.parallel_context.world_pg) == 0:
-            finalize = finalizer(step=step, checkpoints=saver.checkpoints, pc=self.parallel_context,
-                                 config=self.config, model_config=self.model_config, optimizer=self.optimizer,
-                                 metadata=self.metadata)  # fmt: skip
+            finalize = finalizer(
+                step=step,
+                checkpoints=saver.checkpoints,
+                pc=self.parallel_context,
+                config=self.config,
+                model_config=self.model_config,
+                optimizer=self.optimizer,
+                metadata=self.metadata,
+            )
         saver.request(step, self.lr_scheduler, self.random_states, finalize, since=t0)
         return folder
 

@@ -148,8 +148,9 @@ class Saver:
             say.info(f"checkpoints {'' if stage else 'not '}copied on the GPU first ({why})")
         return stage, why
 
-    def _queue(self, pending: PendingCheckpoint, later: list[tuple[Path, SavePlan]], stage: bool, *,
-               deferred: bool) -> None:  # fmt: skip
+    def _queue(
+        self, pending: PendingCheckpoint, later: list[tuple[Path, SavePlan]], stage: bool, *, deferred: bool
+    ) -> None:
         """Plans the optimizer state, queues every file of the checkpoint and hands it to the committer, which
         is told of any failure here: every rank's committer then agrees that the checkpoint failed."""
         t0 = time.perf_counter()

@@ -78,8 +78,13 @@ def weight_shards(
                 local_global_slices_pairs=info.local_global_slices_pairs,
                 unsharded_shape=info.unsharded_shape,
             ).to_str_dict()
-        path = get_path(base_name, type=ObjectType.MODEL, exp_tp_pp_rank_and_size=ranks,
-                        is_expert_sharded=expert_sharded, prefix=root / "model")  # fmt: skip
+        path = get_path(
+            base_name,
+            type=ObjectType.MODEL,
+            exp_tp_pp_rank_and_size=ranks,
+            is_expert_sharded=expert_sharded,
+            prefix=root / "model",
+        )
         if path in planned:  # tied within this rank (embeddings and LM head): one file, written once
             continue
         planned.add(path)
@@ -113,8 +118,13 @@ def weight_sources(
                 world_rank=get_global_rank(group=group, group_rank=group_rank), parallel_context=pc
             )
             expert_sharded = info.is_expert_sharded(pc)
-        path = get_path(base_name, type=ObjectType.MODEL, exp_tp_pp_rank_and_size=ranks,
-                        is_expert_sharded=expert_sharded, prefix=root / "model")  # fmt: skip
+        path = get_path(
+            base_name,
+            type=ObjectType.MODEL,
+            exp_tp_pp_rank_and_size=ranks,
+            is_expert_sharded=expert_sharded,
+            prefix=root / "model",
+        )
         if not path.exists():
             return None
         out.append((name, tensor, path))

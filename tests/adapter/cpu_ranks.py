@@ -120,12 +120,14 @@ def snapshot(model: Any, optimizer: Any, lr_scheduler: Any, random_states: Any) 
     """Copies of everything a checkpoint holds, to compare a resumed state with."""
     import copy
 
-    return copy.deepcopy({
-        "model": {k: v.detach() for k, v in model.state_dict().items()},
-        "optimizer": optimizer.state_dict(),
-        "lr_scheduler": lr_scheduler.state_dict(),
-        "random": {k: vars(v) for k, v in random_states.items()},
-    })  # fmt: skip
+    return copy.deepcopy(
+        {
+            "model": {k: v.detach() for k, v in model.state_dict().items()},
+            "optimizer": optimizer.state_dict(),
+            "lr_scheduler": lr_scheduler.state_dict(),
+            "random": {k: vars(v) for k, v in random_states.items()},
+        }
+    )
 
 
 def differences(a: Any, b: Any, where: str = "") -> list[str]:
@@ -178,8 +180,15 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     saved = snapshot(*state)
     finalize = None
     if torch.distributed.get_rank() == 0:
-        finalize = finalizer(step=7, checkpoints=ckpt, pc=pc, config=c, model_config=c.model.model_config,
-                             optimizer=optimizer, metadata=training_metadata(7))  # fmt: skip
+        finalize = finalizer(
+            step=7,
+            checkpoints=ckpt,
+            pc=pc,
+            config=c,
+            model_config=c.model.model_config,
+            optimizer=optimizer,
+            metadata=training_metadata(7),
+        )
     saver.request(7, lr_scheduler, random_states, finalize)
     saver.before_step()
     step(model, optimizer)  # the checkpoint holds the state asked for, not this one

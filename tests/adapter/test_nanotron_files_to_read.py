@@ -138,9 +138,16 @@ def test_with_its_place_a_rank_reads_its_own_optimizer_shard_and_random_states(t
 
 @pytest.mark.parametrize(
     "entry",
-    ["/etc/passwd.safetensors", "model/../../x.safetensors", "model/./w.safetensors", "other/w.safetensors",
-     "model/w.bin", "model", ""],
-)  # fmt: skip
+    [
+        "/etc/passwd.safetensors",
+        "model/../../x.safetensors",
+        "model/./w.safetensors",
+        "other/w.safetensors",
+        "model/w.bin",
+        "model",
+        "",
+    ],
+)
 def test_a_manifest_naming_anything_but_a_file_of_the_layout_is_refused(tmp_path, entry):
     folder = checkpoint(tmp_path / "ckpt")
     doc = json.loads((folder / layout.MANIFEST).read_text())

@@ -64,9 +64,15 @@ def saver_of(rank0, root: Path, **settings) -> Saver:
 
 def ask(saver: Saver, rank0, at: int) -> None:
     pc, c, (_, optimizer, lr_scheduler, random_states), _ = rank0
-    finalize = finalizer(step=at, checkpoints=saver.checkpoints, pc=pc, config=c,
-                         model_config=c.model.model_config, optimizer=optimizer,
-                         metadata=training_metadata(at))  # fmt: skip
+    finalize = finalizer(
+        step=at,
+        checkpoints=saver.checkpoints,
+        pc=pc,
+        config=c,
+        model_config=c.model.model_config,
+        optimizer=optimizer,
+        metadata=training_metadata(at),
+    )
     saver.request(at, lr_scheduler, random_states, finalize)
 
 
