@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--out",
-        help="JSON results (default: benchmarks/results/engine_cpu.json, engine_gpu.json with a CUDA part)",
+        help="JSON results (default: engine_cpu.json, or engine_gpu.json with a CUDA part, in the current folder)",
     )
     p.add_argument("--no-drop-caches", action="store_true", help="leave restores warm (e.g. not root)")
     p.add_argument("--skip-baselines", action="store_true", help="engine and dd only")
@@ -122,8 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device != "cpu" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: CUDA is not available here")
     if args.out is None:
-        name = "engine_cpu.json" if args.device == "cpu" else "engine_gpu.json"
-        args.out = str(REPO_ROOT / "benchmarks" / "results" / name)
+        args.out = "engine_cpu.json" if args.device == "cpu" else "engine_gpu.json"
     return args
 
 

@@ -8,6 +8,10 @@ Each mode trains the same model for the same steps in its own torchrun, on the s
 * `torch`: Nanotron's own `save_checkpoint` every `--interval` steps (Nanotron without the adapter);
 * `dcp`: `torch.distributed.checkpoint.async_save` (default stager) of the same tensors: weights, optimizer
   states and fp32 master weights; the previous save's future is awaited before the next one;
+* `dcp-zo`: DCP's zero-overhead configuration (torch >= 2.9, as torchtitan uses it): one
+  `DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=True, use_async_staging=True,
+  use_non_blocking_copy=True))` reused for every save, `async_checkpointer_type=PROCESS`, and the save's
+  `staging_completion` awaited before the next optimizer step;
 * `datastates`: `checkpointing_engine: datastates`;
 * `stress`: datastates at every step, where backpressure must bound the stall;
 * `datastates-NAME` (`--variant NAME:key=value,...`): datastates with other `datastates:` settings, for
@@ -22,8 +26,14 @@ Each mode trains the same model for the same steps in its own torchrun, on the s
 
 An iteration is timed from the end of one step to the end of the next, after `torch.cuda.synchronize()`, so a
 checkpoint's cost lands in the iterations after it. Stall of a checkpoint = the sum, over the 3 iterations
-after it, of their excess over the median iteration of `none`. Writes DIR/bench_nanotron_<model>.json, a
-markdown table (.md) and a plot of the iteration times around checkpoints (.png).
+after it, of their excess over the median iteration of `none`. Each run also samples its peak host memory
+(the process's resident set, and what `/dev/shm` gained: DCP's shared-memory staging) and records its peak
+GPU memory. Writes DIR/bench_nanotron_<model>.json, a markdown table (.md) and a plot of the iteration
+times around checkpoints (.png).
+
+Nanotron main's trainer runs `torch.utils.collect_env` while it is constructed (its library report: 2 to 5
+s of subprocesses, varying from run to run, in every mode alike); the time to the first step leaves that
+report's own time out.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -65,12 +76,25 @@ def run_phase(args: argparse.Namespace) -> None:
     import torch
 
     run_train = load_run_train()
+    import nanotron.trainer
     from nanotron.trainer import DistributedTrainer
 
     t_start = time.perf_counter()
     rec: dict[str, Any] = {"mode": args.mode, "trainer": DistributedTrainer.__name__, "ends": [], "saves": []}
     rec["commits"], rec["dcp"], rec["losses"], rec["queues"] = [], [], [], []
     rec["marks"] = {}  # seconds after t_start at which the set-up's phases ended
+    memory = MemorySampler()
+    report = getattr(nanotron.trainer, "log_libraries_versions", None)
+    if report is not None:  # Nanotron main: its collect_env report, timed to be left out of the set-up
+
+        def timed_report(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return report(*a, **k)
+            finally:
+                rec["marks"]["library_report_s"] = time.perf_counter() - t
+
+        nanotron.trainer.log_libraries_versions = timed_report
 
     engine_time = [0.0]  # seconds in the engine's plan, save and save_plan (planning + queuing), summed
     split = {"plan": 0.0, "prepare": 0.0}  # seconds planning and staging, summed (datastates modes)
@@ -115,14 +139,25 @@ def run_phase(args: argparse.Namespace) -> None:
         DataStatesEngine.plan = adds_to("plan", DataStatesEngine.plan)
         engine_module.prepare_many = adds_to("prepare", engine_module.prepare_many)
 
+    dcp_mode = args.mode in ("dcp", "dcp-zo")
+
     class Trainer(DistributedTrainer):
         def __init__(self, *a: Any, **k: Any) -> None:
             super().__init__(*a, **k)
-            self._dcp_future = None
-            self._gloo = torch.distributed.new_group(backend="gloo") if args.mode == "dcp" else None
+            self._dcp_future: Any = None
+            self._dcp_staging: Any = None  # dcp-zo: the last save's staging, awaited before the next step
+            self._gloo = torch.distributed.new_group(backend="gloo") if dcp_mode else None
+            self._stager = dcp_zero_overhead_stager() if args.mode == "dcp-zo" else None
             step = self.optimizer.step  # the first step's phases: forward and backward, then the update
 
             def first_step(*a: Any, **k: Any) -> Any:
+                if self._dcp_staging is not None:  # dcp-zo: the step may change what is being staged
+                    t = time.perf_counter()
+                    self._dcp_staging.result()
+                    self._dcp_staging = None
+                    rec["dcp_staging_waits_s"] = rec.get("dcp_staging_waits_s", []) + [
+                        time.perf_counter() - t
+                    ]
                 first = "optimizer_step_start_s" not in rec["marks"]
                 if first:
                     torch.cuda.synchronize()
@@ -166,7 +201,7 @@ def run_phase(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             profile = args.profile and len(rec["saves"]) == 1  # the second save: the engine is warm
             with Profiled(Path(args.record).with_suffix(".save.prof.txt") if profile else None):
-                path = self._dcp_save() if args.mode == "dcp" else super().save_checkpoint()
+                path = self._dcp_save() if dcp_mode else super().save_checkpoint()
             rec["saves"].append(
                 {
                     "step": self.iteration_step,
@@ -194,7 +229,19 @@ def run_phase(args: argparse.Namespace) -> None:
             step, t0 = self.iteration_step, time.perf_counter()
             self._dcp_step = step
             path = Path(self.config.checkpoints.checkpoints_path) / f"dcp_{step}"
-            self._dcp_future = dcp.async_save(state, checkpoint_id=str(path), process_group=self._gloo)
+            if self._stager is None:
+                self._dcp_future = dcp.async_save(state, checkpoint_id=str(path), process_group=self._gloo)
+            else:
+                from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+                response = dcp.async_save(
+                    state,
+                    checkpoint_id=str(path),
+                    process_group=self._gloo,
+                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                    async_stager=self._stager,
+                )
+                self._dcp_staging, self._dcp_future = response.staging_completion, response.upload_completion
             self._dcp_future.add_done_callback(
                 lambda _: rec["dcp"].append({"step": step, "persisted_s": time.perf_counter() - t0})
             )
@@ -203,6 +250,8 @@ def run_phase(args: argparse.Namespace) -> None:
         def post_training(self) -> None:
             if self._dcp_future is not None:
                 self._dcp_future.result()
+            if self._stager is not None:
+                self._stager.close()
             super().post_training()
 
         def _observe(self, event: str, fields: dict[str, Any]) -> None:
@@ -243,8 +292,71 @@ def run_phase(args: argparse.Namespace) -> None:
     dataloader = run_train.get_dataloader(trainer)
     rec["marks"]["dataloader_s"] = time.perf_counter() - t_start
     trainer.train(dataloader)
+    rec["memory"] = {**memory.stop(), "gpu_max_reserved_bytes": torch.cuda.max_memory_reserved(),
+                     "gpu_max_allocated_bytes": torch.cuda.max_memory_allocated()}  # fmt: skip
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.record).write_text(json.dumps(rec))
+
+
+def dcp_zero_overhead_stager() -> Any:
+    """DCP's stager in its zero-overhead configuration, made once and reused for every save.
+
+    torch 2.11's `DefaultStager._stage` closes its StateDictStager after each staging (pytorch/pytorch#183413,
+    a fix of a leak): `close` empties the copier table, so the second save fails with `KeyError: <class
+    'type'>` and every save would pin its host memory anew. As later releases do, the stager stays open
+    until the run ends (`close` at the end of training)."""
+    import inspect
+
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    options = StagingOptions(
+        use_pinned_memory=True, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=True
+    )
+    stager = DefaultStager(options)
+    if "_state_dict_stager.close()" in inspect.getsource(DefaultStager._stage):
+        inner = stager._state_dict_stager
+        final_close = inner.close
+        inner.close = lambda: None  # the call at the end of each staging
+        plain_close = stager.close
+
+        def close() -> None:
+            plain_close()
+            final_close()
+
+        stager.close = close
+    return stager
+
+
+class MemorySampler:
+    """Peak host memory of this process while it runs: its resident set (pinned and shared pages it touches
+    included) and how much `/dev/shm` gained (shared-memory staging, also mapped by helper processes)."""
+
+    def __init__(self, every_s: float = 0.02) -> None:
+        self.peak_rss = self.peak_shm = 0
+        self._shm0 = self._shm_used()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _shm_used() -> int:
+        try:
+            st = os.statvfs("/dev/shm")
+        except OSError:
+            return 0
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    def _run(self, every_s: float) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        while not self._stop.wait(every_s):
+            with open("/proc/self/statm") as f:
+                self.peak_rss = max(self.peak_rss, int(f.read().split()[1]) * page)
+            self.peak_shm = max(self.peak_shm, self._shm_used() - self._shm0)
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return {"host_peak_rss_bytes": self.peak_rss, "shm_peak_bytes": self.peak_shm}
 
 
 class Profiled:
@@ -349,6 +461,7 @@ def run_all(args: argparse.Namespace) -> int:
         ("torch", config("torch", "torch", args.steps, args.interval), True),
         ("restore-torch", config("restore-torch", "torch", last + 2, never, str(work / "ckpt_torch")), True),
         ("dcp", config("dcp", "torch", args.steps, args.interval), True),
+        ("dcp-zo", config("dcp-zo", "torch", args.steps, args.interval), True),
         ("datastates", config("datastates", "datastates", args.steps, args.interval), False),
         (
             "restore-datastates",
@@ -564,7 +677,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
     steady = [t for s, t in base.items() if s > WARMUP]
     median = statistics.median(steady) if steady else float("nan")
     modes: dict[str, Any] = {}
-    names = ["none", "torch", "dcp", "datastates", "stress"]
+    names = ["none", "torch", "dcp", "dcp-zo", "datastates", "stress"]
     names += [n for n in records if n.startswith("datastates-")]
     for name in names:
         rec = records.get(name, {})
@@ -585,6 +698,8 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
             "engine_queued_at_step_s": [c["queued_s"] for c in rec.get("commits", []) if "queued_s" in c],
             "queue_split_median_s": queue_split(rec),
             "checkpoint_bytes": max((c["bytes"] for c in rec.get("commits", [])), default=None),
+            "memory": rec.get("memory"),
+            "dcp_staging_waits_s": rec.get("dcp_staging_waits_s"),
         }
         m = modes[name]
         if m["stall_median_s"] is not None and name != "stress":  # share of training time lost to checkpoints
@@ -609,7 +724,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         modes["stress"]["cost_per_checkpoint_s"] = modes["stress"]["mean_iteration_s"] - median
     ratios = {}
     ds = modes["datastates"]["stall_median_s"]
-    for key, other in (("stall_vs_native", "torch"), ("stall_vs_dcp", "dcp")):
+    for key, other in (("stall_vs_native", "torch"), ("stall_vs_dcp", "dcp"), ("stall_vs_dcp_zo", "dcp-zo")):
         if modes[other]["stall_median_s"] and ds is not None:
             ratios[key] = ds / modes[other]["stall_median_s"]
         local = modes["datastates"]["stall_local_median_s"], modes[other]["stall_local_median_s"]
@@ -672,8 +787,10 @@ def _gpu_name() -> str | None:
 
 
 def _first_step_s(rec: dict[str, Any]) -> float | None:
+    """When the first step ended, after the trainer's construction began, Nanotron main's library report
+    (collect_env: subprocesses, the same work in every mode) left out."""
     ends = rec.get("ends")
-    return ends[0][1] if ends else None
+    return ends[0][1] - rec.get("marks", {}).get("library_report_s", 0.0) if ends else None
 
 
 def table(r: dict[str, Any]) -> str:
@@ -684,9 +801,9 @@ def table(r: dict[str, Any]) -> str:
         f"model {r['model']}, {r['steps']} steps, checkpoint every {r['interval']}; median iteration "
         f"{ms(r['median_iteration_s'])} ms",
         "",
-        "| mode | checkpoints | median stall ms | local stall ms | stall / interval | "
-        "flushing vs idle | mean iteration ms | mean vs none | persisted s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| mode | checkpoints | median stall ms | local stall ms | stall / interval | flushing vs idle | "
+        "mean iteration ms | mean vs none | persisted s | host peak GB (shm) | GPU peak GB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, m in r["modes"].items():
         loss = m.get("throughput_loss")
@@ -698,7 +815,11 @@ def table(r: dict[str, Any]) -> str:
         flush = m.get("flush_phase_slowdown")
         flush_text = "-" if flush is None else f"{100 * flush:+.1f}%"
         local = ms(m.get("stall_local_median_s"))
+        mem = m.get("memory") or {}
+        host = f"{mem['host_peak_rss_bytes'] / 1e9:.1f} ({mem['shm_peak_bytes'] / 1e9:.1f})" if mem else "-"
+        gpu = f"{mem['gpu_max_reserved_bytes'] / 1e9:.1f}" if mem else "-"
         cells = [name, m["checkpoints"], stall, local, share_text, flush_text, mean, loss_text, persisted]
+        cells += [host, gpu]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += [
         "",

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The GPU benchmarks and proofs, one command per figure the README cites: build, then the named steps.
+#   OUT=results-folder bash benchmarks/gpu.sh STEP [STEP ...]
+# Needs Nanotron importable and NANOTRON_RUN_TRAIN pointing at its run_train.py, or an offline environment in
+# .gpu/ (wheels, liburing, a Nanotron tree: its tools/device-env.sh is sourced). NANOTRON_DIR=<folder with
+# src/ and run_train.py> runs on another Nanotron tree. Each step's output goes to $OUT/<step>.log, its
+# results to $OUT/<step>/; machine paths are scrubbed from them (benchmarks/scrub.py) and everything is also
+# tarred into $OUT/results.tgz.
+set -uo pipefail
+OUT=${OUT:?set OUT to the folder for results}
+mkdir -p "$OUT"
+[ -f .gpu/tools/device-env.sh ] && source .gpu/tools/device-env.sh .gpu
+if [ -n "${NANOTRON_DIR:-}" ]; then
+  NANOTRON_DIR=$(cd "$NANOTRON_DIR" && pwd)
+  export PYTHONPATH=$NANOTRON_DIR/src:${PYTHONPATH:-} NANOTRON_RUN_TRAIN=$NANOTRON_DIR/run_train.py
+fi
+python3 -c "import nanotron; print('nanotron from', nanotron.__file__)" > "$OUT/nanotron.txt" 2>&1
+export PYTHONUNBUFFERED=1
+WORK=${WORK:-/tmp/ds_bench}
+mkdir -p "$WORK"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+{ df -h "$WORK" /dev/shm; nproc; free -g; } > "$OUT/machine.txt" 2>&1
+python3 -m pip install --no-build-isolation --no-deps -q -e . > "$OUT/build.log" 2>&1 || {
+  tail -30 "$OUT/build.log"
+  exit 1
+}
+B=benchmarks
+
+run_step() {
+  case "$1" in
+    tests) python3 -m pytest -q -rs tests/test_gpu.py tests/test_engine.py tests/test_streaming.py ;;
+    dd | ddread) bash $B/disk.sh "$1" "$WORK" ;;
+    engine) # the engine alone: blocking, device-to-host, persisted and restore against their baselines
+      python3 $B/bench_engine.py --repeat 2 --skip-baselines --device both --dir "$WORK/engine" \
+        --out "$OUT/engine/engine_gpu.json" ;;
+    proof) # Nanotron's run_train.py, 1 GPU: train, resume bit for bit, stock reads ours, ours resumes stock
+      python3 $B/nanotron_proof.py all --gpus 1 --out "$OUT/proof" --work "$WORK/proof" ;;
+    proof-dp2-zero1) # the same on two GPUs, data-parallel with ZeRO-1 optimizer shards
+      python3 $B/nanotron_proof.py all --gpus 2 --dp 2 --zero 1 --out "$OUT/proof-dp2-zero1" \
+        --work "$WORK/proof-dp2" ;;
+    round-180m) # 180M model, every mode: stall, persisted, memory, restore (one each)
+      (cd $B && python3 bench_nanotron.py all --model 180m --steps 400 --interval 40 \
+        --modes torch,dcp,dcp-zo,datastates,restore-torch,restore-datastates --work "$WORK/r180" \
+        --out "$OUT/round-180m") ;;
+    round-1b) # the 1.1B model, every mode once, a checkpoint every 60 steps (above its time to persist)
+      (cd $B && python3 bench_nanotron.py all --model 1b --steps 125 --interval 60 --cache-gib 16 \
+        --modes torch,dcp,dcp-zo,datastates,restore-torch,restore-datastates --work "$WORK/r1b" \
+        --out "$OUT/round-1b") ;;
+    restore-pairs) # both restores of the 180M model in turn, side by side, RESTORE_REPEATS times (5): the
+      # disk's drift between minutes moves one pair's ratio; the median of the pairs does not
+      (cd $B && python3 bench_nanotron.py all --model 180m --steps 80 --interval 40 \
+        --restore-repeats "${RESTORE_REPEATS:-5}" \
+        --modes torch,datastates,restore-torch,restore-datastates --work "$WORK/rp180" --out "$OUT/restore-pairs") ;;
+    stress-180m) # a checkpoint at every step, staged on the GPU: backpressure bounds the stall
+      (cd $B && python3 bench_nanotron.py all --model 180m --steps 60 --stress-steps 30 --modes stress \
+        --work "$WORK/st180" --out "$OUT/stress-180m") ;;
+    crash) # real Nanotron training SIGKILLed mid-checkpoint, then resumed
+      (cd $B && python3 nanotron_crash.py --trials 3 --out "$OUT/crash" --work "$WORK/crash") ;;
+    staging) (cd $B/micro && python3 bench_staging.py --model 180m --out "$OUT/staging") ;;
+    interference) (cd $B/micro && python3 bench_interference.py --dir "$WORK/interf" --out "$OUT/interference") ;;
+    pinning) (cd $B/micro && python3 bench_pinning.py --cache-gib 16 --rounds 2 --out "$OUT/pinning") ;;
+    restore-stress) python3 $B/micro/restore_stress.py --work "$WORK/rs" --procs 6 --rounds 8 --out "$OUT/restore-stress" ;;
+    *) echo "unknown step $1"; return 2 ;;
+  esac
+}
+
+# Only a few files come back from a machine that is given back, and none of a call cut short but what is
+# there: keep a fresh tarball of everything.
+(while sleep 20; do tar -C "$OUT" -czf "$OUT/.partial.tgz" --exclude '*.tgz' . 2>/dev/null && mv "$OUT/.partial.tgz" "$OUT/results.tgz"; done) &
+rc=0
+for step in "$@"; do
+  mkdir -p "$OUT/$step"
+  t0=$(date +%s)
+  run_step "$step" > "$OUT/$step.log" 2>&1
+  r=$?
+  echo "$step: rc=$r in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/steps.txt"
+  tail -25 "$OUT/$step.log"
+  [ $r -ne 0 ] && rc=$r
+done
+kill %1 2>/dev/null
+python3 $B/scrub.py "$OUT" > /dev/null
+tar -C "$OUT" -czf "$OUT/results.tgz" --exclude '*.tgz' . 2>/dev/null
+exit $rc
