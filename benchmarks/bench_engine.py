@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--out",
-        help="JSON results (default: engine_cpu.json, or engine_gpu.json with a CUDA part, in the current folder)",
+        help="JSON results (default: ./engine_cpu.json, or ./engine_gpu.json with a CUDA part)",
     )
     p.add_argument("--no-drop-caches", action="store_true", help="leave restores warm (e.g. not root)")
     p.add_argument("--skip-baselines", action="store_true", help="engine and dd only")
