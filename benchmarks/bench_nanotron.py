@@ -304,7 +304,12 @@ def dcp_zero_overhead_stager() -> Any:
     torch 2.11's `DefaultStager._stage` closes its StateDictStager after each staging (pytorch/pytorch#183413,
     a fix of a leak): `close` empties the copier table, so the second save fails with `KeyError: <class
     'type'>` and every save would pin its host memory anew. As later releases do, the stager stays open
-    until the run ends (`close` at the end of training)."""
+    until the run ends (`close` at the end of training).
+
+    The checkpoint process joins the job's own store (`DCP_USE_PREFIX_STORE=1`) instead of a port it probes
+    for and binds later: among Nanotron's many process groups, another socket took that port in between
+    (EADDRINUSE) in the first save."""
+    os.environ.setdefault("DCP_USE_PREFIX_STORE", "1")
     import inspect
 
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
