@@ -27,9 +27,10 @@ Each mode trains the same model for the same steps in its own torchrun, on the s
 An iteration is timed from the end of one step to the end of the next, after `torch.cuda.synchronize()`, so a
 checkpoint's cost lands in the iterations after it. Stall of a checkpoint = the sum, over the 3 iterations
 after it, of their excess over the median iteration of `none`. Each run also samples its peak host memory
-(the process's resident set, and what `/dev/shm` gained: DCP's shared-memory staging) and records its peak
-GPU memory. Writes DIR/bench_nanotron_<model>.json, a markdown table (.md) and a plot of the iteration
-times around checkpoints (.png).
+(the proportional set size of the process and of those it starts, such as DCP's checkpoint process, and
+what `/dev/shm` gained: DCP's shared-memory staging) and records its peak GPU memory. Writes
+DIR/bench_nanotron_<model>.json, a markdown table (.md) and a plot of the iteration times around
+checkpoints (.png).
 
 Nanotron main's trainer runs `torch.utils.collect_env` while it is constructed (its library report: 2 to 5
 s of subprocesses, varying from run to run, in every mode alike); the time to the first step leaves that
@@ -39,6 +40,7 @@ report's own time out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -333,11 +335,12 @@ def dcp_zero_overhead_stager() -> Any:
 
 
 class MemorySampler:
-    """Peak host memory of this process while it runs: its resident set (pinned and shared pages it touches
-    included) and how much `/dev/shm` gained (shared-memory staging, also mapped by helper processes)."""
+    """Peak host memory while a run trains: its resident set, and the proportional set size (PSS: shared
+    pages split among the processes mapping them) summed over it and every process it started (DCP's
+    checkpoint process), which counts pinned and shared-memory staging once; and what `/dev/shm` gained."""
 
-    def __init__(self, every_s: float = 0.02) -> None:
-        self.peak_rss = self.peak_shm = 0
+    def __init__(self, every_s: float = 0.05) -> None:
+        self.peak_rss = self.peak_pss = self.peak_shm = 0
         self._shm0 = self._shm_used()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
@@ -351,17 +354,45 @@ class MemorySampler:
             return 0
         return (st.f_blocks - st.f_bfree) * st.f_frsize
 
+    @staticmethod
+    def _tree(pid: int) -> list[int]:
+        """`pid` and its descendants."""
+        out, todo = [], [pid]
+        while todo:
+            p = todo.pop()
+            out.append(p)
+            for task in Path(f"/proc/{p}/task").glob("*/children"):
+                with contextlib.suppress(OSError):  # the task ended meanwhile
+                    todo += [int(c) for c in task.read_text().split()]
+        return out
+
+    @staticmethod
+    def _pss(pid: int) -> int:
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) << 10
+        except OSError:
+            pass
+        return 0
+
     def _run(self, every_s: float) -> None:
         page = os.sysconf("SC_PAGE_SIZE")
+        me = os.getpid()
         while not self._stop.wait(every_s):
             with open("/proc/self/statm") as f:
                 self.peak_rss = max(self.peak_rss, int(f.read().split()[1]) * page)
+            self.peak_pss = max(self.peak_pss, sum(self._pss(p) for p in self._tree(me)))
             self.peak_shm = max(self.peak_shm, self._shm_used() - self._shm0)
 
     def stop(self) -> dict[str, int]:
         self._stop.set()
         self._thread.join()
-        return {"host_peak_rss_bytes": self.peak_rss, "shm_peak_bytes": self.peak_shm}
+        return {
+            "host_peak_rss_bytes": self.peak_rss,
+            "host_peak_pss_tree_bytes": self.peak_pss,
+            "shm_peak_bytes": self.peak_shm,
+        }
 
 
 class Profiled:
@@ -807,7 +838,7 @@ def table(r: dict[str, Any]) -> str:
         f"{ms(r['median_iteration_s'])} ms",
         "",
         "| mode | checkpoints | median stall ms | local stall ms | stall / interval | flushing vs idle | "
-        "mean iteration ms | mean vs none | persisted s | host peak GB (shm) | GPU peak GB |",
+        "mean iteration ms | mean vs none | persisted s | host peak GB: PSS (shm) | GPU peak GB |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, m in r["modes"].items():
@@ -821,7 +852,8 @@ def table(r: dict[str, Any]) -> str:
         flush_text = "-" if flush is None else f"{100 * flush:+.1f}%"
         local = ms(m.get("stall_local_median_s"))
         mem = m.get("memory") or {}
-        host = f"{mem['host_peak_rss_bytes'] / 1e9:.1f} ({mem['shm_peak_bytes'] / 1e9:.1f})" if mem else "-"
+        pss = mem.get("host_peak_pss_tree_bytes", mem.get("host_peak_rss_bytes", 0))
+        host = f"{pss / 1e9:.1f} ({mem['shm_peak_bytes'] / 1e9:.1f})" if mem else "-"
         gpu = f"{mem['gpu_max_reserved_bytes'] / 1e9:.1f}" if mem else "-"
         cells = [name, m["checkpoints"], stall, local, share_text, flush_text, mean, loss_text, persisted]
         cells += [host, gpu]
