@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -23,7 +23,7 @@ from . import _core
 from . import format as fmt
 from .config import DataStatesConfig
 from .plan import SavePlan, plan_save, prepare_many
-from .restore import load_file, load_into_tensors, verify_file
+from .restore import load_file, load_into_tensors, load_tensors, read_structure, verify_file
 
 log = logging.getLogger("nanotron_datastates")
 _warned: set[str] = set()
@@ -340,6 +340,20 @@ class DataStatesEngine:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         header = verify_file(self._core, path, checksums)
         return checksums is not None or header.checksums() is not None
+
+    def load_tensors(
+        self, path: str | os.PathLike, names: Iterable[str], *, checksums: Mapping[str, int] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Reads only the named tensors of a file onto the CPU (names as in the file: see
+        :meth:`read_structure`), each checked against its checksum as :meth:`load` does."""
+        if self._closed:
+            raise ValueError("the engine is closed; create a new DataStatesEngine")
+        return load_tensors(self._core, path, names, verify=self.config.verify_checksums, checksums=checksums)
+
+    def read_structure(self, path: str | os.PathLike) -> Any:
+        """The saved structure with a `TensorRef` (name in the file, dtype, shape) in place of each tensor:
+        the header alone is read. With :meth:`load_tensors`, a part of a large state can be read."""
+        return read_structure(path)
 
     def read_metadata(self, path: str | os.PathLike) -> dict[str, str]:
         """The file's ``__metadata__`` without the engine's own keys (no tensor is read)."""

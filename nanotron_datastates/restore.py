@@ -10,8 +10,9 @@ the saved structure.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -53,6 +54,45 @@ def verify_file(core: Any, path: str | os.PathLike, checksums: Mapping[str, int]
     if checksums is not None or header.checksums() is not None:
         _read_to_host(core, path, header, True, checksums)
     return header
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRef:
+    """A tensor of a file, not read: its name in the file, dtype and shape (see :func:`read_structure`)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def read_structure(path: str | os.PathLike) -> Any:
+    """The saved structure with a TensorRef in place of each tensor; reads the header only."""
+    path = os.fspath(path)
+    header = fmt.read_header(path)
+    refs = {e.name: TensorRef(e.name, e.dtype.torch, e.shape) for e in header.tensors}
+    skel = header.metadata.get(fmt.KEY_SKELETON)
+    return refs if skel is None else skeleton.decode(skel, refs, path=path)  # type: ignore[arg-type]
+
+
+def load_tensors(
+    core: Any,
+    path: str | os.PathLike,
+    names: Iterable[str],
+    *,
+    verify: bool = True,
+    checksums: Mapping[str, int] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The tensors of these names only, on the CPU: only their bytes are read, each whole, so each is checked
+    against its checksum. KeyError names a tensor the file does not hold."""
+    path = os.fspath(path)
+    header = fmt.read_header(path)
+    by_name = {e.name: e for e in header.tensors}
+    wanted = set(names)
+    missing = sorted(wanted - set(by_name))
+    if missing:
+        raise KeyError(f"{path} holds no tensor {missing[0]!r}")
+    entries = [e for e in header.tensors if e.name in wanted]
+    return _read_to_host(core, path, header, verify, checksums, entries)
 
 
 def load_into_tensors(
@@ -140,15 +180,22 @@ def _verify(
 
 
 def _read_to_host(
-    core: Any, path: str, header: fmt.Header, verify: bool, checksums: Mapping[str, int] | None
+    core: Any,
+    path: str,
+    header: fmt.Header,
+    verify: bool,
+    checksums: Mapping[str, int] | None,
+    entries: Sequence[fmt.TensorEntry] | None = None,
 ) -> dict[str, torch.Tensor]:
+    """Every tensor of the file, or `entries` only (in file order)."""
     expected = _expected(path, header, checksums) if verify else None
+    entries = list(header.tensors if entries is None else entries)
     data_len = header.file_size - header.data_start
-    begins, ends = [e.begin for e in header.tensors], [e.end for e in header.tensors]
+    begins, ends = [e.begin for e in entries], [e.end for e in entries]
     raws, sums = core.restore_host(path, header.data_start, data_len, begins, ends, expected is not None)
     if expected is not None:
-        _verify(path, list(header.tensors), expected, sums, raws)
-    return {e.name: _typed(raw, header.data_start + e.begin, e) for e, raw in zip(header.tensors, raws)}
+        _verify(path, entries, expected, sums, raws)
+    return {e.name: _typed(raw, header.data_start + e.begin, e) for e, raw in zip(entries, raws)}
 
 
 def _read_to_device(

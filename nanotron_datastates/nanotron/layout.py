@@ -115,6 +115,20 @@ def topology(*, tp: int, pp: int, dp: int, cp: int, expert: int, zero_stage: int
     return {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "expert": expert, "zero_stage": zero_stage}
 
 
+def stock_topology(folder: str | os.PathLike) -> dict[str, int]:
+    """The layout a checkpoint of Nanotron's own format was saved with, as far as its files say (tp, dp and cp
+    from its metadata, pp and the ZeRO stage from its config); {} if they say nothing."""
+    folder = Path(folder)
+    meta, config = read_json(folder / NANOTRON_METADATA), read_yaml(folder / "config.yaml")
+    out = {k: int(meta[k]) for k in ("tp", "dp", "cp") if isinstance(meta.get(k), int)}
+    par, opt = config.get("parallelism") or {}, config.get("optimizer") or {}
+    if isinstance(par.get("pp"), int):
+        out["pp"] = par["pp"]
+    if isinstance(opt.get("zero_stage"), int):
+        out["zero_stage"] = opt["zero_stage"]
+    return out
+
+
 def topology_changes(saved: dict[str, Any], here: dict[str, int]) -> dict[str, tuple[Any, int]]:
     """{key: (saved, here)} for every dimension that differs; a key the manifest lacks has its default."""
     return {
@@ -247,6 +261,18 @@ def file_checksums(
     if not entry or "crc32c" not in entry:
         return None
     return {name: int(v, 16) for name, v in entry["crc32c"].items()}
+
+
+def random_states_at(doc: dict[str, Any], place: Place) -> str:
+    """The saved random-state file of the rank at `place`, each rank index taken modulo the saved size of its
+    dimension: a deterministic choice for a rank of another layout, which did not exist when it was saved."""
+    saved = doc.get("topology", {})
+
+    def at(dim: tuple[int, int], key: str) -> tuple[int, int]:
+        size = int(saved.get(key, TOPOLOGY_DEFAULTS.get(key, 1)))
+        return dim[0] % size, size
+
+    return random_states_name(at(place.tp, "tp"), at(place.dp, "dp"), at(place.pp, "pp"), at(place.cp, "cp"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,7 +52,9 @@ class DataStatesTrainerMixin(_Trainer):
         self._ds_stepped = False
         super().__init__(*args, **kwargs)
         if self._ds_resume.active:
-            metadata = self._ds_resume.load_rest(self.optimizer, self.lr_scheduler, self.random_states)
+            metadata = self._ds_resume.load_rest(
+                self.optimizer, self.lr_scheduler, self.random_states, self.unwrapped_model
+            )
             if metadata is not None:
                 self.metadata, self.iteration_step = metadata, metadata.last_train_step
         if getattr(self.config, "uses_datastates", False):

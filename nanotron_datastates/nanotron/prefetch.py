@@ -129,3 +129,27 @@ class Prefetch:
     def _synchronize(self) -> None:
         if self._device.type == "cuda":  # the main thread's stream uses them next
             torch.cuda.current_stream(self._device).synchronize()
+
+
+def fill(
+    targets: list[tuple[torch.Tensor, Path]],
+    ahead: dict[Path, dict[str, torch.Tensor]],
+    engine: DataStatesEngine,
+    checksums: Callable[[Path], dict[str, int] | None],
+) -> None:
+    """Fills each tensor with the `data` of its file: from what was read ahead (a copy on the device), else
+    read now, several files at once. `ahead` is emptied (its memory goes back once the copies are done)."""
+
+    def read(target: tuple[torch.Tensor, Path]) -> None:
+        tensor, path = target
+        got = ahead.get(path, {}).get("data")
+        with torch.no_grad():
+            if got is not None and got.shape == tensor.shape and got.dtype == tensor.dtype:
+                tensor.copy_(got)
+                return
+            engine.load_into(path, {"data": tensor}, checksums=checksums(path))
+
+    workers = max(1, engine.config.parser_threads)
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="datastates-load") as pool:
+        list(pool.map(read, targets))
+    ahead.clear()

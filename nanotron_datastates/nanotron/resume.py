@@ -33,9 +33,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..engine import DataStatesEngine
-from . import groups, layout, say, shards, states
+from . import groups, layout, reshard, saved_layout, say, shards, states
 from .config import section
-from .prefetch import Prefetch, warm_page_cache
+from .prefetch import Prefetch, fill, warm_page_cache
 from .target import asked_layout, loads, parse_config, resume_folder
 
 
@@ -113,6 +113,8 @@ class Resume:
         early, self._early = self._early, None
         if folder is None or not check_path_is_local(folder) or not layout.is_datastates_checkpoint(folder):
             self._drop_prefetch(report=False)  # not adopted: its buffers go back when its reads end
+            if folder is not None and getattr(config, "uses_datastates", False):
+                saved_layout.refuse_stock(Path(folder), config, pc)
             return False
         groups.check(pc)  # at start-up, not in the middle of loading
         self.folder, self._config, self._pc = Path(folder), config, pc
@@ -171,51 +173,33 @@ class Resume:
         Where the layout changed, Nanotron's own loader merges and reshards the weight files."""
         t0 = time.perf_counter()
         sources = shards.weight_sources(model, self._pc, self._root())
-        if sources is None:
-            from nanotron.serialize import load_weights
-
-            say.info("topology changed: weights loaded by Nanotron's load_weights")
-            return load_weights(model, self._pc, self._root())
-        engine = self.get_engine()
+        if sources is None:  # another layout: each parameter put together from the saved pieces
+            n = reshard.load_weights(self.get_engine(), self.manifest, self._root(), model)
+            say.info(f"resharded {n} weights in {time.perf_counter() - t0:.2f} s")
+            return {}
         ahead = self.prefetch.weights() if self.prefetch is not None else {}
-
-        def read(source: tuple[str, torch.Tensor, Path]) -> None:
-            _, tensor, path = source
-            got = ahead.get(path, {}).get("data")
-            with torch.no_grad():
-                if got is not None and got.shape == tensor.shape and got.dtype == tensor.dtype:
-                    tensor.copy_(got)  # read ahead onto the GPU: a device-to-device copy
-                    return
-                sums = layout.file_checksums(self.manifest, self._root(), path)
-                engine.load_into(path, {"data": tensor}, checksums=sums)
-
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max(1, engine.config.parser_threads), "datastates-load") as pool:
-            list(pool.map(read, sources))
-        ahead.clear()  # their memory goes back (the caching allocator keeps it until the copies are done)
+        checksums = functools.partial(layout.file_checksums, self.manifest, self._root())
+        fill([(tensor, path) for _, tensor, path in sources], ahead, self.get_engine(), checksums)
         self.state = "weights"
         say.info(f"loaded {len(sources)} weight files in {time.perf_counter() - t0:.2f} s")
         return {name: {} for name, _, _ in sources}
 
     # -- 4. scheduler, metadata, random states; the optimizer now or at the first step ---------------------
 
-    def load_rest(self, optimizer: Any, lr_scheduler: Any, random_states: Any) -> Any | None:
-        """Loads what the YAML asks for; returns the training metadata (None where the scheduler is not
-        loaded: Nanotron's fresh metadata stays)."""
+    def load_rest(self, optimizer: Any, lr_scheduler: Any, random_states: Any, model: Any) -> Any | None:
+        """Loads what the YAML asks for, on whatever layout (the optimizer state resharded where it changed:
+        reshard.py); returns the training metadata (None where the scheduler is not loaded: Nanotron's fresh
+        metadata stays)."""
         t0 = time.perf_counter()
         load_optimizer, load_scheduler = self._flags
-        if load_optimizer or load_scheduler:
-            changed = self.topology_changes()
-            if changed:
-                raise NotImplementedError(
-                    f"{self._root()} was written with another parallel layout ({changed}); datastates "
-                    "optimizer and scheduler shards resume on the same layout only (the weights reshard): "
-                    "set checkpoints.load_optimizer and checkpoints.load_lr_scheduler to false to resume "
-                    "the weights"
-                )
         engine, pc, metadata = self.get_engine(), self._pc, None
-        if load_optimizer:
+        changed = self.topology_changes()
+        if load_optimizer and changed:
+            state = reshard.optimizer_state(engine, self.manifest, self._root(), optimizer, model, pc)
+            optimizer.load_state_dict(state, map_location=self._device or "cpu")
+            moved = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+            say.info(f"optimizer state resharded ({moved})")
+        elif load_optimizer:
             path = shards.optimizer_file(pc, self._root(), zero=shards.is_zero(optimizer))
             # Straight onto the GPU (Nanotron's loader reads onto the CPU, and its first step copies the state
             # over from pageable memory); its `load_optimizer` flag stays off until that step has run.
@@ -229,11 +213,14 @@ class Resume:
         if load_scheduler:
             from nanotron.serialize.metadata import load_meta
 
-            path = shards.lr_scheduler_file(pc, self._root())
             # Unlike Nanotron's loader, no `_initial_step()` after this: it steps the schedule once more, so
             # the resumed run would use the next step's learning rate. The optimizer's param groups, restored
             # above, already hold the rate the original run would use now.
-            lr_scheduler.load_state_dict(engine.load(path))
+            if changed:
+                args = (engine, self.manifest, self._root(), optimizer, model, pc)
+                lr_scheduler.load_state_dict(reshard.scheduler_state(*args))
+            else:
+                lr_scheduler.load_state_dict(engine.load(shards.lr_scheduler_file(pc, self._root())))
             metadata = load_meta(parallel_context=pc, root_folder=self._root()).metas
             if self._config.tokens.train_steps <= metadata.last_train_step:
                 raise ValueError(
@@ -241,6 +228,12 @@ class Resume:
                     "tokens.train_steps higher"
                 )
         path = shards.random_states_path(pc, self._root())
+        if not path.exists() and changed:
+            path = self._root() / "random" / layout.random_states_at(self.manifest, groups.place(pc))
+            say.info(
+                f"random states: this layout's ranks take those of the saved ranks at the same places, "
+                f"modulo the saved sizes (rank 0: {path.name})"
+            )
         if path.exists():
             saved = engine.load(path)
             for key, value in saved["nanotron"].items():

@@ -75,8 +75,8 @@ def weight_shards(
             expert_sharded = info.is_expert_sharded(pc)
             metadata = TensorMetadata(
                 version=CHECKPOINT_VERSION,
-                local_global_slices_pairs=info.local_global_slices_pairs,
-                unsharded_shape=info.unsharded_shape,
+                local_global_slices_pairs=plain_pairs(info.local_global_slices_pairs),
+                unsharded_shape=tuple(int(n) for n in info.unsharded_shape),
             ).to_str_dict()
         path = get_path(
             base_name,
@@ -90,6 +90,19 @@ def weight_shards(
         planned.add(path)
         out.append((path, param, metadata))  # the parameter, not the state_dict's detached alias of it
     return out
+
+
+def plain_pairs(pairs: Any) -> tuple[Any, ...]:
+    """Nanotron's slice pairs with Python ints: its fused projections compute them with NumPy, whose
+    integers print as `np.int64(48)` from NumPy 2 on, which no reader of the metadata parses back."""
+    from nanotron.parallel.parameters import SlicesPair
+
+    def plain(s: slice) -> slice:
+        return slice(*(None if x is None else int(x) for x in (s.start, s.stop, s.step)))
+
+    return tuple(
+        SlicesPair(tuple(map(plain, p.local_slices)), tuple(map(plain, p.global_slices))) for p in pairs
+    )
 
 
 def weight_sources(

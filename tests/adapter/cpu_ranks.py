@@ -90,8 +90,8 @@ def training_state(pc: Any, c: Any, seed: int = 0) -> tuple[Any, Any, Any, Any]:
     )
     mark_tied_parameters(model=model, parallel_context=pc, parallel_config=c.parallelism)
     with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p))
+        for name, p in model.get_named_params_with_correct_tied():
+            p.copy_(by_position(p, name, seed))
     optimizer, _ = init_optimizer_and_grad_accumulator(
         parametrization_method=ParametrizationMethod.STANDARD,
         model=model,
@@ -108,10 +108,26 @@ def training_state(pc: Any, c: Any, seed: int = 0) -> tuple[Any, Any, Any, Any]:
     return model, optimizer, lr_scheduler, random_states
 
 
-def step(model: Any, optimizer: Any) -> None:
-    """One optimizer step with gradients of ones (the same on every rank)."""
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
+def by_position(p: Any, name: str, seed: int) -> torch.Tensor:
+    """This rank's part of a full tensor drawn for parameter `name`: the same values, element for element,
+    whatever the layout (so that states of different layouts can be compared)."""
+    import zlib
+
+    full_shape = p.get_sharded_info().unsharded_shape if p.is_sharded else p.shape
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    full = torch.randn(tuple(full_shape), generator=g)
+    if not p.is_sharded:
+        return full.to(p.dtype)
+    local = torch.empty(p.shape, dtype=p.dtype)
+    for pair in p.get_sharded_info().local_global_slices_pairs:
+        local[pair.local_slices] = full[pair.global_slices]
+    return local
+
+
+def step(model: Any, optimizer: Any, k: int = 1) -> None:
+    """One optimizer step with gradients drawn by position (`by_position`), the same whatever the layout."""
+    for name, p in model.get_named_params_with_correct_tied():
+        p.grad = by_position(p, name, 100 + k)
     optimizer.step()
     optimizer.zero_grad()
 
@@ -191,7 +207,7 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
         )
     saver.request(7, lr_scheduler, random_states, finalize)
     saver.before_step()
-    step(model, optimizer)  # the checkpoint holds the state asked for, not this one
+    step(model, optimizer, 2)  # the checkpoint holds the state asked for, not this one
     saver.drain(lambda s: None)
     saver.close()
     engine.close()
@@ -200,7 +216,7 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     resume = Resume()
     assert resume.plan(c, pc, ckpt / "7", device=torch.device("cpu"))
     resume.load_weights(fresh[0])
-    metadata = resume.load_rest(*fresh[1:])
+    metadata = resume.load_rest(*fresh[1:], fresh[0])
     resume.before_step()
     resume.finish(close_engine=True)
     return {
@@ -209,6 +225,62 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
         "tensors": count_tensors(saved),
         "last_train_step": metadata.last_train_step,
         "flags": [c.checkpoints.load_optimizer, c.checkpoints.load_lr_scheduler],
+    }
+
+
+def save_only(pc: Any, c: Any, work: Path) -> dict[str, Any]:
+    """This layout's state, saved by the Saver into `work/ckpt/7` (rank 0 commits)."""
+    from nanotron_datastates import DataStatesEngine
+    from nanotron_datastates.nanotron.finalize import finalizer
+    from nanotron_datastates.nanotron.saver import Saver
+    from nanotron_datastates.nanotron.settings import TrainerSettings
+
+    model, optimizer, lr_scheduler, random_states = training_state(pc, c)
+    engine = DataStatesEngine(host_cache_size=1 / 64, chunk_size=1)
+    saver = Saver(engine, TrainerSettings(), pc, model, optimizer, work / "ckpt")
+    finalize = None
+    if torch.distributed.get_rank() == 0:
+        finalize = finalizer(step=7, checkpoints=work / "ckpt", pc=pc, config=c,
+                             model_config=c.model.model_config, optimizer=optimizer,
+                             metadata=training_metadata(7))  # fmt: skip
+    saver.request(7, lr_scheduler, random_states, finalize)
+    saver.drain(lambda s: None)
+    saver.close()
+    engine.close()
+    return {}
+
+
+def resume_other(pc: Any, c: Any, work: Path) -> dict[str, Any]:
+    """Resumes `work/ckpt/7`, saved on another layout, into a state built afresh from another seed; returns
+    what differs from the state this layout holds after the same training (the same by construction:
+    `by_position`), random states aside (another layout's ranks take those of the saved ranks at their
+    places: compared where the rank existed)."""
+    from nanotron_datastates.nanotron.reshard import ReshardError
+    from nanotron_datastates.nanotron.resume import Resume
+
+    if os.environ.get("CPU_RANKS_INTERMEDIATE"):  # another model than the one saved
+        c.model.model_config.intermediate_size = int(os.environ["CPU_RANKS_INTERMEDIATE"])
+        resume = Resume()
+        resume.plan(c, pc, work / "ckpt" / "7", device=torch.device("cpu"))
+        try:
+            resume.load_weights(training_state(pc, c)[0])
+        except ReshardError as e:
+            return {"error": str(e)}
+        return {"error": None}
+    expected = snapshot(*training_state(pc, c))
+    fresh = training_state(pc, c, seed=1)
+    resume = Resume()
+    assert resume.plan(c, pc, work / "ckpt" / "7", device=torch.device("cpu"))
+    resume.load_weights(fresh[0])
+    metadata = resume.load_rest(*fresh[1:], fresh[0])
+    resume.before_step()
+    resume.finish(close_engine=True)
+    got = snapshot(*fresh)
+    expected.pop("random"), got.pop("random")
+    return {
+        "differences": differences(expected, got),
+        "tensors": count_tensors(expected),
+        "last_train_step": metadata.last_train_step,
     }
 
 
@@ -280,8 +352,9 @@ def main() -> None:
 
     pc = parallel_context(tp, dp, pp, cp)
     c = config(tp, dp, pp, cp, zero)
-    if sys.argv[7:] == ["roundtrip"]:
-        (work / f"rank-{rank}.json").write_text(json.dumps(roundtrip(pc, c, work)))
+    modes = {"roundtrip": roundtrip, "save": save_only, "resume": resume_other}
+    if sys.argv[7:]:
+        (work / f"rank-{rank}.json").write_text(json.dumps(modes[sys.argv[7]](pc, c, work)))
         tdist.barrier()
         tdist.destroy_process_group()
         return
@@ -309,10 +382,14 @@ def launch(
     cp: int = 1,
     zero: int = 0,
     roundtrip: bool = False,
+    mode: str | None = None,
 ) -> list[dict]:
-    """Runs `main` on `world` processes; their reports, by rank."""
+    """Runs `main` on `world` processes; their reports, by rank. `mode`: "roundtrip", "save" or "resume"
+    (see those functions); none: Nanotron's own save and the adapter's plan."""
     work.mkdir(parents=True, exist_ok=True)
-    args = [str(a) for a in (tp, dp, pp, cp, zero)] + (["roundtrip"] if roundtrip else [])
+    (work / "init").unlink(missing_ok=True)  # a launch's rendezvous file; the next launch makes its own
+    mode = "roundtrip" if roundtrip else mode
+    args = [str(a) for a in (tp, dp, pp, cp, zero)] + ([mode] if mode else [])
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, str(work), *args],

@@ -148,7 +148,7 @@ def test_the_optimizer_state_read_ahead_is_loaded_at_the_first_step_or_state_dic
     assert resume.plan(c, pc, folder, device=torch.device("cpu")) and resume.prefetch is not None
     assert (c.checkpoints.load_optimizer, c.checkpoints.load_lr_scheduler) == (False, False)  # Nanotron's off
     resume.load_weights(model)
-    resume.load_rest(fresh, lr_scheduler, random_states)
+    resume.load_rest(fresh, lr_scheduler, random_states, model)
     assert resume.state == "loaded"  # the optimizer's load waits for its first use
     got = fresh.state_dict()  # a first use: loads it
     assert resume.state == "done" and torch.equal(got["state"][0]["exp_avg"], want["state"][0]["exp_avg"])
@@ -164,7 +164,7 @@ def test_a_failed_optimizer_load_stays_pending_and_no_step_runs_on_the_old_state
     resume = Resume()
     resume.plan(c, pc, folder, device=torch.device("cpu"))
     resume.load_weights(model)
-    resume.load_rest(fresh, lr_scheduler, random_states)
+    resume.load_rest(fresh, lr_scheduler, random_states, model)
     with pytest.raises(ChecksumError, match=opt_file.name):
         resume.before_step()
     assert resume.state == "loaded"  # still pending

@@ -1,0 +1,305 @@
+"""A checkpoint resharded onto this rank's parallel layout: weights, Adam moments, step counts and fp32 master
+weights land exactly where this layout keeps them, for any change of tp, pp, dp, cp and ZeRO stage; the LR
+scheduler's entries follow their param groups.
+
+Planned from metadata, as PyTorch's distributed checkpoint plans a reshard:
+- the saved layout is read from the files themselves (saved_layout.py);
+- this rank's needs are its model's and optimizer's parameters: each one's slices of the full tensor (the
+  model's sharding) and, with ZeRO, its flat range.
+For each parameter, the full tensor of each state is put together from the saved pieces that hold it, then
+cut to this rank's piece. Only the saved tensors of this rank's parameters are read, each whole, so each is
+checked against its checksum. A parameter missing from the checkpoint, or of another shape, is a
+ReshardError naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..engine import DataStatesEngine
+from . import layout
+from .saved_layout import (
+    MASTER,
+    Piece,
+    ReshardError,
+    SavedFile,
+    read_saved,
+    saved_pieces,
+    whole_pair,
+    zero_ranges,
+)
+
+
+def load_weights(engine: DataStatesEngine, manifest: dict[str, Any], folder: Path, model: Any) -> int:
+    """Fills this rank's parameters from the weight files of another layout; returns how many."""
+    params = model_params(model)
+    for name, param in params.items():
+        full_shape, pieces = saved_pieces(manifest, folder, name)
+        need = _need_of(param, tuple(param.shape), None)
+        if full_shape != need.full_shape:
+            raise _changed(name, full_shape, need.full_shape)
+        full = torch.empty(full_shape, dtype=param.dtype)
+        for piece in pieces.values():
+            assert piece.path is not None
+            sums = layout.file_checksums(manifest, folder, piece.path)
+            local = engine.load_tensors(piece.path, ["data"], checksums=sums)["data"].to(param.dtype)
+            for pair in piece.pairs:
+                full[pair.global_slices] = local[pair.local_slices]
+        with torch.no_grad():
+            param.copy_(_cut(full, need))
+    return len(params)
+
+
+def _changed(name: str, saved: tuple[int, ...], here: tuple[int, ...]) -> ReshardError:
+    return ReshardError(
+        f"parameter {name!r} is {list(saved)} in the checkpoint and {list(here)} here: the model changed, "
+        "which a reshard cannot honour"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Need:
+    """What this rank's optimizer holds of one parameter."""
+
+    index: int  # in the optimizer's state_dict
+    shape: tuple[int, ...]  # of its state tensors: the local shape, or a ZeRO flat range's length
+    full_shape: tuple[int, ...]
+    piece: Piece
+    zero: tuple[int, int] | None  # flat range of the local tensor, with ZeRO
+
+
+def needs(optimizer: Any, model: torch.nn.Module, pc: Any) -> dict[str, Need]:
+    """Every parameter of this rank's optimizer, with where its state sits in the full tensor."""
+    inner = optimizer
+    while getattr(inner, "optimizer", None) is not None:
+        inner = inner.optimizer  # the torch optimizer under Nanotron's wrappers
+    params = model_params(model)
+    offsets = getattr(optimizer, "param_name_to_dp_rank_offsets", None)
+    dp_rank = pc.dp_pg.rank() if offsets is not None else None
+    out = {}
+    flat = [p for g in inner.param_groups for p in g["params"]]
+    for index, p in enumerate(flat):
+        name = optimizer.id_to_name[id(p)]
+        zero = tuple(int(x) for x in offsets[name][dp_rank]) if offsets is not None else None
+        out[name] = _need_of(params[name], tuple(p.shape), zero, index)  # type: ignore[arg-type]
+    return out
+
+
+def _need_of(param: Any, shape: tuple[int, ...], zero: tuple[int, int] | None, index: int = -1) -> Need:
+    if param.is_sharded:
+        info = param.get_sharded_info()
+        full, pairs = tuple(int(n) for n in info.unsharded_shape), tuple(info.local_global_slices_pairs)
+    else:
+        full, pairs = tuple(param.shape), (whole_pair(tuple(param.shape)),)
+    return Need(index, shape, full, Piece(tuple(param.shape), pairs), zero)
+
+
+def optimizer_state(
+    engine: DataStatesEngine, manifest: dict[str, Any], folder: Path, optimizer: Any, model: Any, pc: Any
+) -> dict[str, Any]:
+    """The state_dict this rank's `optimizer` loads, resharded from the checkpoint in `folder`."""
+    saved = read_saved(manifest, folder, engine)
+    wanted = needs(optimizer, model, pc)
+    keys = sorted({k for f in saved for s in f.state.values() for k in s})
+    here_masters = _has_masters(optimizer)
+    with_masters = here_masters and any(f.masters for f in saved)
+    tensors: dict[Path, dict[str, torch.Tensor]] = {}
+    sources: dict[str, list[SavedFile]] = {}
+    for name in wanted:
+        holders = [f for f in saved if name in f.state]
+        if not holders:
+            raise ReshardError(f"{folder}: parameter {name!r} is not in the checkpoint's optimizer state")
+        sources[name] = holders
+    for f in saved:  # this rank's tensors of each file, read once, each whole
+        refs = [ref.name for name in wanted if name in f.state for ref in f.state[name].values()]
+        refs += [f.masters[name].name for name in wanted if name in f.masters]
+        if refs:
+            tensors[f.path] = engine.load_tensors(f.path, refs)
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    masters: dict[str, torch.Tensor] = {}
+    for name, need in wanted.items():
+        full_shape, pieces = saved_pieces(manifest, folder, name)
+        if full_shape != need.full_shape:
+            raise _changed(name, full_shape, need.full_shape)
+        entry: dict[str, torch.Tensor] = {}
+        for key in keys:
+            if key == "step":
+                f = sources[name][0]
+                entry[key] = tensors[f.path][f.state[name][key].name].clone()
+                continue
+            entry[key] = _cut(_assemble(name, key, sources[name], pieces, full_shape, tensors, False), need)
+        state[need.index] = entry
+        if with_masters:
+            masters[name] = _cut(
+                _assemble(name, MASTER, sources[name], pieces, full_shape, tensors, True), need
+            )
+        elif here_masters:  # saved without fp32 masters: Nanotron's own start, from the weights just loaded
+            masters[name] = _cut_local(model_params(model)[name].detach().float(), need)
+    out = {
+        "state": state,
+        "param_groups": _groups(optimizer, saved, wanted),
+        "names": {need.index: name for name, need in wanted.items()},
+    }
+    if here_masters:
+        out[MASTER] = masters
+    return out
+
+
+def _has_masters(optimizer: Any) -> bool:
+    """Whether this optimizer keeps fp32 master weights (Nanotron's `accumulate_grad_in_fp32`)."""
+    while optimizer is not None:
+        if getattr(optimizer, "gradient_accumulator", None) is not None:
+            return True
+        optimizer = getattr(optimizer, "optimizer", None)
+    return False
+
+
+def model_params(model: Any) -> dict[str, Any]:
+    return dict(model.get_named_params_with_correct_tied())
+
+
+def _assemble(
+    name: str,
+    key: str,
+    holders: list[SavedFile],
+    pieces: dict[int, Piece],
+    full_shape: tuple[int, ...],
+    tensors: dict[Path, dict[str, torch.Tensor]],
+    master: bool,
+) -> torch.Tensor:
+    """The full tensor of one state of one parameter, from the saved files that hold it."""
+    full: torch.Tensor | None = None
+    for tp_rank, piece in pieces.items():
+        files = [f for f in holders if tp_rank in (-1, f.tp[0])]
+        if tp_rank == -1:
+            files = [f for f in files if f.tp[0] == files[0].tp[0]]  # every tp rank holds it: one is enough
+        pp0 = min(f.pp for f in files)
+        files = [f for f in files if f.pp == pp0]  # tied across stages: each stage holds the same state
+        files.sort(key=lambda f: f.dp[0] if f.dp else 0)
+        parts = [_tensor(f, name, key, tensors, master).reshape(-1) for f in files]
+        _check_zero(name, files, parts, piece)
+        local = torch.cat(parts).view(piece.local_shape)
+        if full is None:
+            full = torch.empty(full_shape, dtype=local.dtype)
+        for pair in piece.pairs:
+            full[pair.global_slices] = local[pair.local_slices]
+    assert full is not None
+    return full
+
+
+def _check_zero(name: str, files: list[SavedFile], parts: list[torch.Tensor], piece: Piece) -> None:
+    """Each ZeRO shard holds the flat range Nanotron's partition gives its rank, and together they hold the
+    whole local tensor."""
+    numel = 1
+    for n in piece.local_shape:
+        numel *= n
+    for f, part in zip(files, parts):
+        if f.dp is not None:
+            start, end = zero_ranges(numel, f.dp[1]).get(f.dp[0], (0, 0))
+            if part.numel() != end - start:
+                raise ReshardError(
+                    f"{f.path}: parameter {name!r} holds {part.numel()} elements; its ZeRO range there is "
+                    f"[{start}, {end}) of {numel}"
+                )
+    if sum(p.numel() for p in parts) != numel:
+        raise ReshardError(
+            f"parameter {name!r}: the saved shards hold {sum(p.numel() for p in parts)} of "
+            f"its {numel} elements"
+        )
+
+
+def _tensor(
+    f: SavedFile, name: str, key: str, tensors: dict[Path, dict[str, torch.Tensor]], master: bool
+) -> Any:
+    ref = f.masters[name] if master else f.state[name][key]
+    return tensors[f.path][ref.name]
+
+
+def _cut(full: torch.Tensor, need: Need) -> torch.Tensor:
+    """This rank's piece of a full tensor: its local slices, and with ZeRO its flat range."""
+    local = torch.empty(need.piece.local_shape, dtype=full.dtype)
+    for pair in need.piece.pairs:
+        local[pair.local_slices] = full[pair.global_slices]
+    return _cut_local(local, need)
+
+
+def _cut_local(local: torch.Tensor, need: Need) -> torch.Tensor:
+    """With ZeRO, the flat range of this rank's local tensor."""
+    flat = local.reshape(-1)
+    if need.zero is not None:
+        flat = flat[need.zero[0] : need.zero[1]]
+    return flat.clone().view(need.shape)
+
+
+def _group_firsts(optimizer: Any, wanted: dict[str, Need]) -> list[tuple[str | None, int]]:
+    """For each of this optimizer's param groups: its first parameter's name (None: empty here, as a ZeRO
+    rank's group may be), and how many parameters it holds."""
+    inner = optimizer
+    while getattr(inner, "optimizer", None) is not None:
+        inner = inner.optimizer
+    by_index = {need.index: name for name, need in wanted.items()}
+    out, index = [], 0
+    for group in inner.param_groups:
+        n = len(group["params"])
+        out.append((by_index[index] if n else None, n))
+        index += n
+    return out
+
+
+def _saved_groups(saved: list[SavedFile]) -> dict[str, tuple[SavedFile, int]]:
+    """Each parameter's saved group: the file and the group's position in it."""
+    out: dict[str, tuple[SavedFile, int]] = {}
+    for f in saved:
+        for g, group in enumerate(f.param_groups):
+            for i in group["params"]:
+                out.setdefault(f.names[i], (f, g))
+    return out
+
+
+def _groups(optimizer: Any, saved: list[SavedFile], wanted: dict[str, Need]) -> list[dict[str, Any]]:
+    """This optimizer's param groups (their parameters, in its order), each with the hyperparameters of the
+    saved group that held its first parameter: groups follow parameters, and their number varies with the
+    layout (Nanotron's groups per parameter spread over pipeline stages)."""
+    where = _saved_groups(saved)
+    out, index = [], 0
+    for g, (first, n) in enumerate(_group_firsts(optimizer, wanted)):
+        f, k = where[first] if first is not None else (saved[0], min(g, len(saved[0].param_groups) - 1))
+        old = {key: v for key, v in f.param_groups[k].items() if key != "params"}
+        out.append({**old, "params": list(range(index, index + n))})
+        index += n
+    return out
+
+
+GROUP_LISTS = ("base_lrs", "_last_lr", "lr_lambdas")  # a torch scheduler's entries per param group
+
+
+def scheduler_state(
+    engine: DataStatesEngine, manifest: dict[str, Any], folder: Path, optimizer: Any, model: Any, pc: Any
+) -> dict[str, Any]:
+    """The LR scheduler's state for this rank's optimizer: the schedule (step, counts) is the same for every
+    rank; its entries per param group are those of each group's first parameter in the saved layout (each
+    pipeline stage saved the scheduler of its own groups)."""
+    saved = read_saved(manifest, folder, engine)
+    wanted = needs(optimizer, model, pc)
+    where = _saved_groups(saved)
+    schedules: dict[tuple[int, int], Any] = {}
+    for rel in sorted(f for f in manifest["files"] if f.startswith("lr_scheduler/")):
+        m = re.fullmatch(r"lr_scheduler_pp-(\d+)-of-\d+_tp-(\d+)-of-\d+_exp-\d+-of-\d+", Path(rel).stem)
+        if m is not None:
+            schedules[(int(m[1]), int(m[2]))] = engine.load(layout.member(folder, rel))
+    if not schedules:
+        raise ReshardError(f"{folder}: the checkpoint holds no LR scheduler file")
+    first = next(iter(schedules.values()))
+    out = {k: v for k, v in first.items() if k not in GROUP_LISTS}
+    lists: dict[str, list[Any]] = {k: [] for k in GROUP_LISTS if k in first}
+    for g, (name, _) in enumerate(_group_firsts(optimizer, wanted)):
+        f, k = where[name] if name is not None else (saved[0], g)
+        schedule = schedules.get((f.pp, f.tp[0]), first)
+        for key, values in lists.items():
+            values.append(schedule[key][min(k, len(schedule[key]) - 1)])
+    return {**out, **lists}

@@ -1,0 +1,157 @@
+"""The saved layout of a checkpoint, read from its own files, for resharding (reshard.py): each optimizer
+file's name gives its rank (pp, tp, and dp for a ZeRO shard) and its skeleton the parameters it holds; each
+weight file's tensor metadata gives the slices of the full tensor its tensor-parallel rank held; a ZeRO shard
+is the flat range of the local tensor that Nanotron's partition (`zero_ranges`) gives its data-parallel rank.
+Only headers are read here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+from ..engine import DataStatesEngine
+from ..format import read_header
+from ..restore import TensorRef, read_structure
+from . import layout
+
+_OPTIMIZER = re.compile(
+    r"optimizer_pp-(\d+)-of-(\d+)(?:_dp-(\d+)-of-(\d+))?_tp-(\d+)-of-(\d+)_exp-\d+-of-\d+"
+)
+_WEIGHT_TP = re.compile(r"_tp-rank-(\d+)-of-(\d+)")
+_NP_INT = re.compile(
+    r"np\.int\d+\((-?\d+)\)"
+)  # NumPy 2's integers in Nanotron's metadata (shards.plain_pairs)
+MASTER = "gradient_accumulator"  # Nanotron's key of the fp32 master weights in its optimizer's state_dict
+
+
+class ReshardError(ValueError):
+    """The checkpoint cannot be resumed on this layout (a parameter is missing or changed shape)."""
+
+
+def refuse_stock(folder: Path, config: Any, pc: Any) -> None:
+    """A Nanotron checkpoint of its own (pickles, no manifest) is left to Nanotron's loaders, whose merge of
+    optimizer shards across layouts is broken (its file patterns miss its own names; it drops the fp32
+    master weights). Where the optimizer would be loaded on another layout, say what works instead."""
+    from . import groups
+
+    saved = layout.stock_topology(folder)
+    if not saved or not config.checkpoints.load_optimizer:
+        return
+    here = groups.layout_of(pc, int(config.optimizer.zero_stage))
+    changed = {k: v for k, v in layout.topology_changes(saved, here).items() if k in saved}
+    if changed:
+        moved = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+        raise ReshardError(
+            f"{folder} is a checkpoint of Nanotron's own format saved on another layout ({moved}), whose "
+            "optimizer state Nanotron's loader cannot reshard; convert it first: `nanotron-datastates "
+            f"convert {folder} <new folder> --to datastates`, and resume from the new folder (it reshards)"
+        )
+
+
+def zero_ranges(numel: int, dp: int) -> dict[int, tuple[int, int]]:
+    """Nanotron's ZeRO-1 partition of a flat tensor of `numel` elements over `dp` ranks (optim/zero.py):
+    equal parts, the last ranks one element short; ranks with nothing are left out."""
+    per = (numel - 1) // dp + 1 if numel else 0
+    sizes = [per] * dp
+    for i in range(per * dp - numel):
+        sizes[dp - 1 - i] -= 1
+    out, start = {}, 0
+    for rank, size in enumerate(sizes):
+        if size > 0:
+            out[rank] = (start, start + size)
+        start += size
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Where a tensor-parallel rank's local tensor sits in the full one (and the weight file holding it)."""
+
+    local_shape: tuple[int, ...]
+    pairs: tuple[Any, ...]  # Nanotron's SlicesPair: local slices -> global slices
+    path: Path | None = None
+
+
+@dataclasses.dataclass
+class SavedFile:
+    path: Path
+    pp: int
+    tp: tuple[int, int]
+    dp: tuple[int, int] | None  # a ZeRO shard's data-parallel rank; None for a whole optimizer
+    names: dict[int, str]  # the state_dict's parameter indices -> names
+    state: dict[str, dict[str, TensorRef]]  # parameter name -> {state key: tensor}
+    masters: dict[str, TensorRef]  # parameter name -> fp32 master weight
+    param_groups: list[dict[str, Any]]
+
+
+def read_saved(manifest: dict[str, Any], folder: Path, engine: DataStatesEngine) -> list[SavedFile]:
+    """Every optimizer file of the checkpoint, described from its name and skeleton (headers only)."""
+    out = []
+    for rel in sorted(manifest["files"]):
+        m = _OPTIMIZER.fullmatch(Path(rel).stem) if rel.startswith("optimizer/") else None
+        if m is None:
+            continue
+        path = layout.member(folder, rel)
+        doc = engine.read_structure(path)
+        names = {int(k): v for k, v in doc["names"].items()}
+        state = {names[int(i)]: dict(s) for i, s in doc["state"].items()}
+        dp = (int(m[3]), int(m[4])) if m[3] is not None else None
+        groups = [dict(g) for g in doc["param_groups"]]
+        masters = dict(doc.get(MASTER, {}))
+        out.append(SavedFile(path, int(m[1]), (int(m[5]), int(m[6])), dp, names, state, masters, groups))
+    if not out:
+        raise ReshardError(f"{folder}: the checkpoint holds no optimizer file")
+    return out
+
+
+def saved_pieces(
+    manifest: dict[str, Any], folder: Path, name: str
+) -> tuple[tuple[int, ...], dict[int, Piece]]:
+    """(full shape, {saved tensor-parallel rank: its piece}) of parameter `name`, from its weight files; one
+    piece at rank -1 where the parameter is not sharded (every rank held all of it)."""
+    from nanotron.serialize.metadata import TensorMetadata
+    from nanotron.serialize.utils import ObjectType, get_path
+
+    whole = Path(
+        get_path(
+            name,
+            type=ObjectType.MODEL,
+            exp_tp_pp_rank_and_size=None,
+            is_expert_sharded=False,
+            prefix=Path("model"),
+        )
+    )
+    files = [
+        f for f in manifest["files"] if Path(f).parent == whole.parent and Path(f).stem.startswith(whole.stem)
+    ]
+    if str(whole) in files:
+        path = layout.member(folder, str(whole))
+        shape = tuple(read_structure(path)["data"].shape)
+        return shape, {-1: Piece(shape, (whole_pair(shape),), path)}
+    pieces, full = {}, None
+    for rel in files:
+        m = _WEIGHT_TP.search(Path(rel).stem)
+        if m is None:
+            continue
+        path = layout.member(folder, rel)
+        header = read_header(path)
+        text = {k: _NP_INT.sub(r"\1", v) for k, v in header.user_metadata().items()}
+        meta = TensorMetadata.from_str_dict(text)
+        (entry,) = header.tensors
+        pieces[int(m[1])] = Piece(tuple(entry.shape), tuple(meta.local_global_slices_pairs), path)
+        full = tuple(int(n) for n in meta.unsharded_shape)
+    if full is None:
+        raise ReshardError(
+            f"{folder}: no weight file of parameter {name!r} (looked for {whole} and its shards)"
+        )
+    return full, pieces
+
+
+def whole_pair(shape: tuple[int, ...]) -> Any:
+    from nanotron.parallel.parameters import SlicesPair
+
+    every = tuple(slice(0, n) for n in shape)
+    return SlicesPair(local_slices=every, global_slices=every)
