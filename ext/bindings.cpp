@@ -71,7 +71,7 @@ using View = std::tuple<std::size_t, std::size_t, std::size_t, std::vector<std::
 // A file to save: path, tensor names, safetensors dtypes, then the tensors (arrays), or their views into
 // the bases (a staged checkpoint: two DLPack exports instead of hundreds), metadata, embed_checksums.
 using FileArg = std::tuple<std::string, std::vector<std::string>, std::vector<std::string>,
-                           std::vector<nb::ndarray<>>, std::vector<View>, ds::Metadata, bool>;
+                           std::vector<nb::ndarray<>>, std::vector<View>, ds::Metadata, bool, std::string>;
 
 ds::TensorSrc view_src(const View& v, const std::vector<nb::ndarray<>>& bases, std::string name,
                        std::string dtype, const std::string& path) {
@@ -106,7 +106,7 @@ ds::TensorSrc view_src(const View& v, const std::vector<nb::ndarray<>>& bases, s
 }
 
 ds::SaveRequest to_request(FileArg& f, const std::vector<nb::ndarray<>>& bases) {
-  auto& [path, names, dtypes, arrays, views, metadata, embed_checksums] = f;
+  auto& [path, names, dtypes, arrays, views, metadata, embed_checksums, mirror] = f;
   const std::size_t n = views.empty() ? arrays.size() : views.size();
   if (names.size() != n || dtypes.size() != n || (!views.empty() && !arrays.empty()))
     throw ds::ErrorException(ds::Error::value(path + ": names, dtypes and tensors differ in length"));
@@ -118,6 +118,7 @@ ds::SaveRequest to_request(FileArg& f, const std::vector<nb::ndarray<>>& bases) 
   r.path = std::move(path);
   r.metadata = std::move(metadata);
   r.embed_checksums = embed_checksums;
+  r.mirror = std::move(mirror);
   return r;
 }
 
@@ -135,6 +136,7 @@ nb::dict job_stats(ds::SaveJob& j) {
   d["t_snapshot_ns"] = s.t_snapshot_ns;
   d["t_persisted_ns"] = s.t_persisted_ns;
   d["direct_io"] = s.direct_io;
+  d["mirrored"] = s.mirrored;
   return d;
 }
 
@@ -168,6 +170,7 @@ NB_MODULE(_core, m) {
           },
           "Raises the job's error (OSError, ValueError or RuntimeError), if any")
       .def("stats", &job_stats)
+      .def("mirror_error", &ds::SaveJob::mirror_error, "Why the mirror copy was dropped (empty: it was not)")
       .def("checksums", &ds::SaveJob::checksums, "[(tensor name, CRC-32C)] in file order, once persisted");
 
   m.def("wait_jobs", &ds::wait_jobs, "jobs"_a, "persisted"_a, "timeout"_a = -1.0,
@@ -209,7 +212,7 @@ NB_MODULE(_core, m) {
             return e.save_many(std::move(requests), streams);
           },
           "files"_a, "bases"_a, "streams"_a,
-          "Queues files [(path, names, dtypes, arrays, views, metadata, embed_checksums)]; one Job each")
+          "Queues files [(path, names, dtypes, arrays, views, metadata, embed_checksums, mirror)]; one Job each")
       .def(
           "restore_host",
           [](ds::Engine& e, const std::string& path, std::uint64_t data_start, std::uint64_t data_len,

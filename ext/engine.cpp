@@ -58,7 +58,8 @@ std::vector<std::shared_ptr<SaveJob>> Engine::save_many(
     for (std::size_t i = 0; i < requests.size() && !e; ++i) {
       SaveRequest& r = requests[i];
       jobs.push_back(std::make_shared<SaveJob>(std::move(r.path), std::move(r.tensors), std::move(r.metadata),
-                                               opts_.save, r.embed_checksums, events, cache_.get(), this));
+                                               opts_.save, r.embed_checksums, events, cache_.get(), this,
+                                               std::move(r.mirror)));
     }
   } catch (const std::bad_alloc&) {
     e = Error::internal("out of memory queuing a save");
@@ -78,7 +79,7 @@ std::shared_ptr<SaveJob> Engine::save(std::string path, std::vector<TensorSrc> t
                                       const std::vector<std::pair<int, std::uintptr_t>>& streams,
                                       bool embed_checksums) {
   std::vector<SaveRequest> one;
-  one.push_back({std::move(path), std::move(tensors), std::move(metadata), embed_checksums});
+  one.push_back({std::move(path), std::move(tensors), std::move(metadata), embed_checksums, {}});
   return save_many(std::move(one), streams).front();
 }
 

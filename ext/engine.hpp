@@ -40,6 +40,7 @@ struct SaveRequest {
   std::vector<TensorSrc> tensors;
   Metadata metadata;
   bool embed_checksums = true;
+  std::string mirror;  // a second copy's path (e.g. on tmpfs), written from the same chunks; empty: none
 };
 
 class Engine final : public JobObserver {

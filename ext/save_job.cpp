@@ -53,8 +53,9 @@ bool wait_flag(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, 
 
 SaveJob::SaveJob(std::string path, std::vector<TensorSrc> tensors, Metadata metadata, SaveOptions opts,
                  bool embed_checksums, std::shared_ptr<const cuda::StreamEvents> events, HostCache* cache,
-                 JobObserver* observer)
+                 JobObserver* observer, std::string mirror)
     : path_(std::move(path)),
+      mirror_(std::move(mirror)),
       tensors_(std::move(tensors)),
       metadata_(std::move(metadata)),
       opts_(opts),
@@ -69,6 +70,7 @@ SaveJob::~SaveJob() {
   std::free(header_buf_);
   if (fd_ >= 0) close(fd_);
   if (dirfd_ >= 0) close(dirfd_);
+  if (mirror_fd_ >= 0) close(mirror_fd_);
 }
 
 SaveJob::Planned SaveJob::plan() {
@@ -133,6 +135,7 @@ SaveJob::Planned SaveJob::plan() {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.direct_io = direct_;
   }
+  if (!mirror_.empty()) open_mirror();
 
   piece_ops_.resize(npieces_);
   to_capture_.store(npieces_);
@@ -234,6 +237,10 @@ IoOp* SaveJob::on_io_complete(IoOp& op, int err) {
       abort_commit();
       return nullptr;
     }
+    write_mirror(header_buf_, layout_.data_start, 0);
+    if (mirror_ok_.load(std::memory_order_acquire) &&
+        ftruncate(mirror_fd_, static_cast<off_t>(layout_.file_size)) != 0)
+      mirror_fail(errno, "truncating");
     if (!opts_.fsync) return after_data_synced();
     fsync_op_ = IoOp{};
     fsync_op_.kind = IoOp::Kind::Fsync;
@@ -260,7 +267,8 @@ IoOp* SaveJob::on_io_complete(IoOp& op, int err) {
     finish();
     return nullptr;
   }
-  // A data piece.
+  // A data piece: copied to the mirror from the same chunk, then the chunk goes back.
+  if (!err) write_mirror(op.buf, op.len, op.offset);
   cache_->release(op.buf);
   if (err)
     fail(Error::os(err,
@@ -364,8 +372,61 @@ void SaveJob::fail(Error e) {
   failed_.store(true, std::memory_order_release);
 }
 
+void SaveJob::open_mirror() {
+  std::string dir, base;
+  split_path(mirror_, &dir, &base);
+  mirror_tmp_ =
+      dir + "/." + base + ".dstmp." + std::to_string(getpid()) + "." + std::to_string(g_seq.fetch_add(1));
+  if (int e = make_dirs(dir)) return mirror_fail(e, "creating its directory for");
+  mirror_fd_ = open(mirror_tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  if (mirror_fd_ < 0) return mirror_fail(errno, "creating");
+  mirror_ok_.store(true, std::memory_order_release);
+}
+
+void SaveJob::write_mirror(const char* buf, std::size_t len, std::uint64_t offset) {
+  if (!mirror_ok_.load(std::memory_order_acquire)) return;
+  while (len > 0) {  // tmpfs writes whole buffers; a short write (ENOSPC midway) is resumed or reported
+    const ssize_t n = pwrite(mirror_fd_, buf, len, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return mirror_fail(n < 0 ? errno : ENOSPC, "writing");
+    buf += n;
+    len -= static_cast<std::size_t>(n);
+    offset += static_cast<std::uint64_t>(n);
+  }
+}
+
+void SaveJob::mirror_fail(int err, const std::string& what) {
+  mirror_ok_.store(false, std::memory_order_release);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (mirror_error_.empty())
+    mirror_error_ = mirror_ + ": " + std::strerror(err) + " (" + what + " the mirror copy)";
+}
+
+// At the end of the job (every piece written or dropped): renamed into place if the save and the mirror both
+// succeeded, removed otherwise.
+void SaveJob::close_mirror(bool commit) {
+  if (mirror_fd_ < 0) return;
+  close(mirror_fd_);
+  mirror_fd_ = -1;
+  if (commit && mirror_ok_.load(std::memory_order_acquire)) {
+    if (rename(mirror_tmp_.c_str(), mirror_.c_str()) == 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.mirrored = true;
+      return;
+    }
+    mirror_fail(errno, "renaming into place");
+  }
+  unlink(mirror_tmp_.c_str());
+}
+
+std::string SaveJob::mirror_error() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return mirror_error_;
+}
+
 void SaveJob::finish() {
   std::shared_ptr<SaveJob> keep = std::move(self_);  // this may be the last reference: it dies on return
+  close_mirror(!failed());
   {
     std::lock_guard<std::mutex> lock(mu_);
     const std::uint64_t t = now_ns();

@@ -10,6 +10,11 @@
 //                    (O_DIRECT pads the tail), fsync, rename onto the final path, fsync of the directory;
 //                    persisted.
 //
+// With a mirror path (a memory tier on tmpfs), each piece and the header are also written there, from the same
+// cache chunk, by the flush worker once the piece's own write has completed (no second copy from the device);
+// the mirror is renamed into place just before the job counts as persisted. A mirror that fails (no room) only
+// drops the mirror: the save itself goes on, and mirrored() says so.
+//
 // An error at any step is stored (the first one wins), later pieces are dropped, the temporary file is
 // removed, and both waits resolve: nothing is ever left at the final path, and earlier files are untouched.
 #pragma once
@@ -47,6 +52,7 @@ struct JobStats {
   std::uint64_t t_snapshot_ns = 0;   // 0 until done
   std::uint64_t t_persisted_ns = 0;  // 0 until done
   bool direct_io = false;            // whether O_DIRECT was used for this file
+  bool mirrored = false;             // whether the mirror copy was written and renamed into place
 };
 
 // Told when a job has finished (persisted or failed).
@@ -63,7 +69,7 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   // `events`: recorded on the caller's streams at save() (its device copies wait for them), never null.
   SaveJob(std::string path, std::vector<TensorSrc> tensors, Metadata metadata, SaveOptions opts,
           bool embed_checksums, std::shared_ptr<const cuda::StreamEvents> events, HostCache* cache,
-          JobObserver* observer);
+          JobObserver* observer, std::string mirror = {});
   ~SaveJob() override;
 
   struct Planned {
@@ -95,6 +101,8 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   // Tensor name and CRC-32C, in file order, once persisted (empty before, or without checksums).
   std::vector<std::pair<std::string, std::uint32_t>> checksums();
   const std::string& path() const { return path_; }
+  // Why the mirror copy was dropped (empty: written, or none asked for).
+  std::string mirror_error();
 
  private:
   // File-order position of the first tensor that ends after data offset `lo` (the first in a piece).
@@ -106,8 +114,17 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   IoOp* after_data_synced();
   void abort_commit();
   void finish();
+  void open_mirror();
+  void write_mirror(const char* buf, std::size_t len, std::uint64_t offset);
+  void mirror_fail(int err, const std::string& what);
+  void close_mirror(bool commit);
 
   const std::string path_;
+  const std::string mirror_;
+  std::string mirror_tmp_;
+  int mirror_fd_ = -1;
+  std::atomic<bool> mirror_ok_{false};
+  std::string mirror_error_;  // guarded by mu_
   std::string tmp_path_;
   std::string dir_;
   std::vector<TensorSrc> tensors_;

@@ -43,10 +43,18 @@ class SaveHandle:
     """
 
     def __init__(
-        self, job: Any, path: str, keepalive: list[torch.Tensor], nbytes: int, staged: bool = False
+        self,
+        job: Any,
+        path: str,
+        keepalive: list[torch.Tensor],
+        nbytes: int,
+        staged: bool = False,
+        mirror: str | None = None,
     ) -> None:
         self._job = job
         self.path = path
+        self.mirror = mirror
+        """Where the save writes its second copy (``save(..., mirror=...)``), or None."""
         self.nbytes = nbytes
         self.staged = staged
         """Whether the save copied the state when it was called (``save(..., stage=True)``)."""
@@ -106,7 +114,18 @@ class SaveHandle:
             "snapshot_s": (s["t_snapshot_ns"] - t0) / 1e9 if s["t_snapshot_ns"] else None,
             "persisted_s": (s["t_persisted_ns"] - t0) / 1e9 if s["t_persisted_ns"] else None,
             "direct_io": s["direct_io"],
+            "mirrored": s["mirrored"],
         }
+
+    def mirrored(self) -> bool:
+        """Once persisted: whether the mirror copy is in place at :attr:`mirror`. A mirror that could not be
+        written (no room, say) never fails the save: :meth:`mirror_error` says why it was dropped."""
+        self.wait_persisted()
+        return bool(self._job.stats()["mirrored"])
+
+    def mirror_error(self) -> str | None:
+        """Why the mirror copy was dropped, or None."""
+        return self._job.mirror_error() or None
 
     def checksums(self) -> dict[str, int]:
         """CRC-32C of each tensor, by name, once persisted (empty when checksums are off)."""
@@ -194,6 +213,7 @@ class DataStatesEngine:
         allow_pickle: bool = False,
         exact_metadata: bool = False,
         stage: bool = False,
+        mirror: str | os.PathLike | None = None,
     ) -> SaveHandle:
         """Starts saving `state` (nested dicts/lists/tuples of tensors and plain values) to `path`.
 
@@ -208,9 +228,13 @@ class DataStatesEngine:
         `stage`: first copy every tensor where it is (a GPU's memory, at its speed, in the order of each
         device's current stream) and save those copies; the caller may mutate the state as soon as this
         returns. Costs the state's size in memory on each device until the copies reach the host cache.
+
+        `mirror`: a second path (a memory tier, e.g. under /dev/shm) where the same bytes are written from the
+        host cache as each piece is flushed, and renamed into place once the file is persisted (not synced:
+        a copy in memory). A mirror that cannot be written is dropped, never the save (`SaveHandle.mirrored`).
         """
         plan = self.plan(state, metadata=metadata, allow_pickle=allow_pickle, exact_metadata=exact_metadata)
-        return self.save_plan(plan, path, stage=stage)
+        return self.save_plan(plan, path, stage=stage, mirror=mirror)
 
     def plan(
         self,
@@ -226,33 +250,58 @@ class DataStatesEngine:
         save captures them as they are then. Plain values in `state` are those of this call."""
         return plan_save(state, metadata=metadata, allow_pickle=allow_pickle, exact_metadata=exact_metadata)
 
-    def save_plan(self, plan: SavePlan, path: str | os.PathLike, *, stage: bool = False) -> SaveHandle:
-        """Saves a plan from :meth:`plan`, as :meth:`save` saves a state (the same rules, and `stage`)."""
-        return self.save_plans([(plan, path)], stage=stage)[0]
+    def save_plan(
+        self,
+        plan: SavePlan,
+        path: str | os.PathLike,
+        *,
+        stage: bool = False,
+        mirror: str | os.PathLike | None = None,
+    ) -> SaveHandle:
+        """Saves a plan from :meth:`plan`, as :meth:`save` saves a state (same rules, `stage`, `mirror`)."""
+        return self.save_plans([(plan, path)], stage=stage, mirrors=[mirror])[0]
 
     def save_plans(
-        self, files: Sequence[tuple[SavePlan, str | os.PathLike]], *, stage: bool = False
+        self,
+        files: Sequence[tuple[SavePlan, str | os.PathLike]],
+        *,
+        stage: bool = False,
+        mirrors: Sequence[str | os.PathLike | None] | None = None,
     ) -> list[SaveHandle]:
         """Saves several plans, each to its path, as :meth:`save_plan` would one by one. Staged, their copies
         are made together (one allocation per device, packed as the files are, and one multi-tensor copy per
         dtype): for a checkpoint of many files, far fewer kernel launches on the caller's thread, and fewer
         copies to the host. The files are queued all together or, if this raises (staging out of memory:
-        torch's OutOfMemoryError), none of them."""
+        torch's OutOfMemoryError), none of them. `mirrors`: each file's mirror path or None (:meth:`save`)."""
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         paths = [os.path.abspath(os.fspath(path)) for _, path in files]
+        mirrors = list(mirrors) if mirrors is not None else [None] * len(files)
+        if len(mirrors) != len(files):
+            raise ValueError(f"{len(mirrors)} mirrors for {len(files)} files")
+        copies = [os.path.abspath(os.fspath(m)) if m is not None else None for m in mirrors]
         prepared = prepare_many([plan for plan, _ in files], stage=stage)
         # One call to the core for all: one event per device on the caller's streams, and a staged file's
         # tensors as places in the staged buffers rather than a DLPack export each.
         requests = [
-            (path, p.names, p.dtypes, [] if p.views else p.arrays, p.views, p.metadata, not p.exact_metadata)
-            for p, path in zip(prepared, paths)
+            (
+                path,
+                p.names,
+                p.dtypes,
+                [] if p.views else p.arrays,
+                p.views,
+                p.metadata,
+                not p.exact_metadata,
+                m or "",
+            )
+            for p, path, m in zip(prepared, paths, copies)
         ]
         streams = sorted({s for p in prepared for s in p.streams})
         bases = prepared[0].bases if prepared else []
         jobs = self._core.save_many(requests, bases, streams)  # all queued, or none (it raises)
         handles = [
-            SaveHandle(job, path, p.arrays, p.nbytes, stage) for job, p, path in zip(jobs, prepared, paths)
+            SaveHandle(job, path, p.arrays, p.nbytes, stage, m)
+            for job, p, path, m in zip(jobs, prepared, paths, copies)
         ]
         with self._lock:
             self._prune()
