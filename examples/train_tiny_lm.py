@@ -313,8 +313,12 @@ def train(
 # -- phases -----------------------------------------------------------------------------------------------
 
 
-def make_engine(args: argparse.Namespace) -> DataStatesEngine:
-    return DataStatesEngine(DataStatesConfig(host_cache_size=args.host_cache_gib, parser_threads=2))
+def make_engine(args: argparse.Namespace, telemetry: Path | None = None) -> DataStatesEngine:
+    """The engine; with `telemetry`, a JSON line per checkpoint there (`nanotron-datastates plot`)."""
+    config = DataStatesConfig(
+        host_cache_size=args.host_cache_gib, parser_threads=2, telemetry_path=str(telemetry or "")
+    )
+    return DataStatesEngine(config)
 
 
 def write_losses(path: Path, losses: dict[int, float]) -> None:
@@ -424,7 +428,7 @@ def run_train_phase(args: argparse.Namespace, cfg: ModelConfig, out: Path) -> li
     n_params = sum(p.numel() for p in tr.model.parameters()) / 1e6
     start, floor = math.log(cfg.vocab), entropy_floor(tr.tables)
     print(f"{n_params:.2f} M parameters; loss starts near {start:.2f}, entropy floor {floor:.2f}")
-    with make_engine(args) as engine:
+    with make_engine(args, out / "ckpt" / "datastates_telemetry.jsonl") as engine:
         losses, records = train(tr, engine, 1, args.steps, args.ckpt_every, out / "ckpt")
     write_losses(out / "train_losses.json", losses)
     print(f"training: {time.perf_counter() - t0:.1f} s")

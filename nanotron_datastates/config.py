@@ -20,7 +20,7 @@ class Settings:
     `datastates.<key>`) and what it accepts, for a wrong type as for a value out of range."""
 
     RANGES: ClassVar[dict[str, tuple[float, float, str]]] = {}  # number fields: (low, high, rule)
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}  # str fields: the values accepted
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}  # str fields with a set of values (others: paths)
 
     def __post_init__(self) -> None:
         for f in fields(self):  # type: ignore[arg-type]
@@ -28,9 +28,12 @@ class Settings:
             kind = _kind(f)
             if kind == "bool":
                 ok, rule = isinstance(value, bool), "expected true or false"
-            elif kind == "str":
+            elif kind == "str" and f.name in self.CHOICES:
                 choices = self.CHOICES[f.name]
                 ok, rule = value in choices, f"expected one of {', '.join(choices)}"
+            elif kind == "str":  # a path; "" where the default is "" (the feature off)
+                ok = isinstance(value, str) and (bool(value) or f.default == "")
+                rule = "expected a path" + (' (or "" for none)' if f.default == "" else "")
             else:
                 lo, hi, rule = self.RANGES[f.name]
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi
@@ -120,6 +123,10 @@ class DataStatesConfig(Settings):
     """Verify stored checksums on load."""
     io_backend: str = "auto"
     """'auto' (io_uring, else pwrite with a warning), 'io_uring' (error if refused) or 'pwrite'."""
+    telemetry_path: str = ""
+    """Append one JSON line per saved file to this file, once it is persisted or failed: bytes, the caller's
+    stall, the times to snapshot and to persisted, the host cache's waits (`nanotron-datastates plot` draws
+    it). "" writes none. The Nanotron trainer writes its own, per checkpoint (`telemetry`)."""
 
     # Derived sizes, in bytes, as the core takes them.
     @property

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from . import _core
+from . import _core, telemetry
 from . import format as fmt
 from .config import DataStatesConfig
 from .plan import SavePlan, plan_save, prepare_many
@@ -60,6 +60,8 @@ class SaveHandle:
         """Whether the save copied the state when it was called (``save(..., stage=True)``)."""
         self._keepalive: list[torch.Tensor] | None = keepalive
         self._reported = False
+        self._stall_s = 0.0  # the caller's time in save (its share of the call) and in wait_snapshot
+        self._logged = False  # its telemetry line written
 
     def wait_snapshot(self, timeout: float | None = None) -> None:
         """Returns once every tensor of the state has been captured: the caller may mutate them now. At once
@@ -67,7 +69,11 @@ class SaveHandle:
         if self.staged:
             self._raise()
             return
-        self.wait_copied(timeout)
+        t0 = time.perf_counter()
+        try:
+            self.wait_copied(timeout)
+        finally:
+            self._stall_s += time.perf_counter() - t0
 
     def wait_copied(self, timeout: float | None = None) -> None:
         """Returns once every byte is in the engine's host cache (or already written); the tensors the engine
@@ -275,6 +281,7 @@ class DataStatesEngine:
         torch's OutOfMemoryError), none of them. `mirrors`: each file's mirror path or None (:meth:`save`)."""
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
+        t0 = time.perf_counter()
         paths = [os.path.abspath(os.fspath(path)) for _, path in files]
         mirrors = list(mirrors) if mirrors is not None else [None] * len(files)
         if len(mirrors) != len(files):
@@ -303,7 +310,10 @@ class DataStatesEngine:
             SaveHandle(job, path, p.arrays, p.nbytes, stage, m)
             for job, p, path, m in zip(jobs, prepared, paths, copies)
         ]
+        for h in handles:
+            h._stall_s = (time.perf_counter() - t0) / len(handles)
         with self._lock:
+            self._log()
             self._prune()
             self._handles.extend(handles)
         return handles
@@ -328,6 +338,7 @@ class DataStatesEngine:
             h._keepalive = None
         with self._lock:
             failed = next((h for h in self._handles if h._job.failed() and not h._reported), None)
+            self._log()
             self._prune()
         if failed is not None:
             failed._raise()  # the others stay for the next wait, or close()
@@ -338,8 +349,39 @@ class DataStatesEngine:
             self._handles
             and self._handles[0].done()
             and (self._handles[0]._reported or not self._handles[0]._job.failed())
+            and (self._handles[0]._logged or not self.config.telemetry_path)
         ):
             self._handles.popleft()
+
+    def _log(self) -> None:
+        """Writes the telemetry lines of the saves done since the last call (`config.telemetry_path`)."""
+        if not self.config.telemetry_path:
+            return
+        done = [h for h in self._handles if not h._logged and h.done()]
+        if not done:
+            return
+        cache = self._core.cache_stats(True)
+        lines = []
+        for h in done:
+            h._logged = True
+            s, err = h.stats, h.exception()
+            persisted = s["persisted_s"] or 0.0
+            line = telemetry.record(
+                step=None,
+                where=h.path,
+                committed=err is None,
+                errors=[str(err)] if err else [],
+                nbytes=s["file_bytes"],
+                files=1,
+                stall_s=h._stall_s,
+                snapshot_s=s["snapshot_s"] or 0.0,
+                persisted_s=persisted,
+                committed_s=persisted,
+                cache=cache,
+            )
+            lines.append(line)
+            cache = {}  # counted on the first line of the batch
+        telemetry.append(self.config.telemetry_path, lines)
 
     # -- loading ------------------------------------------------------------------------------------------
 
@@ -450,6 +492,13 @@ class DataStatesEngine:
         """
         if self._closed:
             return
+        if self.config.telemetry_path:  # the last lines, while the cache's statistics are still there
+            with self._lock:
+                handles = list(self._handles)
+            for h in handles:
+                h._job.wait_persisted(-1.0)
+            with self._lock:
+                self._log()
         self._closed = True
         self._core.close()
         with self._lock:

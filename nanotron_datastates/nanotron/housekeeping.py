@@ -6,20 +6,19 @@ Imports no Nanotron: the checkpoints folder is all it needs.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 import fasteners
 
+from .. import telemetry
 from . import layout
 from .checkpoint import is_committed, latest_step, step_folders, temporaries
 
 LOCK = ".datastates.lock"  # latest.txt moves, and checkpoints are removed, only under this lock
-TELEMETRY = "datastates_telemetry.jsonl"
+TELEMETRY = telemetry.FILE
 _MARKERS = (layout.MANIFEST, layout.NANOTRON_METADATA)  # what makes a folder a checkpoint (is_committed)
 
 
@@ -58,8 +57,10 @@ def after_commit(result: Any, root: Path, settings: Any, cache: dict[str, Any]) 
     removed: list[Path] = []
     if result.committed:
         remove_temporaries(result.folder)
-        # With an S3 upload hook, keep at least 2: a hook runs at the next checkpoint, after this one.
-        removed = rotate(root, settings.keep_last_n, result.step)
+        # At least 2: a restart whose newest checkpoint is damaged falls back to the one before (and an S3
+        # upload hook runs at the next checkpoint, after this one).
+        keep = max(settings.keep_last_n, 2) if settings.keep_last_n else 0
+        removed = rotate(root, keep, result.step)
     if settings.telemetry:
         append_telemetry(root, telemetry_record(result, cache, removed))
     return removed
@@ -91,45 +92,27 @@ def remove_temporaries(folder: str | os.PathLike) -> int:
 def telemetry_record(result: Any, cache: dict[str, Any], removed: list[Path]) -> dict[str, Any]:
     """One checkpoint's line: `result` is a CommitResult, `cache` the engine's cache statistics since the
     previous line."""
-    return {
-        "time": time.time(),
-        "step": result.step,
-        "folder": str(result.folder),
-        "committed": result.committed,
-        "errors": result.errors,
-        "bytes": result.bytes,
-        "files": result.files,
-        "stall_s": result.stall_s,
-        "queued_s": result.queued_s,
-        "snapshot_s": result.snapshot_s,
-        "persisted_s": result.persisted_s,
-        "committed_s": result.committed_s,
-        "throughput_gbps": result.gbps,
-        "cache_bytes": cache.get("chunks", 0) * cache.get("chunk_bytes", 0),
-        "cache_high_water_bytes": cache.get("high_water", 0) * cache.get("chunk_bytes", 0),
-        "cache_wait_s": cache.get("wait_ns", 0) / 1e9,
-        "removed": [str(p) for p in removed],
-    }
+    return telemetry.record(
+        step=result.step,
+        where=str(result.folder),
+        committed=result.committed,
+        errors=result.errors,
+        nbytes=result.bytes,
+        files=result.files,
+        stall_s=result.stall_s,
+        queued_s=result.queued_s,
+        snapshot_s=result.snapshot_s,
+        persisted_s=result.persisted_s,
+        committed_s=result.committed_s,
+        cache=cache,
+        removed=[str(p) for p in removed],
+    )
 
 
 def append_telemetry(root: str | os.PathLike, record: dict[str, Any]) -> None:
-    """Appends one JSON line to the checkpoints folder's telemetry file (a single write: lines never mix)."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / TELEMETRY, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    """Appends one line to the checkpoints folder's telemetry file."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    telemetry.append(root, [record])
 
 
-def read_telemetry(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a telemetry file (or of the one in a checkpoints folder); a line cut short by a crash
-    is skipped."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / TELEMETRY
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+read_telemetry = telemetry.read

@@ -1,0 +1,76 @@
+"""Telemetry: one JSON line per checkpoint (the Nanotron trainer's, in its checkpoints folder) or per saved
+file (the engine's, with `DataStatesConfig.telemetry_path`), in one format that `nanotron-datastates plot`
+draws: bytes, the caller's stall, the times to snapshot and to persisted, throughput, and the host cache's
+size, high-water mark and waits since the previous line."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+FILE = "datastates_telemetry.jsonl"  # its name in a checkpoints folder
+
+
+def record(
+    *,
+    step: int | None,
+    where: str,
+    committed: bool,
+    errors: list[str],
+    nbytes: int,
+    files: int,
+    stall_s: float,
+    snapshot_s: float,
+    persisted_s: float,
+    committed_s: float,
+    cache: dict[str, Any],
+    queued_s: float = 0.0,
+    removed: list[str] | None = None,
+) -> dict[str, Any]:
+    """One line. `cache`: the engine's `cache_stats` since the previous line."""
+    return {
+        "time": time.time(),
+        "step": step,
+        "folder": where,
+        "committed": committed,
+        "errors": errors,
+        "bytes": nbytes,
+        "files": files,
+        "stall_s": stall_s,
+        "queued_s": queued_s,
+        "snapshot_s": snapshot_s,
+        "persisted_s": persisted_s,
+        "committed_s": committed_s,
+        "throughput_gbps": nbytes / committed_s / 1e9 if committed_s > 0 else 0.0,
+        "cache_bytes": cache.get("chunks", 0) * cache.get("chunk_bytes", 0),
+        "cache_high_water_bytes": cache.get("high_water", 0) * cache.get("chunk_bytes", 0),
+        "cache_wait_s": cache.get("wait_ns", 0) / 1e9,
+        "removed": removed or [],
+    }
+
+
+def append(path: str | os.PathLike, records: list[dict[str, Any]]) -> None:
+    """Appends the lines to `path` (a file; in a folder, its FILE) in one write: lines never mix."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+
+
+def read(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a telemetry file (or of the one in a folder); a line cut short by a crash is skipped."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / FILE
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
