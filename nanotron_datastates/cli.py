@@ -1,4 +1,4 @@
-"""The `nanotron-datastates` command: inspect, verify, convert, bench, plot. Works on CPU-only machines.
+"""The `nanotron-datastates` command: inspect, verify, convert, bench, plot, tier. Works on CPU-only machines.
 
 `inspect` and `verify` take any checkpoint the engine writes: one safetensors file, a folder of files written
 by `DataStatesEngine.save` (searched recursively), one Nanotron checkpoint folder (with `datastates.json`, or
@@ -21,7 +21,7 @@ from typing import Any
 from .nanotron import checkpoint
 
 EXIT_STATUS = "exit status: 0 all is well, 1 problems found or the command failed, 2 bad usage"
-TELEMETRY = "datastates_telemetry.jsonl"  # housekeeping.TELEMETRY, without importing it for --help
+TELEMETRY = "datastates_telemetry.jsonl"  # telemetry.FILE, without importing it for --help
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +158,26 @@ def _parser() -> argparse.ArgumentParser:
         "-o", "--out", default="datastates_telemetry.png", help="the PNG to write (default: %(default)s)"
     )
     c.set_defaults(func=cmd_plot)
+
+    c = command(
+        "tier",
+        "list or clear the memory tier (checkpoints kept in node-local shared memory)",
+        "The Nanotron trainer, with `datastates.memory_tier: true`, keeps each rank's newest committed "
+        "checkpoint in a tmpfs too, so that a restart on the same node reads it from memory; it removes it "
+        "when training ends normally. After a crash it stays: `tier list` shows what each job holds there, "
+        "`tier clear` removes it (all jobs' folders, or the one of a checkpoints folder).",
+    )
+    c.add_argument("action", choices=["list", "clear"], help="list the jobs' folders, or remove them")
+    c.add_argument(
+        "checkpoints", nargs="?", help="clear only the job of this checkpoints folder (default: every job)"
+    )
+    c.add_argument(
+        "--path",
+        default="/dev/shm/nanotron-datastates",
+        help="the memory tier's folder, as `datastates.memory_tier_path` sets it (default: %(default)s)",
+    )
+    c.add_argument("--json", action="store_true", help="print JSON instead of text (list)")
+    c.set_defaults(func=cmd_tier)
     return p
 
 
@@ -361,7 +381,7 @@ def telemetry_records(path: str | os.PathLike) -> tuple[Path, list[dict[str, Any
     """The telemetry file `path` names (itself, or the one in the folder) and its records; ValueError or
     FileNotFoundError say what was looked for and how to get one."""
     from . import format as fmt
-    from .nanotron.housekeeping import read_telemetry
+    from .telemetry import read as read_telemetry
 
     path = Path(path)
     if not os.path.lexists(path):
@@ -435,6 +455,29 @@ def cmd_plot(args: argparse.Namespace) -> int:
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print(f"{args.out}: {plural(len(records), 'checkpoint')} from {file}")
+    return 0
+
+
+def cmd_tier(args: argparse.Namespace) -> int:
+    from .nanotron import tier
+
+    if args.action == "list":
+        jobs = tier.jobs(args.path)
+        if args.json:
+            print(json.dumps(jobs, indent=1))
+            return 0
+        if not jobs:
+            print(f"{args.path}: no checkpoint held in memory")
+        for j in jobs:
+            steps = ", ".join(map(str, j["steps"])) or "none"
+            print(
+                f"{j['folder']}: {j['checkpoints'] or '(checkpoints folder unknown)'}, "
+                f"{plural(len(j['steps']), 'step')} ({steps}), {human_bytes(j['bytes'])}"
+            )
+        return 0
+    folders = [tier.job_folder(args.path, args.checkpoints)] if args.checkpoints else None
+    removed = tier.clear_jobs(args.path, folders)
+    print(f"{args.path}: removed {plural(len(removed), 'job folder')}")
     return 0
 
 

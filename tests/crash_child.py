@@ -1,6 +1,7 @@
 """The process that test_crash.py kills: saves checkpoints in a loop, committed as the Nanotron trainer
 commits them (engine files, then the manifest, then latest.txt), keeping the newest three with the trainer's
-rotation. Not a test."""
+rotation; with a memory tier, each file mirrored there and each committed step marked held, as the trainer's
+Saver does. Not a test."""
 
 from __future__ import annotations
 
@@ -17,10 +18,14 @@ def tensors(step: int) -> dict[str, Any]:
     return {"w": torch.full((SIZE,), float(step)), "b": torch.full((SIZE // 4,), float(-step))}
 
 
-def save_loop(root_dir: str, ready: Any) -> None:
+FILES = ("model/w0.safetensors", "model/w1.safetensors", "optimizer/optimizer.safetensors")
+
+
+def save_loop(root_dir: str, ready: Any, tier_base: str | None = None) -> None:
     from nanotron_datastates import DataStatesConfig, DataStatesEngine
     from nanotron_datastates.nanotron import housekeeping, layout
     from nanotron_datastates.nanotron.commit import Committer, PendingCheckpoint
+    from nanotron_datastates.nanotron.tier import MemoryTier
 
     root = Path(root_dir)
     latest = root / layout.LATEST
@@ -28,24 +33,30 @@ def save_loop(root_dir: str, ready: Any) -> None:
     engine = DataStatesEngine(
         DataStatesConfig(host_cache_size=4 / 1024, chunk_size=1, parser_threads=2, flush_threads=2)
     )
-    committer = Committer(None)
+    tier = MemoryTier(tier_base, root, 0) if tier_base else None
+
+    def mark(result: Any) -> None:  # on the committer's thread, once committed (as the Saver's report)
+        if tier and result.committed:
+            tier.commit(result.step, result.mirrored)
+
+    committer = Committer(None, on_result=mark)
     ready.set()
     outstanding = 0
     while True:
         folder = root / str(step)
+        mirrors = [tier.path(step, rel) if tier else None for rel in FILES]
         handles = [
             # Like Nanotron's weight files: exact metadata, checksums in the manifest only.
             engine.save(
                 {"data": tensors(step)["w"]},
-                folder / "model" / f"w{i}.safetensors",
+                folder / FILES[i],
                 metadata={"step": str(step)},
                 exact_metadata=True,
+                mirror=mirrors[i],
             )
             for i in range(2)
         ]
-        handles.append(
-            engine.save({"step": step, **tensors(step)}, folder / "optimizer" / "optimizer.safetensors")
-        )
+        handles.append(engine.save({"step": step, **tensors(step)}, folder / FILES[2], mirror=mirrors[2]))
 
         def finalize(files: dict[str, Any], folder: Path = folder, step: int = step) -> None:
             layout.write_atomic(folder / layout.MANIFEST, json.dumps(layout.manifest(step, {}, files)))

@@ -472,3 +472,25 @@ def test_every_option_says_what_it_does_and_its_default(capsys):
         main(["plot", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: datastates_telemetry.png)" in text and "datastates.telemetry: true" in text
+
+
+def test_tier_lists_and_clears_what_jobs_keep_in_memory(tmp_path, capsys):
+    from nanotron_datastates.nanotron.tier import MemoryTier
+
+    base = tmp_path / "shm"
+    for job in ("a", "b"):
+        tier = MemoryTier(base, tmp_path / job, 0)
+        tier.check_room(1)
+        (tier.path(40, "model/w.safetensors")).parent.mkdir(parents=True)
+        tier.path(40, "model/w.safetensors").write_bytes(b"x" * 1500)
+        tier.commit(40, {"model/w.safetensors": {"bytes": 1500, "crc32c": {}}})
+    rc, out, _ = run(capsys, "tier", "list", "--path", str(base))
+    assert rc == 0 and out.count("1 step (40)") == 2 and str(tmp_path / "a") in out and " kB" in out
+    rc, out, _ = run(capsys, "tier", "clear", str(tmp_path / "a"), "--path", str(base))
+    assert rc == 0 and "removed 1 job folder" in out
+    rc, out, _ = run(capsys, "tier", "list", "--path", str(base), "--json")
+    assert [j["checkpoints"] for j in json.loads(out)] == [str((tmp_path / "b").resolve())]
+    rc, out, _ = run(capsys, "tier", "clear", "--path", str(base))
+    assert rc == 0 and "removed 1 job folder" in out
+    rc, out, _ = run(capsys, "tier", "list", "--path", str(base))
+    assert rc == 0 and "no checkpoint held in memory" in out

@@ -30,10 +30,13 @@ BAD = {
     "checksums": [None],
     "verify_checksums": [0],
     "io_backend": ["aio", 3],
+    "telemetry_path": [3, None],
     "keep_last_n": [-1, 1.0, "3", True],
     "device_snapshot": [True, "on", None],
     "queue_at_step": ["false", 0],
     "telemetry": ["yes", 0],
+    "memory_tier": ["on", 1],
+    "memory_tier_path": ["", 3, None],
 }
 ACCEPTS = {
     "host_cache_size": "[1/1024, 2**20]",
@@ -47,6 +50,8 @@ ACCEPTS = {
     "keep_last_n": "integer >= 0",
     "device_snapshot": "auto, always, never",
     "telemetry": "true or false",
+    "memory_tier_path": "a path",
+    "telemetry_path": 'a path (or "" for none)',
 }
 
 

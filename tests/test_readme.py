@@ -77,7 +77,7 @@ def test_config_table_lists_every_key_with_its_default():
     for f in [*dataclasses.fields(DataStatesConfig), *dataclasses.fields(TrainerSettings)]:
         assert f.name in rows, f"README's configuration table lacks {f.name}"
         shown = rows[f.name].strip().strip("`")
-        default = str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
+        default = str(f.default).lower() if isinstance(f.default, bool) else str(f.default) or '""'
         assert shown == default, (f.name, shown, default)
 
 

@@ -60,6 +60,9 @@ class CommitResult:
     persisted_s: float  # this rank: until all its files were persisted
     committed_s: float  # until every rank agreed and rank 0 committed
     queued_s: float = 0.0  # this rank: queuing the files at the step after the checkpoint (0: in the call)
+    mirrored: dict[str, dict[str, Any]] = dataclasses.field(
+        default_factory=dict
+    )  # this rank's, as in the manifest
 
     @property
     def gbps(self) -> float:
@@ -117,16 +120,17 @@ class Committer:
                 result = CommitResult(
                     pending.step, pending.folder, False, errors, 0, 0, pending.stall_s, 0, 0, elapsed
                 )
+            if self._on_result is not None:  # first: a checkpoint taken is one whose report is done
+                with contextlib.suppress(Exception):  # a logging failure must not stop later commits
+                    self._on_result(result)
             with self._cv:
                 self._results.append(result)
                 self._done += 1
                 self._cv.notify_all()
-            if self._on_result is not None:
-                with contextlib.suppress(Exception):  # a logging failure must not stop later commits
-                    self._on_result(result)
 
     def _commit(self, p: PendingCheckpoint) -> CommitResult:
         files: dict[str, dict[str, Any]] = {}
+        mirrored: dict[str, dict[str, Any]] = {}  # this rank's files also in the memory tier
         errors = [f"rank {self._rank}: {e}" for e in p.errors]  # every rank still takes part below
         snapshot_s = persisted_s = 0.0
         # One wait for all (this thread takes the GIL back once, not once per file, while training runs):
@@ -140,10 +144,13 @@ class Committer:
                 stats = h.stats
                 snapshot_s = max(snapshot_s, stats["snapshot_s"] or 0.0)
                 persisted_s = max(persisted_s, stats["persisted_s"] or 0.0)
-                files[os.path.relpath(h.path, p.folder)] = {
+                rel = Path(os.path.relpath(h.path, p.folder)).as_posix()
+                files[rel] = {
                     "bytes": stats["file_bytes"],
-                    "crc32c": {name: f"{crc:08x}" for name, crc in sums.items()},
+                    "crc32c": {n: f"{c:08x}" for n, c in sums.items()},
                 }
+                if stats["mirrored"]:
+                    mirrored[rel] = files[rel]
             except Exception as e:
                 errors.append(f"rank {self._rank}: {e}")
         outcomes = self._gather({"errors": errors, "files": files})
@@ -167,6 +174,7 @@ class Committer:
             persisted_s=persisted_s,
             committed_s=time.monotonic() - p.t_start,
             queued_s=p.queued_s,
+            mirrored=mirrored,
         )
 
     def _gather(self, obj: Any) -> list[Any]:

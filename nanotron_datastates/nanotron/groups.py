@@ -86,3 +86,14 @@ def layout_of(pc: Any, zero_stage: int) -> dict[str, int]:
         expert=pc.expert_parallel_size,
         zero_stage=zero_stage,
     )
+
+
+def gather(obj: Any, pc: Any) -> list[Any]:
+    """`obj` of every rank, in rank order (collective over the world group; [obj] without one)."""
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * tdist.get_world_size(pc.world_pg)
+    tdist.all_gather_object(out, obj, group=pc.world_pg)
+    return out

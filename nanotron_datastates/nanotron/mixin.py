@@ -10,6 +10,7 @@ resume, the trainer is Nanotron's, unchanged.
       pre_init           Resume.plan: ours to resume? which files; Nanotron's pickle loaders off
       _load_model_...    Resume.load_weights
                          Resume.load_rest (scheduler, metadata, random states; optimizer now or deferred)
+                         Resume.confirm: every rank read it whole, or all fall back to an older one
                          Saver: made; `optimizer.step` wrapped, once
     optimizer.step       Resume.before_step (the deferred optimizer load), Saver.before_step (snapshots)
     training_step        after the first: Resume.finish, Saver.after_first_step (plan, pin, warm staging)
@@ -52,9 +53,10 @@ class DataStatesTrainerMixin(_Trainer):
         self._ds_stepped = False
         super().__init__(*args, **kwargs)
         if self._ds_resume.active:
-            metadata = self._ds_resume.load_rest(
+            self._ds_resume.load_rest(
                 self.optimizer, self.lr_scheduler, self.random_states, self.unwrapped_model
             )
+            metadata = self._ds_resume.confirm()  # every rank read it whole, or all fell back together
             if metadata is not None:
                 self.metadata, self.iteration_step = metadata, metadata.last_train_step
         if getattr(self.config, "uses_datastates", False):

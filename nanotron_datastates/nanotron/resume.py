@@ -4,20 +4,30 @@ a manifest (any other is left to Nanotron). The trainer mixin calls, in this ord
 1. `Resume.start(args, kwargs)`, the trainer's first line, before Nanotron sets up its process groups (0.4 to
    0.7 s on an H100: NCCL's first communicator and a barrier per group). From the config and the manifest
    alone it starts reading ahead the files every rank reads (`layout.files_to_read` without a place: all the
-   weights where no rank holds part of the model only; the one optimizer file), and the small files into
-   the page cache first. Never raises: whatever fails here, step 2 meets again and reports.
-2. `plan(config, pc, folder)`, in `pre_init`: whether this is ours to resume; the files this rank reads, now
-   with its place in the groups; the read-ahead of step 1 adopted if it reads exactly those files onto this
-   device, else one started for them (prefetch.py). Nanotron's own loaders, which read pickles, are turned
-   off (`load_optimizer`, `load_lr_scheduler`) until they are ours to honour.
-3. `load_weights(model)`, where Nanotron loads its weights: from the read-ahead, else read now.
-4. `load_rest(optimizer, lr_scheduler, random_states)`, once Nanotron has built them: scheduler, training
-   metadata, random states. The optimizer state waits for the first `optimizer.step` where it is being read
-   ahead (neither the first forward nor backward pass needs it), else it is loaded now.
-5. `before_step()`, at each optimizer step: the deferred optimizer load, once. Anything else reading the
+   weights where no rank holds part of the model only; the one optimizer file), from the memory tier where
+   it holds the checkpoint, and the small files into the page cache first. Never raises: whatever fails
+   here, step 2 meets again and reports.
+2. `plan(config, pc, folder)`, in `pre_init`: whether this is ours to resume; where its files are read
+   (the memory tier, where every rank finds it whole there, else storage: tier.py); the files this rank
+   reads, now with its place in the groups; the read-ahead of step 1 adopted if it reads exactly those files
+   onto this device, else one started for them (prefetch.py). Nanotron's own loaders, which read pickles,
+   are turned off (`load_optimizer`, `load_lr_scheduler`) until they are ours to honour.
+3. `load_weights(model)`, where Nanotron loads its weights: from the read-ahead, else read now; on another
+   layout, resharded (reshard.py).
+4. `load_rest(optimizer, lr_scheduler, random_states, model)`, once Nanotron has built them: scheduler,
+   training metadata, random states; the optimizer state now, or at the first `optimizer.step` where it is
+   being read ahead (neither the first forward nor backward pass needs it).
+5. `confirm()`, at the end of the trainer's construction: the ranks agree that every one of them read the
+   checkpoint whole (every tensor checked against its checksum as it was read; the optimizer state read
+   ahead is waited for here). If any rank could not, every rank falls back together to the newest
+   committed checkpoint that reads whole (the same step from storage first, where it came from memory),
+   and the log says which and why. Returns the training metadata to resume with.
+6. `before_step()`, at each optimizer step: the deferred optimizer load, once. Anything else reading the
    optimizer's state first (`state_dict`) loads it too, so nobody sees the state from before the resume.
-6. `finish()`, after the first step: Nanotron's `load_optimizer` flag back as the YAML had it.
+7. `finish()`, after the first step: Nanotron's `load_optimizer` flag back as the YAML had it.
 
+Errors reading a checkpoint (missing or damaged files) are collected, not raised, until `confirm`; a model
+that changed shape fails every checkpoint alike, and `confirm` then raises with every rank's reasons.
 States: idle -> started (reading early) -> planned -> weights -> loaded (optimizer pending) -> done.
 """
 
@@ -25,18 +35,23 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from ..engine import DataStatesEngine
-from . import groups, layout, reshard, saved_layout, say, shards, states
+from ..errors import FormatError
+from . import groups, layout, recovery, reshard, rest, saved_layout, say, shards, tier
 from .config import section
+from .deferred import DeferredOptimizer
 from .prefetch import Prefetch, fill, warm_page_cache
 from .target import asked_layout, loads, parse_config, resume_folder
+
+# What reading a checkpoint raises where a file is missing, damaged (FormatError, ChecksumError) or not of
+# the layout, or does not fit the model (ReshardError): collected on each rank, so that every rank decides.
+READ_ERRORS = (OSError, FormatError, layout.ManifestError, saved_layout.ReshardError, KeyError)
 
 
 def _device() -> torch.device | None:
@@ -47,8 +62,9 @@ class Resume:
     """One trainer's resume (see the module's docstring for the order of calls)."""
 
     def __init__(self) -> None:
-        self.state = "idle"
+        self._state = "idle"
         self.folder: Path | None = None  # the checkpoint resumed from, once planned
+        self.source: Path | None = None  # where its files are read: the folder, or the memory tier's copy
         self.manifest: dict[str, Any] = {}
         self.engine: DataStatesEngine | None = None  # made early or at plan; the trainer saves with it too
         self.prefetch: Prefetch | None = None
@@ -59,8 +75,17 @@ class Resume:
         self._device: torch.device | None = None
         self._flags = (False, False)  # the YAML's load_optimizer, load_lr_scheduler
         self._hold_optimizer_flag = False
-        self._pending: Callable[[], None] | None = None  # the deferred optimizer load
-        self._lock = threading.RLock()
+        self._failures: list[str] = []  # what this rank could not read of the checkpoint (see confirm)
+        self._metadata: Any = None
+        self._targets: tuple[Any, ...] = ()  # optimizer, lr_scheduler, random_states, model
+        self._deferred: DeferredOptimizer | None = None  # the optimizer state, loaded at the first step
+
+    @property
+    def state(self) -> str:
+        """idle, started (reading early), planned, weights, loaded (the optimizer state pending), done."""
+        if self._state == "loaded" and (self._deferred is None or not self._deferred.pending):
+            return "done"
+        return self._state
 
     @property
     def active(self) -> bool:
@@ -71,6 +96,9 @@ class Resume:
         if self.folder is None:
             raise RuntimeError("Resume.plan found no datastates checkpoint to resume from")
         return self.folder
+
+    def _src(self) -> Path:
+        return self.source or self._root()
 
     # -- 1. the trainer's first line ------------------------------------------------------------------------
 
@@ -85,7 +113,11 @@ class Resume:
             if folder is None:
                 return self
             manifest = layout.read_manifest(folder)
-            reads = layout.files_to_read(manifest, folder, asked_layout(config), None, **loads(config))
+            source = (
+                tier.tier_copy(section(config).trainer, folder, manifest, int(os.environ.get("RANK", "0")))
+                or folder
+            )
+            reads = layout.files_to_read(manifest, source, asked_layout(config), None, **loads(config))
             if reads is None or (not reads.weights and reads.optimizer is None):
                 return self
             # Nanotron's ParallelContext sets this same device first thing; set now, the engine pins its cache
@@ -96,8 +128,8 @@ class Resume:
             self.engine = DataStatesEngine(section(config).engine)
         except Exception:  # noqa: BLE001 - plan() meets the same problem and reports it
             return self
-        self.prefetch = self._read_ahead(manifest, folder, reads, device)
-        self._early, self.state = (folder, reads, device), "started"
+        self.prefetch = self._read_ahead(manifest, source, reads, device)
+        self._early, self._state = (source, reads, device), "started"
         return self
 
     # -- 2. pre_init ----------------------------------------------------------------------------------------
@@ -106,8 +138,9 @@ class Resume:
         self, config: Any, pc: Any, folder: str | os.PathLike | None, device: torch.device | None = None
     ) -> bool:
         """Whether the trainer resumes a datastates checkpoint from `folder` (Nanotron's resolution of the
-        path); if so, starts or adopts the read-ahead and turns Nanotron's own loaders off. The state is read
-        onto `device` (default: this rank's GPU; without one, nothing is read ahead)."""
+        path); if so, decides where its files are read, starts or adopts the read-ahead and turns Nanotron's
+        own loaders off. The state is read onto `device` (default: this rank's GPU; without one, nothing is
+        read ahead). Collective where the memory tier is on (the ranks agree where to read)."""
         from nanotron.s3_checkpoints import check_path_is_local
 
         early, self._early = self._early, None
@@ -117,20 +150,21 @@ class Resume:
                 saved_layout.refuse_stock(Path(folder), config, pc)
             return False
         groups.check(pc)  # at start-up, not in the middle of loading
-        self.folder, self._config, self._pc = Path(folder), config, pc
+        self._config, self._pc = config, pc
         self._device = device or _device()
-        self.manifest = layout.read_manifest(folder)
         ck = config.checkpoints
         self._flags = (ck.load_optimizer, ck.load_lr_scheduler)
         ck.load_optimizer = ck.load_lr_scheduler = False
-        self.state = "planned"
-        reads, device = self.files(), self._device
+        self._open(Path(folder))
+        if section(config).trainer.memory_tier:
+            self._choose_tier(section(config).trainer)
+        reads, device = (self.files() if not self._failures else None), self._device
         if reads is None or device is None:
             self._drop_prefetch(report=False)
             return True
         if (
             early is not None
-            and early[0] == self._root()
+            and early[0] == self._src()
             and early[2] == device
             and _same_large(early[1], reads)
         ):
@@ -139,8 +173,33 @@ class Resume:
         self._drop_prefetch(report=False)
         warm_page_cache(reads.small)  # first, while the disk is idle
         if reads.weights or reads.optimizer is not None:
-            self.prefetch = self._read_ahead(self.manifest, self._root(), reads, device)
+            self.prefetch = self._read_ahead(self.manifest, self._src(), reads, device)
         return True
+
+    def _choose_tier(self, settings: Any) -> None:
+        """Reads from the memory tier where every rank finds the checkpoint whole there; else says why not."""
+        rank = groups.rank(self._pc.world_pg)
+        reason = tier.why_not(settings, self._root(), self.manifest, rank)
+        reasons = groups.gather(reason, self._pc)
+        step = self.manifest.get("step")
+        if not any(reasons):
+            self.source = tier.tier_copy(settings, self._root(), self.manifest, rank)
+            say.note(f"resuming step {step} from the memory tier ({self.source})")
+            return
+        r, why = next((r, why) for r, why in enumerate(reasons) if why)
+        say.note(f"resuming step {step} from storage: the memory tier cannot serve it (rank {r}: {why})")
+
+    def _open(self, folder: Path, source: Path | None = None) -> None:
+        """Takes `folder` as the checkpoint to resume (its files read from `source`, default the folder)."""
+        self.folder, self.source, self._failures, self._state = folder, source, [], "planned"
+        if self._deferred is not None:
+            self._deferred.cancel()
+        self._deferred = None
+        try:
+            self.manifest = layout.read_manifest(folder)
+        except (OSError, ValueError) as e:
+            self.manifest = {"files": {}, "topology": {}}
+            self._failures.append(str(e))
 
     def files(self) -> layout.ReadSet | None:
         """The files this rank reads (None: the layout changed). Tensor- and pipeline-parallel ranks read
@@ -148,7 +207,7 @@ class Resume:
         here = groups.layout_of(self._pc, int(self._config.optimizer.zero_stage))
         place = groups.place(self._pc)
         return layout.files_to_read(
-            self.manifest, self._root(), here, place, **loads(self._config, self._flags)
+            self.manifest, self._src(), here, place, **loads(self._config, self._flags)
         )
 
     def topology_changes(self) -> dict[str, tuple[Any, int]]:
@@ -170,115 +229,123 @@ class Resume:
 
     def load_weights(self, model: torch.nn.Module) -> dict[str, Any]:
         """Loads this rank's weights into `model`'s parameters; returns Nanotron's `param_shard_metadata`.
-        Where the layout changed, Nanotron's own loader merges and reshards the weight files."""
+        What cannot be read is collected for `confirm`."""
+        self._targets = (*self._targets[:3], model) if len(self._targets) == 4 else (None, None, None, model)
         t0 = time.perf_counter()
-        sources = shards.weight_sources(model, self._pc, self._root())
-        if sources is None:  # another layout: each parameter put together from the saved pieces
-            n = reshard.load_weights(self.get_engine(), self.manifest, self._root(), model)
-            say.info(f"resharded {n} weights in {time.perf_counter() - t0:.2f} s")
+        try:
+            sources = shards.weight_sources(model, self._pc, self._src())
+            if sources is None:  # another layout: each parameter put together from the saved pieces
+                n = reshard.load_weights(self.get_engine(), self.manifest, self._src(), model)
+                say.info(f"resharded {n} weights in {time.perf_counter() - t0:.2f} s")
+                return {}
+            ahead = self.prefetch.weights() if self.prefetch is not None else {}
+            checksums = functools.partial(layout.file_checksums, self.manifest, self._src())
+            fill([(tensor, path) for _, tensor, path in sources], ahead, self.get_engine(), checksums)
+        except READ_ERRORS as e:
+            self._failures.append(f"weights: {e}")
             return {}
-        ahead = self.prefetch.weights() if self.prefetch is not None else {}
-        checksums = functools.partial(layout.file_checksums, self.manifest, self._root())
-        fill([(tensor, path) for _, tensor, path in sources], ahead, self.get_engine(), checksums)
-        self.state = "weights"
+        self._state = "weights"
         say.info(f"loaded {len(sources)} weight files in {time.perf_counter() - t0:.2f} s")
         return {name: {} for name, _, _ in sources}
 
     # -- 4. scheduler, metadata, random states; the optimizer now or at the first step ---------------------
 
-    def load_rest(self, optimizer: Any, lr_scheduler: Any, random_states: Any, model: Any) -> Any | None:
+    def load_rest(self, optimizer: Any, lr_scheduler: Any, random_states: Any, model: Any) -> None:
         """Loads what the YAML asks for, on whatever layout (the optimizer state resharded where it changed:
-        reshard.py); returns the training metadata (None where the scheduler is not loaded: Nanotron's fresh
-        metadata stays)."""
+        reshard.py). What cannot be read is collected for `confirm`."""
+        self._targets = (optimizer, lr_scheduler, random_states, model)
         t0 = time.perf_counter()
+        try:
+            self._load_rest(optimizer, lr_scheduler, random_states, model)
+        except READ_ERRORS as e:
+            self._failures.append(str(e))
+        ck = self._config.checkpoints
+        ck.load_optimizer = self._flags[0] and not self._hold_optimizer_flag
+        ck.load_lr_scheduler = self._flags[1]
+        pending = self._deferred is not None and self._deferred.pending
+        self._state = "loaded"
+        what = "scheduler" if pending else "optimizer, scheduler"
+        say.info(f"resumed {what}, metadata and random states in {time.perf_counter() - t0:.2f} s")
+
+    def _load_rest(self, optimizer: Any, lr_scheduler: Any, random_states: Any, model: Any) -> None:
         load_optimizer, load_scheduler = self._flags
-        engine, pc, metadata = self.get_engine(), self._pc, None
+        engine, pc, src = self.get_engine(), self._pc, self._src()
         changed = self.topology_changes()
         if load_optimizer and changed:
-            state = reshard.optimizer_state(engine, self.manifest, self._root(), optimizer, model, pc)
+            state = reshard.optimizer_state(engine, self.manifest, src, optimizer, model, pc)
             optimizer.load_state_dict(state, map_location=self._device or "cpu")
             moved = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
             say.info(f"optimizer state resharded ({moved})")
         elif load_optimizer:
-            path = shards.optimizer_file(pc, self._root(), zero=shards.is_zero(optimizer))
+            path = shards.optimizer_file(pc, src, zero=shards.is_zero(optimizer))
             # Straight onto the GPU (Nanotron's loader reads onto the CPU, and its first step copies the state
             # over from pageable memory); its `load_optimizer` flag stays off until that step has run.
             device = self._device
             self._hold_optimizer_flag = device is not None and device.type == "cuda"
-            self._pending = functools.partial(self._load_optimizer, optimizer, path, device)
-            if self.prefetch is not None and self.prefetch.reads_optimizer:
-                _wrap_state_dict(optimizer, self.before_step)  # read ahead: loaded at the first step
-            else:
-                self.before_step()
+            read = functools.partial(self._read_optimizer, path, device)
+            self._deferred = DeferredOptimizer(optimizer, read, device or "cpu")
+            if self.prefetch is None or not self.prefetch.reads_optimizer:
+                self._deferred.load()  # not read ahead: loaded now
         if load_scheduler:
-            from nanotron.serialize.metadata import load_meta
-
-            # Unlike Nanotron's loader, no `_initial_step()` after this: it steps the schedule once more, so
-            # the resumed run would use the next step's learning rate. The optimizer's param groups, restored
-            # above, already hold the rate the original run would use now.
-            if changed:
-                args = (engine, self.manifest, self._root(), optimizer, model, pc)
-                lr_scheduler.load_state_dict(reshard.scheduler_state(*args))
-            else:
-                lr_scheduler.load_state_dict(engine.load(shards.lr_scheduler_file(pc, self._root())))
-            metadata = load_meta(parallel_context=pc, root_folder=self._root()).metas
-            if self._config.tokens.train_steps <= metadata.last_train_step:
+            args = (engine, self.manifest, self._root(), src, changed, lr_scheduler, optimizer, model, pc)
+            self._metadata = rest.load_scheduler(*args)
+            if self._config.tokens.train_steps <= self._metadata.last_train_step:
                 raise ValueError(
-                    f"the checkpoint has already trained {metadata.last_train_step} steps; set "
+                    f"the checkpoint has already trained {self._metadata.last_train_step} steps; set "
                     "tokens.train_steps higher"
                 )
-        path = shards.random_states_path(pc, self._root())
-        if not path.exists() and changed:
-            path = self._root() / "random" / layout.random_states_at(self.manifest, groups.place(pc))
-            say.info(
-                f"random states: this layout's ranks take those of the saved ranks at the same places, "
-                f"modulo the saved sizes (rank 0: {path.name})"
-            )
-        if path.exists():
-            saved = engine.load(path)
-            for key, value in saved["nanotron"].items():
-                random_states[key] = states.random_state_from_plain(value)  # in place: the model holds them
-            if "global" in saved:  # absent from checkpoints converted from Nanotron's layout
-                states.set_global_rng_state(saved["global"])
-        if self._pending is None:
+        rest.load_random_states(engine, self.manifest, src, changed, random_states, pc)
+        if self._deferred is None or not self._deferred.pending:
             self._drop_prefetch()
-        ck = self._config.checkpoints
-        ck.load_optimizer = load_optimizer and not self._hold_optimizer_flag
-        ck.load_lr_scheduler = load_scheduler
-        self.state = "loaded" if self._pending is not None else "done"
-        what = "scheduler" if self._pending is not None else "optimizer, scheduler"
-        say.info(f"resumed {what}, metadata and random states in {time.perf_counter() - t0:.2f} s")
-        return metadata
 
-    def _load_optimizer(self, optimizer: Any, path: Path, device: torch.device | None) -> None:
-        t0 = time.perf_counter()
+    def _read_optimizer(self, path: Path, device: torch.device | None) -> Any:
+        """The optimizer state: as read ahead, or read now."""
         state = self.prefetch.optimizer(path) if self.prefetch is not None else None
         if state is None:  # not read ahead, or (were Nanotron to change) not the optimizer's file
             state = self.get_engine().load(path, device or "cpu")
-        optimizer.load_state_dict(state, map_location=device or "cpu")
-        if self.state == "loaded":
-            say.info(
-                f"optimizer state loaded at its first use "
-                f"({time.perf_counter() - t0:.2f} s waiting for the read)"
-            )
-        self._drop_prefetch()
+        return state
 
-    # -- 5, 6. the first step -------------------------------------------------------------------------------
+    # -- 5. every rank read it whole, or all fall back ------------------------------------------------------
+
+    def confirm(self) -> Any | None:
+        """Waits for the optimizer state read ahead, then has the ranks agree that each read the checkpoint
+        whole, or fall back together (recovery.py). Returns the training metadata to resume with (None where
+        the scheduler is not loaded). Collective."""
+        return recovery.confirm(self)
+
+    def failures(self) -> list[str]:
+        """What this rank could not read of the checkpoint, the optimizer state read ahead included."""
+        if self._deferred is not None and self._deferred.pending:
+            try:
+                self._deferred.read()
+            except READ_ERRORS as e:
+                self._failures.append(f"optimizer: {e}")
+        return list(self._failures)
+
+    @property
+    def metadata(self) -> Any:
+        return self._metadata
+
+    @property
+    def pc(self) -> Any:
+        return self._pc
+
+    def reload(self, folder: Path, source: Path | None) -> None:
+        """Loads everything again, from another checkpoint (or the same from storage), now."""
+        self._drop_prefetch(report=False)
+        self._open(folder, source)
+        optimizer, lr_scheduler, random_states, model = self._targets
+        self.load_weights(model)
+        self.load_rest(optimizer, lr_scheduler, random_states, model)
+
+    # -- 6, 7. the first step -------------------------------------------------------------------------------
 
     def before_step(self) -> None:
-        """Loads the optimizer state if still pending (once; one that raises stays pending and raises again at
-        the next call: no step ever runs on the state from before the resume)."""
-        with self._lock:
-            load = self._pending
-            if load is None:
-                return
-            self._pending = None  # the load itself calls state_dict, which comes back here
-            try:
-                load()
-            except BaseException:
-                self._pending = load
-                raise
-            self.state = "done"
+        """Loads the optimizer state if still pending (once: see DeferredOptimizer)."""
+        if self._deferred is not None and self._deferred.pending:
+            self._deferred.load()
+        if self.prefetch is not None:  # also where something read the optimizer's state_dict first
+            self._drop_prefetch()
 
     def finish(self, close_engine: bool) -> None:
         """After the first step: Nanotron's `load_optimizer` flag back as the YAML had it; the engine closed
@@ -295,18 +362,6 @@ class Resume:
             since = "the trainer's start" if self.early else "the process groups were set up"
             say.info(f"read ahead, since {since}: {self.prefetch.report()}")
         self.prefetch = None  # whatever was read ahead and not used goes back
-
-
-def _wrap_state_dict(optimizer: Any, first: Callable[[], None]) -> None:
-    """`optimizer.state_dict` runs `first` before it (on this instance; its class is untouched)."""
-    original = optimizer.state_dict
-
-    @functools.wraps(original)
-    def state_dict(*args: Any, **kwargs: Any) -> Any:
-        first()
-        return original(*args, **kwargs)
-
-    optimizer.state_dict = state_dict
 
 
 def _same_large(a: layout.ReadSet, b: layout.ReadSet) -> bool:

@@ -14,6 +14,9 @@
 4. `take(count)` at the next request and `drain()` at the end: the outcomes (commit.py), in order, the same
    on every rank; post-save hooks run for those committed; a failed one raises CheckpointError.
 
+With `memory_tier`, every file is also written to node-local shared memory as it is flushed, and each rank
+marks a step as held there once it is committed (tier.py).
+
 `observers` are told of each queuing and commit (`observer(event, fields)`), for benchmarks and logs.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -31,6 +35,7 @@ from . import groups, housekeeping, say, shards, staging, states
 from .commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
 from .gate import SnapshotGate
 from .settings import TrainerSettings
+from .tier import MemoryTier
 
 MAX_IN_FLIGHT = 2  # checkpoints being flushed at once; a third waits for the oldest
 Observer = Callable[[str, dict[str, Any]], None]
@@ -72,6 +77,10 @@ class Saver:
         self._files: RankFiles | None = None
         self._nbytes: int | None = None  # this rank's weight and optimizer files, known from the first step
         self._staged: bool | None = None  # the last checkpoint's decision, logged when it changes
+        self.tier: MemoryTier | None = None
+        if settings.memory_tier:
+            rank = tdist.get_rank() if tdist.is_initialized() else 0
+            self.tier = MemoryTier(settings.memory_tier_path, self.checkpoints, rank)
         self.committer = Committer(group, on_result=self._report)
 
     # -- 1. after the first step ----------------------------------------------------------------------------
@@ -85,6 +94,8 @@ class Saver:
         chunk = self.engine.cache_stats()["chunk_bytes"]
         chunks = sum(-(-p.nbytes // chunk) for p in plans) + 2  # + the scheduler's and random states' files
         self.engine.prepare_cache(wait=False, nbytes=chunks * chunk)
+        if self.tier is not None:  # this rank's checkpoint, as many times as the node has ranks
+            self.tier.check_room(self._nbytes * int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         if self._decide()[0]:
             staging.warm(plans)
 
@@ -160,9 +171,11 @@ class Saver:
             todo = list(files.weights)
             if files.optimizer is not None:
                 todo.append((files.optimizer, self.engine.plan(self.optimizer.state_dict())))
-            pending.handles = self._submit(
-                [(plan, pending.folder / path) for path, plan in todo + later], stage
-            )
+            targets = [(plan, pending.folder / path) for path, plan in todo + later]
+            mirrors = None
+            if self.tier is not None:
+                mirrors = [self.tier.path(pending.step, path) for path, _ in todo + later]
+            pending.handles = self._submit(targets, stage, mirrors)
             self.gate.add(pending.handles, on_wait=functools.partial(_add_stall, pending))
         except Exception as e:  # reported at the next checkpoint or the end, as a failed write would be
             pending.errors.append(f"queuing its files failed: {e!r}")
@@ -172,20 +185,22 @@ class Saver:
         self._notify("queued", step=pending.step, deferred=deferred, seconds=time.perf_counter() - t0)
         self.committer.submit(pending)
 
-    def _submit(self, files: list[tuple[SavePlan, Path]], stage: bool) -> list[Any]:
+    def _submit(
+        self, files: list[tuple[SavePlan, Path]], stage: bool, mirrors: list[Path] | None
+    ) -> list[Any]:
         """Queues every file: all staged on the GPU together (so the optimizer step waits for none), or
         straight from the state where unstaged or where staging runs out of GPU memory."""
         if stage:
             import torch
 
             try:
-                return self.engine.save_plans(files, stage=True)
+                return self.engine.save_plans(files, stage=True, mirrors=mirrors)
             except torch.cuda.OutOfMemoryError:
                 self._staged = False
                 say.info(
                     "out of GPU memory copying a checkpoint on the GPU: it is copied from the state itself"
                 )
-        return self.engine.save_plans(files)
+        return self.engine.save_plans(files, mirrors=mirrors)
 
     # -- 3. every optimizer step ----------------------------------------------------------------------------
 
@@ -220,9 +235,12 @@ class Saver:
         self.take(self.outstanding - (MAX_IN_FLIGHT - 1), on_committed)
 
     def drain(self, on_committed: Callable[[int], None]) -> None:
+        """At the end of training: every checkpoint committed; this rank's memory tier files dropped."""
         t0 = time.perf_counter()
         self.take(self.outstanding, on_committed)
         say.info(f"all checkpoints committed ({time.perf_counter() - t0:.2f} s waiting at the end)")
+        if self.tier is not None:
+            self.tier.release()
 
     def close(self) -> None:
         """Bounded (at exit after a crash, other ranks may be gone); idempotent."""
@@ -237,6 +255,11 @@ class Saver:
     def _report(self, r: CommitResult) -> None:
         """On the committer thread, for every checkpoint: rank 0's housekeeping and telemetry, the log line,
         the observers."""
+        if self.tier is not None and r.committed:
+            try:
+                self.tier.commit(r.step, r.mirrored)
+            except OSError as e:  # a restart then reads storage
+                say.error(f"memory tier, after checkpoint {r.step}: {e!r}", every_rank=True)
         if groups.rank(self.pc.world_pg) == 0:
             try:
                 cache = self.engine.cache_stats(reset=True) if self.settings.telemetry else {}

@@ -21,7 +21,8 @@ class TrainerSettings(Settings):
 
     keep_last_n: int = 0
     """Keep the newest N committed checkpoints and remove older ones, off the training thread, once a newer
-    one is committed (never the one `latest.txt` names, never one in flight). 0 keeps every checkpoint."""
+    one is committed (never the one `latest.txt` names, never one in flight). 0 keeps every checkpoint; at
+    least 2 are kept, so that a restart whose newest checkpoint is damaged has one to fall back to."""
     device_snapshot: str = "auto"
     """Copy each checkpoint on the GPU first (at memory speed, in the training stream's order), so that the
     optimizer step never waits for the copies to the host, which then read from that copy. 'auto' does so
@@ -36,6 +37,13 @@ class TrainerSettings(Settings):
     telemetry: bool = True
     """Append one JSON line per checkpoint to `datastates_telemetry.jsonl` in the checkpoints folder (bytes,
     stall, snapshot, persisted, throughput, cache high-water mark and waits)."""
+    memory_tier: bool = False
+    """Keep the newest committed checkpoint of each rank in node-local shared memory too (`memory_tier_path`),
+    written from the host cache as it is flushed, so that a restart on the same node (a killed process,
+    torchrun's restarts, a relaunch) reads it from memory. Needs room for two checkpoints of the node's ranks
+    there (checked after the first step); removed when training ends normally. One-node jobs."""
+    memory_tier_path: str = "/dev/shm/nanotron-datastates"
+    """Where the memory tier keeps its files: a tmpfs."""
 
 
 @dataclass(frozen=True)

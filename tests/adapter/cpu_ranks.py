@@ -216,7 +216,8 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     resume = Resume()
     assert resume.plan(c, pc, ckpt / "7", device=torch.device("cpu"))
     resume.load_weights(fresh[0])
-    metadata = resume.load_rest(*fresh[1:], fresh[0])
+    resume.load_rest(*fresh[1:], fresh[0])
+    metadata = resume.confirm()
     resume.before_step()
     resume.finish(close_engine=True)
     return {
@@ -229,7 +230,8 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
 
 
 def save_only(pc: Any, c: Any, work: Path) -> dict[str, Any]:
-    """This layout's state, saved by the Saver into `work/ckpt/7` (rank 0 commits)."""
+    """This layout's state, saved by the Saver into `work/ckpt/7` (rank 0 commits); with CPU_RANKS_TWO set,
+    into `work/ckpt/5`, then, a step later, `work/ckpt/9`."""
     from nanotron_datastates import DataStatesEngine
     from nanotron_datastates.nanotron.finalize import finalizer
     from nanotron_datastates.nanotron.saver import Saver
@@ -243,11 +245,27 @@ def save_only(pc: Any, c: Any, work: Path) -> dict[str, Any]:
         finalize = finalizer(step=7, checkpoints=work / "ckpt", pc=pc, config=c,
                              model_config=c.model.model_config, optimizer=optimizer,
                              metadata=training_metadata(7))  # fmt: skip
-    saver.request(7, lr_scheduler, random_states, finalize)
+    first = 5 if os.environ.get("CPU_RANKS_TWO") else 7
+    if first == 5:
+        saver.request(5, lr_scheduler, random_states, finalize_at(5, pc, c, optimizer, work))
+        saver.before_step()
+        step(model, optimizer, 2)
+        saver.request(9, lr_scheduler, random_states, finalize_at(9, pc, c, optimizer, work))
+    else:
+        saver.request(7, lr_scheduler, random_states, finalize)
     saver.drain(lambda s: None)
     saver.close()
     engine.close()
     return {}
+
+
+def finalize_at(at: int, pc: Any, c: Any, optimizer: Any, work: Path) -> Any:
+    from nanotron_datastates.nanotron.finalize import finalizer
+
+    if torch.distributed.get_rank() != 0:
+        return None
+    return finalizer(step=at, checkpoints=work / "ckpt", pc=pc, config=c, model_config=c.model.model_config,
+                     optimizer=optimizer, metadata=training_metadata(at))  # fmt: skip
 
 
 def resume_other(pc: Any, c: Any, work: Path) -> dict[str, Any]:
@@ -255,24 +273,29 @@ def resume_other(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     what differs from the state this layout holds after the same training (the same by construction:
     `by_position`), random states aside (another layout's ranks take those of the saved ranks at their
     places: compared where the rank existed)."""
-    from nanotron_datastates.nanotron.reshard import ReshardError
+    from nanotron_datastates.nanotron.commit import CheckpointError
     from nanotron_datastates.nanotron.resume import Resume
 
     if os.environ.get("CPU_RANKS_INTERMEDIATE"):  # another model than the one saved
         c.model.model_config.intermediate_size = int(os.environ["CPU_RANKS_INTERMEDIATE"])
         resume = Resume()
         resume.plan(c, pc, work / "ckpt" / "7", device=torch.device("cpu"))
+        state = training_state(pc, c)
+        resume.load_weights(state[0])
+        resume.load_rest(*state[1:], state[0])
         try:
-            resume.load_weights(training_state(pc, c)[0])
-        except ReshardError as e:
+            resume.confirm()
+        except CheckpointError as e:
             return {"error": str(e)}
         return {"error": None}
     expected = snapshot(*training_state(pc, c))
     fresh = training_state(pc, c, seed=1)
     resume = Resume()
-    assert resume.plan(c, pc, work / "ckpt" / "7", device=torch.device("cpu"))
+    at = os.environ.get("CPU_RANKS_STEP", "7")
+    assert resume.plan(c, pc, work / "ckpt" / at, device=torch.device("cpu"))
     resume.load_weights(fresh[0])
-    metadata = resume.load_rest(*fresh[1:], fresh[0])
+    resume.load_rest(*fresh[1:], fresh[0])
+    metadata = resume.confirm()
     resume.before_step()
     resume.finish(close_engine=True)
     got = snapshot(*fresh)
@@ -281,6 +304,7 @@ def resume_other(pc: Any, c: Any, work: Path) -> dict[str, Any]:
         "differences": differences(expected, got),
         "tensors": count_tensors(expected),
         "last_train_step": metadata.last_train_step,
+        "resumed_from": resume.folder.name,
     }
 
 

@@ -70,3 +70,18 @@ def test_a_stock_checkpoint_of_another_layout_is_refused_then_resumes_once_conve
     convert(tmp_path / "stock", tmp_path / "ckpt" / "7", to="datastates")
     for r in launch(tmp_path, 1, mode="resume"):
         assert r["differences"] == [] and r["tensors"] > 20, r["differences"][:10]
+
+
+def test_where_one_rank_finds_the_newest_checkpoint_damaged_every_rank_falls_back(tmp_path, monkeypatch):
+    """dp=2 with ZeRO-1: rank 1's optimizer shard of checkpoint 9 has a flipped byte. Rank 0 reads its own
+    files whole, yet both ranks resume checkpoint 5, with the state of that step."""
+    monkeypatch.setenv("CPU_RANKS_TWO", "1")
+    launch(tmp_path, 2, 1, 2, 1, 1, 1, mode="save")
+    (shard,) = (tmp_path / "ckpt" / "9" / "optimizer").glob("*dp-1-of-2*.safetensors")
+    data = bytearray(shard.read_bytes())
+    data[-12] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    monkeypatch.setenv("CPU_RANKS_STEP", "9")
+    for r in launch(tmp_path, 2, 1, 2, 1, 1, 1, mode="resume"):
+        assert r["resumed_from"] == "5" and r["last_train_step"] == 5
+        assert r["differences"] == [], r["differences"][:10]

@@ -9,20 +9,32 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as tdist
-from cpu_ranks import config, launch, parallel_context, step, training_metadata, training_state
+from cpu_ranks import (
+    config,
+    differences,
+    launch,
+    parallel_context,
+    snapshot,
+    step,
+    training_metadata,
+    training_state,
+)
 from nanotron.serialize.metadata import CheckpointMetadata
 
-from nanotron_datastates import ChecksumError, DataStatesEngine
+from nanotron_datastates import DataStatesEngine
 from nanotron_datastates.nanotron import housekeeping, layout, shards
+from nanotron_datastates.nanotron import tier as tier_module
 from nanotron_datastates.nanotron.commit import CheckpointError
 from nanotron_datastates.nanotron.finalize import finalizer
 from nanotron_datastates.nanotron.resume import Resume
 from nanotron_datastates.nanotron.saver import Saver
-from nanotron_datastates.nanotron.settings import TrainerSettings
+from nanotron_datastates.nanotron.settings import Section, TrainerSettings
+from nanotron_datastates.nanotron.tier import TierError
 
 HAS_CP = "cp" in {f.name for f in dataclasses.fields(CheckpointMetadata)}
 LAYOUTS = [  # (world size, tp, dp, pp, cp, ZeRO stage)
@@ -78,7 +90,7 @@ def ask(saver: Saver, rank0, at: int) -> None:
 
 def test_commits_rotate_and_write_one_telemetry_line_each(rank0, tmp_path):
     root = tmp_path / "ckpt"
-    saver = saver_of(rank0, root, keep_last_n=1)
+    saver = saver_of(rank0, root, keep_last_n=1)  # kept: 2, the least that leaves one to fall back to
     committed: list[int] = []
     for at in (10, 20, 30):
         saver.backpressure(committed.append)
@@ -88,11 +100,11 @@ def test_commits_rotate_and_write_one_telemetry_line_each(rank0, tmp_path):
     saver.drain(committed.append)
     saver.close()
     assert committed == [10, 20, 30]
-    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["30"]
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["20", "30"]
     assert (root / layout.LATEST).read_text() == "30"
     lines = housekeeping.read_telemetry(root)
     assert [r["step"] for r in lines] == [10, 20, 30] and all(r["committed"] for r in lines)
-    assert lines[-1]["removed"] == [str(root / "20")] and lines[-1]["cache_bytes"] > 0
+    assert lines[-1]["removed"] == [str(root / "10")] and lines[-1]["cache_bytes"] > 0
     assert lines[-1]["bytes"] == sum(e["bytes"] for e in layout.read_manifest(root / "30")["files"].values())
 
 
@@ -131,12 +143,48 @@ def test_the_snapshot_holds_the_state_asked_for_and_the_step_waits_for_it(rank0,
         assert torch.equal(engine.load(path)["data"], want), path
 
 
-def saved_checkpoint(rank0, root: Path) -> Path:
-    saver = saver_of(rank0, root)
-    ask(saver, rank0, 7)
+def saved_checkpoint(rank0, root: Path, at: int = 7, **settings) -> Path:
+    saver = saver_of(rank0, root, **settings)
+    ask(saver, rank0, at)
     saver.drain(lambda s: None)
     saver.close()
-    return root / "7"
+    return root / str(at)
+
+
+def two_checkpoints(rank0, root: Path, **settings) -> tuple[dict, dict]:
+    """Checkpoints 5 and 7 of the trained state (a step taken between them), both committed, and training
+    then cut short (no end of training: the memory tier keeps its copy); their snapshots."""
+    pc, c, state, _ = rank0
+    saver = saver_of(rank0, root, **settings)
+    ask(saver, rank0, 5)
+    saver.before_step()
+    first = snapshot(*state)
+    step(*state[:2], 2)
+    ask(saver, rank0, 7)
+    saver.take(saver.outstanding, lambda s: None)
+    saver.close()
+    return first, snapshot(*state)
+
+
+def resumed(rank0, folder: Path, **settings) -> tuple[Resume, dict, Any]:
+    """A state built afresh, resumed from `folder`: (the Resume, the state's snapshot, the metadata)."""
+    pc, c, _, _ = rank0
+    if settings:
+        c._datastates_section = Section.from_dict({**c.datastates, **settings})
+    model, optimizer, lr_scheduler, random_states = training_state(pc, c, seed=1)
+    resume = Resume()
+    assert resume.plan(c, pc, folder, device=torch.device("cpu"))
+    resume.load_weights(model)
+    resume.load_rest(optimizer, lr_scheduler, random_states, model)
+    metadata = resume.confirm()
+    resume.before_step()
+    return resume, snapshot(model, optimizer, lr_scheduler, random_states), metadata
+
+
+def flip_a_byte(path: Path, from_end: int = 12) -> None:
+    data = bytearray(path.read_bytes())
+    data[-from_end] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def test_the_optimizer_state_read_ahead_is_loaded_at_the_first_step_or_state_dict(rank0, tmp_path):
@@ -150,43 +198,91 @@ def test_the_optimizer_state_read_ahead_is_loaded_at_the_first_step_or_state_dic
     resume.load_weights(model)
     resume.load_rest(fresh, lr_scheduler, random_states, model)
     assert resume.state == "loaded"  # the optimizer's load waits for its first use
+    assert resume.confirm().last_train_step == 7  # read (and checked) by now, not loaded
+    assert resume.state == "loaded"
     got = fresh.state_dict()  # a first use: loads it
     assert resume.state == "done" and torch.equal(got["state"][0]["exp_avg"], want["state"][0]["exp_avg"])
 
 
-def test_a_failed_optimizer_load_stays_pending_and_no_step_runs_on_the_old_state(rank0, tmp_path):
-    pc, c, _, _ = rank0
+@pytest.mark.parametrize("damage", ["flipped byte in a weight file", "truncated optimizer file",
+                                    "missing random states", "manifest naming a file outside"])  # fmt: skip
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(rank0, tmp_path, damage):
+    first, _ = two_checkpoints(rank0, tmp_path / "ckpt")
+    newest = tmp_path / "ckpt" / "7"
+    if damage.startswith("flipped"):
+        flip_a_byte(next((newest / "model").rglob("*.safetensors")))
+    elif damage.startswith("truncated"):
+        (opt,) = (newest / "optimizer").glob("*.safetensors")
+        opt.write_bytes(opt.read_bytes()[:-100])
+    elif damage.startswith("missing"):
+        next((newest / "random").glob("*.safetensors")).unlink()
+    else:
+        doc = json.loads((newest / layout.MANIFEST).read_text())
+        doc["files"]["model/../../outside.safetensors"] = {"bytes": 1}
+        (newest / layout.MANIFEST).write_text(json.dumps(doc))
+    resume, got, metadata = resumed(rank0, newest)
+    assert resume.folder == tmp_path / "ckpt" / "5" and metadata.last_train_step == 5
+    got.pop("random"), first.pop("random")
+    assert differences(first, got) == []
+
+
+def test_with_no_older_checkpoint_a_damaged_one_is_an_error_naming_the_file(rank0, tmp_path):
     folder = saved_checkpoint(rank0, tmp_path / "ckpt")
     (opt_file,) = (folder / "optimizer").glob("*.safetensors")
-    good = opt_file.read_bytes()
-    opt_file.write_bytes(good[:-12] + bytes([good[-12] ^ 0xFF]) + good[-11:])  # one byte of its data
-    model, fresh, lr_scheduler, random_states = training_state(pc, c, seed=1)
-    resume = Resume()
-    resume.plan(c, pc, folder, device=torch.device("cpu"))
-    resume.load_weights(model)
-    resume.load_rest(fresh, lr_scheduler, random_states, model)
-    with pytest.raises(ChecksumError, match=opt_file.name):
-        resume.before_step()
-    assert resume.state == "loaded"  # still pending
-    opt_file.write_bytes(good)  # repaired: the next call loads it
-    resume.before_step()
-    assert resume.state == "done"
+    flip_a_byte(opt_file)
+    with pytest.raises(
+        CheckpointError, match=rf"no committed checkpoint could be read whole.*{opt_file.name}"
+    ):
+        resumed(rank0, folder)
 
 
-def test_a_checkpoint_without_a_manifest_is_left_to_nanotron(rank0, tmp_path):
-    pc, c, _, _ = rank0
-    (tmp_path / "stock" / "3").mkdir(parents=True)
-    resume = Resume()
-    assert not resume.plan(c, pc, tmp_path / "stock" / "3") and not resume.active
-    assert not resume.plan(c, pc, None)
-    assert (c.checkpoints.load_optimizer, c.checkpoints.load_lr_scheduler) == (True, True)  # untouched
+def test_the_memory_tier_holds_the_newest_committed_checkpoint_and_a_restart_reads_it(rank0, tmp_path):
+    shm = tmp_path / "shm"
+    tier = {"memory_tier": True, "memory_tier_path": str(shm)}
+    _, newest = two_checkpoints(rank0, tmp_path / "ckpt", **tier)
+    (job,) = shm.iterdir()  # one job
+    held = sorted(p.name for p in job.iterdir() if p.is_dir())
+    assert held == ["7"] and (job / "7" / ".rank-0.json").exists()  # step 5 dropped once 7 was committed
+    for rel in layout.read_manifest(tmp_path / "ckpt" / "7")["files"]:
+        assert (job / "7" / rel).read_bytes() == (tmp_path / "ckpt" / "7" / rel).read_bytes()
+    resume, got, metadata = resumed(rank0, tmp_path / "ckpt" / "7", **tier)
+    assert resume.source == job / "7" and metadata.last_train_step == 7
+    got.pop("random"), newest.pop("random")
+    assert differences(newest, got) == []
 
 
-def test_a_manifest_naming_a_file_outside_the_checkpoint_is_refused_at_plan(rank0, tmp_path):
-    pc, c, _, _ = rank0
-    folder = saved_checkpoint(rank0, tmp_path / "ckpt")
-    doc = json.loads((folder / layout.MANIFEST).read_text())
-    doc["files"]["model/../../outside.safetensors"] = {"bytes": 1}
-    (folder / layout.MANIFEST).write_text(json.dumps(doc))
-    with pytest.raises(layout.ManifestError, match=r"model/\.\./\.\./outside\.safetensors"):
-        Resume().plan(c, pc, folder)
+def test_a_damaged_memory_copy_falls_back_to_storage_and_a_partial_one_is_not_used(rank0, tmp_path):
+    shm = tmp_path / "shm"
+    tier = {"memory_tier": True, "memory_tier_path": str(shm)}
+    _, newest = two_checkpoints(rank0, tmp_path / "ckpt", **tier)
+    (job,) = shm.iterdir()
+    flip_a_byte(next((job / "7" / "model").rglob("*.safetensors")))
+    resume, got, metadata = resumed(rank0, tmp_path / "ckpt" / "7", **tier)
+    assert resume.source is None and resume.folder == tmp_path / "ckpt" / "7"  # step 7, from storage
+    got.pop("random"), newest.pop("random")
+    assert differences(newest, got) == []
+    opt = next((job / "7" / "optimizer").glob("*.safetensors"))
+    opt.unlink()  # a partial copy: not even tried, and the reason said
+    manifest = layout.read_manifest(tmp_path / "ckpt" / "7")
+    settings = TrainerSettings(**tier)
+    assert (
+        tier_module.why_not(settings, tmp_path / "ckpt" / "7", manifest, 0)
+        == f"{opt}: No such file or directory"
+    )
+    resume, _, _ = resumed(rank0, tmp_path / "ckpt" / "7", **tier)
+    assert resume.source is None
+    (job / "7" / ".rank-0.json").unlink()
+    why = tier_module.why_not(settings, tmp_path / "ckpt" / "7", manifest, 0)
+    assert why is not None and why.startswith(
+        f"{len(manifest['files'])} of {len(manifest['files'])} files not marked"
+    )
+
+
+def test_the_memory_tier_is_released_when_training_ends_and_refused_without_room(rank0, tmp_path):
+    saved_checkpoint(rank0, tmp_path / "ckpt", memory_tier=True, memory_tier_path=str(tmp_path / "shm"))
+    assert not list((tmp_path / "shm").iterdir())  # drain released this rank's steps, then the job's folder
+    saver = saver_of(rank0, tmp_path / "ckpt2", memory_tier=True, memory_tier_path=str(tmp_path / "shm"))
+    saver._nbytes = 1 << 60
+    with pytest.raises(TierError, match=r"memory_tier needs .* GB in .*shm"):
+        saver.tier.check_room(saver._nbytes)
+    saver.close()

@@ -1,0 +1,56 @@
+"""Resume never dies on a damaged newest checkpoint while an older one is whole: after a Resume has loaded
+everything (reading every tensor against its checksum), the ranks agree that each read it whole; where any
+could not (a file missing, truncated, a flipped byte; the memory tier's copy as much as storage's), every rank
+falls back together to the next candidate: the same step from storage where it came from memory, then each
+older committed checkpoint of the folder, newest first. The log says which, and why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from . import groups, layout, say
+from .commit import CheckpointError
+
+
+def confirm(resume: Any) -> Any | None:
+    """`resume`'s training metadata once every rank has read one checkpoint whole (`Resume.confirm`).
+    Collective; raises CheckpointError, with the reasons, where none can be."""
+    reasons = _everyone(resume)
+    if not reasons:
+        return resume.metadata
+    tried = []
+    for folder, source in fallbacks(resume.folder, resume.source):
+        where = "memory" if resume.source is not None else "storage"
+        tried.append(f"step {resume.folder.name} from {where}: {reasons[0]}")
+        also = " (from storage)" if folder == resume.folder else ""
+        say.error(
+            f"checkpoint {resume.folder} could not be read whole ({'; '.join(reasons[:3])}); every rank "
+            f"falls back to {folder}{also}"
+        )
+        resume.reload(folder, None if source == folder else source)
+        reasons = _everyone(resume)
+        if not reasons:
+            say.info(f"resumed from {folder} instead of the newest checkpoint")
+            return resume.metadata
+    tried.append(f"step {resume.folder.name}: {reasons[0]}")
+    raise CheckpointError("no committed checkpoint could be read whole: " + "; ".join(tried))
+
+
+def _everyone(resume: Any) -> list[str]:
+    """Every rank's reasons (each prefixed by its rank), the same list on every rank."""
+    return [
+        f"rank {r}: {why}"
+        for r, mine in enumerate(groups.gather(resume.failures(), resume.pc))
+        for why in mine
+    ]
+
+
+def fallbacks(folder: Path, source: Path | None) -> list[tuple[Path, Path]]:
+    """The checkpoints to try after `folder` (read from `source`), newest first, as (folder, source): this one
+    from storage where it came from memory, then every older committed one of its checkpoints folder."""
+    out = [(folder, folder)] if source is not None and source != folder else []
+    older = [p for p in folder.parent.iterdir() if p.name.isdigit() and int(p.name) < int(folder.name)]
+    older = [p for p in older if layout.is_datastates_checkpoint(p)]
+    return out + [(p, p) for p in sorted(older, key=lambda p: int(p.name), reverse=True)]

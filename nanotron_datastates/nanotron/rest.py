@@ -1,0 +1,66 @@
+"""What a resume restores besides the weights and the optimizer state: the LR scheduler with the training
+metadata, and the random states, on the saved layout or another (reshard.py, layout.random_states_at)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..engine import DataStatesEngine
+from . import groups, layout, reshard, say, shards, states
+
+
+def load_scheduler(
+    engine: DataStatesEngine,
+    manifest: dict[str, Any],
+    folder: Path,
+    src: Path,
+    changed: dict[str, Any],
+    lr_scheduler: Any,
+    optimizer: Any,
+    model: Any,
+    pc: Any,
+) -> Any:
+    """Loads the LR scheduler's state from `src` (resharded where the layout `changed`); returns the training
+    metadata of the checkpoint in `folder` (Nanotron's `checkpoint_metadata.json`)."""
+    from nanotron.serialize.metadata import load_meta
+
+    # Unlike Nanotron's loader, no `_initial_step()` after this: it steps the schedule once more, so the
+    # resumed run would use the next step's learning rate. The optimizer's param groups, restored first,
+    # already hold the rate the original run would use now.
+    if changed:
+        lr_scheduler.load_state_dict(reshard.scheduler_state(engine, manifest, src, optimizer, model, pc))
+    else:
+        lr_scheduler.load_state_dict(engine.load(shards.lr_scheduler_file(pc, src)))
+    return load_meta(parallel_context=pc, root_folder=folder).metas
+
+
+def load_random_states(
+    engine: DataStatesEngine,
+    manifest: dict[str, Any],
+    src: Path,
+    changed: dict[str, Any],
+    random_states: Any,
+    pc: Any,
+) -> None:
+    """Restores this rank's random states in place (the model holds them), and the process's generators. On
+    another layout, a rank that did not exist takes those of the saved rank at its place (modulo the saved
+    sizes)."""
+    path = shards.random_states_path(pc, src)
+    listed = Path(os.path.relpath(path, src)).as_posix() in manifest["files"]
+    if not path.exists() and listed:
+        raise FileNotFoundError(f"{path}: listed in the checkpoint's manifest, missing")
+    if not path.exists() and changed:
+        path = src / "random" / layout.random_states_at(manifest, groups.place(pc))
+        say.info(
+            f"random states: this layout's ranks take those of the saved ranks at the same places, "
+            f"modulo the saved sizes (rank 0: {path.name})"
+        )
+    if not path.exists():
+        return
+    saved = engine.load(path, checksums=layout.file_checksums(manifest, src, path))
+    for key, value in saved["nanotron"].items():
+        random_states[key] = states.random_state_from_plain(value)
+    if "global" in saved:  # absent from checkpoints converted from Nanotron's layout
+        states.set_global_rng_state(saved["global"])
