@@ -57,6 +57,14 @@ run_step() {
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 80 --interval 40 \
         --restore-repeats "${RESTORE_REPEATS:-5}" \
         --modes torch,datastates,restore-torch,restore-datastates --work "$WORK/rp180" --out "$OUT/restore-pairs") ;;
+    restart-180m) # a worker SIGKILLed after a checkpoint and restarted by torchrun: from memory, against
+      # native's resume and the engine's from storage; the restored state compared bit for bit
+      (cd $B && python3 bench_restart.py all --model 180m --step 20 --work "$WORK/rs180" --out "$OUT/restart-180m" ${RESTART_ONLY:+--only $RESTART_ONLY}) ;;
+    restart-1b) (cd $B && python3 bench_restart.py all --model 1b --step 10 --cache-gib 16 --work "$WORK/rs1b" \
+      --out "$OUT/restart-1b" ${RESTART_ONLY:+--only $RESTART_ONLY}) ;;
+    tier-stall-180m) # the training stall with the memory tier on and off, one call
+      (cd $B && python3 bench_nanotron.py all --model 180m --steps 400 --interval 40 --modes datastates \
+        --variant tier:memory_tier=true --work "$WORK/ts180" --out "$OUT/tier-stall-180m") ;;
     stress-180m) # a checkpoint at every step, staged on the GPU: backpressure bounds the stall
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 60 --stress-steps 30 --modes stress \
         --work "$WORK/st180" --out "$OUT/stress-180m") ;;

@@ -1,0 +1,246 @@
+"""Restart from memory on real Nanotron (GPU): a worker killed after a checkpoint, restarted by torchrun.
+
+    python3 benchmarks/bench_restart.py all --model 180m --out DIR [--step 20]
+
+Each run is its own `torchrun` on one machine, in one call; the restore cost of a run is its time from the
+trainer's construction to the end of its first step, minus that of the run of the same engine built from
+scratch (Nanotron main's collect_env report and the restart's comparison left out):
+
+* `none`: built from scratch, first: it takes the machine's cold start;
+* `torch`, then `restore-torch`: Nanotron's own checkpoint at `--step`, resumed by a new run (its files
+  evicted from the page cache first);
+* `datastates`, then `restore-datastates`: the engine's, resumed from storage the same way;
+* `restart-memory`: one `torchrun --max-restarts 1` with `datastates.memory_tier: true`: the worker trains,
+  takes a synchronous copy of its whole state at `--step` (weights, optimizer with fp32 master weights,
+  scheduler, random states, metadata) as it asks for that checkpoint, and SIGKILLs itself once the checkpoint
+  is committed; torchrun starts it again, it resumes from the memory tier, compares its whole restored state
+  with that copy, bit for bit, and trains on.
+
+Writes DIR/bench_restart_<model>.json: each run's first step, the restores over scratch and their ratios,
+the comparison, the memory tier's size and each run's peak host memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _nanotron import REPO, book_dummy_tokens, load_run_train, write_config
+from bench_nanotron import MODELS, MemorySampler, make_cold
+from nanotron_proof import capture, compare
+
+EVERYTHING = ("weights", "optimizer", "lr_scheduler", "random", "global_rng", "metadata", "iteration_step")
+
+
+def run_phase(args: argparse.Namespace) -> None:
+    import torch
+
+    run_train = load_run_train()
+    import nanotron.trainer
+    from nanotron.trainer import DistributedTrainer
+
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    t_start = time.perf_counter()
+    rec: dict[str, Any] = {"mode": args.mode, "restart": restart, "marks": {}}
+    if restart > 0:  # what the memory tier holds as the worker starts again
+        rec["tier_at_restart"] = sorted(
+            str(p.relative_to(args.tier_path)) for p in Path(args.tier_path).rglob(".rank-*.json")
+        )
+    memory = MemorySampler()
+    report = getattr(nanotron.trainer, "log_libraries_versions", None)
+    if report is not None:  # Nanotron main's collect_env report: left out of the time to the first step
+
+        def timed_report(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return report(*a, **k)
+            finally:
+                rec["marks"]["library_report_s"] = time.perf_counter() - t
+
+        nanotron.trainer.log_libraries_versions = timed_report
+    reference = Path(args.work) / f"reference_{args.mode}.pt"
+
+    class Trainer(DistributedTrainer):
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            if getattr(self, "datastates", None) is not None:
+                self.datastates.observers.append(self._observe)
+
+        def save_checkpoint(self) -> Path:
+            book_dummy_tokens(self.metadata)
+            if args.kill and restart == 0 and self.iteration_step == args.step:
+                torch.cuda.synchronize()
+                torch.save(capture(self), reference)  # the state this checkpoint must bring back
+            return super().save_checkpoint()
+
+        def _observe(self, event: str, fields: dict[str, Any]) -> None:
+            if args.kill and restart == 0 and event == "committed" and fields["result"].step == args.step:
+                os.kill(os.getpid(), signal.SIGKILL)  # a crash, once the checkpoint is committed
+
+        def training_step(self, dataloader: Any) -> Any:
+            out = super().training_step(dataloader)
+            if "first_step_end_s" not in rec["marks"]:
+                torch.cuda.synchronize()
+                rec["marks"]["first_step_end_s"] = time.perf_counter() - t_start
+            return out
+
+    trainer = Trainer(args.config)
+    rec["init_s"] = time.perf_counter() - t_start
+    resume = getattr(trainer, "_ds_resume", None)
+    rec["resumed_from_memory"] = bool(resume is not None and resume.source is not None)
+    if args.kill and restart > 0:
+        t_compare = time.perf_counter()  # left out of the time to the first step, as the report above
+        ref = torch.load(reference, weights_only=False)
+        now = capture(trainer)
+        rec["compared"] = {}
+        for part in EVERYTHING:
+            n, diffs = compare(ref[part], now[part], part)
+            rec["compared"][part] = {"tensors": n, "differences": len(diffs), "first": diffs[:10]}
+        from nanotron_datastates.nanotron import tier
+
+        rec["tier"] = tier.jobs(args.tier_path)
+        rec["marks"]["compare_s"] = time.perf_counter() - t_compare
+    trainer.train(run_train.get_dataloader(trainer))
+    rec["memory"] = {**memory.stop(), "gpu_max_reserved_bytes": torch.cuda.max_memory_reserved()}
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(f"{args.record}.{restart}.json").write_text(json.dumps(rec))
+
+
+def first_step(rec: dict[str, Any]) -> float | None:
+    marks = rec.get("marks", {})
+    if "first_step_end_s" not in marks:
+        return None
+    return marks["first_step_end_s"] - marks.get("library_report_s", 0.0) - marks.get("compare_s", 0.0)
+
+
+def run_all(args: argparse.Namespace) -> int:
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    tier_path = str(work / "shm") if not args.tier_path else args.tier_path
+    shutil.rmtree(tier_path, ignore_errors=True)
+    n = args.step
+
+    def config(name: str, engine: str, steps: int, resume: str | None, tier: bool = False) -> Path:
+        ck = {"checkpoints_path": str(work / f"ckpt_{name}"), "checkpoint_interval": n,
+              "resume_checkpoint_path": resume}  # fmt: skip
+        ds = {"memory_tier": True, "memory_tier_path": tier_path} if tier else None
+        return write_config(work / f"{name}.yaml", engine=engine, checkpoints=ck, cache_gib=args.cache_gib,
+                            steps=steps, model=MODELS[args.model], run=name, datastates=ds)  # fmt: skip
+
+    ckpt = {m: str(work / f"ckpt_{m}") for m in ("torch", "datastates", "restart-memory")}
+    runs = [  # (name, config, stock Nanotron, extra torchrun flags, kills itself)
+        ("none", config("none", "torch", n + 2, None), True, [], False),
+        ("restart-memory", config("restart-memory", "datastates", n + 2, ckpt["restart-memory"], tier=True),
+         False, ["--max-restarts", "1"], True),
+        ("datastates", config("datastates", "datastates", n, None), False, [], False),
+        ("restore-datastates", config("restore-datastates", "datastates", n + 2, ckpt["datastates"]),
+         False, [], False),
+        ("torch", config("torch", "torch", n, None), True, [], False),
+        ("restore-torch", config("restore-torch", "torch", n + 2, ckpt["torch"]), True, [], False),
+    ]  # fmt: skip
+    only = set(args.only.split(",")) if args.only else None
+    records: dict[str, Any] = {}
+    for name, cfg, stock, flags, kill in runs:
+        if only is not None and name not in only:
+            continue
+        if name.startswith("restore-"):
+            records[f"{name}-cold"] = make_cold(Path(ckpt[name.split("-", 1)[1]]), "checkpoint")
+        record = work / f"{name}.record"
+        cmd = ["torchrun", "--nproc_per_node=1", *flags, __file__, "phase", "--mode", name]
+        cmd += ["--config", str(cfg), "--record", str(record), "--work", str(work), "--step", str(n)]
+        cmd += ["--tier-path", tier_path] + (["--kill"] if kill else [])
+        env = {**os.environ, **({"NANOTRON_DATASTATES_AUTOLOAD": "0"} if stock else {})}
+        t0 = time.perf_counter()
+        with open(out / f"{name}.log", "w") as f:
+            rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
+        incarnations = [json.loads(p.read_text()) for p in sorted(work.glob(f"{name}.record.*.json"))]
+        records[name] = {"rc": rc, "seconds": time.perf_counter() - t0, "runs": incarnations}
+        print(f"{name:20s} rc={rc} {records[name]['seconds']:6.1f} s", flush=True)
+        result = summarize(args, records)  # after each run: what ran is kept if the rest is cut short
+        (out / f"bench_restart_{args.model}.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in ("restore_over_scratch_s", "ratios", "compared")}, indent=1))
+    return 0 if all(r.get("rc") == 0 for r in records.values() if "rc" in r) and result["bitwise"] else 1
+
+
+def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, Any]:
+    def last(name: str) -> dict[str, Any]:
+        runs = records.get(name, {}).get("runs", [])
+        return runs[-1] if runs else {}
+
+    # Each restore against the run of the same engine built from scratch in the same call (the first run of
+    # a call also pays the machine's cold start: `none` runs first to take it).
+    restore = {}
+    for name, scratch_run in (
+        ("restore-torch", "torch"),
+        ("restore-datastates", "datastates"),
+        ("restart-memory", "datastates"),
+    ):
+        t, scratch = first_step(last(name)), first_step(last(scratch_run))
+        restore[name] = None if t is None or scratch is None else t - scratch
+    native = restore.get("restore-torch")
+    ratios = {
+        f"native_over_{k.split('-', 1)[1]}": native / v
+        for k, v in restore.items()
+        if k != "restore-torch" and native and v and v > 0
+    }
+    compared = last("restart-memory").get("compared", {})
+    bitwise = bool(compared) and all(c["differences"] == 0 for c in compared.values())
+    return {
+        "command": " ".join(sys.argv),
+        "model": args.model,
+        "step": args.step,
+        "first_step_end_s": {k: first_step(last(k)) for k in records if "runs" in records[k]},
+        "restore_over_scratch_s": restore,
+        "ratios": ratios,
+        "resumed_from_memory": last("restart-memory").get("resumed_from_memory"),
+        "compared": {
+            k: {"tensors": v["tensors"], "differences": v["differences"]} for k, v in compared.items()
+        },
+        "bitwise": bitwise,
+        "tier": last("restart-memory").get("tier"),
+        "memory": {k: last(k).get("memory") for k in records if "runs" in records[k]},
+        "records": records,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    a = sub.add_parser("all")
+    a.add_argument("--model", choices=sorted(MODELS), default="180m")
+    a.add_argument("--step", type=int, default=20, help="the checkpoint's step (default %(default)s)")
+    a.add_argument("--cache-gib", type=float, default=8.0, help="host cache, GiB (default %(default)s)")
+    a.add_argument("--out", required=True)
+    a.add_argument("--work", default="/tmp/ds_restart")
+    a.add_argument("--tier-path", default="/dev/shm/nanotron-datastates", help="(default %(default)s)")
+    a.add_argument("--only", default="", help="these runs only, comma-separated (restores need their save)")
+    sm = sub.add_parser("summarize", help="recompute a result file's summary from its records")
+    sm.add_argument("file")
+    ph = sub.add_parser("phase")
+    for flag in ("--mode", "--config", "--record", "--work", "--tier-path"):
+        ph.add_argument(flag, required=True)
+    ph.add_argument("--step", type=int, required=True)
+    ph.add_argument("--kill", action="store_true")
+    args = p.parse_args()
+    if args.what == "summarize":
+        path = Path(args.file)
+        old = json.loads(path.read_text())
+        args.model, args.step = old["model"], old["step"]
+        result = {**summarize(args, old["records"]), "command": old["command"]}
+        path.write_text(json.dumps(result, indent=1))
+        return 0
+    return run_all(args) if args.what == "all" else (run_phase(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
