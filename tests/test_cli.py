@@ -457,7 +457,7 @@ def test_piped_into_head_prints_no_broken_pipe(engine, tmp_path):
 def test_every_option_says_what_it_does_and_its_default(capsys):
     parser = cli._parser()
     (commands,) = [a for a in parser._actions if isinstance(a, type(parser._subparsers._group_actions[0]))]
-    assert set(commands.choices) == {"inspect", "verify", "convert", "bench", "plot"}
+    assert set(commands.choices) == {"inspect", "verify", "convert", "bench", "plot", "tier"}
     for name, sub in commands.choices.items():
         for action in sub._actions:
             if action.option_strings and action.dest != "help":
