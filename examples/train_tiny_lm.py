@@ -14,10 +14,14 @@ What this shows:
   The parent then checks that every loss after the resume point is bit-for-bit the one of the first run, and
   that both runs' final checkpoints hold identical tensors; it exits with status 1 if not.
 
-Run from the repository root::
+Run from the repository root, once the package is installed (``bash .ci/install``)::
 
-    PYTHONPATH=. python examples/train_tiny_lm.py            # ~300 steps, checkpoint every 50
-    PYTHONPATH=. python examples/train_tiny_lm.py --steps 100 --ckpt-every 25 --out /tmp/tiny_lm
+    python3 examples/train_tiny_lm.py            # 300 steps, a checkpoint every 50, into out/tiny_lm/
+    python3 examples/train_tiny_lm.py --steps 100 --ckpt-every 25 --out /tmp/tiny_lm
+
+Writes, under ``--out``: ``ckpt/step_000050.safetensors``, ... (one file per checkpoint) with
+``ckpt/datastates_telemetry.jsonl`` (one line per checkpoint: ``nanotron-datastates plot`` draws it), the
+resumed run's checkpoints in ``resume/``, and both runs' losses as JSON.
 
 The data is synthetic but learnable: each sequence is drawn from one of a few fixed sparse bigram "languages",
 so the model must learn the tables and infer from the context which one it is reading.
@@ -458,14 +462,34 @@ def run_all(args: argparse.Namespace, cfg: ModelConfig) -> int:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--ckpt-every", type=int, default=50)
-    p.add_argument("--out", default="out/tiny_lm", help="output directory; earlier outputs there are removed")
-    p.add_argument("--host-cache-gib", type=float, default=0.5)
-    p.add_argument("--threads", type=int, default=2, help="torch threads (the same in both processes)")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume-at", type=int, default=None, help="step to resume from (a checkpoint step)")
+    p.add_argument("--steps", type=int, default=300, help="training steps (default %(default)s)")
+    p.add_argument(
+        "--ckpt-every", type=int, default=50, help="steps between checkpoints (default %(default)s)"
+    )
+    p.add_argument(
+        "--out",
+        default="out/tiny_lm",
+        help="output folder; earlier outputs there are removed (default %(default)s)",
+    )
+    p.add_argument(
+        "--host-cache-gib", type=float, default=0.5, help="the engine's host cache, GiB (default %(default)s)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads, the same in both processes (default %(default)s)",
+    )
+    p.add_argument("--batch", type=int, default=16, help="sequences per step (default %(default)s)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the model, data and dropout (default %(default)s)"
+    )
+    p.add_argument(
+        "--resume-at",
+        type=int,
+        default=None,
+        help="the checkpoint step to resume from (default: the last at or before two thirds of the run)",
+    )
     p.add_argument("--phase", choices=("all", "resume"), default="all", help=argparse.SUPPRESS)
     p.add_argument("--resume-from", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
