@@ -176,7 +176,9 @@ def _parser() -> argparse.ArgumentParser:
         default="/dev/shm/nanotron-datastates",
         help="the memory tier's folder, as `datastates.memory_tier_path` sets it (default: %(default)s)",
     )
-    c.add_argument("--json", action="store_true", help="with list: print JSON instead of text (default: text)")
+    c.add_argument(
+        "--json", action="store_true", help="with list: print JSON instead of text (default: text)"
+    )
     c.set_defaults(func=cmd_tier)
     return p
 
