@@ -6,7 +6,7 @@ Each trial starts Nanotron's own `run_train.py` (the adapter loaded by its impor
 `--interval` steps, so that saves are always in flight; once the first checkpoint folder appears it waits a
 random 0.5-6 s and kills torchrun and its workers with SIGKILL. Then:
 
-* `checkpoint.verify` of the checkpoints folder: `latest.txt` names a committed checkpoint, and every
+* `verify.verify` of the checkpoints folder: `latest.txt` names a committed checkpoint, and every
   committed checkpoint is whole (every file of every rank present, sizes and CRC-32C as in its manifest);
 * every `.safetensors` file at a final path is a whole file (half-written ones only exist as temporaries);
 * a new run resumes from it (`resume_checkpoint_path` = the checkpoints folder) and trains 2 more steps.
@@ -32,7 +32,7 @@ from typing import Any
 from _nanotron import REPO, write_config
 
 from nanotron_datastates import format as fmt
-from nanotron_datastates.nanotron import checkpoint
+from nanotron_datastates.nanotron import checkpoint, verify
 
 
 def descendants(pid: int) -> list[int]:
@@ -91,7 +91,7 @@ def trial(i: int, args: argparse.Namespace, rng: random.Random) -> dict[str, Any
     out: dict[str, Any] = {"trial": i, "killed_after_first_checkpoint_s": delay, "alive_when_killed": alive}
     out["folders"] = [p.name for p in checkpoint.step_folders(ckpts)]
     out["temporaries"] = len(checkpoint.temporaries(ckpts))
-    report = checkpoint.verify(ckpts)
+    report = verify.verify(ckpts)
     out["latest"] = checkpoint.latest_step(ckpts)
     out["verify"] = {
         "ok": report.ok,

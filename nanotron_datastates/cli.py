@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .nanotron import checkpoint
+from .nanotron import checkpoint, verify
 
 EXIT_STATUS = "exit status: 0 all is well, 1 problems found or the command failed, 2 bad usage"
 TELEMETRY = "datastates_telemetry.jsonl"  # telemetry.FILE, without importing it for --help
@@ -316,7 +316,7 @@ def _file_text(info: dict[str, Any], tensors: bool) -> str:
 def cmd_verify(args: argparse.Namespace) -> int:
     if checkpoint.kind_of(args.path) not in checkpoint.KINDS:
         raise checkpoint.NotACheckpoint(checkpoint.explain(args.path))
-    report = checkpoint.verify(args.path)
+    report = verify.verify(args.path)
     if args.json:
         print(json.dumps(report.as_dict(), indent=1))
     else:
@@ -328,7 +328,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _verify_summary(r: checkpoint.Report) -> str:
+def _verify_summary(r: verify.Report) -> str:
     verdict = "OK" if r.ok else f"FAILED ({plural(len(r.problems), 'problem')})"
     files = plural(r.files_checked, "file") + " checked"
     if r.files_failed:

@@ -21,7 +21,7 @@ import yaml
 
 from nanotron_datastates import DataStatesEngine
 from nanotron_datastates.errors import ChecksumError
-from nanotron_datastates.nanotron import checkpoint, layout
+from nanotron_datastates.nanotron import layout, verify
 from nanotron_datastates.nanotron.convert import convert
 
 from helpers import same
@@ -129,7 +129,7 @@ def check_datastates(folder: Path, original: dict[str, Any], with_random: bool) 
     assert doc["step"] == STEP
     assert doc["topology"] == {"tp": 1, "pp": 1, "dp": 1, "cp": 1, "expert": 1, "zero_stage": 0}
     assert not list(folder.rglob("*.pt"))
-    report = checkpoint.verify(folder)
+    report = verify.verify(folder)
     if with_random:
         assert report.ok, report.problems
     else:  # only the random states, which this checkpoint never had, are missing
@@ -164,7 +164,7 @@ def check_torch(folder: Path, dstates: Path, original: dict[str, Any]) -> None:
     stock = folder.parent / "stock"
     for name in ("checkpoint_metadata.json", "model_config.json", "optimizer/optimizer_config.json"):
         assert (folder / name).read_bytes() == (stock / name).read_bytes()
-    report = checkpoint.verify(folder)
+    report = verify.verify(folder)
     assert report.ok, report.problems
 
 

@@ -16,7 +16,7 @@ import torch
 from cpu_ranks import launch
 from nanotron.serialize.metadata import CheckpointMetadata
 
-from nanotron_datastates.nanotron import checkpoint, layout
+from nanotron_datastates.nanotron import checkpoint, layout, verify
 from nanotron_datastates.nanotron.convert import convert
 
 HAS_CP = "cp" in {f.name for f in dataclasses.fields(CheckpointMetadata)}  # Nanotron from 2025-04 on
@@ -105,7 +105,7 @@ def test_convert_and_verify_keep_every_rank(run, tmp_path):
     doc = layout.read_manifest(ours)
     assert doc["topology"] == {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "expert": 1, "zero_stage": zero}
     assert sum(f.startswith("random/") for f in doc["files"]) == world
-    report = checkpoint.verify(ours)
+    report = verify.verify(ours)
     assert report.ok, report.problems
     assert checkpoint.describe_checkpoint(ours)["topology"]["cp"] == cp
 
@@ -121,7 +121,7 @@ def test_convert_and_verify_keep_every_rank(run, tmp_path):
     last = sorted(f for f in doc["files"] if f.startswith("random/"))[-1]
     del doc["files"][last]
     layout.write_atomic(ours / layout.MANIFEST, json.dumps(doc))
-    report = checkpoint.verify(ours)
+    report = verify.verify(ours)
     assert any("no file from rank" in p and last in p for p in report.problems), report.problems
     if cp > 1:
         assert any(f"cp={cp - 1}" in p for p in report.problems), report.problems
