@@ -1,8 +1,12 @@
-"""Resume never dies on a damaged newest checkpoint while an older one is whole: after a Resume has loaded
-everything (reading every tensor against its checksum), the ranks agree that each read it whole; where any
-could not (a file missing, truncated, a flipped byte; the memory tier's copy as much as storage's), every rank
-falls back together to the next candidate: the same step from storage where it came from memory, then each
-older committed checkpoint of the folder, newest first. The log says which, and why.
+"""Where a resume reads from, and what it falls back to.
+
+A restart reads the memory tier's copy of the checkpoint where every rank finds it whole there
+(`memory_copy`), else storage, and says why. It never dies on a damaged newest checkpoint while an older
+one is whole: after a Resume has loaded everything (reading every tensor against its checksum), the ranks
+agree that each read it whole (`confirm`); where any could not (a file missing, truncated, a flipped byte;
+the memory tier's copy as much as storage's), every rank falls back together to the next candidate: the
+same step from storage where it came from memory, then each older committed checkpoint of the folder,
+newest first. The log says which, and why.
 """
 
 from __future__ import annotations
@@ -10,8 +14,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import groups, layout, say
+from . import groups, layout, say, tier
 from .commit import CheckpointError
+
+
+def memory_copy(resume: Any, settings: Any) -> Path | None:
+    """The memory tier's copy of `resume`'s checkpoint where every rank finds it whole there, else None (the
+    log says which rank lacks it, and why). Collective."""
+    rank = groups.rank(resume.pc.world_pg)
+    reason = tier.why_not(settings, resume.folder, resume.manifest, rank)
+    reasons = groups.gather(reason, resume.pc)
+    step = resume.manifest.get("step")
+    if not any(reasons):
+        copy = tier.tier_copy(settings, resume.folder, resume.manifest, rank)
+        say.note(f"resuming step {step} from the memory tier ({copy})")
+        return copy
+    r, why = next((r, why) for r, why in enumerate(reasons) if why)
+    say.note(f"resuming step {step} from storage: the memory tier cannot serve it (rank {r}: {why})")
+    return None
 
 
 def confirm(resume: Any) -> Any | None:

@@ -8,7 +8,7 @@ a manifest (any other is left to Nanotron). The trainer mixin calls, in this ord
    it holds the checkpoint, and the small files into the page cache first. Never raises: whatever fails
    here, step 2 meets again and reports.
 2. `plan(config, pc, folder)`, in `pre_init`: whether this is ours to resume; where its files are read
-   (the memory tier, where every rank finds it whole there, else storage: tier.py); the files this rank
+   (the memory tier, where every rank finds it whole there, else storage: recovery.py); the files this rank
    reads, now with its place in the groups; the read-ahead of step 1 adopted if it reads exactly those files
    onto this device, else one started for them (prefetch.py). Nanotron's own loaders, which read pickles,
    are turned off (`load_optimizer`, `load_lr_scheduler`) until they are ours to honour.
@@ -157,7 +157,7 @@ class Resume:
         ck.load_optimizer = ck.load_lr_scheduler = False
         self._open(Path(folder))
         if section(config).trainer.memory_tier:
-            self._choose_tier(section(config).trainer)
+            self.source = recovery.memory_copy(self, section(config).trainer)
         reads, device = (self.files() if not self._failures else None), self._device
         if reads is None or device is None:
             self._drop_prefetch(report=False)
@@ -175,19 +175,6 @@ class Resume:
         if reads.weights or reads.optimizer is not None:
             self.prefetch = self._read_ahead(self.manifest, self._src(), reads, device)
         return True
-
-    def _choose_tier(self, settings: Any) -> None:
-        """Reads from the memory tier where every rank finds the checkpoint whole there; else says why not."""
-        rank = groups.rank(self._pc.world_pg)
-        reason = tier.why_not(settings, self._root(), self.manifest, rank)
-        reasons = groups.gather(reason, self._pc)
-        step = self.manifest.get("step")
-        if not any(reasons):
-            self.source = tier.tier_copy(settings, self._root(), self.manifest, rank)
-            say.note(f"resuming step {step} from the memory tier ({self.source})")
-            return
-        r, why = next((r, why) for r, why in enumerate(reasons) if why)
-        say.note(f"resuming step {step} from storage: the memory tier cannot serve it (rank {r}: {why})")
 
     def _open(self, folder: Path, source: Path | None = None) -> None:
         """Takes `folder` as the checkpoint to resume (its files read from `source`, default the folder)."""
