@@ -180,7 +180,8 @@ NB_MODULE(_core, m) {
       .def(
           "__init__",
           [](ds::Engine* self, std::size_t cache_bytes, std::size_t chunk_bytes, int pin_device,
-             bool huge_pages, unsigned parser_threads, unsigned copy_threads, unsigned flush_threads,
+             bool huge_pages, unsigned parser_threads, unsigned copy_threads, unsigned host_copy_threads,
+             unsigned flush_threads,
              unsigned queue_depth, std::size_t read_bytes, const std::string& io_backend, bool direct_io,
              bool fsync, bool checksums) {
             ds::EngineOptions o;
@@ -190,6 +191,7 @@ NB_MODULE(_core, m) {
             o.huge_pages = huge_pages;
             o.parser_threads = parser_threads;
             o.copy_threads = copy_threads;
+            o.host_copy_threads = host_copy_threads;
             o.flush_threads = flush_threads;
             o.queue_depth = queue_depth;
             o.read_bytes = read_bytes;
@@ -199,7 +201,7 @@ NB_MODULE(_core, m) {
             new (self) ds::Engine(o);
           },
           "cache_bytes"_a, "chunk_bytes"_a, "pin_device"_a, "huge_pages"_a, "parser_threads"_a,
-          "copy_threads"_a, "flush_threads"_a, "queue_depth"_a, "read_bytes"_a, "io_backend"_a, "direct_io"_a,
+          "copy_threads"_a, "host_copy_threads"_a, "flush_threads"_a, "queue_depth"_a, "read_bytes"_a, "io_backend"_a, "direct_io"_a,
           "fsync"_a, "checksums"_a)
       .def(
           "save_many",

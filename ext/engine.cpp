@@ -7,7 +7,8 @@ Engine::Engine(const EngineOptions& opts)
       cache_(
           std::make_unique<HostCache>(opts.cache_bytes, opts.chunk_bytes, opts.pin_device, opts.huge_pages)),
       parsers_(opts.parser_threads),
-      copiers_(opts.copy_threads) {
+      copiers_(opts.copy_threads),
+      host_copiers_(opts.host_copy_threads) {
   pinned_ = cache_->pinned();
   pin_error_ = cache_->pin_error();
   if (opts_.io_backend != "pwrite") {
@@ -19,6 +20,7 @@ Engine::Engine(const EngineOptions& opts)
         if (opts_.io_backend == "io_uring") {
           parsers_.stop();
           copiers_.stop();
+          host_copiers_.stop();
           throw ErrorException(Error::value("io_backend='io_uring' but io_uring is refused here: " + why));
         }
         fallback_reason_ = why;
@@ -70,7 +72,7 @@ std::vector<std::shared_ptr<SaveJob>> Engine::save_many(
   }
   for (const auto& job : jobs) {
     job->start();
-    copiers_.submit([this, job] { run_plan(job); });
+    copiers_for(*job).submit([this, job] { run_plan(job); });
   }
   return jobs;
 }
@@ -86,7 +88,12 @@ std::shared_ptr<SaveJob> Engine::save(std::string path, std::vector<TensorSrc> t
 void Engine::run_plan(const std::shared_ptr<SaveJob>& job) {
   const SaveJob::Planned p = job->plan();
   if (p.first_op) next_flusher()->submit(p.first_op);
-  for (std::size_t i = 0; i < p.pieces; ++i) copiers_.submit([this, job, i] { run_piece(job, i); });
+  TaskPool& pool = copiers_for(*job);
+  for (std::size_t i = 0; i < p.pieces; ++i) pool.submit([this, job, i] { run_piece(job, i); });
+}
+
+TaskPool& Engine::copiers_for(const SaveJob& job) {
+  return job.on_device() ? copiers_ : host_copiers_;
 }
 
 void Engine::run_piece(const std::shared_ptr<SaveJob>& job, std::size_t i) {
@@ -163,6 +170,7 @@ void Engine::close() {
   }
   wait_idle(-1);
   copiers_.stop();
+  host_copiers_.stop();
   parsers_.stop();
   for (auto& f : flushers_) f->stop();
   cache_.reset();  // unpins and unmaps: a closed engine holds no memory

@@ -26,7 +26,8 @@ struct EngineOptions {
   int pin_device = -1;          // CUDA ordinal whose context pins the cache; -1: do not pin
   bool huge_pages = true;       // back the cache with transparent huge pages where the kernel allows
   unsigned parser_threads = 2;  // restores
-  unsigned copy_threads = 1;    // saves: plan and copy into the cache
+  unsigned copy_threads = 1;       // saves of GPU tensors: plan and issue the copies into the cache
+  unsigned host_copy_threads = 1;  // saves of host tensors: plan and memcpy into the cache
   unsigned flush_threads = 2;
   unsigned queue_depth = 16;
   std::size_t read_bytes = std::size_t{16} << 20;
@@ -93,6 +94,7 @@ class Engine final : public JobObserver {
   void run_plan(const std::shared_ptr<SaveJob>& job);
   void run_piece(const std::shared_ptr<SaveJob>& job, std::size_t i);
   FlushWorker* next_flusher();
+  TaskPool& copiers_for(const SaveJob& job);
 
   EngineOptions opts_;
   std::unique_ptr<HostCache> cache_;
@@ -103,7 +105,8 @@ class Engine final : public JobObserver {
   std::vector<std::unique_ptr<FlushWorker>> flushers_;
   std::atomic<std::size_t> rr_{0};
   TaskPool parsers_;
-  TaskPool copiers_;
+  TaskPool copiers_;       // saves with any GPU tensor: the copy engine moves the bytes
+  TaskPool host_copiers_;  // saves of host tensors only: the threads move the bytes
 
   std::mutex close_mu_;  // serializes close()
   std::mutex mu_;

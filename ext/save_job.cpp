@@ -64,6 +64,7 @@ SaveJob::SaveJob(std::string path, std::vector<TensorSrc> tensors, Metadata meta
       observer_(observer),
       events_(std::move(events)) {
   stats_.t_submit_ns = now_ns();
+  for (const TensorSrc& t : tensors_) on_device_ = on_device_ || t.device >= 0;
 }
 
 SaveJob::~SaveJob() {

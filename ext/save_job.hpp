@@ -81,6 +81,8 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   Planned plan();
 
   bool failed() const { return failed_.load(std::memory_order_acquire); }
+  // Whether any tensor lies in GPU memory (its copies are the copy engine's, not the calling thread's).
+  bool on_device() const { return on_device_; }
   // Copies piece i into `chunk`; returns its write op, or nullptr after a failure (chunk released, counted).
   IoOp* copy_piece(std::size_t i, char* chunk, PieceCopier& copier);
   // A piece not copied because the job had failed already.
@@ -128,6 +130,7 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   std::string tmp_path_;
   std::string dir_;
   std::vector<TensorSrc> tensors_;
+  bool on_device_ = false;
   Metadata metadata_;
   const SaveOptions opts_;
   const bool embed_checksums_;

@@ -80,7 +80,7 @@ class DataStatesConfig(Settings):
     RANGES = {
         "host_cache_size": (1 / 1024, 1 << 20, "expected GiB in [1/1024, 2**20]"),
         "parser_threads": (1, 256, "expected an integer in [1, 256]"),
-        "copy_threads": (1, 256, "expected an integer in [1, 256]"),
+        "copy_threads": (0, 256, "expected an integer in [0, 256] (0: automatic)"),
         "flush_threads": (1, 64, "expected an integer in [1, 64]"),
         "queue_depth": (1, 1024, "expected an integer in [1, 1024]"),
         "chunk_size": (1, 4096, "expected MiB in [1, 4096] (an integer)"),
@@ -95,10 +95,11 @@ class DataStatesConfig(Settings):
     parser_threads: int = 4
     """Threads that read, parse and verify on restore. Restores wait on the disk, so more threads than cores
     still help (measured on 2 cores: 4 threads beat 2)."""
-    copy_threads: int = 1
-    """Threads that serialize on save: plan each file and copy its tensors into the cache. One suffices for
-    GPU tensors, whose bytes the copy engine moves (on the H100, four threads issuing copies slowed the
-    training steps around a checkpoint: benchmarks/NOTES.md); more speed up saves of CPU tensors."""
+    copy_threads: int = 0
+    """Threads that serialize on save: plan each file and copy its tensors into the cache. 0 (automatic):
+    one for a file with GPU tensors, whose bytes the copy engine moves (on the H100, four threads issuing
+    copies slowed the training steps around a checkpoint: benchmarks/NOTES.md), and up to 4 (one per core)
+    for a file of host tensors, whose bytes the threads move themselves. N: N for both."""
     pin_host_cache: bool = True
     """Page-lock the cache for DMA from GPUs (fast device-to-host copies). Ignored without a GPU."""
     huge_pages: bool = True

@@ -18,7 +18,7 @@ def test_defaults_are_valid_and_sized():
 BAD = {
     "host_cache_size": [0, -1.0, "2", True, 1e9],
     "parser_threads": [0, 1.5, 257, "4"],
-    "copy_threads": [0, 2.0, 257, None],
+    "copy_threads": [-1, 2.0, 257, None],
     "pin_host_cache": ["yes", 1],
     "huge_pages": ["on", 0],
     "flush_threads": [0, 65],
@@ -41,7 +41,7 @@ BAD = {
 ACCEPTS = {
     "host_cache_size": "[1/1024, 2**20]",
     "parser_threads": "[1, 256]",
-    "copy_threads": "[1, 256]",
+    "copy_threads": "[0, 256]",
     "flush_threads": "[1, 64]",
     "queue_depth": "[1, 1024]",
     "chunk_size": "[1, 4096]",
