@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -71,3 +72,23 @@ def book_dummy_tokens(metadata: Any) -> None:
     folders = metadata.data_stages[0].consumed_tokens_per_dataset_folder
     if not folders or set(folders) == {"dummy"}:
         folders["dummy"] = total
+
+
+def time_library_report(marks: dict[str, float]) -> None:
+    """Times Nanotron main's collect_env report (2-5 s of subprocesses while the trainer is constructed,
+    varying from run to run) into `marks["library_report_s"]`, to be left out of the time to the first
+    step. Nanotron without that report is left as it is."""
+    import nanotron.trainer
+
+    report = getattr(nanotron.trainer, "log_libraries_versions", None)
+    if report is None:
+        return
+
+    def timed_report(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return report(*a, **k)
+        finally:
+            marks["library_report_s"] = time.perf_counter() - t
+
+    nanotron.trainer.log_libraries_versions = timed_report

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import evict, resident_bytes
-from _nanotron import REPO, book_dummy_tokens, load_run_train, write_config
+from _nanotron import REPO, book_dummy_tokens, load_run_train, time_library_report, write_config
 
 MODELS: dict[str, dict[str, Any]] = {
     "180m": {},  # the example config's model
@@ -78,7 +78,6 @@ def run_phase(args: argparse.Namespace) -> None:
     import torch
 
     run_train = load_run_train()
-    import nanotron.trainer
     from nanotron.trainer import DistributedTrainer
 
     t_start = time.perf_counter()
@@ -86,17 +85,7 @@ def run_phase(args: argparse.Namespace) -> None:
     rec["commits"], rec["dcp"], rec["losses"], rec["queues"] = [], [], [], []
     rec["marks"] = {}  # seconds after t_start at which the set-up's phases ended
     memory = MemorySampler()
-    report = getattr(nanotron.trainer, "log_libraries_versions", None)
-    if report is not None:  # Nanotron main: its collect_env report, timed to be left out of the set-up
-
-        def timed_report(*a: Any, **k: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return report(*a, **k)
-            finally:
-                rec["marks"]["library_report_s"] = time.perf_counter() - t
-
-        nanotron.trainer.log_libraries_versions = timed_report
+    time_library_report(rec["marks"])
 
     engine_time = [0.0]  # seconds in the engine's plan, save and save_plan (planning + queuing), summed
     split = {"plan": 0.0, "prepare": 0.0}  # seconds planning and staging, summed (datastates modes)

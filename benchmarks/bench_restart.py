@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _nanotron import REPO, book_dummy_tokens, load_run_train, write_config
+from _nanotron import REPO, book_dummy_tokens, load_run_train, time_library_report, write_config
 from bench_nanotron import MODELS, MemorySampler, make_cold
 from nanotron_proof import capture, compare
 
@@ -44,7 +44,6 @@ def run_phase(args: argparse.Namespace) -> None:
     import torch
 
     run_train = load_run_train()
-    import nanotron.trainer
     from nanotron.trainer import DistributedTrainer
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -55,17 +54,7 @@ def run_phase(args: argparse.Namespace) -> None:
             str(p.relative_to(args.tier_path)) for p in Path(args.tier_path).rglob(".rank-*.json")
         )
     memory = MemorySampler()
-    report = getattr(nanotron.trainer, "log_libraries_versions", None)
-    if report is not None:  # Nanotron main's collect_env report: left out of the time to the first step
-
-        def timed_report(*a: Any, **k: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return report(*a, **k)
-            finally:
-                rec["marks"]["library_report_s"] = time.perf_counter() - t
-
-        nanotron.trainer.log_libraries_versions = timed_report
+    time_library_report(rec["marks"])
     reference = Path(args.work) / f"reference_{args.mode}.pt"
 
     class Trainer(DistributedTrainer):
