@@ -10,6 +10,11 @@ What is measured (each `--repeat` times, after one warm-up save; medians and eve
   the cold loads of those files with ``torch.load`` and ``safetensors.torch.load_file``. A load counts until
   its data is in memory: safetensors returns tensors that map the file, so one byte per page is touched
   (for every loader alike; the time until the call returned is kept too);
+* DCP, as a user of ``torch.distributed.checkpoint`` would save the same state (one gloo process): its
+  ``async_save`` with the default stager, and in its zero-overhead configuration (torch >= 2.9: a reused
+  ``DefaultStager`` with shared-memory, asynchronous staging, the checkpoint process writing; pinned
+  memory only where CUDA is there): *blocking* = the call plus the wait for its staging, *persisted* = until
+  its upload completes (its writer fsyncs);
 * ceilings: ``dd if=/dev/zero bs=64M oflag=direct`` with 1, 2 and 4 parallel streams (separate files; the
   best aggregate is the write ceiling, since the engine keeps several writes in flight), then a cold
   ``dd iflag=direct`` read of the same files;
@@ -25,9 +30,9 @@ torch.save + fsync; cold restore >= 1.5x faster than safetensors (on CPU, and on
 
 Run (root, for drop_caches; otherwise cold reads fall back to per-file fadvise, or use --no-drop-caches)::
 
-    cd /work/main && PYTHONPATH=. python3 benchmarks/bench_engine.py                 # 1 GiB, 3 repeats
-    PYTHONPATH=. python3 benchmarks/bench_engine.py --size-gib 0.25 --repeat 1       # quick check
-    PYTHONPATH=. python3 benchmarks/bench_engine.py --flush-threads 4 --queue-depth 16 --out /tmp/t.json
+    python3 benchmarks/bench_engine.py                                   # 1 GiB, 3 repeats
+    python3 benchmarks/bench_engine.py --size-gib 0.25 --repeat 1        # quick check
+    python3 benchmarks/bench_engine.py --flush-threads 4 --queue-depth 16 --out /tmp/t.json
 
 Results go to ``--out`` as JSON (host, versions, config, state, raw values, medians, ratios, verdicts); a
 table is printed at the end. Throughputs are in GB/s (1e9 bytes/s), as dd prints them.
@@ -175,6 +180,72 @@ def engine_save(
         "cache_wait_s": cache["wait_ns"] / 1e9,  # backpressure: copies waiting for a free chunk
         "cache_high_water_chunks": cache["high_water"],
     }
+
+
+class DcpSaver:
+    """DCP's `async_save` in one gloo process: `save(state, folder, zero_overhead)` returns one repeat's raw
+    values. The zero-overhead stager is made once and reused, as torchtitan does (see bench_nanotron.py's
+    `dcp_zero_overhead_stager` for torch 2.11's stager, which closes itself after each staging)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.setdefault("DCP_USE_PREFIX_STORE", "1")
+        self._own_group = not dist.is_initialized()
+        if self._own_group:
+            dist.init_process_group("gloo", rank=0, world_size=1)
+        self._stager: Any = None
+
+    def save(self, state: dict[str, torch.Tensor], folder: Path, zero_overhead: bool) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+
+        shutil.rmtree(folder, ignore_errors=True)
+        t0 = time.perf_counter()
+        if not zero_overhead:
+            future = dcp.async_save(state, checkpoint_id=str(folder))
+            t_call = t_staged = time.perf_counter()
+        else:
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            response = dcp.async_save(
+                state,
+                checkpoint_id=str(folder),
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                async_stager=self.stager(),
+            )
+            t_call = time.perf_counter()
+            response.staging_completion.result()
+            t_staged = time.perf_counter()
+            future = response.upload_completion
+        future.result()
+        t_done = time.perf_counter()
+        return {"call_s": t_call - t0, "blocking_s": t_staged - t0, "persisted_s": t_done - t0}
+
+    def stager(self) -> Any:
+        if self._stager is None:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from bench_nanotron import dcp_zero_overhead_stager
+
+            self._stager = dcp_zero_overhead_stager(pinned=torch.cuda.is_available())
+        return self._stager
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self._stager is not None:
+            self._stager.close()
+        if self._own_group:
+            dist.destroy_process_group()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def make_resident(state: dict[str, torch.Tensor]) -> None:
@@ -343,8 +414,9 @@ def run_cpu(
     keys = ("engine_save", "engine_shm_save", "dd_shm_write", "dd", "verified")
     raw: dict[str, list[Any]] = {k: [] for k in keys}
     if not args.skip_baselines:
-        raw.update({k: [] for k in ("torch_save", "safetensors_save")})
+        raw.update({k: [] for k in ("torch_save", "safetensors_save", "dcp_save", "dcp_zo_save")})
     shm = Path(tempfile.mkdtemp(prefix="bench_engine_", dir=SHM_DIR)) if shm_fits(nbytes) else None
+    dcp = DcpSaver() if not args.skip_baselines else None
     try:
         for r in range(args.repeat):
             print(f"repeat {r + 1}/{args.repeat}: engine", flush=True)
@@ -363,6 +435,11 @@ def run_cpu(
                 raw["torch_save"].append(torch_save_fsync(state, workdir / "torch.pt"))
                 st_path = workdir / "safetensors.safetensors"
                 raw["safetensors_save"].append(safetensors_save_fsync(state, st_path))
+            if dcp is not None:
+                print(f"repeat {r + 1}/{args.repeat}: DCP async_save, default and zero-overhead", flush=True)
+                raw["dcp_save"].append(dcp.save(state, workdir / "dcp", zero_overhead=False))
+                raw["dcp_zo_save"].append(dcp.save(state, workdir / "dcp", zero_overhead=True))
+                shutil.rmtree(workdir / "dcp", ignore_errors=True)
 
             print(f"repeat {r + 1}/{args.repeat}: dd", flush=True)
             raw["dd"].append([dd_write_read(workdir, nbytes, s, dropper) for s in DD_STREAMS])
@@ -381,6 +458,8 @@ def run_cpu(
     finally:
         if shm is not None:
             shutil.rmtree(shm, ignore_errors=True)
+        if dcp is not None:
+            dcp.close()
     if shm is None:
         raw["shm_skipped"] = f"not enough free space in {SHM_DIR}"
     return raw
@@ -462,6 +541,9 @@ def summarize_cpu(raw: dict[str, Any], nbytes: int) -> tuple[dict[str, Any], dic
     med["engine_shm_persisted_s"] = summarize(field("engine_shm_save", "persisted_s"))
     for key in ("torch", "safetensors"):
         med[f"{key}_save_fsync_s"] = summarize(field(f"{key}_save", "persisted_s"))
+    for key in ("dcp", "dcp_zo"):
+        med[f"{key}_blocking_s"] = summarize(field(f"{key}_save", "blocking_s"))
+        med[f"{key}_persisted_s"] = summarize(field(f"{key}_save", "persisted_s"))
     for key in ("engine_restore_s", "torch_load_s", "safetensors_load_s"):
         med[key] = summarize(raw.get(key, []))
         med[key + "_returned"] = summarize(raw.get(key + "_returned", []))
@@ -498,6 +580,8 @@ def summarize_cpu(raw: dict[str, Any], nbytes: int) -> tuple[dict[str, Any], dic
         "persisted_speedup_vs_torch_save": ratio(m["torch_save_fsync_s"], m["engine_persisted_s"]),
         "restore_speedup_vs_safetensors": ratio(m["safetensors_load_s"], m["engine_restore_s"]),
         "restore_speedup_vs_torch_load": ratio(m["torch_load_s"], m["engine_restore_s"]),
+        "blocking_vs_dcp_zo": ratio(m["engine_blocking_s"], m["dcp_zo_blocking_s"]),
+        "persisted_speedup_vs_dcp_zo": ratio(m["dcp_zo_persisted_s"], m["engine_persisted_s"]),
     }
     goals = [
         goal(
@@ -586,6 +670,10 @@ def print_report(result: dict[str, Any]) -> None:
             "engine_shm_persisted_s": "engine -> /dev/shm persisted",
             "torch_save_fsync_s": "torch.save + fsync",
             "safetensors_save_fsync_s": "safetensors save_file + fsync",
+            "dcp_blocking_s": "DCP async_save: blocking",
+            "dcp_persisted_s": "DCP async_save: persisted",
+            "dcp_zo_blocking_s": "DCP zero-overhead: blocking (staged)",
+            "dcp_zo_persisted_s": "DCP zero-overhead: persisted",
             "torch_load_s": "torch.load (cold)",
             "safetensors_load_s": "safetensors load_file (cold, resident)",
             "safetensors_load_s_returned": "  of which until load_file returned",

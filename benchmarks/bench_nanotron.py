@@ -289,8 +289,9 @@ def run_phase(args: argparse.Namespace) -> None:
         Path(args.record).write_text(json.dumps(rec))
 
 
-def dcp_zero_overhead_stager() -> Any:
-    """DCP's stager in its zero-overhead configuration, made once and reused for every save.
+def dcp_zero_overhead_stager(pinned: bool = True) -> Any:
+    """DCP's stager in its zero-overhead configuration, made once and reused for every save (`pinned`:
+    page-locked staging and non-blocking copies, for GPU state; host state is staged into shared memory only).
 
     torch 2.11's `DefaultStager._stage` closes its StateDictStager after each staging (pytorch/pytorch#183413,
     a fix of a leak): `close` empties the copier table, so the second save fails with `KeyError: <class
@@ -306,7 +307,7 @@ def dcp_zero_overhead_stager() -> Any:
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     options = StagingOptions(
-        use_pinned_memory=True, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=True
+        use_pinned_memory=pinned, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=pinned
     )
     stager = DefaultStager(options)
     if "_state_dict_stager.close()" in inspect.getsource(DefaultStager._stage):
