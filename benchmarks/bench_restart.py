@@ -1,6 +1,6 @@
 """Restart from memory on real Nanotron (GPU): a worker killed after a checkpoint, restarted by torchrun.
 
-    python3 benchmarks/bench_restart.py all --model 180m --out DIR [--step 20]
+    python3 benchmarks/bench_restart.py all --model 180m --out DIR [--step 20] [--dp 2 --zero 1]
 
 Each run is its own `torchrun` on one machine, in one call; the restore cost of a run is its time from the
 trainer's construction to the end of its first step, minus that of the run of the same engine built from
@@ -15,6 +15,9 @@ scratch (Nanotron main's collect_env report and the restart's comparison left ou
   scheduler, random states, metadata) as it asks for that checkpoint, and SIGKILLs itself once the checkpoint
   is committed; torchrun starts it again, it resumes from the memory tier, compares its whole restored state
   with that copy, bit for bit, and trains on.
+
+With `--dp N`, every run is N data-parallel workers (`--zero 1`: optimizer shards per rank); each compares its
+own state with its own copy, and all must resume from memory for `restart-memory` to count as from memory.
 
 Writes DIR/bench_restart_<model>.json: each run's first step, the restores over scratch and their ratios,
 the comparison, the memory tier's size and each run's peak host memory.
@@ -55,7 +58,8 @@ def run_phase(args: argparse.Namespace) -> None:
         )
     memory = MemorySampler()
     time_library_report(rec["marks"])
-    reference = Path(args.work) / f"reference_{args.mode}.pt"
+    rank = int(os.environ.get("RANK", "0"))
+    reference = Path(args.work) / f"reference_{args.mode}_rank{rank}.pt"
 
     class Trainer(DistributedTrainer):
         def __init__(self, *a: Any, **k: Any) -> None:
@@ -84,7 +88,11 @@ def run_phase(args: argparse.Namespace) -> None:
     trainer = Trainer(args.config)
     rec["init_s"] = time.perf_counter() - t_start
     resume = getattr(trainer, "_ds_resume", None)
-    rec["resumed_from_memory"] = bool(resume is not None and resume.source is not None)
+    here = bool(resume is not None and resume.source is not None)
+    from_memory = [here] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(from_memory, here)
+    rec["resumed_from_memory"] = all(from_memory)
+    rec["ranks_from_memory"] = sum(from_memory)
     if args.kill and restart > 0:
         t_compare = time.perf_counter()  # left out of the time to the first step, as the report above
         ref = torch.load(reference, weights_only=False)
@@ -93,14 +101,33 @@ def run_phase(args: argparse.Namespace) -> None:
         for part in EVERYTHING:
             n, diffs = compare(ref[part], now[part], part)
             rec["compared"][part] = {"tensors": n, "differences": len(diffs), "first": diffs[:10]}
+        rec["compared"] = every_rank(rec["compared"])
         from nanotron_datastates.nanotron import tier
 
         rec["tier"] = tier.jobs(args.tier_path)
         rec["marks"]["compare_s"] = time.perf_counter() - t_compare
     trainer.train(run_train.get_dataloader(trainer))
     rec["memory"] = {**memory.stop(), "gpu_max_reserved_bytes": torch.cuda.max_memory_reserved()}
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank == 0:
         Path(f"{args.record}.{restart}.json").write_text(json.dumps(rec))
+
+
+def every_rank(compared: dict[str, Any]) -> dict[str, Any]:
+    """Each part's comparison summed over the ranks (each compares its own state with its own copy)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return compared
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, compared)
+    return {
+        part: {
+            "tensors": sum(e[part]["tensors"] for e in everyone),
+            "differences": sum(e[part]["differences"] for e in everyone),
+            "first": [d for e in everyone for d in e[part]["first"]][:10],
+        }
+        for part in compared
+    }
 
 
 def first_step(rec: dict[str, Any]) -> float | None:
@@ -124,7 +151,8 @@ def run_all(args: argparse.Namespace) -> int:
               "resume_checkpoint_path": resume}  # fmt: skip
         ds = {"memory_tier": True, "memory_tier_path": tier_path} if tier else None
         return write_config(work / f"{name}.yaml", engine=engine, checkpoints=ck, cache_gib=args.cache_gib,
-                            steps=steps, model=MODELS[args.model], run=name, datastates=ds)  # fmt: skip
+                            steps=steps, model=MODELS[args.model], run=name, datastates=ds,
+                            parallelism={"dp": args.dp}, zero=args.zero)  # fmt: skip
 
     ckpt = {m: str(work / f"ckpt_{m}") for m in ("torch", "datastates", "restart-memory")}
     runs = [  # (name, config, stock Nanotron, extra torchrun flags, kills itself)
@@ -145,7 +173,7 @@ def run_all(args: argparse.Namespace) -> int:
         if name.startswith("restore-"):
             records[f"{name}-cold"] = make_cold(Path(ckpt[name.split("-", 1)[1]]), "checkpoint")
         record = work / f"{name}.record"
-        cmd = ["torchrun", "--nproc_per_node=1", *flags, __file__, "phase", "--mode", name]
+        cmd = ["torchrun", f"--nproc_per_node={args.dp}", *flags, __file__, "phase", "--mode", name]
         cmd += ["--config", str(cfg), "--record", str(record), "--work", str(work), "--step", str(n)]
         cmd += ["--tier-path", tier_path] + (["--kill"] if kill else [])
         env = {**os.environ, **({"NANOTRON_DATASTATES_AUTOLOAD": "0"} if stock else {})}
@@ -188,10 +216,13 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         "command": " ".join(sys.argv),
         "model": args.model,
         "step": args.step,
+        "dp": args.dp,
+        "zero_stage": args.zero,
         "first_step_end_s": {k: first_step(last(k)) for k in records if "runs" in records[k]},
         "restore_over_scratch_s": restore,
         "ratios": ratios,
         "resumed_from_memory": last("restart-memory").get("resumed_from_memory"),
+        "ranks_from_memory": last("restart-memory").get("ranks_from_memory"),
         "compared": {
             k: {"tensors": v["tensors"], "differences": v["differences"]} for k, v in compared.items()
         },
@@ -209,6 +240,8 @@ def main() -> int:
     a.add_argument("--model", choices=sorted(MODELS), default="180m")
     a.add_argument("--step", type=int, default=20, help="the checkpoint's step (default %(default)s)")
     a.add_argument("--cache-gib", type=float, default=8.0, help="host cache, GiB (default %(default)s)")
+    a.add_argument("--dp", type=int, default=1, help="data-parallel GPUs (default %(default)s)")
+    a.add_argument("--zero", type=int, default=0, help="ZeRO stage (default %(default)s)")
     a.add_argument("--out", required=True)
     a.add_argument("--work", default="/tmp/ds_restart")
     a.add_argument("--tier-path", default="/dev/shm/nanotron-datastates", help="(default %(default)s)")
@@ -225,6 +258,7 @@ def main() -> int:
         path = Path(args.file)
         old = json.loads(path.read_text())
         args.model, args.step = old["model"], old["step"]
+        args.dp, args.zero = old.get("dp", 1), old.get("zero_stage", 0)
         result = {**summarize(args, old["records"]), "command": old["command"]}
         path.write_text(json.dumps(result, indent=1))
         return 0

@@ -1,6 +1,6 @@
 """Proof on real Nanotron (GPU machine): train, checkpoint, resume, and read checkpoints across engines.
 
-    python3 benchmarks/nanotron_proof.py all --gpus 1 --out DIR [--tp 1 --dp 1 --pp 1 --zero 0]
+    python3 benchmarks/nanotron_proof.py all --gpus 1 --out DIR [--tp 1 --dp 1 --pp 1 --cp 1 --zero 0]
 
 runs each phase below as its own `torchrun` (fresh processes, as a restart is) and writes DIR/summary.json:
 
@@ -60,6 +60,8 @@ def make_config(
         "load_lr_scheduler": load_optimizer,
     }
     parallelism = {"tp": args.tp, "dp": args.dp, "pp": args.pp}
+    if args.cp > 1:  # Nanotron main only
+        parallelism["context_parallel_size"] = args.cp
     path = args.work / f"{name}.yaml"
     return write_config(
         path,
@@ -279,6 +281,7 @@ def main() -> int:
     a.add_argument("--tp", type=int, default=1)
     a.add_argument("--dp", type=int, default=1)
     a.add_argument("--pp", type=int, default=1)
+    a.add_argument("--cp", type=int, default=1, help="context parallelism (Nanotron main)")
     a.add_argument("--zero", type=int, default=0)
     a.add_argument("--cache-gib", type=float, default=4.0)
     a.add_argument("--with-run-train", action="store_true", help="also run Nanotron's run_train.py first")

@@ -1,0 +1,348 @@
+"""Resume on another parallel layout, on real Nanotron (GPU machine, two GPUs): every element compared.
+
+    python3 benchmarks/nanotron_reshard_proof.py all --out DIR [--work DIR] [--cases a-to-b,...]
+
+Layouts: `single` (1 GPU), `tp2`, `dp2-zero1`, `pp2` (2 GPUs); the global batch is 8 sequences on each
+(micro-batches accumulated where dp is 1), so that the runs see the same number of samples per step. Each
+run is its own `torchrun` of Nanotron's trainer with the datastates engine (the example's 180M Llama):
+
+1. `save-<L>` trains on L to step 9 with a checkpoint at step 6; at that step every rank also writes its
+   part of the state (parameters, Adam moments and step counts, fp32 master weights, each with where it sits
+   in the full tensor: tensor-parallel slices, ZeRO-1 flat ranges), the scheduler, the step and the training
+   metadata; it records the losses of steps 7 to 9: the uninterrupted run.
+2. `<L>-to-<M>` resumes L's checkpoint 6 on layout M, writes its parts the same way before its first step,
+   trains steps 7 to 9 and records their losses.
+
+The driver assembles the full tensors from each run's parts (on the CPU, from Nanotron's own sharding
+metadata and ZeRO offsets, not from the engine's files) and compares each resumed state with the saved one,
+bit for bit. The restore time of a run is the adapter's loading of the weights plus that of the rest, its
+files evicted from the page cache first: `dp2-zero1-to-dp2-zero1` is the same-layout resume of the same
+checkpoint that `dp2-zero1-to-tp2` and `dp2-zero1-to-single` reshard. Writes DIR/summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _nanotron import REPO, book_dummy_tokens, load_run_train, write_config
+from bench_nanotron import make_cold
+
+SAVE_AT, STEPS = 6, 9
+# name: (GPUs, parallelism, ZeRO stage, micro-batches accumulated per replica)
+LAYOUTS = {
+    "single": (1, {"tp": 1, "dp": 1, "pp": 1}, 0, 2),
+    "tp2": (2, {"tp": 2, "dp": 1, "pp": 1}, 0, 2),
+    "dp2-zero1": (2, {"tp": 1, "dp": 2, "pp": 1}, 1, 1),
+    "pp2": (2, {"tp": 1, "dp": 1, "pp": 2}, 0, 2),
+}
+CASES = [
+    "dp2-zero1-to-dp2-zero1",  # the same layout: the restore time the others are measured against
+    "dp2-zero1-to-tp2",
+    "dp2-zero1-to-single",
+    "tp2-to-single",
+    "pp2-to-single",
+    "single-to-tp2",
+    "single-to-dp2-zero1",
+    "single-to-pp2",
+]
+KINDS = ("weight", "master", "exp_avg", "exp_avg_sq", "step")
+
+
+# -- inside a run ------------------------------------------------------------------------------------------
+
+
+def parts_of(trainer: Any) -> dict[str, Any]:
+    """This rank's part of the state: each tensor with the place it takes in the full one."""
+    import torch
+    import torch.distributed as dist
+
+    model, optimizer = trainer.unwrapped_model, trainer.optimizer
+    where: dict[str, Any] = {}  # name -> (full shape, this rank's shape, [(local slices, global slices)])
+    parts: list[tuple[str, str, Any, Any]] = []  # (kind, name, tensor, ZeRO flat range or None)
+    for name, p in model.get_named_params_with_correct_tied():
+        pairs = None
+        full = tuple(p.shape)
+        if p.is_sharded:
+            info = p.get_sharded_info()
+            full = tuple(info.unsharded_shape)
+            pairs = [(x.local_slices, x.global_slices) for x in info.local_global_slices_pairs]
+        where[name] = (full, tuple(p.shape), pairs)
+        parts.append(("weight", name, p.detach().cpu().clone(), None))
+    zero, opt = None, optimizer
+    while opt is not None and zero is None:  # Nanotron's optimizers wrap one another
+        zero = getattr(opt, "param_name_to_dp_rank_offsets", None)
+        opt = getattr(opt, "optimizer", None)
+    dp_rank = dist.get_rank(trainer.parallel_context.dp_pg)
+
+    def flat_range(name: str, t: Any) -> Any:
+        if zero is None or t.numel() == torch.Size(where[name][1]).numel():
+            return None
+        start, end = zero[name][dp_rank]
+        return (int(start), int(end))
+
+    sd = optimizer.state_dict()
+    for idx, st in sd["state"].items():
+        name = sd["names"][idx]
+        for kind in ("exp_avg", "exp_avg_sq"):
+            parts.append((kind, name, st[kind].detach().cpu().clone(), flat_range(name, st[kind])))
+        parts.append(("step", name, torch.as_tensor(st["step"]).detach().cpu().clone(), None))
+    for name, t in sd.get("gradient_accumulator", {}).items():
+        rng = None
+        if zero is not None and dp_rank in zero[name]:  # this rank's slice is the one its optimizer updates
+            rng = tuple(int(x) for x in zero[name][dp_rank])
+            t = t.reshape(-1)[rng[0] : rng[1]]
+        elif zero is not None:
+            continue
+        parts.append(("master", name, t.detach().cpu().clone(), rng))
+    return {
+        "where": where,
+        "parts": parts,
+        "lr_scheduler": schedule(trainer.lr_scheduler.state_dict()),
+        "lrs": sorted({g["lr"] for g in optimizer.param_groups}),
+        "iteration_step": trainer.iteration_step,
+        "metadata": dataclasses.asdict(trainer.metadata),
+    }
+
+
+def schedule(sd: dict[str, Any]) -> dict[str, Any]:
+    """The scheduler's state without its per-group lists, whose length follows the parameters a rank holds
+    (pipeline stages hold different ones): the step and the distinct rates."""
+    lists = {k: sorted(set(v)) for k, v in sd.items() if isinstance(v, list) and k != "lr_lambdas"}
+    return {**{k: v for k, v in sd.items() if not isinstance(v, list)}, **lists}
+
+
+def run_phase(args: argparse.Namespace) -> None:
+    import torch
+
+    from nanotron_datastates.nanotron.resume import Resume
+
+    run_train = load_run_train()
+    from nanotron.trainer import DistributedTrainer
+
+    rank = int(os.environ.get("RANK", "0"))
+    work = Path(args.work)
+    rec: dict[str, Any] = {"name": args.name, "rank": rank, "losses": {}, "restore_s": 0.0}
+    for method in ("load_weights", "load_rest"):  # the adapter's restore, timed
+        original = getattr(Resume, method)
+
+        def timed(self: Any, *a: Any, _original: Any = original, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return _original(self, *a, **k)
+            finally:
+                rec["restore_s"] += time.perf_counter() - t
+
+        setattr(Resume, method, timed)
+
+    def dump(trainer: Any) -> None:
+        torch.cuda.synchronize()
+        torch.save(parts_of(trainer), work / f"parts_{args.name}_rank{rank}.pt")
+
+    class Trainer(DistributedTrainer):
+        def save_checkpoint(self) -> Path:
+            book_dummy_tokens(self.metadata)
+            if args.name.startswith("save-") and self.iteration_step == SAVE_AT:
+                dump(self)
+            return super().save_checkpoint()
+
+        def training_step(self, dataloader: Any) -> Any:
+            outputs, loss = super().training_step(dataloader)
+            if loss is not None:
+                rec["losses"][self.iteration_step] = float(loss)
+            return outputs, loss
+
+    t0 = time.perf_counter()
+    trainer = Trainer(args.config)
+    rec["init_s"] = time.perf_counter() - t0
+    if not args.name.startswith("save-"):
+        dump(trainer)
+    trainer.train(run_train.get_dataloader(trainer))
+    rec["last_step"] = trainer.iteration_step
+    (work / f"record_{args.name}_rank{rank}.json").write_text(json.dumps(rec))
+
+
+# -- the driver --------------------------------------------------------------------------------------------
+
+
+def assemble(name: str, work: Path) -> dict[str, Any]:
+    """The full tensors of run `name` from every rank's parts, and which elements no rank held."""
+    import torch
+
+    ranks = [torch.load(p, weights_only=False) for p in sorted(work.glob(f"parts_{name}_rank*.pt"))]
+    # First each tensor-parallel piece from its ZeRO ranges, then the full tensor from its pieces.
+    pieces: dict[tuple[str, str, str], Any] = {}  # (kind, name, tp place) -> (piece, filled, place)
+    steps: dict[str, Any] = {}
+    for r in ranks:
+        for kind, pname, t, rng in r["parts"]:
+            full_shape, shape, pairs = r["where"][pname]
+            if kind == "step":
+                steps[pname] = t
+                continue
+            key = (kind, pname, repr(pairs))
+            if key not in pieces:
+                blank = torch.zeros(shape, dtype=t.dtype), torch.zeros(shape, dtype=torch.bool)
+                pieces[key] = (*blank, full_shape, pairs)
+            piece, filled, _, _ = pieces[key]
+            if rng is None:
+                piece.copy_(t.reshape(shape))
+                filled.fill_(True)
+            else:
+                piece.view(-1)[rng[0] : rng[1]] = t.reshape(-1)
+                filled.view(-1)[rng[0] : rng[1]] = True
+    full: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
+    held: dict[tuple[str, str], Any] = {}
+    for (kind, pname, _), (piece, filled, full_shape, pairs) in pieces.items():
+        if pname not in full[kind]:
+            full[kind][pname] = torch.zeros(full_shape, dtype=piece.dtype)
+            held[kind, pname] = torch.zeros(full_shape, dtype=torch.bool)
+        for local_slices, global_slices in pairs or [(..., ...)]:
+            full[kind][pname][global_slices] = piece[local_slices]
+            held[kind, pname][global_slices] = filled[local_slices]
+    full["step"] = steps
+    holes = [f"{k} {n}: {int((~h).sum())} elements held by no rank" for (k, n), h in held.items()]
+    holes = [h for h, (_, m) in zip(holes, held.items()) if not m.all()]
+    head = ranks[0]
+    return {
+        "tensors": full,
+        "holes": holes,
+        "lr_scheduler": head["lr_scheduler"],
+        "lrs": head["lrs"],
+        "iteration_step": head["iteration_step"],
+        "metadata": head["metadata"],
+    }
+
+
+def compare_states(saved: dict[str, Any], resumed: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {}
+    for kind in KINDS:
+        a, b = saved["tensors"][kind], resumed["tensors"][kind]
+        diffs = [f"{kind} {n}: missing" for n in sorted(set(a) ^ set(b))]
+        for n in sorted(set(a) & set(b)):
+            x, y = a[n], b[n]
+            same = x.dtype == y.dtype and x.shape == y.shape
+            same = same and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+            if not same:
+                diffs.append(f"{kind} {n}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)} differ")
+        elements = sum(t.numel() for t in a.values())
+        out[kind] = {"tensors": len(a), "elements": elements, "differences": len(diffs), "first": diffs[:5]}
+    for key in ("lr_scheduler", "lrs", "iteration_step", "metadata"):
+        a, b = repr(saved[key]), repr(resumed[key])
+        out[key] = {"equal": a == b, **({} if a == b else {"saved": a, "resumed": b})}
+    out["holes"] = saved["holes"] + resumed["holes"]
+    return out
+
+
+def config(args: argparse.Namespace, name: str, layout: str, resume: Path | None) -> Path:
+    _, parallelism, zero, accumulate = LAYOUTS[layout]
+    checkpoints = {
+        "checkpoints_path": str(args.work / f"ckpt_{name}"),
+        "checkpoint_interval": SAVE_AT,
+        "resume_checkpoint_path": str(resume) if resume else None,
+    }
+    return write_config(args.work / f"{name}.yaml", engine="datastates", checkpoints=checkpoints,
+                        cache_gib=args.cache_gib, steps=STEPS, parallelism=parallelism, zero=zero, run=name,
+                        tokens={"batch_accumulation_per_replica": accumulate})  # fmt: skip
+
+
+def launch(args: argparse.Namespace, name: str, layout: str, cfg: Path) -> dict[str, Any]:
+    gpus = LAYOUTS[layout][0]
+    cmd = ["torchrun", f"--nproc_per_node={gpus}", __file__, "phase", "--name", name]
+    cmd += ["--config", str(cfg), "--work", str(args.work)]
+    t0 = time.perf_counter()
+    with open(Path(args.out) / f"{name}.log", "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
+    recs = [json.loads(p.read_text()) for p in sorted(args.work.glob(f"record_{name}_rank*.json"))]
+    losses: dict[str, float] = {}
+    for r in recs:
+        losses.update(r["losses"])
+    return {
+        "rc": rc,
+        "seconds": time.perf_counter() - t0,
+        "layout": layout,
+        "init_s": max((r["init_s"] for r in recs), default=None),
+        "restore_s": max((r["restore_s"] for r in recs), default=None),
+        "losses": {k: losses[k] for k in sorted(losses, key=int)},
+    }
+
+
+def run_all(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    cases = args.cases.split(",") if args.cases else CASES
+    summary: dict[str, Any] = {"command": " ".join(sys.argv), "save_at": SAVE_AT, "steps": STEPS,
+                               "layouts": LAYOUTS, "saves": {}, "cases": {}}  # fmt: skip
+    saved: dict[str, Any] = {}
+    ok = True
+    for case in cases:
+        src, dst = case.split("-to-")
+        if src not in summary["saves"]:
+            info = launch(args, f"save-{src}", src, config(args, f"save-{src}", src, None))
+            summary["saves"][src] = info
+            saved[src] = assemble(f"save-{src}", args.work)
+            ok &= info["rc"] == 0
+            print(f"save-{src:24s} rc={info['rc']} {info['seconds']:6.1f} s", flush=True)
+        folder = args.work / f"ckpt_save-{src}" / str(SAVE_AT)
+        cold = make_cold(folder, "checkpoint")
+        info = launch(args, case, dst, config(args, case, dst, folder))
+        info["cold"] = cold
+        resumed = assemble(case, args.work)
+        info["compared"] = compared = compare_states(saved[src], resumed)
+        info["uninterrupted_losses"] = {src: summary["saves"][src]["losses"]}
+        if dst in summary["saves"]:
+            info["uninterrupted_losses"][dst] = summary["saves"][dst]["losses"]
+        for p in args.work.glob(f"parts_{case}_rank*.pt"):
+            p.unlink()
+        shutil.rmtree(args.work / f"ckpt_{case}", ignore_errors=True)
+        diffs = sum(c["differences"] for k, c in compared.items() if k in KINDS)
+        equal = all(compared[k]["equal"] for k in ("lr_scheduler", "lrs", "iteration_step", "metadata"))
+        good = info["rc"] == 0 and diffs == 0 and equal and not compared["holes"]
+        ok &= good
+        summary["cases"][case] = info
+        tensors = sum(c["tensors"] for k, c in compared.items() if k in KINDS)
+        restore = info["restore_s"] or 0.0
+        print(f"{case:30s} rc={info['rc']} {info['seconds']:6.1f} s  restore {restore:.2f} s  "
+              f"{tensors} tensors compared, {diffs} differ, schedule/step/metadata "
+              f"{'equal' if equal else 'DIFFER'}  {'OK' if good else 'FAILED'}", flush=True)  # fmt: skip
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    same = summary["cases"].get("dp2-zero1-to-dp2-zero1", {}).get("restore_s")
+    if same:
+        summary["restore_over_same_layout"] = {
+            c: i["restore_s"] / same
+            for c, i in summary["cases"].items()
+            if c.startswith("dp2-zero1-to-") and i.get("restore_s")
+        }
+        print("restore over the same-layout resume:", json.dumps(summary["restore_over_same_layout"]))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return 0 if ok else 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    a = sub.add_parser("all")
+    a.add_argument("--out", required=True)
+    a.add_argument("--work", type=Path, default=Path("/tmp/nanotron_reshard"))
+    a.add_argument("--cache-gib", type=float, default=4.0)
+    a.add_argument("--cases", default="", help=f"comma-separated (default: {','.join(CASES)})")
+    ph = sub.add_parser("phase")
+    for flag in ("--name", "--config", "--work"):
+        ph.add_argument(flag, required=True)
+    args = p.parse_args()
+    return run_all(args) if args.what == "all" else (run_phase(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
