@@ -29,9 +29,11 @@ def write_config(
     model: dict[str, Any] | None = None,
     tokens: dict[str, Any] | None = None,
     datastates: dict[str, Any] | None = None,
+    fp32_grads: bool = True,
 ) -> Path:
     """The example config with these changes; `engine` "torch" leaves none of our keys (stock Nanotron
-    parses it)."""
+    parses it). `fp32_grads` False: gradients accumulated in the model's dtype, no fp32 master weights
+    (Nanotron main raises NotImplementedError for fp32 accumulation with ZeRO-1 on more than one dp rank)."""
     doc = yaml.safe_load(BASE_CONFIG.read_text())
     doc["checkpoints"].update(checkpoints)
     if engine == "datastates":
@@ -46,6 +48,7 @@ def write_config(
     doc["tokens"].update(tokens or {})
     doc["parallelism"].update(parallelism or {})
     doc["optimizer"]["zero_stage"] = zero
+    doc["optimizer"]["accumulate_grad_in_fp32"] = fp32_grads
     doc["model"]["model_config"].update(model or {})
     doc["general"]["run"] = run
     path.parent.mkdir(parents=True, exist_ok=True)

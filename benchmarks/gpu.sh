@@ -35,14 +35,17 @@ run_step() {
         --out "$OUT/engine/engine_gpu.json" ;;
     proof) # Nanotron's run_train.py, 1 GPU: train, resume bit for bit, stock reads ours, ours resumes stock
       python3 $B/nanotron_proof.py all --gpus 1 --out "$OUT/proof" --work "$WORK/proof" ;;
-    proof-dp2-zero1) # the same on two GPUs, data-parallel with ZeRO-1 optimizer shards
+    proof-dp2-zero1) # the same on two GPUs, data-parallel with ZeRO-1 optimizer shards (NO_FP32_GRADS=1 on
+      # Nanotron main, which cannot accumulate fp32 gradients with ZeRO-1 on two dp ranks)
       python3 $B/nanotron_proof.py all --gpus 2 --dp 2 --zero 1 --out "$OUT/proof-dp2-zero1" \
-        --work "$WORK/proof-dp2" ;;
+        --work "$WORK/proof-dp2" ${NO_FP32_GRADS:+--no-fp32-grads} ;;
     proof-cp2) # the same on two GPUs with context parallelism (Nanotron main): files by rank 0 of dp_cp_pg
       python3 $B/nanotron_proof.py all --gpus 2 --cp 2 --out "$OUT/proof-cp2" --work "$WORK/proof-cp2" ;;
     reshard) # two GPUs: checkpoints of tp=2, dp=2 with ZeRO-1, pp=2 and one GPU, each resumed on another layout;
       # every element of the state compared with the one saved, the losses after, the restore time
-      python3 $B/nanotron_reshard_proof.py all --out "$OUT/reshard" --work "$WORK/reshard" ;;
+      # (NO_FP32_GRADS=1 and RESHARD_CASES=a-to-b,... as for proof-dp2-zero1)
+      python3 $B/nanotron_reshard_proof.py all --out "$OUT/reshard" --work "$WORK/reshard" \
+        ${NO_FP32_GRADS:+--no-fp32-grads} ${RESHARD_CASES:+--cases $RESHARD_CASES} ;;
     round-180m) # 180M model, every mode: stall, persisted, memory, restore (one each)
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 400 --interval 40 \
         --modes torch,dcp,dcp-zo,datastates,restore-torch,restore-datastates --work "$WORK/r180" \
@@ -65,8 +68,8 @@ run_step() {
     restart-180m) # a worker SIGKILLed after a checkpoint and restarted by torchrun: from memory, against
       # native's resume and the engine's from storage; the restored state compared bit for bit
       (cd $B && python3 bench_restart.py all --model 180m --step 20 --work "$WORK/rs180" --out "$OUT/restart-180m" ${RESTART_ONLY:+--only $RESTART_ONLY}) ;;
-    restart-180m-dp2) # the same on two GPUs, data-parallel with ZeRO-1: every rank restarts from memory
-      (cd $B && python3 bench_restart.py all --model 180m --step 20 --dp 2 --zero 1 --work "$WORK/rs180d" \
+    restart-180m-dp2) # the same on two data-parallel GPUs: every rank restarts from memory
+      (cd $B && python3 bench_restart.py all --model 180m --step 20 --dp 2 --work "$WORK/rs180d" \
         --out "$OUT/restart-180m-dp2" ${RESTART_ONLY:+--only $RESTART_ONLY}) ;;
     restart-1b) (cd $B && python3 bench_restart.py all --model 1b --step 10 --cache-gib 16 --work "$WORK/rs1b" \
       --out "$OUT/restart-1b" ${RESTART_ONLY:+--only $RESTART_ONLY}) ;;

@@ -72,6 +72,7 @@ def make_config(
         parallelism=parallelism,
         zero=args.zero,
         run=name,
+        fp32_grads=not args.no_fp32_grads,
     )
 
 
@@ -284,6 +285,7 @@ def main() -> int:
     a.add_argument("--cp", type=int, default=1, help="context parallelism (Nanotron main)")
     a.add_argument("--zero", type=int, default=0)
     a.add_argument("--cache-gib", type=float, default=4.0)
+    a.add_argument("--no-fp32-grads", action="store_true", help="accumulate_grad_in_fp32: false")
     a.add_argument("--with-run-train", action="store_true", help="also run Nanotron's run_train.py first")
     a.add_argument("--phases", default="", help="comma-separated subset (default: all)")
     ph = sub.add_parser("phase")

@@ -18,6 +18,9 @@ metadata and ZeRO offsets, not from the engine's files) and compares each resume
 bit for bit. The restore time of a run is the adapter's loading of the weights plus that of the rest, its
 files evicted from the page cache first: `dp2-zero1-to-dp2-zero1` is the same-layout resume of the same
 checkpoint that `dp2-zero1-to-tp2` and `dp2-zero1-to-single` reshard. Writes DIR/summary.json.
+
+Nanotron main cannot train ZeRO-1 with fp32 gradient accumulation on more than one dp rank (its DDP hook
+raises NotImplementedError): there, `--no-fp32-grads` (no fp32 master weights to compare).
 """
 
 from __future__ import annotations
@@ -155,10 +158,10 @@ def run_phase(args: argparse.Namespace) -> None:
             return super().save_checkpoint()
 
         def training_step(self, dataloader: Any) -> Any:
-            outputs, loss = super().training_step(dataloader)
-            if loss is not None:
-                rec["losses"][self.iteration_step] = float(loss)
-            return outputs, loss
+            out = super().training_step(dataloader)  # (outputs, loss, ...): main adds two more
+            if out[1] is not None:
+                rec["losses"][self.iteration_step] = float(out[1])
+            return out
 
     t0 = time.perf_counter()
     trainer = Trainer(args.config)
@@ -252,7 +255,8 @@ def config(args: argparse.Namespace, name: str, layout: str, resume: Path | None
     }
     return write_config(args.work / f"{name}.yaml", engine="datastates", checkpoints=checkpoints,
                         cache_gib=args.cache_gib, steps=STEPS, parallelism=parallelism, zero=zero, run=name,
-                        tokens={"batch_accumulation_per_replica": accumulate})  # fmt: skip
+                        tokens={"batch_accumulation_per_replica": accumulate},
+                        fp32_grads=not args.no_fp32_grads)  # fmt: skip
 
 
 def launch(args: argparse.Namespace, name: str, layout: str, cfg: Path) -> dict[str, Any]:
@@ -283,7 +287,8 @@ def run_all(args: argparse.Namespace) -> int:
     args.work.mkdir(parents=True)
     cases = args.cases.split(",") if args.cases else CASES
     summary: dict[str, Any] = {"command": " ".join(sys.argv), "save_at": SAVE_AT, "steps": STEPS,
-                               "layouts": LAYOUTS, "saves": {}, "cases": {}}  # fmt: skip
+                               "fp32_grads": not args.no_fp32_grads, "layouts": LAYOUTS, "saves": {},
+                               "cases": {}}  # fmt: skip
     saved: dict[str, Any] = {}
     ok = True
     for case in cases:
@@ -336,6 +341,7 @@ def main() -> int:
     a.add_argument("--out", required=True)
     a.add_argument("--work", type=Path, default=Path("/tmp/nanotron_reshard"))
     a.add_argument("--cache-gib", type=float, default=4.0)
+    a.add_argument("--no-fp32-grads", action="store_true", help="accumulate_grad_in_fp32: false")
     a.add_argument("--cases", default="", help=f"comma-separated (default: {','.join(CASES)})")
     ph = sub.add_parser("phase")
     for flag in ("--name", "--config", "--work"):
