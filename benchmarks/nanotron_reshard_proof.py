@@ -99,12 +99,15 @@ def parts_of(trainer: Any) -> dict[str, Any]:
             parts.append((kind, name, st[kind].detach().cpu().clone(), flat_range(name, st[kind])))
         parts.append(("step", name, torch.as_tensor(st["step"]).detach().cpu().clone(), None))
     for name, t in sd.get("gradient_accumulator", {}).items():
+        # With ZeRO-1, Nanotron keeps the fp32 masters of this rank's ranges only (2cde8f6); were a whole one
+        # kept, the range this rank's optimizer updates is the one that counts.
         rng = None
-        if zero is not None and dp_rank in zero[name]:  # this rank's slice is the one its optimizer updates
+        if zero is not None:
+            if dp_rank not in zero[name]:
+                continue
             rng = tuple(int(x) for x in zero[name][dp_rank])
-            t = t.reshape(-1)[rng[0] : rng[1]]
-        elif zero is not None:
-            continue
+            if t.numel() != rng[1] - rng[0]:
+                t = t.reshape(-1)[rng[0] : rng[1]]
         parts.append(("master", name, t.detach().cpu().clone(), rng))
     return {
         "where": where,
