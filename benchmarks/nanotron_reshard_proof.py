@@ -187,6 +187,7 @@ def assemble(name: str, work: Path) -> dict[str, Any]:
     # First each tensor-parallel piece from its ZeRO ranges, then the full tensor from its pieces.
     pieces: dict[tuple[str, str, str], Any] = {}  # (kind, name, tp place) -> (piece, filled, place)
     steps: dict[str, Any] = {}
+    wrong: list[str] = []
     for r in ranks:
         for kind, pname, t, rng in r["parts"]:
             full_shape, shape, pairs = r["where"][pname]
@@ -198,6 +199,10 @@ def assemble(name: str, work: Path) -> dict[str, Any]:
                 blank = torch.zeros(shape, dtype=t.dtype), torch.zeros(shape, dtype=torch.bool)
                 pieces[key] = (*blank, full_shape, pairs)
             piece, filled, _, _ = pieces[key]
+            size = piece.numel() if rng is None else rng[1] - rng[0]
+            if t.numel() != size:
+                wrong.append(f"{kind} {pname}: {t.numel()} elements for a place of {size}")
+                continue
             if rng is None:
                 piece.copy_(t.reshape(shape))
                 filled.fill_(True)
@@ -215,7 +220,7 @@ def assemble(name: str, work: Path) -> dict[str, Any]:
             held[kind, pname][global_slices] = filled[local_slices]
     full["step"] = steps
     holes = [f"{k} {n}: {int((~h).sum())} elements held by no rank" for (k, n), h in held.items()]
-    holes = [h for h, (_, m) in zip(holes, held.items()) if not m.all()]
+    holes = wrong + [h for h, (_, m) in zip(holes, held.items()) if not m.all()]
     head = ranks[0]
     return {
         "tensors": full,
