@@ -13,11 +13,15 @@ run is its own `torchrun` of Nanotron's trainer with the datastates engine (the 
 2. `<L>-to-<M>` resumes L's checkpoint 6 on layout M, writes its parts the same way before its first step,
    trains steps 7 to 9 and records their losses.
 
+Every run trains on the same samples at the same steps, whatever its layout (`by_sample`).
+
 The driver assembles the full tensors from each run's parts (on the CPU, from Nanotron's own sharding
 metadata and ZeRO offsets, not from the engine's files) and compares each resumed state with the saved one,
-bit for bit. The restore time of a run is the adapter's loading of the weights plus that of the rest, its
-files evicted from the page cache first: `dp2-zero1-to-dp2-zero1` is the same-layout resume of the same
-checkpoint that `dp2-zero1-to-tp2` and `dp2-zero1-to-single` reshard. Writes DIR/summary.json.
+bit for bit. A resume is timed two ways, its files evicted from the page cache first: the adapter's
+restore on the training's path (reading and placing the state, the ranks' agreement, the wait for what was
+read ahead), and the time from the trainer's construction to the end of its first step.
+`dp2-zero1-to-dp2-zero1` is the same-layout resume of the checkpoint that `dp2-zero1-to-tp2` and
+`dp2-zero1-to-single` reshard. Writes DIR/summary.json.
 
 Nanotron main cannot train ZeRO-1 with fp32 gradient accumulation on more than one dp rank (its DDP hook
 raises NotImplementedError): there, `--no-fp32-grads` (no fp32 master weights to compare).
@@ -126,6 +130,40 @@ def schedule(sd: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in sd.items() if not isinstance(v, list)}, **lists}
 
 
+def by_sample(trainer: Any, dataloaders: dict[str, Any]) -> dict[str, Any]:
+    """Nanotron's dummy data with each sequence drawn from its index in the run, so that a resumed run, on
+    any layout, trains on the samples that the uninterrupted one does at the same steps (Nanotron's dummy
+    stream starts over at each launch and follows the dp and pp ranks). The first stage's stream keeps
+    Nanotron's batches for their keys and placement (tensors or TensorPointers)."""
+    import torch
+    import torch.distributed as dist
+
+    pc = trainer.parallel_context
+    dp, rank = pc.dp_pg.size(), dist.get_rank(pc.dp_pg)
+    m, acc = trainer.micro_batch_size, trainer.n_micro_batches_per_batch
+    start = trainer.metadata.consumed_train_samples
+    vocab = trainer.model_config.vocab_size
+
+    def stream(inner: Any) -> Any:
+        for k, batch in enumerate(inner):
+            step, j = divmod(k, acc)
+            first = start + step * dp * m * acc + (j * dp + rank) * m
+            batch = dict(batch)
+            for salt, key in enumerate(("input_ids", "label_ids")):
+                t = batch[key]
+                if isinstance(t, torch.Tensor):
+                    rows = [
+                        torch.randint(0, vocab, t.shape[1:], dtype=t.dtype,
+                                      generator=torch.Generator().manual_seed(2 * (first + i) + salt))
+                        for i in range(m)
+                    ]  # fmt: skip
+                    batch[key] = torch.stack(rows).to(t.device)
+            yield batch
+
+    first_stage = next(iter(dataloaders))
+    return {k: stream(v) if k == first_stage else v for k, v in dataloaders.items()}
+
+
 def run_phase(args: argparse.Namespace) -> None:
     import torch
 
@@ -137,7 +175,9 @@ def run_phase(args: argparse.Namespace) -> None:
     rank = int(os.environ.get("RANK", "0"))
     work = Path(args.work)
     rec: dict[str, Any] = {"name": args.name, "rank": rank, "losses": {}, "restore_s": 0.0}
-    for method in ("load_weights", "load_rest"):  # the adapter's restore, timed
+    # The adapter's restore on the training's path: reading and placing the state, the ranks' agreement,
+    # and the wait, before the first optimizer step, for what was read ahead.
+    for method in ("load_weights", "load_rest", "confirm", "before_step"):
         original = getattr(Resume, method)
 
         def timed(self: Any, *a: Any, _original: Any = original, **k: Any) -> Any:
@@ -164,14 +204,19 @@ def run_phase(args: argparse.Namespace) -> None:
             out = super().training_step(dataloader)  # (outputs, loss, ...): main adds two more
             if out[1] is not None:
                 rec["losses"][self.iteration_step] = float(out[1])
+            if "first_step_s" not in rec:
+                torch.cuda.synchronize()
+                rec["first_step_s"] = time.perf_counter() - t0 - rec.get("dump_s", 0.0)
             return out
 
     t0 = time.perf_counter()
     trainer = Trainer(args.config)
     rec["init_s"] = time.perf_counter() - t0
     if not args.name.startswith("save-"):
+        t = time.perf_counter()
         dump(trainer)
-    trainer.train(run_train.get_dataloader(trainer))
+        rec["dump_s"] = time.perf_counter() - t  # left out of the time to the first step
+    trainer.train(by_sample(trainer, run_train.get_dataloader(trainer)))
     rec["last_step"] = trainer.iteration_step
     (work / f"record_{args.name}_rank{rank}.json").write_text(json.dumps(rec))
 
@@ -283,6 +328,7 @@ def launch(args: argparse.Namespace, name: str, layout: str, cfg: Path) -> dict[
         "seconds": time.perf_counter() - t0,
         "layout": layout,
         "init_s": max((r["init_s"] for r in recs), default=None),
+        "first_step_s": max((r.get("first_step_s", 0.0) for r in recs), default=None),
         "restore_s": max((r["restore_s"] for r in recs), default=None),
         "losses": {k: losses[k] for k in sorted(losses, key=int)},
     }
@@ -326,18 +372,21 @@ def run_all(args: argparse.Namespace) -> int:
         summary["cases"][case] = info
         tensors = sum(c["tensors"] for k, c in compared.items() if k in KINDS)
         restore = info["restore_s"] or 0.0
+        first = info["first_step_s"] or 0.0
         print(f"{case:30s} rc={info['rc']} {info['seconds']:6.1f} s  restore {restore:.2f} s  "
+              f"first step {first:.2f} s  "
               f"{tensors} tensors compared, {diffs} differ, schedule/step/metadata "
               f"{'equal' if equal else 'DIFFER'}  {'OK' if good else 'FAILED'}", flush=True)  # fmt: skip
         (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    same = summary["cases"].get("dp2-zero1-to-dp2-zero1", {}).get("restore_s")
-    if same:
-        summary["restore_over_same_layout"] = {
-            c: i["restore_s"] / same
-            for c, i in summary["cases"].items()
-            if c.startswith("dp2-zero1-to-") and i.get("restore_s")
-        }
-        print("restore over the same-layout resume:", json.dumps(summary["restore_over_same_layout"]))
+    same = summary["cases"].get("dp2-zero1-to-dp2-zero1", {})
+    for key in ("restore_s", "first_step_s"):
+        if same.get(key):
+            summary[f"{key}_over_same_layout"] = {
+                c: i[key] / same[key]
+                for c, i in summary["cases"].items()
+                if c.startswith("dp2-zero1-to-") and i.get(key)
+            }
+            print(f"{key} over the same-layout resume:", json.dumps(summary[f"{key}_over_same_layout"]))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return 0 if ok else 1
 

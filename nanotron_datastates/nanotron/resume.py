@@ -258,6 +258,10 @@ class Resume:
         load_optimizer, load_scheduler = self._flags
         engine, pc, src = self.get_engine(), self._pc, self._src()
         changed = self.topology_changes()
+        # Optimizer state placed straight on the GPU (Nanotron's loader reads onto the CPU, and its first
+        # step copies the state over, asserting it is on the CPU): its `load_optimizer` flag stays off until
+        # that step has run.
+        self._hold_optimizer_flag = load_optimizer and self._device is not None and self._device.type == "cuda"
         if load_optimizer and changed:
             state = reshard.optimizer_state(engine, self.manifest, src, optimizer, model, pc)
             optimizer.load_state_dict(state, map_location=self._device or "cpu")
@@ -265,10 +269,7 @@ class Resume:
             say.info(f"optimizer state resharded ({moved})")
         elif load_optimizer:
             path = shards.optimizer_file(pc, src, zero=shards.is_zero(optimizer))
-            # Straight onto the GPU (Nanotron's loader reads onto the CPU, and its first step copies the state
-            # over from pageable memory); its `load_optimizer` flag stays off until that step has run.
             device = self._device
-            self._hold_optimizer_flag = device is not None and device.type == "cuda"
             read = functools.partial(self._read_optimizer, path, device)
             self._deferred = DeferredOptimizer(optimizer, read, device or "cpu")
             if self.prefetch is None or not self.prefetch.reads_optimizer:
