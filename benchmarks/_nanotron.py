@@ -30,9 +30,11 @@ def write_config(
     tokens: dict[str, Any] | None = None,
     datastates: dict[str, Any] | None = None,
     fp32_grads: bool = True,
+    init_from: Path | None = None,
 ) -> Path:
     """The example config with these changes; `engine` "torch" leaves none of our keys (stock Nanotron
-    parses it). `fp32_grads` False: gradients accumulated in the model's dtype, no fp32 master weights
+    parses it). `init_from`: the model's weights from that checkpoint (Nanotron's ExistingCheckpointInit).
+    `fp32_grads` False: gradients accumulated in the model's dtype, no fp32 master weights
     (Nanotron main raises NotImplementedError for fp32 accumulation with ZeRO-1 on more than one dp rank)."""
     doc = yaml.safe_load(BASE_CONFIG.read_text())
     doc["checkpoints"].update(checkpoints)
@@ -50,6 +52,8 @@ def write_config(
     doc["optimizer"]["zero_stage"] = zero
     doc["optimizer"]["accumulate_grad_in_fp32"] = fp32_grads
     doc["model"]["model_config"].update(model or {})
+    if init_from is not None:
+        doc["model"]["init_method"] = {"path": str(init_from)}
     doc["general"]["run"] = run
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.dump(doc))

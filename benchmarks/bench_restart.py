@@ -173,7 +173,10 @@ def run_all(args: argparse.Namespace) -> int:
         if name.startswith("restore-"):
             records[f"{name}-cold"] = make_cold(Path(ckpt[name.split("-", 1)[1]]), "checkpoint")
         record = work / f"{name}.record"
-        cmd = ["torchrun", f"--nproc_per_node={args.dp}", *flags, __file__, "phase", "--mode", name]
+        # --standalone: a rendezvous per restart; the static one keeps its store's keys across restarts, and
+        # NCCL's second incarnation then reads the first one's ids (connection refused)
+        cmd = ["torchrun", "--standalone", f"--nproc_per_node={args.dp}", *flags, __file__, "phase"]
+        cmd += ["--mode", name]
         cmd += ["--config", str(cfg), "--record", str(record), "--work", str(work), "--step", str(n)]
         cmd += ["--tier-path", tier_path] + (["--kill"] if kill else [])
         env = {**os.environ, **({"NANOTRON_DATASTATES_AUTOLOAD": "0"} if stock else {})}

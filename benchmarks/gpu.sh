@@ -38,8 +38,9 @@ run_step() {
     proof-dp2-zero1) # the same on two GPUs, data-parallel with ZeRO-1 optimizer shards (NO_FP32_GRADS=1 on
       # Nanotron main, which cannot accumulate fp32 gradients with ZeRO-1 on two dp ranks)
       python3 $B/nanotron_proof.py all --gpus 2 --dp 2 --zero 1 --out "$OUT/proof-dp2-zero1" \
-        --work "$WORK/proof-dp2" ${NO_FP32_GRADS:+--no-fp32-grads} ;;
-    proof-cp2) # the same on two GPUs with context parallelism (Nanotron main): files by rank 0 of dp_cp_pg
+        --work "$WORK/proof-dp2" ${NO_FP32_GRADS:+--no-fp32-grads} ${PROOF_PHASES:+--phases $PROOF_PHASES} ;;
+    proof-cp2) # the same on two GPUs with context parallelism (Nanotron main): files by rank 0 of dp_cp_pg;
+      # the runs start from the weights of one step on one GPU (main starts no cp run from random weights)
       python3 $B/nanotron_proof.py all --gpus 2 --cp 2 --out "$OUT/proof-cp2" --work "$WORK/proof-cp2" ;;
     reshard) # two GPUs: checkpoints of tp=2, dp=2 with ZeRO-1, pp=2 and one GPU, each resumed on another layout;
       # every element of the state compared with the one saved, the losses after, the restore time

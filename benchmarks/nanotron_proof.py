@@ -15,6 +15,9 @@ runs each phase below as its own `torchrun` (fresh processes, as a restart is) a
 5. `stock-train` then `ds-from-stock`: Nanotron's own checkpoint, resumed with the datastates engine on
    (weights, optimizer and metadata compared), then trained on and checkpointed by the engine.
 
+With `--cp 2` every run starts from the weights of `init`, one step of Nanotron on one GPU (Nanotron main
+starts no run with context parallelism from random weights).
+
 A phase (`python3 benchmarks/nanotron_proof.py phase --phase NAME ...`) runs under torchrun.
 """
 
@@ -73,6 +76,8 @@ def make_config(
         zero=args.zero,
         run=name,
         fp32_grads=not args.no_fp32_grads,
+        # Nanotron main starts no run with context parallelism from random weights: from a checkpoint's
+        init_from=args.work / "ckpt_init" / "1" if args.cp > 1 and resume is None else None,
     )
 
 
@@ -219,10 +224,18 @@ def run_all(args: argparse.Namespace) -> int:
             {},
             0,
             "stock-train",
-            "weights,optimizer.state,optimizer.gradient_accumulator,optimizer.names,metadata",
+            "weights,optimizer.state,optimizer.gradient_accumulator,optimizer.names,metadata"
+            if not args.no_fp32_grads
+            else "weights,optimizer.state,optimizer.names,metadata",
         ),
     ]
     summary: dict[str, Any] = {"command": " ".join(sys.argv), "gpus": args.gpus, "phases": {}}
+    if args.cp > 1:  # the weights the runs start from: one step of Nanotron on one GPU, its own checkpoint
+        one = argparse.Namespace(**{**vars(args), "tp": 1, "dp": 1, "pp": 1, "cp": 1, "zero": 0})
+        config = make_config(one, "init", engine="torch", steps=1, interval=1)
+        cmd = ["torchrun", "--nproc_per_node=1", os.environ["NANOTRON_RUN_TRAIN"]]
+        cmd += ["--config-file", str(config)]
+        summary["phases"]["init"] = launch(cmd, stock, out / "init.log")
     if args.with_run_train:
         config = cfg("nanotron", "datastates", TRAIN_STEPS)
         cmd = ["torchrun", f"--nproc_per_node={args.gpus}", os.environ["NANOTRON_RUN_TRAIN"]]
