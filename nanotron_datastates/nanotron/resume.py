@@ -261,7 +261,8 @@ class Resume:
         # Optimizer state placed straight on the GPU (Nanotron's loader reads onto the CPU, and its first
         # step copies the state over, asserting it is on the CPU): its `load_optimizer` flag stays off until
         # that step has run.
-        self._hold_optimizer_flag = load_optimizer and self._device is not None and self._device.type == "cuda"
+        on_gpu = self._device is not None and self._device.type == "cuda"
+        self._hold_optimizer_flag = load_optimizer and on_gpu
         if load_optimizer and changed:
             state = reshard.optimizer_state(engine, self.manifest, src, optimizer, model, pc)
             optimizer.load_state_dict(state, map_location=self._device or "cpu")
