@@ -23,6 +23,9 @@ read ahead), and the time from the trainer's construction to the end of its firs
 `dp2-zero1-to-dp2-zero1` is the same-layout resume of the checkpoint that `dp2-zero1-to-tp2` and
 `dp2-zero1-to-single` reshard. Writes DIR/summary.json.
 
+On one GPU, `single-to-single-zero1` reshards (the ZeRO stage changes); a case ending in `-nowarm` runs
+without the page-cache read-ahead of a reshard, for comparison.
+
 Nanotron main cannot train ZeRO-1 with fp32 gradient accumulation on more than one dp rank (its DDP hook
 raises NotImplementedError): there, `--no-fp32-grads` (no fp32 master weights to compare).
 """
@@ -50,6 +53,7 @@ LAYOUTS = {
     "tp2": (2, {"tp": 2, "dp": 1, "pp": 1}, 0, 2),
     "dp2-zero1": (2, {"tp": 1, "dp": 2, "pp": 1}, 1, 1),
     "pp2": (2, {"tp": 1, "dp": 1, "pp": 2}, 0, 2),
+    "single-zero1": (1, {"tp": 1, "dp": 1, "pp": 1}, 1, 2),  # another layout on one GPU: the ZeRO stage
 }
 CASES = [
     "dp2-zero1-to-dp2-zero1",  # the same layout: the restore time the others are measured against
@@ -167,7 +171,11 @@ def by_sample(trainer: Any, dataloaders: dict[str, Any]) -> dict[str, Any]:
 def run_phase(args: argparse.Namespace) -> None:
     import torch
 
+    from nanotron_datastates.nanotron import resume
     from nanotron_datastates.nanotron.resume import Resume
+
+    if args.no_warm:  # the comparison: a reshard without its files read into the page cache ahead
+        resume.warm_for_reshard = lambda *a, **k: None
 
     run_train = load_run_train()
     from nanotron.trainer import DistributedTrainer
@@ -312,10 +320,10 @@ def config(args: argparse.Namespace, name: str, layout: str, resume: Path | None
                         fp32_grads=not args.no_fp32_grads)  # fmt: skip
 
 
-def launch(args: argparse.Namespace, name: str, layout: str, cfg: Path) -> dict[str, Any]:
+def launch(args: argparse.Namespace, name: str, layout: str, cfg: Path, warm: bool = True) -> dict[str, Any]:
     gpus = LAYOUTS[layout][0]
     cmd = ["torchrun", f"--nproc_per_node={gpus}", __file__, "phase", "--name", name]
-    cmd += ["--config", str(cfg), "--work", str(args.work)]
+    cmd += ["--config", str(cfg), "--work", str(args.work)] + ([] if warm else ["--no-warm"])
     t0 = time.perf_counter()
     with open(Path(args.out) / f"{name}.log", "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
@@ -347,6 +355,8 @@ def run_all(args: argparse.Namespace) -> int:
     ok = True
     for case in cases:
         src, dst = case.split("-to-")
+        warm = not dst.endswith("-nowarm")  # `-nowarm`: without reading the files into the page cache ahead
+        dst = dst.removesuffix("-nowarm")
         if src not in summary["saves"]:
             info = launch(args, f"save-{src}", src, config(args, f"save-{src}", src, None))
             summary["saves"][src] = info
@@ -355,7 +365,7 @@ def run_all(args: argparse.Namespace) -> int:
             print(f"save-{src:24s} rc={info['rc']} {info['seconds']:6.1f} s", flush=True)
         folder = args.work / f"ckpt_save-{src}" / str(SAVE_AT)
         cold = make_cold(folder, "checkpoint")
-        info = launch(args, case, dst, config(args, case, dst, folder))
+        info = launch(args, case, dst, config(args, case, dst, folder), warm)
         info["cold"] = cold
         resumed = assemble(case, args.work)
         info["compared"] = compared = compare_states(saved[src], resumed)
@@ -378,15 +388,16 @@ def run_all(args: argparse.Namespace) -> int:
               f"{tensors} tensors compared, {diffs} differ, schedule/step/metadata "
               f"{'equal' if equal else 'DIFFER'}  {'OK' if good else 'FAILED'}", flush=True)  # fmt: skip
         (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    same = summary["cases"].get("dp2-zero1-to-dp2-zero1", {})
-    for key in ("restore_s", "first_step_s"):
-        if same.get(key):
-            summary[f"{key}_over_same_layout"] = {
-                c: i[key] / same[key]
-                for c, i in summary["cases"].items()
-                if c.startswith("dp2-zero1-to-") and i.get(key)
-            }
-            print(f"{key} over the same-layout resume:", json.dumps(summary[f"{key}_over_same_layout"]))
+    for key in ("restore_s", "first_step_s"):  # each resume against the same-layout one of its checkpoint
+        ratios = {}
+        for src in summary["saves"]:
+            same = summary["cases"].get(f"{src}-to-{src}", {}).get(key)
+            for c, i in summary["cases"].items():
+                if same and c.startswith(f"{src}-to-") and i.get(key):
+                    ratios[c] = i[key] / same
+        if ratios:
+            summary[f"{key}_over_same_layout"] = ratios
+            print(f"{key} over the same-layout resume:", json.dumps(ratios))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return 0 if ok else 1
 
@@ -403,6 +414,7 @@ def main() -> int:
     ph = sub.add_parser("phase")
     for flag in ("--name", "--config", "--work"):
         ph.add_argument(flag, required=True)
+    ph.add_argument("--no-warm", action="store_true")
     args = p.parse_args()
     return run_all(args) if args.what == "all" else (run_phase(args) or 0)
 

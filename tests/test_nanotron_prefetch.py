@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanotron_datastates import DataStatesEngine
-from nanotron_datastates.nanotron.prefetch import Prefetch, warm_page_cache
+from nanotron_datastates.nanotron.prefetch import Prefetch, fits_in_memory, warm_for_reshard, warm_page_cache
 
 from helpers import same, small_config
 
@@ -106,3 +106,59 @@ def test_small_files_are_read_into_the_page_cache_before_the_read_ahead(tmp_path
     missing = tmp_path / "absent"  # skipped: read again where it is used, which raises there
     assert warm_page_cache([*files, missing]) == sum(20_000 + i for i in range(3))
     assert all(_cached(p) for p in files)
+
+
+def _evicted(path):
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
+def test_a_reshard_warms_the_checkpoint_once_per_node_its_ranks_sharing_the_files(tmp_path, monkeypatch):
+    # On another layout, which saved tensors a rank needs is known once its model is built: meanwhile the
+    # node's ranks read the weight and optimizer files into the page cache, each file by one rank.
+    names = [f"model/w{i}.safetensors" for i in range(3)] + [f"optimizer/o{i}.safetensors" for i in range(2)]
+    names.append("random/r.safetensors")  # small: read where used
+    manifest = {"files": {}}
+    for i, name in enumerate(names):
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(bytes([i]) * (100_000 + i))
+        _evicted(path)
+        manifest["files"][name] = {"bytes": 100_000 + i}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    warmers = []
+    for rank in (0, 1):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        warmers.append(warm_for_reshard(manifest, tmp_path, in_memory=False))
+    assert all(w is not None and w.join(30) for w in warmers)
+    shares = [set(w.paths) for w in warmers]
+    assert shares[0] and shares[1] and not shares[0] & shares[1]
+    assert shares[0] | shares[1] == {tmp_path / n for n in names[:-1]}
+    for w in warmers:
+        assert w.nbytes == sum(p.stat().st_size for p in w.paths)
+    if not _cached(tmp_path / names[-1]):  # a file system that drops clean pages on request (not tmpfs)
+        assert [n for n in names[:-1] if not _cached(tmp_path / n)] == []
+
+
+def test_a_reshard_warms_nothing_across_nodes_from_memory_or_beyond_half_the_available_memory(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "w.safetensors").write_bytes(b"x" * 1000)
+    manifest = {"files": {"model/w.safetensors": {"bytes": 1000}}}
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert warm_for_reshard(manifest, tmp_path, in_memory=False) is None  # each node would read it all
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert warm_for_reshard(manifest, tmp_path, in_memory=True) is None  # the memory tier's copy
+    warmer = warm_for_reshard(manifest, tmp_path, in_memory=False)
+    assert warmer is not None and warmer.join(30) and warmer.nbytes == 1000  # rank 0 of 4: the one file
+    assert fits_in_memory(1000) and not fits_in_memory(1 << 62)
+    manifest["files"]["model/w.safetensors"]["bytes"] = 1 << 62
+    assert warm_for_reshard(manifest, tmp_path, in_memory=False) is None
+    manifest = {"files": {"model/../../w.safetensors": {"bytes": 1000}}}  # the reads report it, not this
+    assert warm_for_reshard(manifest, tmp_path, in_memory=False) is None

@@ -1,5 +1,6 @@
 """Resume, read ahead: this rank's weight files and optimizer shard are read onto its GPU on a thread of their
-own, started before Nanotron builds the model, so that the disk works while the model is built.
+own, started before Nanotron builds the model, so that the disk works while the model is built. On another
+layout, the checkpoint's files are read into the page cache instead (PageCacheWarmer).
 
 A prefetch is only an optimization: whatever it could not read (no memory, a damaged file, another file than
 the one wanted) the trainer reads again the ordinary way, which raises the error where there is one.
@@ -10,6 +11,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -17,6 +20,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..engine import DataStatesEngine
+from . import layout
 
 log = logging.getLogger("nanotron_datastates")
 
@@ -31,6 +35,80 @@ def warm_page_cache(paths: Iterable[Path]) -> int:
         with contextlib.suppress(OSError):
             total += len(Path(path).read_bytes())
     return total
+
+
+class PageCacheWarmer:
+    """Reads files into the page cache on a thread of its own, for a resume on another layout: which saved
+    tensors a rank needs depends on its model, built after the files could be read; every file is read, the
+    node's ranks sharing them out (`share`: this process's index and the count), so that the node reads the
+    checkpoint once while the model is built and the ranks' reads then come from memory. `stop` ends it early
+    (the reads done by then stay cached). Unreadable files are skipped: they are read again where they are
+    used, which raises the error."""
+
+    CHUNK = 8 << 20
+
+    def __init__(self, paths: list[Path], share: tuple[int, int] = (0, 1)) -> None:
+        index, count = share
+        self.paths = [p for i, p in enumerate(paths) if i % count == index]
+        self.nbytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="datastates-warm", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        buf = bytearray(self.CHUNK)
+        for path in self.paths:
+            with contextlib.suppress(OSError), open(path, "rb", buffering=0) as f:
+                while not self._stop.is_set():
+                    n = f.readinto(buf)
+                    if not n:
+                        break
+                    self.nbytes += n
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Waits for the reads to end; whether they did."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+def fits_in_memory(nbytes: int) -> bool:
+    """Whether `nbytes` take at most half the memory the kernel reports available (`MemAvailable`)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return nbytes <= int(line.split()[1]) * 1024 // 2
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def node_share() -> tuple[int, int] | None:
+    """This process's share of the node's reads (local rank, local world size), where the job runs on one
+    node only; None for a job of several nodes (each would read the whole checkpoint for a part of it)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if local != world:
+        return None
+    return int(os.environ.get("LOCAL_RANK", "0")) % local, local
+
+
+def warm_for_reshard(manifest: dict[str, Any], folder: Path, in_memory: bool) -> PageCacheWarmer | None:
+    """The checkpoint's weight and optimizer files read into the page cache while the model is built, shared
+    out among the node's ranks, where the job runs on one node and they take at most half its available
+    memory (from the memory tier they are in memory already)."""
+    share = node_share()
+    names = [f for f in sorted(manifest.get("files", {})) if f.startswith(("model/", "optimizer/"))]
+    nbytes = sum(int(manifest["files"][f].get("bytes", 0)) for f in names)
+    if in_memory or share is None or not names or not fits_in_memory(nbytes):
+        return None
+    try:
+        paths = [layout.member(folder, f) for f in names]
+    except layout.ManifestError:
+        return None  # the reads that follow report it
+    return PageCacheWarmer(paths, share)
 
 
 def _size(path: Path) -> int:

@@ -46,7 +46,7 @@ from ..errors import FormatError
 from . import groups, layout, recovery, reshard, rest, saved_layout, say, shards, tier
 from .config import section
 from .deferred import DeferredOptimizer
-from .prefetch import Prefetch, fill, warm_page_cache
+from .prefetch import PageCacheWarmer, Prefetch, fill, warm_for_reshard, warm_page_cache
 from .target import asked_layout, loads, parse_config, resume_folder
 
 # What reading a checkpoint raises where a file is missing, damaged (FormatError, ChecksumError) or not of
@@ -68,6 +68,7 @@ class Resume:
         self.manifest: dict[str, Any] = {}
         self.engine: DataStatesEngine | None = None  # made early or at plan; the trainer saves with it too
         self.prefetch: Prefetch | None = None
+        self.warmer: PageCacheWarmer | None = None  # another layout: the files read into the page cache
         self.early = False  # whether the read-ahead began with the trainer's construction
         self._early: tuple[Path, layout.ReadSet, torch.device] | None = None
         self._config: Any = None
@@ -161,6 +162,8 @@ class Resume:
         reads, device = (self.files() if not self._failures else None), self._device
         if reads is None or device is None:
             self._drop_prefetch(report=False)
+            if reads is None and device is not None and not self._failures:
+                self.warmer = warm_for_reshard(self.manifest, self._src(), self.source is not None)
             return True
         if (
             early is not None
@@ -246,6 +249,8 @@ class Resume:
             self._load_rest(optimizer, lr_scheduler, random_states, model)
         except READ_ERRORS as e:
             self._failures.append(str(e))
+        if self.warmer is not None:  # what the reshard reads is read
+            self.warmer.stop()
         ck = self._config.checkpoints
         ck.load_optimizer = self._flags[0] and not self._hold_optimizer_flag
         ck.load_lr_scheduler = self._flags[1]
@@ -342,6 +347,9 @@ class Resume:
         if self._hold_optimizer_flag:
             self._hold_optimizer_flag = False
             self._config.checkpoints.load_optimizer = self._flags[0]
+        if self.warmer is not None:
+            self.warmer.stop()
+            self.warmer = None
         if close_engine and self.engine is not None:
             self.engine.close()
             self.engine = None

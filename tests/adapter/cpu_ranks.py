@@ -293,6 +293,7 @@ def resume_other(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     resume = Resume()
     at = os.environ.get("CPU_RANKS_STEP", "7")
     assert resume.plan(c, pc, work / "ckpt" / at, device=torch.device("cpu"))
+    warmed = [str(p.relative_to(work / "ckpt" / at)) for p in resume.warmer.paths] if resume.warmer else []
     resume.load_weights(fresh[0])
     resume.load_rest(*fresh[1:], fresh[0])
     metadata = resume.confirm()
@@ -305,6 +306,7 @@ def resume_other(pc: Any, c: Any, work: Path) -> dict[str, Any]:
         "tensors": count_tensors(expected),
         "last_train_step": metadata.last_train_step,
         "resumed_from": resume.folder.name,
+        "warmed": warmed,
     }
 
 

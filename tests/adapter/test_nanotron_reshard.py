@@ -9,6 +9,7 @@ training metadata, every element bit for bit. Runs against each Nanotron tree (s
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from cpu_ranks import launch
@@ -36,6 +37,12 @@ def test_every_rank_resumes_the_state_its_layout_would_hold(saved, here, tmp_pat
     for r in reports:
         assert r["differences"] == [] and r["tensors"] > 5, r["differences"][:10]
         assert r["last_train_step"] == 7
+    # While the model was built, the ranks read the saved weight and optimizer files into the page cache,
+    # each file by one rank.
+    warmed = [f for r in reports for f in r["warmed"]]
+    manifest = json.loads((tmp_path / "ckpt" / "7" / "datastates.json").read_text())
+    large = [f for f in manifest["files"] if f.startswith(("model/", "optimizer/"))]
+    assert sorted(warmed) == sorted(large) and any(f.startswith("optimizer/") for f in large)
 
 
 def test_a_model_of_another_shape_is_refused_naming_the_tensor_on_every_rank(tmp_path, monkeypatch):
