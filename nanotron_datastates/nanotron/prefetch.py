@@ -30,10 +30,20 @@ def warm_page_cache(paths: Iterable[Path]) -> int:
     has filled the disk's queue, as the trainer reads the scheduler's, the random states' and the metadata
     files, each waits behind it (0 to 0.6 s in all on an H100); read before, they come from memory then. A
     file that cannot be read is skipped: it is read again where it is used, which raises its error."""
+    buf = bytearray(1 << 20)
+    return sum(_read_through(Path(p), buf) for p in paths)
+
+
+def _read_through(path: Path, buf: bytearray, stop: threading.Event | None = None) -> int:
+    """Reads `path` through the page cache into `buf`, chunk after chunk, until its end or `stop`; returns the
+    bytes read (a file that cannot be read: those read before the error)."""
     total = 0
-    for path in paths:
-        with contextlib.suppress(OSError):
-            total += len(Path(path).read_bytes())
+    with contextlib.suppress(OSError), open(path, "rb", buffering=0) as f:
+        while stop is None or not stop.is_set():
+            n = f.readinto(buf)
+            if not n:
+                break
+            total += n
     return total
 
 
@@ -58,12 +68,7 @@ class PageCacheWarmer:
     def _run(self) -> None:
         buf = bytearray(self.CHUNK)
         for path in self.paths:
-            with contextlib.suppress(OSError), open(path, "rb", buffering=0) as f:
-                while not self._stop.is_set():
-                    n = f.readinto(buf)
-                    if not n:
-                        break
-                    self.nbytes += n
+            self.nbytes += _read_through(path, buf, self._stop)
 
     def stop(self) -> None:
         self._stop.set()
