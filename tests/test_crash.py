@@ -62,6 +62,19 @@ def _check(engine: DataStatesEngine, root: Path) -> tuple[int, int]:
     return latest, temporaries
 
 
+def _kill_while_saving(ctx, rng: random.Random, root: str, *tier: str) -> None:
+    """Starts `crash_child.save_loop(root, ready, *tier)` in a process and SIGKILLs it at a random moment of
+    its saving (0 to 0.3 s after it is ready)."""
+    ready = ctx.Event()
+    p = ctx.Process(target=crash_child.save_loop, args=(root, ready, *tier), daemon=True)
+    p.start()
+    assert ready.wait(60), "the saving process did not start"
+    p.join(rng.uniform(0.0, 0.3))
+    assert p.is_alive(), f"the saving process died on its own (exit code {p.exitcode})"
+    p.kill()
+    p.join()
+
+
 @pytest.mark.slow
 def test_sigkill_at_random_moments_never_loses_the_latest_checkpoint(tmp_path):
     ctx = multiprocessing.get_context("forkserver")
@@ -72,14 +85,7 @@ def test_sigkill_at_random_moments_never_loses_the_latest_checkpoint(tmp_path):
     seen_latest, mid_write = [], 0
     with DataStatesEngine(small_config()) as engine:
         for _ in range(TRIALS):
-            ready = ctx.Event()
-            p = ctx.Process(target=crash_child.save_loop, args=(str(root), ready), daemon=True)
-            p.start()
-            assert ready.wait(60), "the saving process did not start"
-            p.join(rng.uniform(0.0, 0.3))
-            assert p.is_alive(), f"the saving process died on its own (exit code {p.exitcode})"
-            p.kill()
-            p.join()
+            _kill_while_saving(ctx, rng, str(root))
             latest, temporaries = _check(engine, root)
             seen_latest.append(latest)
             mid_write += temporaries > 0
@@ -107,14 +113,7 @@ def test_sigkill_with_the_memory_tier_restores_from_memory_only_a_whole_committe
     from_memory = from_disk = 0
     with DataStatesEngine(small_config()) as engine:
         for _ in range(TRIALS):
-            ready = ctx.Event()
-            p = ctx.Process(target=crash_child.save_loop, args=(str(root), ready, str(base)), daemon=True)
-            p.start()
-            assert ready.wait(60), "the saving process did not start"
-            p.join(rng.uniform(0.0, 0.3))
-            assert p.is_alive(), f"the saving process died on its own (exit code {p.exitcode})"
-            p.kill()
-            p.join()
+            _kill_while_saving(ctx, rng, str(root), str(base))
             if not (root / layout.LATEST).exists():
                 continue
             latest = int((root / layout.LATEST).read_text())
