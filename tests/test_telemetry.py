@@ -22,8 +22,10 @@ def test_one_line_per_file_saved_and_one_for_a_failure(tmp_path):
             with pytest.raises(OSError):
                 h.wait_persisted()
     lines = telemetry.read(log)
-    assert [line["folder"] for line in lines[:3]] == [str(tmp_path / f"{i}.safetensors") for i in range(3)]
-    for line in lines[:3]:
+    saved = [line for line in lines if line["committed"]]
+    # Lines come in the order the files become durable, which the flush workers do not fix.
+    assert sorted(line["folder"] for line in saved) == [str(tmp_path / f"{i}.safetensors") for i in range(3)]
+    for line in saved:
         assert line["committed"] and line["bytes"] == (tmp_path / line["folder"]).stat().st_size
         assert 0 < line["snapshot_s"] <= line["persisted_s"] and line["stall_s"] >= 0
     assert sum(line["cache_bytes"] for line in lines) > 0  # the cache's statistics, once per batch of lines
