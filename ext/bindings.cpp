@@ -181,9 +181,8 @@ NB_MODULE(_core, m) {
           "__init__",
           [](ds::Engine* self, std::size_t cache_bytes, std::size_t chunk_bytes, int pin_device,
              bool huge_pages, unsigned parser_threads, unsigned copy_threads, unsigned host_copy_threads,
-             unsigned flush_threads,
-             unsigned queue_depth, std::size_t read_bytes, const std::string& io_backend, bool direct_io,
-             bool fsync, bool checksums) {
+             unsigned flush_threads, unsigned queue_depth, std::size_t read_bytes,
+             const std::string& io_backend, bool direct_io, bool fsync, bool checksums) {
             ds::EngineOptions o;
             o.cache_bytes = cache_bytes;
             o.chunk_bytes = chunk_bytes;
@@ -201,8 +200,8 @@ NB_MODULE(_core, m) {
             new (self) ds::Engine(o);
           },
           "cache_bytes"_a, "chunk_bytes"_a, "pin_device"_a, "huge_pages"_a, "parser_threads"_a,
-          "copy_threads"_a, "host_copy_threads"_a, "flush_threads"_a, "queue_depth"_a, "read_bytes"_a, "io_backend"_a, "direct_io"_a,
-          "fsync"_a, "checksums"_a)
+          "copy_threads"_a, "host_copy_threads"_a, "flush_threads"_a, "queue_depth"_a, "read_bytes"_a,
+          "io_backend"_a, "direct_io"_a, "fsync"_a, "checksums"_a)
       .def(
           "save_many",
           [](ds::Engine& e, std::vector<FileArg> files, const std::vector<nb::ndarray<>>& bases,
@@ -214,7 +213,8 @@ NB_MODULE(_core, m) {
             return e.save_many(std::move(requests), streams);
           },
           "files"_a, "bases"_a, "streams"_a,
-          "Queues files [(path, names, dtypes, arrays, views, metadata, embed_checksums, mirror)]; one Job each")
+          "Queues files [(path, names, dtypes, arrays, views, metadata, embed_checksums, mirror)]; one Job "
+          "each")
       .def(
           "restore_host",
           [](ds::Engine& e, const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
@@ -303,7 +303,7 @@ NB_MODULE(_core, m) {
       "encode_header",
       [](const std::vector<std::string>& names, const std::vector<std::string>& dtypes,
          const std::vector<std::vector<std::int64_t>>& shapes, const std::vector<std::size_t>& itemsizes,
-         const ds::Metadata& metadata, bool checksums) {
+         const ds::Metadata& metadata, bool checksums, std::size_t block_bytes) {
         std::vector<ds::TensorSrc> ts(names.size());
         for (std::size_t i = 0; i < ts.size(); ++i) {
           ts[i].name = names[i];
@@ -314,10 +314,10 @@ NB_MODULE(_core, m) {
           for (auto s : shapes[i]) n *= static_cast<std::size_t>(s);
           ts[i].nbytes = n;
         }
-        const ds::Layout l = ds::plan_layout(ts, metadata, checksums);
+        const ds::Layout l = ds::plan_layout(ts, metadata, checksums, block_bytes);
         return nb::bytes(l.header.data(), l.header.size());
       },
-      "names"_a, "dtypes"_a, "shapes"_a, "itemsizes"_a, "metadata"_a, "checksums"_a,
+      "names"_a, "dtypes"_a, "shapes"_a, "itemsizes"_a, "metadata"_a, "checksums"_a, "block_bytes"_a = 0,
       "The header bytes the engine writes for these tensors (checksums as zeros): for tests and tools");
   m.def("cuda_available", [] { return ds::cuda::api() != nullptr; });
   m.def("cuda_unavailable_reason", &ds::cuda::unavailable_reason);

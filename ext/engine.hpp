@@ -23,9 +23,9 @@ namespace ds {
 struct EngineOptions {
   std::size_t cache_bytes = std::size_t{1} << 30;
   std::size_t chunk_bytes = std::size_t{64} << 20;
-  int pin_device = -1;          // CUDA ordinal whose context pins the cache; -1: do not pin
-  bool huge_pages = true;       // back the cache with transparent huge pages where the kernel allows
-  unsigned parser_threads = 2;  // restores
+  int pin_device = -1;             // CUDA ordinal whose context pins the cache; -1: do not pin
+  bool huge_pages = true;          // back the cache with transparent huge pages where the kernel allows
+  unsigned parser_threads = 2;     // restores
   unsigned copy_threads = 1;       // saves of GPU tensors: plan and issue the copies into the cache
   unsigned host_copy_threads = 1;  // saves of host tensors: plan and memcpy into the cache
   unsigned flush_threads = 2;

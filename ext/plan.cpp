@@ -50,7 +50,8 @@ constexpr std::size_t kMaxHeader = 100'000'000;  // safetensors refuses larger h
 
 }  // namespace
 
-Layout plan_layout(const std::vector<TensorSrc>& tensors, const Metadata& metadata, bool checksums) {
+Layout plan_layout(const std::vector<TensorSrc>& tensors, const Metadata& metadata, bool checksums,
+                   std::size_t block_bytes) {
   Layout L;
   const std::size_t n = tensors.size();
   L.order.resize(n);
@@ -70,7 +71,7 @@ Layout plan_layout(const std::vector<TensorSrc>& tensors, const Metadata& metada
   j += "{\"__metadata__\":{";
   bool first = true;
   for (const auto& [k, v] : metadata) {
-    if (k == kCrcKey) continue;  // ours to write
+    if (k == kCrcKey || k == kBlockCrcKey) continue;  // ours to write
     if (!first) j += ',';
     first = false;
     put_string(j, k);
@@ -85,6 +86,19 @@ Layout plan_layout(const std::vector<TensorSrc>& tensors, const Metadata& metada
     L.has_crc = true;
     j.append(8 * n, '0');
     j += '"';
+    if (block_bytes) {
+      std::size_t segments = 0;
+      for (std::size_t i : L.order) segments += num_segments(L.offset[i], tensors[i].nbytes, block_bytes);
+      j += ',';
+      put_string(j, kBlockCrcKey);
+      j += ":\"";
+      j += std::to_string(block_bytes);
+      j += ':';
+      L.block_bytes = block_bytes;
+      L.block_pos = 8 + j.size();
+      j.append(8 * segments, '0');
+      j += '"';
+    }
   }
   j += '}';
   for (std::size_t i : L.order) {
@@ -118,12 +132,18 @@ Layout plan_layout(const std::vector<TensorSrc>& tensors, const Metadata& metada
   return L;
 }
 
-void patch_checksums(Layout& layout, const std::vector<std::uint32_t>& crcs) {
+void patch_checksums(Layout& layout, const std::vector<std::uint32_t>& crcs,
+                     const std::vector<std::vector<std::uint32_t>>& blocks) {
   if (!layout.has_crc) return;
   static const char* hex = "0123456789abcdef";
   char* p = &layout.header[layout.crc_pos];
   for (std::uint32_t c : crcs)
     for (int s = 28; s >= 0; s -= 4) *p++ = hex[(c >> s) & 15];
+  if (!layout.block_bytes) return;
+  p = &layout.header[layout.block_pos];
+  for (const auto& tensor : blocks)
+    for (std::uint32_t c : tensor)
+      for (int s = 28; s >= 0; s -= 4) *p++ = hex[(c >> s) & 15];
 }
 
 }  // namespace ds

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 
 #include "crc32c.hpp"
 
@@ -77,7 +78,9 @@ SaveJob::~SaveJob() {
 SaveJob::Planned SaveJob::plan() {
   Planned out;
   try {
-    layout_ = plan_layout(tensors_, metadata_, opts_.checksums && embed_checksums_);
+    // Block segments on a grid that divides the chunk: each is summed whole by the worker of its piece.
+    block_ = std::gcd(cache_->chunk_bytes(), kBlockBytes);
+    layout_ = plan_layout(tensors_, metadata_, opts_.checksums && embed_checksums_, block_);
   } catch (const ErrorException& e) {
     fail(Error{e.error.kind, e.error.os_errno, e.error.message, path_});
   } catch (const std::bad_alloc&) {
@@ -96,13 +99,11 @@ SaveJob::Planned SaveJob::plan() {
     stats_.tensor_bytes = data_bytes_;
   }
 
-  // Checksum bookkeeping: which pieces each tensor spans.
+  // Checksum bookkeeping: the block segments of each tensor.
   crc_parts_.resize(tensors_.size());
   for (std::size_t k = 0; k < layout_.order.size(); ++k) {
-    const TensorSrc& t = tensors_[layout_.order[k]];
-    if (t.nbytes == 0) continue;
-    const std::size_t off = layout_.offset[layout_.order[k]];
-    crc_parts_[k].assign((off + t.nbytes - 1) / chunk_ - off / chunk_ + 1, 0);
+    const std::size_t t = layout_.order[k];
+    crc_parts_[k].assign(num_segments(layout_.offset[t], tensors_[t].nbytes, block_), 0);
   }
 
   std::string base;
@@ -214,15 +215,17 @@ void SaveJob::piece_captured() {
 
 void SaveJob::on_io_prepare(IoOp& op) {
   if (&op == &header_op_ || op.kind != IoOp::Kind::Write || !opts_.checksums) return;
-  // Sum each tensor range of this piece; pieces are summed on different workers and combined at commit.
+  // Sum each block segment of this piece; pieces are summed on different workers and combined at commit.
   const std::size_t i = op.tag;
   const std::size_t lo = i * chunk_, hi = std::min(lo + chunk_, data_bytes_);
   const auto& order = layout_.order;
   for (std::size_t k = first_ending_after(lo); k < order.size() && layout_.offset[order[k]] < hi; ++k) {
     const std::size_t off = layout_.offset[order[k]], n = tensors_[order[k]].nbytes;
-    if (n == 0) continue;
-    const std::size_t b = std::max(lo, off), e = std::min(hi, off + n);
-    crc_parts_[k][i - off / chunk_] = crc32c(0, op.buf + (b - lo), e - b);
+    const std::size_t e = std::min(hi, off + n);
+    for (std::size_t b = std::max(lo, off), next; b < e; b = next) {
+      next = std::min(e, (b / block_ + 1) * block_);
+      crc_parts_[k][b / block_ - off / block_] = crc32c(0, op.buf + (b - lo), next - b);
+    }
   }
 }
 
@@ -297,16 +300,16 @@ IoOp* SaveJob::header_op() {
       const std::size_t n = tensors_[layout_.order[k]].nbytes;
       if (n == 0) continue;
       const std::size_t off = layout_.offset[layout_.order[k]];
-      const std::size_t first = off / chunk_;
+      const std::size_t first = off / block_;
       std::uint32_t c = crc_parts_[k][0];
       for (std::size_t j = 1; j < crc_parts_[k].size(); ++j) {
-        const std::size_t piece_lo = (first + j) * chunk_;
-        const std::size_t len = std::min(piece_lo + chunk_, off + n) - piece_lo;
+        const std::size_t seg_lo = (first + j) * block_;
+        const std::size_t len = std::min(seg_lo + block_, off + n) - seg_lo;
         c = crc32c_combine(c, crc_parts_[k][j], len);
       }
       crcs[k] = c;
     }
-    patch_checksums(layout_, crcs);  // a no-op where they are not embedded
+    patch_checksums(layout_, crcs, crc_parts_);  // a no-op where they are not embedded
     std::lock_guard<std::mutex> lock(mu_);
     crcs_ = std::move(crcs);
   }

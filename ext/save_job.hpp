@@ -10,10 +10,10 @@
 //                    (O_DIRECT pads the tail), fsync, rename onto the final path, fsync of the directory;
 //                    persisted.
 //
-// With a mirror path (a memory tier on tmpfs), each piece and the header are also written there, from the same
-// cache chunk, by the flush worker once the piece's own write has completed (no second copy from the device);
-// the mirror is renamed into place just before the job counts as persisted. A mirror that fails (no room) only
-// drops the mirror: the save itself goes on, and mirrored() says so.
+// With a mirror path (a memory tier on tmpfs), each piece and the header are also written there, from the
+// same cache chunk, by the flush worker once the piece's own write has completed (no second copy from the
+// device); the mirror is renamed into place just before the job counts as persisted. A mirror that fails (no
+// room) only drops the mirror: the save itself goes on, and mirrored() says so.
 //
 // An error at any step is stored (the first one wins), later pieces are dropped, the temporary file is
 // removed, and both waits resolve: nothing is ever left at the final path, and earlier files are untouched.
@@ -139,6 +139,7 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
 
   Layout layout_;
   std::size_t chunk_ = 0;
+  std::size_t block_ = 0;  // the block segments' grid (divides chunk_)
   std::size_t data_bytes_ = 0;
   std::size_t npieces_ = 0;
   int fd_ = -1;
@@ -149,7 +150,7 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   std::vector<IoOp> piece_ops_;
   IoOp header_op_, fsync_op_, dirsync_op_;
   char* header_buf_ = nullptr;
-  // Per tensor, in file order: CRC of its bytes in each piece it spans (filled by flush workers).
+  // Per tensor, in file order: CRC of each of its block segments (filled by flush workers).
   std::vector<std::vector<std::uint32_t>> crc_parts_;
 
   std::atomic<std::size_t> to_capture_{0};

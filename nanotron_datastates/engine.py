@@ -23,7 +23,7 @@ from . import _core, telemetry
 from . import format as fmt
 from .config import DataStatesConfig
 from .plan import SavePlan, plan_save, prepare_many
-from .restore import load_file, load_into_tensors, load_tensors, read_structure, verify_file
+from .restore import load_file, load_into_tensors, load_ranges, load_tensors, read_structure, verify_file
 
 log = logging.getLogger("nanotron_datastates")
 _warned: set[str] = set()
@@ -441,6 +441,20 @@ class DataStatesEngine:
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         return load_tensors(self._core, path, names, verify=self.config.verify_checksums, checksums=checksums)
+
+    def load_ranges(
+        self,
+        path: str | os.PathLike,
+        ranges: Mapping[str, tuple[int, int]],
+        *,
+        checksums: Mapping[str, int] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Elements [start, stop) of each named tensor, flattened, onto the CPU: a rank's part of a larger
+        state. Files the engine writes hold a checksum per block (1 MiB at most), so only the blocks over
+        each range are read and each is checked; for other files the whole tensor is read and checked."""
+        if self._closed:
+            raise ValueError("the engine is closed; create a new DataStatesEngine")
+        return load_ranges(self._core, path, ranges, verify=self.config.verify_checksums, checksums=checksums)
 
     def read_structure(self, path: str | os.PathLike) -> Any:
         """The saved structure with a `TensorRef` (name in the file, dtype, shape) in place of each tensor:

@@ -23,6 +23,7 @@ FORMAT_VERSION = 1
 KEY_VERSION = "datastates.version"
 KEY_SKELETON = "datastates.skeleton"
 KEY_CRC = "datastates.crc32c"
+KEY_BLOCK_CRC = "datastates.crc32c_blocks"
 RESERVED_PREFIX = "datastates."
 MAX_HEADER = 100_000_000  # the safetensors limit
 
@@ -91,6 +92,10 @@ class TensorEntry:
     def nbytes(self) -> int:
         return self.end - self.begin
 
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
 
 @dataclass(frozen=True)
 class Header:
@@ -106,6 +111,20 @@ class Header:
         if raw is None:
             return None
         return {t.name: int(raw[8 * i : 8 * i + 8], 16) for i, t in enumerate(self.tensors)}
+
+    def block_checksums(self) -> tuple[int, dict[str, list[int]]] | None:
+        """(B, stored CRC-32C of each block segment per tensor name), or None when the file has none: a
+        tensor's segments are its bytes cut at the multiples of B in the data section (docs/FORMAT.md)."""
+        raw = self.metadata.get(KEY_BLOCK_CRC)
+        if raw is None:
+            return None
+        size, _, digits = raw.partition(":")
+        block, pos, out = int(size), 0, {}
+        for t in self.tensors:
+            n = segments(t.begin, t.nbytes, block)
+            out[t.name] = [int(digits[8 * i : 8 * i + 8], 16) for i in range(pos, pos + n)]
+            pos += n
+        return block, out
 
     def user_metadata(self) -> dict[str, str]:
         """`__metadata__` without the engine's own keys."""
@@ -210,4 +229,23 @@ def parse_header(buf: bytes, file_size: int, path: str = "<buffer>") -> Header:
     crc = meta.get(KEY_CRC)
     if crc is not None and (len(crc) != 8 * len(entries) or not all(c in "0123456789abcdef" for c in crc)):
         raise _fail(path, f"{KEY_CRC} must hold 8 lowercase hex digits per tensor")
+    blocks = meta.get(KEY_BLOCK_CRC)
+    if blocks is not None:
+        size, _, digits = blocks.partition(":")
+        block = int(size) if size.isdigit() else 0
+        want = sum(segments(e.begin, e.nbytes, block) for e in entries) if block else -1
+        if block < 4096 or block & (block - 1) or len(digits) != 8 * want or not _HEX.issuperset(digits):
+            raise _fail(
+                path,
+                f"{KEY_BLOCK_CRC} must hold a block size (a power of two, 4096 or more), ':', "
+                "and 8 lowercase hex digits per block segment",
+            )
     return Header(path, tuple(entries), meta, 8 + n, file_size)
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def segments(begin: int, nbytes: int, block: int) -> int:
+    """How many block segments a tensor of `nbytes` at `begin` in the data section has."""
+    return (begin + nbytes - 1) // block - begin // block + 1 if nbytes else 0

@@ -95,6 +95,78 @@ def load_tensors(
     return _read_to_host(core, path, header, verify, checksums, entries)
 
 
+def load_ranges(
+    core: Any,
+    path: str | os.PathLike,
+    ranges: Mapping[str, tuple[int, int]],
+    *,
+    verify: bool = True,
+    checksums: Mapping[str, int] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Elements [start, stop) of each named tensor, flattened, on the CPU. Where the file holds block
+    checksums, only the block segments over the range are read, and each is checked; otherwise the whole
+    tensor is read and checked (`checksums` given, or none in the file). KeyError names a tensor the file
+    does not hold, ValueError a range outside it."""
+    path = os.fspath(path)
+    header = fmt.read_header(path)
+    by_name = {e.name: e for e in header.tensors}
+    for name, (start, stop) in ranges.items():
+        e = by_name.get(name)
+        if e is None:
+            raise KeyError(f"{path} holds no tensor {name!r}")
+        if not 0 <= start <= stop <= e.numel:
+            raise ValueError(f"{path}: elements [{start}, {stop}) are outside tensor {name!r} of {e.numel}")
+    expected = _expected(path, header, checksums) if verify else None
+    blocks = header.block_checksums() if expected is not None and checksums is None else None
+    wanted = [(by_name[name], start, stop) for name, (start, stop) in ranges.items() if stop > start]
+    spans = [_span(e, start, stop, expected, blocks) for e, start, stop in wanted]
+    data_len = header.file_size - header.data_start
+    begins, ends = [b for b, _, _ in spans], [x for _, x, _ in spans]
+    raws, sums = core.restore_host(path, header.data_start, data_len, begins, ends, expected is not None)
+    sums = sums if expected is not None else [0] * len(spans)
+    out = {name: torch.empty(0, dtype=by_name[name].dtype.torch) for name in ranges}
+    for (e, start, stop), (begin, end, crc), raw, got in zip(wanted, spans, raws, sums):
+        if crc is not None and got != crc:
+            raise ChecksumError(
+                f"{path}: tensor {e.name!r} fails its checksum over bytes [{begin}, {end}) of the data "
+                f"section (stored {crc:08x}, read {got:08x}); the file is corrupt"
+            )
+        lo = e.begin + start * e.dtype.itemsize - begin
+        part = raw[lo : lo + (stop - start) * e.dtype.itemsize]
+        if (header.data_start + begin + lo) % e.dtype.itemsize == 0:
+            out[e.name] = part.view(e.dtype.torch)
+        else:
+            out[e.name] = empty((stop - start,), e.dtype.torch, torch.device("cpu"))
+            out[e.name].view(torch.uint8).copy_(part)
+    return out
+
+
+def _span(
+    e: fmt.TensorEntry,
+    start: int,
+    stop: int,
+    expected: Mapping[str, int] | None,
+    blocks: tuple[int, dict[str, list[int]]] | None,
+) -> tuple[int, int, int | None]:
+    """The bytes [begin, end) of the data section to read for elements [start, stop) of `e`, and the CRC
+    they must have (None: not verified): the whole tensor, or with block checksums the segments over it."""
+    from . import _core
+
+    lo, hi = e.begin + start * e.dtype.itemsize, e.begin + stop * e.dtype.itemsize
+    if expected is None:
+        return lo, hi, None
+    if blocks is None:
+        return e.begin, e.end, expected[e.name]
+    size, sums = blocks
+    first, last = lo // size, (hi - 1) // size
+    skip = e.begin // size  # the tensor's first segment
+    begin, end = max(e.begin, first * size), min(e.end, (last + 1) * size)
+    crc = sums[e.name][first - skip]
+    for k in range(first + 1, last + 1):
+        crc = _core.crc32c_combine(crc, sums[e.name][k - skip], min(end, (k + 1) * size) - k * size)
+    return begin, end, crc
+
+
 def load_into_tensors(
     core: Any,
     path: str | os.PathLike,

@@ -5,24 +5,26 @@ scheduler's entries follow their param groups.
 Planned from metadata, as PyTorch's distributed checkpoint plans a reshard:
 - the saved layout is read from the files themselves (saved_layout.py);
 - this rank's needs are its model's and optimizer's parameters: each one's slices of the full tensor (the
-  model's sharding) and, with ZeRO, its flat range.
-For each parameter, the full tensor of each state is put together from the saved pieces that hold it, then
-cut to this rank's piece. Only the saved tensors of this rank's parameters are read, each whole, so each is
-checked against its checksum. A parameter missing from the checkpoint, or of another shape, is a
-ReshardError naming it.
+  model's sharding) and, with ZeRO, its flat range;
+- for each state of each parameter, reshard_plan.py finds the ranges of the saved tensors that hold this
+  rank's piece. Only those are read, each checked against the checksums of the blocks it spans (the
+  optimizer's files hold them; a weight file is read whole and checked against the manifest), and put
+  together.
+A parameter missing from the checkpoint, or of another shape, is a ReshardError naming it.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 
 from ..engine import DataStatesEngine
-from . import layout
+from . import layout, reshard_plan
+from .reshard_plan import Need, Source
 from .saved_layout import (
     MASTER,
     Piece,
@@ -43,16 +45,32 @@ def load_weights(engine: DataStatesEngine, manifest: dict[str, Any], folder: Pat
         need = _need_of(param, tuple(param.shape), None)
         if full_shape != need.full_shape:
             raise _changed(name, full_shape, need.full_shape)
-        full = torch.empty(full_shape, dtype=param.dtype)
-        for piece in pieces.values():
+        sources = {}
+        for t, piece in pieces.items():
             assert piece.path is not None
-            sums = layout.file_checksums(manifest, folder, piece.path)
-            local = engine.load_tensors(piece.path, ["data"], checksums=sums)["data"].to(param.dtype)
-            for pair in piece.pairs:
-                full[pair.global_slices] = local[pair.local_slices]
+            sources[t] = (piece, [Source(piece.path, "data", (0, math.prod(piece.local_shape)))])
+        p = reshard_plan.plan(name, need, sources)
+        read = _read(engine, p.ranges(), lambda path: layout.file_checksums(manifest, folder, path))
         with torch.no_grad():
-            param.copy_(_cut(full, need))
+            param.copy_(reshard_plan.assemble(p, read, param.dtype))
     return len(params)
+
+
+def _read(
+    engine: DataStatesEngine,
+    ranges: Iterable[tuple[Path, str, tuple[int, int]]],
+    checksums: Callable[[Path], dict[str, int] | None] | None = None,
+) -> dict[tuple[Path, str], torch.Tensor]:
+    """The ranges of saved tensors, each file read once by the engine's parser threads."""
+    by_file: dict[Path, dict[str, tuple[int, int]]] = {}
+    for path, tensor, elements in ranges:
+        assert by_file.setdefault(path, {}).setdefault(tensor, elements) == elements, (path, tensor)
+    out = {}
+    for path, wanted in by_file.items():
+        sums = checksums(path) if checksums is not None else None
+        for tensor, t in engine.load_ranges(path, wanted, checksums=sums).items():
+            out[(path, tensor)] = t
+    return out
 
 
 def _changed(name: str, saved: tuple[int, ...], here: tuple[int, ...]) -> ReshardError:
@@ -60,17 +78,6 @@ def _changed(name: str, saved: tuple[int, ...], here: tuple[int, ...]) -> Reshar
         f"parameter {name!r} is {list(saved)} in the checkpoint and {list(here)} here: the model changed, "
         "which a reshard cannot honour"
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class Need:
-    """What this rank's optimizer holds of one parameter."""
-
-    index: int  # in the optimizer's state_dict
-    shape: tuple[int, ...]  # of its state tensors: the local shape, or a ZeRO flat range's length
-    full_shape: tuple[int, ...]
-    piece: Piece
-    zero: tuple[int, int] | None  # flat range of the local tensor, with ZeRO
 
 
 def needs(optimizer: Any, model: torch.nn.Module, pc: Any) -> dict[str, Need]:
@@ -105,39 +112,36 @@ def optimizer_state(
     """The state_dict this rank's `optimizer` loads, resharded from the checkpoint in `folder`."""
     saved = read_saved(manifest, folder, engine)
     wanted = needs(optimizer, model, pc)
-    keys = sorted({k for f in saved for s in f.state.values() for k in s})
+    keys = sorted({k for f in saved for s in f.state.values() for k in s} - {"step"})
     here_masters = _has_masters(optimizer)
     with_masters = here_masters and any(f.masters for f in saved)
-    tensors: dict[Path, dict[str, torch.Tensor]] = {}
-    sources: dict[str, list[SavedFile]] = {}
-    for name in wanted:
+    plans: dict[tuple[str, str], reshard_plan.Plan] = {}
+    steps: dict[str, tuple[Path, str, tuple[int, int]]] = {}
+    step_shapes: dict[str, tuple[int, ...]] = {}
+    for name, need in wanted.items():
         holders = [f for f in saved if name in f.state]
         if not holders:
             raise ReshardError(f"{folder}: parameter {name!r} is not in the checkpoint's optimizer state")
-        sources[name] = holders
-    for f in saved:  # this rank's tensors of each file, read once, each whole
-        refs = [ref.name for name in wanted if name in f.state for ref in f.state[name].values()]
-        refs += [f.masters[name].name for name in wanted if name in f.masters]
-        if refs:
-            tensors[f.path] = engine.load_tensors(f.path, refs)
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    masters: dict[str, torch.Tensor] = {}
-    for name, need in wanted.items():
         full_shape, pieces = saved_pieces(manifest, folder, name)
         if full_shape != need.full_shape:
             raise _changed(name, full_shape, need.full_shape)
-        entry: dict[str, torch.Tensor] = {}
-        for key in keys:
-            if key == "step":
-                f = sources[name][0]
-                entry[key] = tensors[f.path][f.state[name][key].name].clone()
-                continue
-            entry[key] = _cut(_assemble(name, key, sources[name], pieces, full_shape, tensors, False), need)
-        state[need.index] = entry
+        for key in keys + ([MASTER] if with_masters else []):
+            plans[(name, key)] = reshard_plan.plan(name, need, _sources(name, key, holders, pieces))
+        if "step" in holders[0].state[name]:
+            ref = holders[0].state[name]["step"]
+            steps[name] = (holders[0].path, ref.name, (0, math.prod(ref.shape)))
+            step_shapes[name] = tuple(ref.shape)
+    read = _read(engine, [*(r for p in plans.values() for r in p.ranges()), *steps.values()])
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    masters: dict[str, torch.Tensor] = {}
+    for name, need in wanted.items():
+        entry = {key: reshard_plan.assemble(plans[(name, key)], read) for key in keys}
+        if name in steps:
+            path, tensor, _ = steps[name]
+            entry["step"] = read[(path, tensor)].clone().view(step_shapes[name])
+        state[need.index] = dict(sorted(entry.items()))
         if with_masters:
-            masters[name] = _cut(
-                _assemble(name, MASTER, sources[name], pieces, full_shape, tensors, True), need
-            )
+            masters[name] = reshard_plan.assemble(plans[(name, MASTER)], read)
         elif here_masters:  # saved without fp32 masters: Nanotron's own start, from the weights just loaded
             masters[name] = _cut_local(model_params(model)[name].detach().float(), need)
     out = {
@@ -163,17 +167,12 @@ def model_params(model: Any) -> dict[str, Any]:
     return dict(model.get_named_params_with_correct_tied())
 
 
-def _assemble(
-    name: str,
-    key: str,
-    holders: list[SavedFile],
-    pieces: dict[int, Piece],
-    full_shape: tuple[int, ...],
-    tensors: dict[Path, dict[str, torch.Tensor]],
-    master: bool,
-) -> torch.Tensor:
-    """The full tensor of one state of one parameter, from the saved files that hold it."""
-    full: torch.Tensor | None = None
+def _sources(
+    name: str, key: str, holders: list[SavedFile], pieces: dict[int, Piece]
+) -> dict[int, tuple[Piece, list[Source]]]:
+    """For each saved piece of one parameter, the saved tensors that hold its state `key` (MASTER: its fp32
+    master weight), each with the flat range of the piece that Nanotron's ZeRO partition gave it."""
+    out = {}
     for tp_rank, piece in pieces.items():
         files = [f for f in holders if tp_rank in (-1, f.tp[0])]
         if tp_rank == -1:
@@ -181,51 +180,24 @@ def _assemble(
         pp0 = min(f.pp for f in files)
         files = [f for f in files if f.pp == pp0]  # tied across stages: each stage holds the same state
         files.sort(key=lambda f: f.dp[0] if f.dp else 0)
-        parts = [_tensor(f, name, key, tensors, master).reshape(-1) for f in files]
-        _check_zero(name, files, parts, piece)
-        local = torch.cat(parts).view(piece.local_shape)
-        if full is None:
-            full = torch.empty(full_shape, dtype=local.dtype)
-        for pair in piece.pairs:
-            full[pair.global_slices] = local[pair.local_slices]
-    assert full is not None
-    return full
-
-
-def _check_zero(name: str, files: list[SavedFile], parts: list[torch.Tensor], piece: Piece) -> None:
-    """Each ZeRO shard holds the flat range Nanotron's partition gives its rank, and together they hold the
-    whole local tensor."""
-    numel = 1
-    for n in piece.local_shape:
-        numel *= n
-    for f, part in zip(files, parts):
-        if f.dp is not None:
-            start, end = zero_ranges(numel, f.dp[1]).get(f.dp[0], (0, 0))
-            if part.numel() != end - start:
+        numel = math.prod(piece.local_shape)
+        sources = []
+        for f in files:
+            ref = f.masters[name] if key == MASTER else f.state[name][key]
+            flat = zero_ranges(numel, f.dp[1]).get(f.dp[0], (0, 0)) if f.dp is not None else (0, numel)
+            if math.prod(ref.shape) != flat[1] - flat[0]:
                 raise ReshardError(
-                    f"{f.path}: parameter {name!r} holds {part.numel()} elements; its ZeRO range there is "
-                    f"[{start}, {end}) of {numel}"
+                    f"{f.path}: parameter {name!r} holds {math.prod(ref.shape)} elements; its ZeRO range "
+                    f"there is [{flat[0]}, {flat[1]}) of {numel}"
                 )
-    if sum(p.numel() for p in parts) != numel:
-        raise ReshardError(
-            f"parameter {name!r}: the saved shards hold {sum(p.numel() for p in parts)} of "
-            f"its {numel} elements"
-        )
-
-
-def _tensor(
-    f: SavedFile, name: str, key: str, tensors: dict[Path, dict[str, torch.Tensor]], master: bool
-) -> Any:
-    ref = f.masters[name] if master else f.state[name][key]
-    return tensors[f.path][ref.name]
-
-
-def _cut(full: torch.Tensor, need: Need) -> torch.Tensor:
-    """This rank's piece of a full tensor: its local slices, and with ZeRO its flat range."""
-    local = torch.empty(need.piece.local_shape, dtype=full.dtype)
-    for pair in need.piece.pairs:
-        local[pair.local_slices] = full[pair.global_slices]
-    return _cut_local(local, need)
+            sources.append(Source(f.path, ref.name, flat))
+        if sum(s.flat[1] - s.flat[0] for s in sources) != numel:
+            raise ReshardError(
+                f"parameter {name!r}: the saved shards hold {sum(s.flat[1] - s.flat[0] for s in sources)} "
+                f"of its {numel} elements"
+            )
+        out[tp_rank] = (piece, sources)
+    return out
 
 
 def _cut_local(local: torch.Tensor, need: Need) -> torch.Tensor:

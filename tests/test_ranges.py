@@ -1,0 +1,127 @@
+"""Reading part of a tensor (`load_ranges`): the block checksums a file holds, only the blocks over a range
+read and checked, whole tensors where a file has no block checksums."""
+
+import random
+
+import pytest
+import safetensors.torch
+import torch
+
+from nanotron_datastates import ChecksumError, DataStatesEngine, _core
+from nanotron_datastates import format as fmt
+
+from helpers import small_config
+
+MIB = 1 << 20
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "big": torch.randn(3 * MIB // 4 + 123, generator=g),  # ~3 MiB of fp32: several blocks
+        "rows": torch.randn(700, 1000, generator=g).bfloat16(),  # starts mid-block, after "big"
+        "bytes": torch.randint(-128, 127, (5000,), dtype=torch.int8, generator=g),
+        "scalar": torch.tensor(7.5),
+    }
+
+
+@pytest.mark.parametrize(
+    "chunk_size, cache_gib, block", [(1, 16 / 1024, MIB), (64, 0.5, MIB), (1, 1 / 1024, MIB // 4)]
+)
+def test_every_block_segment_is_summed_and_they_combine_to_the_tensors_checksum(
+    tmp_path, chunk_size, cache_gib, block
+):
+    """Blocks of 1 MiB, or of the chunk's size where chunks are smaller (a block is summed in one piece)."""
+    path = tmp_path / "s.safetensors"
+    with DataStatesEngine(small_config(chunk_size=chunk_size, host_cache_size=cache_gib)) as engine:
+        engine.save(_state(), path).wait_persisted()
+    header = fmt.read_header(path)
+    assert header.block_checksums()[0] == block
+    block, sums = header.block_checksums()
+    raw = path.read_bytes()[header.data_start :]
+    whole = header.checksums()
+    for e in header.tensors:
+        cuts = sorted({e.begin, e.end, *range((e.begin // block + 1) * block, e.end, block)})
+        segments = [_core.crc32c(raw[a:b]) for a, b in zip(cuts, cuts[1:])]
+        assert sums[e.name] == segments, e.name
+        crc = segments[0] if segments else 0
+        for (a, b), s in zip(zip(cuts[1:], cuts[2:]), segments[1:]):
+            crc = _core.crc32c_combine(crc, s, b - a)
+        assert crc == whole[e.name], e.name
+    assert len(sums["big"]) == 3 * MIB // block + 1  # 3 MiB + 492 bytes from offset 0
+    assert safetensors.torch.load_file(path)["rows"].equal(_state()["rows"])  # still plain safetensors
+
+
+def test_ranges_are_exactly_the_elements_asked_for(tmp_path):
+    state, path = _state(), tmp_path / "s.safetensors"
+    rng = random.Random(1)
+    with DataStatesEngine(small_config()) as engine:
+        engine.save(state, path).wait_persisted()
+        for _ in range(40):
+            ranges = {}
+            for name in rng.sample(sorted(state), rng.randint(1, len(state))):
+                n = state[name].numel()
+                a = rng.randint(0, n)
+                ranges[name] = (a, rng.randint(a, n))
+            got = engine.load_ranges(path, ranges)
+            for name, (a, b) in ranges.items():
+                assert got[name].equal(state[name].reshape(-1)[a:b]), (name, a, b)
+        edges = {"big": (MIB // 4 - 1, MIB // 4 + 1), "rows": (0, 700_000), "scalar": (0, 1), "bytes": (9, 9)}
+        got = engine.load_ranges(path, edges)
+        assert got["rows"].view(700, 1000).equal(state["rows"]) and got["scalar"].item() == 7.5
+        assert got["bytes"].numel() == 0 and got["big"].equal(state["big"][MIB // 4 - 1 : MIB // 4 + 1])
+
+
+def _flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_only_the_blocks_over_a_range_are_read_and_checked(tmp_path):
+    state, path = _state(), tmp_path / "s.safetensors"
+    with DataStatesEngine(small_config()) as engine:
+        engine.save(state, path).wait_persisted()
+        header = fmt.read_header(path)
+        big = next(e for e in header.tensors if e.name == "big")
+        _flip(path, header.data_start + big.begin + 2 * MIB + 10)  # in the third block of "big"
+        per_block = MIB // 4
+        first_two = engine.load_ranges(path, {"big": (0, 2 * per_block)})["big"]
+        assert first_two.equal(state["big"][: 2 * per_block])
+        third = rf"s\.safetensors: tensor 'big' .*bytes \[{2 * MIB}, {3 * MIB}\)"
+        with pytest.raises(ChecksumError, match=third):
+            engine.load_ranges(path, {"big": (2 * per_block + 100, 2 * per_block + 101)})
+        with pytest.raises(ChecksumError, match="tensor 'big'"):
+            engine.load(path)
+        assert engine.load_ranges(path, {"rows": (0, 10)})["rows"].equal(state["rows"].reshape(-1)[:10])
+
+
+def test_files_without_block_checksums_are_read_and_checked_whole(tmp_path):
+    state, ours, theirs = _state(), tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    safetensors.torch.save_file(state, theirs)
+    with DataStatesEngine(small_config()) as engine:
+        h = engine.save(state, ours, exact_metadata=True)  # a strict reader's file: checksums kept outside
+        sums = h.checksums()
+        assert fmt.read_header(ours).block_checksums() is None
+        assert engine.load_ranges(theirs, {"big": (5, 9)})["big"].equal(state["big"][5:9])
+        header = fmt.read_header(ours)
+        big = next(e for e in header.tensors if e.name == "big")
+        _flip(ours, header.data_start + big.end - 1)  # far from the range asked for
+        with pytest.raises(ChecksumError, match="tensor 'big'"):
+            engine.load_ranges(ours, {"big": (5, 9)}, checksums=sums)
+        assert engine.load_ranges(ours, {"rows": (5, 9)}, checksums=sums)["rows"].equal(
+            state["rows"].reshape(-1)[5:9]
+        )
+
+
+def test_a_name_or_range_not_in_the_file_is_named(tmp_path):
+    path = tmp_path / "s.safetensors"
+    with DataStatesEngine(small_config()) as engine:
+        engine.save(_state(), path).wait_persisted()
+        with pytest.raises(KeyError, match="holds no tensor 'nope'"):
+            engine.load_ranges(path, {"nope": (0, 1)})
+        with pytest.raises(ValueError, match=r"elements \[4990, 5001\) are outside tensor 'bytes' of 5000"):
+            engine.load_ranges(path, {"bytes": (4990, 5001)})
+        assert engine.load_ranges(path, {"bytes": (0, 2)})["bytes"].numel() == 2  # still working
