@@ -132,7 +132,7 @@ def decode(
                 return torch.Size(items)
             return items if tag == "l" else tuple(items)
         if tag == "f":
-            if v not in _SPECIAL_FLOATS:
+            if type(v) is not str or v not in _SPECIAL_FLOATS:  # a list would not even hash
                 raise bad(f"unknown float {v!r}")
             return _SPECIAL_FLOATS[v]
         if tag in ("b", "p"):
