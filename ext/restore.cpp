@@ -118,11 +118,34 @@ struct Restore {
   }
 
   std::uint64_t piece_lo(std::size_t i) const { return base + i * piece; }
-  // Block-aligned length to request, and the bytes that must arrive (the file may end inside the last block).
-  ReadRange range(std::size_t i, char* dst) const {
-    const std::uint64_t lo = piece_lo(i);
-    const std::uint64_t hi = std::min<std::uint64_t>(lo + piece, align_up(file_end, kPage));
-    return {dst, lo, hi - lo, static_cast<std::size_t>(std::min<std::uint64_t>(hi, file_end) - lo)};
+
+  // The first span (in `order`) that ends after file offset `lo`.
+  std::vector<std::size_t>::const_iterator first_span_after(std::uint64_t lo) const {
+    return std::partition_point(order.begin(), order.end(),
+                                [&](std::size_t s) { return data_start + spans[s].end <= lo; });
+  }
+
+  // The pages of piece i that the spans cover, as runs of whole pages (the memory of piece i starts at
+  // `mem`): block-aligned lengths to request, and the bytes that must arrive (the file may end inside the
+  // last block). None where no span reaches into the piece: reading some tensors, or ranges of them, reads
+  // their pages only.
+  std::vector<ReadRange> runs(std::size_t i, char* mem) const {
+    const std::uint64_t lo = piece_lo(i), hi = lo + piece, stop = align_up(file_end, kPage);
+    std::vector<ReadRange> out;
+    for (auto it = first_span_after(lo); it != order.end() && data_start + spans[*it].begin < hi; ++it) {
+      if (spans[*it].end <= spans[*it].begin) continue;
+      const std::uint64_t a = align_down(std::max(lo, data_start + spans[*it].begin), kPage);
+      const std::uint64_t b =
+          std::min<std::uint64_t>({align_up(std::min(hi, data_start + spans[*it].end), kPage), hi, stop});
+      if (!out.empty() && a <= out.back().offset + out.back().len) {
+        out.back().len = std::max<std::uint64_t>(out.back().len, b - out.back().offset);
+      } else {
+        out.push_back({mem + (a - lo), a, static_cast<std::size_t>(b - a), 0});
+      }
+    }
+    for (ReadRange& r : out)
+      r.need = static_cast<std::size_t>(std::min<std::uint64_t>(r.offset + r.len, file_end) - r.offset);
+    return out;
   }
 
   Error io_error(int err) const {
@@ -134,9 +157,7 @@ struct Restore {
   // Sums (and, to a device, uploads) every span's bytes in piece i, whose file bytes are at `mem`.
   Error scatter(std::size_t i, const char* mem, DeviceUploader* up) {
     const std::uint64_t lo = piece_lo(i), hi = lo + piece;
-    auto it = std::partition_point(order.begin(), order.end(),
-                                   [&](std::size_t s) { return data_start + spans[s].end <= lo; });
-    for (; it != order.end() && data_start + spans[*it].begin < hi; ++it) {
+    for (auto it = first_span_after(lo); it != order.end() && data_start + spans[*it].begin < hi; ++it) {
       const RestoreSpan& sp = spans[*it];
       const std::uint64_t b = std::max(lo, data_start + sp.begin), e = std::min(hi, data_start + sp.end);
       if (e <= b) continue;
@@ -153,26 +174,37 @@ struct Restore {
     return {};
   }
 
-  void run_group(std::size_t pb, std::size_t pe) {
+  // Pieces todo[pb, pe).
+  void run_group(const std::vector<std::size_t>& todo, std::size_t pb, std::size_t pe) {
     if (!to_device) {
-      for (std::size_t j = pb; j < pe && !failed(); ++j) {
-        const ReadRange r = range(j, host + piece_lo(j));
-        if (int err = populate(r.dst, r.need)) return fail(io_error(err));
-        scatter(j, r.dst, nullptr);
+      for (std::size_t k = pb; k < pe && !failed(); ++k) {
+        const std::size_t j = todo[k];
+        for (const ReadRange& r : runs(j, host + piece_lo(j))) {
+          // Part of a piece: its pages asked for first, so that faulting them in finds them in the page
+          // cache and does not read around them (read_ahead_kb, often megabytes, on each side).
+          if (r.len < piece) posix_fadvise(fd, static_cast<off_t>(r.offset), r.need, POSIX_FADV_WILLNEED);
+          if (int err = populate(r.dst, r.need)) return fail(io_error(err));
+        }
+        scatter(j, host + piece_lo(j), nullptr);
       }
       return;
     }
     DeviceUploader up;
-    for (std::size_t i = pb; i < pe && !failed(); ++i) {
+    for (std::size_t k = pb; k < pe && !failed(); ++k) {
+      const std::size_t i = todo[k];
       char* chunk = cache.acquire();
-      // One piece per chunk, read as several block-aligned requests in flight.
-      const ReadRange whole = range(i, chunk);
-      const std::size_t part = align_up(whole.len / opts.depth + 1, kPage);
+      // One piece per chunk, its covered pages read as several block-aligned requests in flight.
+      const std::vector<ReadRange> covered = runs(i, chunk);
+      std::size_t total = 0;
+      for (const ReadRange& r : covered) total += r.len;
+      const std::size_t part = align_up(total / opts.depth + 1, kPage);
       std::vector<ReadRange> parts_of_piece;
-      for (std::size_t o = 0; o < whole.len; o += part) {
-        const std::size_t len = std::min(part, whole.len - o);
-        const std::size_t need = whole.need > o ? std::min(len, whole.need - o) : 0;
-        parts_of_piece.push_back({chunk + o, whole.offset + o, len, need});
+      for (const ReadRange& r : covered) {
+        for (std::size_t o = 0; o < r.len; o += part) {
+          const std::size_t len = std::min(part, r.len - o);
+          const std::size_t need = r.need > o ? std::min(len, r.need - o) : 0;
+          parts_of_piece.push_back({r.dst + o, r.offset + o, len, need});
+        }
       }
       Error err;
       if (int e = read_ranges(fd, parts_of_piece, opts.use_uring, opts.depth)) err = io_error(e);
@@ -210,15 +242,19 @@ RestoreResult restore_file(const std::string& path, std::uint64_t data_start, st
     }
     r.host = out.mapping->data();
   }
-  const std::size_t n = r.num_pieces();
+  std::vector<std::size_t> todo;  // the pieces some span reaches into
+  for (std::size_t i = 0; i < r.num_pieces(); ++i) {
+    if (!r.runs(i, nullptr).empty()) todo.push_back(i);
+  }
+  const std::size_t n = todo.size();
   if (n > 0) {
     // Contiguous runs of pieces, one per parser thread; the calling thread, which would only wait, runs the
     // first: a small file (one piece) never queues behind a large restore that keeps the pool busy.
     const std::size_t groups = std::min<std::size_t>(pool.size(), n);
     r.groups_left = groups;
-    auto run = [&r, n, groups](std::size_t g) {
+    auto run = [&r, &todo, n, groups](std::size_t g) {
       try {
-        r.run_group(n * g / groups, n * (g + 1) / groups);
+        r.run_group(todo, n * g / groups, n * (g + 1) / groups);
       } catch (const ErrorException& ex) {
         r.fail(ex.error);
       } catch (const std::exception& ex) {

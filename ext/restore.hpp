@@ -1,5 +1,6 @@
 // Restore: read -> verify -> scatter, the mirror of a save. The file's data section is cut into 4096-aligned
-// pieces, grouped into contiguous runs (one per parser thread, so each thread reads sequentially):
+// pieces; those that the spans reach into are grouped into contiguous runs (one per parser thread, so each
+// thread reads sequentially), and of each only the pages the spans cover are read:
 //   - to host: the file is mapped privately (copy on write) and each thread populates its run with
 //     MADV_POPULATE_READ, so the kernel reads ahead in large requests, several threads at once, into
 //     page-cache pages that become the tensors' memory with no further copy. Reading into fresh anonymous

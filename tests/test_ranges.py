@@ -1,7 +1,9 @@
 """Reading part of a tensor (`load_ranges`): the block checksums a file holds, only the blocks over a range
 read and checked, whole tensors where a file has no block checksums."""
 
+import os
 import random
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -125,3 +127,35 @@ def test_a_name_or_range_not_in_the_file_is_named(tmp_path):
         with pytest.raises(ValueError, match=r"elements \[4990, 5001\) are outside tensor 'bytes' of 5000"):
             engine.load_ranges(path, {"bytes": (4990, 5001)})
         assert engine.load_ranges(path, {"bytes": (0, 2)})["bytes"].numel() == 2  # still working
+
+
+def _read_bytes() -> int:
+    """Bytes this process has had read from storage (the kernel's count, /proc/self/io)."""
+    text = Path("/proc/self/io").read_text()
+    (line,) = [x for x in text.splitlines() if x.startswith("read_bytes:")]
+    return int(line.split()[1])
+
+
+def _evict(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # persisted, hence clean: dropped at once
+    finally:
+        os.close(fd)
+
+
+def test_a_range_or_a_tensor_reads_its_own_pages_from_storage_not_the_file(tmp_path):
+    path = tmp_path / "s.safetensors"
+    state = {"a": torch.randn(8 * MIB), "b": torch.randn(MIB), "c": torch.randn(8 * MIB)}  # 68 MiB
+    with DataStatesEngine(small_config()) as engine:
+        engine.save(state, path).wait_persisted()
+        _evict(path)
+        before = _read_bytes()
+        assert engine.load_ranges(path, {"a": (5 * MIB, 5 * MIB + 1)})["a"].item() == state["a"][5 * MIB]
+        ranged = _read_bytes() - before
+        _evict(path)
+        before = _read_bytes()
+        assert engine.load_tensors(path, ["b"])["b"].equal(state["b"])
+        one = _read_bytes() - before
+    assert 0 < ranged <= 2 * MIB, ranged  # its block, and the kernel's read-around of the faulted pages
+    assert 4 * MIB <= one <= 6 * MIB, one  # tensor "b" alone, not the 68 MiB file
