@@ -61,8 +61,11 @@ struct Restore {
         cache(cache_) {
     order.resize(spans.size());
     for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-    std::sort(order.begin(), order.end(),
-              [&](std::size_t a, std::size_t b) { return spans[a].begin < spans[b].begin; });
+    // By begin, then end: an empty span sorts before the span that starts where it is, so that the ends
+    // rise with the order, which the binary search for the spans of a piece needs.
+    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      return spans[a].begin != spans[b].begin ? spans[a].begin < spans[b].begin : spans[a].end < spans[b].end;
+    });
     first_piece.resize(spans.size());
     parts.resize(spans.size());
     for (std::size_t i = 0; i < spans.size(); ++i) {

@@ -8,10 +8,10 @@ import safetensors
 import safetensors.torch
 import torch
 
-from nanotron_datastates import ChecksumError, _core, restore
+from nanotron_datastates import ChecksumError, DataStatesEngine, _core, restore
 from nanotron_datastates import format as fmt
 
-from helpers import constructors_forced_to, random_tensor, same
+from helpers import constructors_forced_to, random_tensor, same, small_config
 
 SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (3, 5), (2, 3, 4, 5), (65537,)]
 
@@ -201,3 +201,17 @@ def test_tensors_are_allocated_as_the_file_says_while_another_library_patches_to
         assert torch.empty(2).dtype == torch.bfloat16  # the patch is in force
         t = restore.empty(shape, torch.float32, torch.device("cpu"))
     assert t.dtype == torch.float32 and tuple(t.shape) == shape and t.is_contiguous()
+
+
+def test_empty_tensors_among_many_large_ones_do_not_hide_any_bytes(tmp_path):
+    """An empty tensor starts where the next one does; a piece boundary falls inside that next one."""
+    state = {}
+    for i in range(40):
+        state[f"x{i:02d}"] = torch.full((300_000 + i,), float(i))  # ~1.2 MiB each: pieces of 1 MiB split them
+        state[f"e{i:02d}"] = torch.empty(0)
+    with DataStatesEngine(small_config(read_size=1)) as engine:
+        engine.save(state, tmp_path / "e.safetensors").wait_persisted()
+        back = engine.load(tmp_path / "e.safetensors")
+        some = engine.load_tensors(tmp_path / "e.safetensors", [f"x{i:02d}" for i in range(0, 40, 3)])
+    assert all(same(back[k], v) for k, v in state.items())
+    assert all(same(t, state[k]) for k, t in some.items())

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..engine import DataStatesEngine
+from ..restore import TensorRef
 from . import layout, reshard_plan
 from .reshard_plan import Need, Source
 from .saved_layout import (
@@ -116,8 +117,7 @@ def optimizer_state(
     here_masters = _has_masters(optimizer)
     with_masters = here_masters and any(f.masters for f in saved)
     plans: dict[tuple[str, str], reshard_plan.Plan] = {}
-    steps: dict[str, tuple[Path, str, tuple[int, int]]] = {}
-    step_shapes: dict[str, tuple[int, ...]] = {}
+    steps: dict[str, tuple[Path, TensorRef]] = {}  # Adam's step count: one value, read from one holder
     for name, need in wanted.items():
         holders = [f for f in saved if name in f.state]
         if not holders:
@@ -128,17 +128,16 @@ def optimizer_state(
         for key in keys + ([MASTER] if with_masters else []):
             plans[(name, key)] = reshard_plan.plan(name, need, _sources(name, key, holders, pieces))
         if "step" in holders[0].state[name]:
-            ref = holders[0].state[name]["step"]
-            steps[name] = (holders[0].path, ref.name, (0, math.prod(ref.shape)))
-            step_shapes[name] = tuple(ref.shape)
-    read = _read(engine, [*(r for p in plans.values() for r in p.ranges()), *steps.values()])
+            steps[name] = (holders[0].path, holders[0].state[name]["step"])
+    whole = [(path, ref.name, (0, math.prod(ref.shape))) for path, ref in steps.values()]
+    read = _read(engine, [*(r for p in plans.values() for r in p.ranges()), *whole])
     state: dict[int, dict[str, torch.Tensor]] = {}
     masters: dict[str, torch.Tensor] = {}
     for name, need in wanted.items():
         entry = {key: reshard_plan.assemble(plans[(name, key)], read) for key in keys}
         if name in steps:
-            path, tensor, _ = steps[name]
-            entry["step"] = read[(path, tensor)].clone().view(step_shapes[name])
+            path, ref = steps[name]
+            entry["step"] = read[(path, ref.name)].clone().view(ref.shape)
         state[need.index] = dict(sorted(entry.items()))
         if with_masters:
             masters[name] = reshard_plan.assemble(plans[(name, MASTER)], read)
