@@ -224,7 +224,7 @@ def parse_header(buf: bytes, file_size: int, path: str = "<buffer>") -> Header:
         raise _fail(path, f"tensors cover {pos} bytes but the data section has {data_len}; truncated?")
 
     version = meta.get(KEY_VERSION)
-    if version is not None and (not version.isdigit() or int(version) > FORMAT_VERSION):
+    if version is not None and (not _decimal(version) or int(version) > FORMAT_VERSION):
         raise _fail(path, f"written by a newer nanotron-datastates (format {version!r}); upgrade to read it")
     crc = meta.get(KEY_CRC)
     if crc is not None and (len(crc) != 8 * len(entries) or not all(c in "0123456789abcdef" for c in crc)):
@@ -232,7 +232,7 @@ def parse_header(buf: bytes, file_size: int, path: str = "<buffer>") -> Header:
     blocks = meta.get(KEY_BLOCK_CRC)
     if blocks is not None:
         size, _, digits = blocks.partition(":")
-        block = int(size) if size.isdigit() else 0
+        block = int(size) if _decimal(size) else 0
         want = sum(segments(e.begin, e.nbytes, block) for e in entries) if block else -1
         if block < 4096 or block & (block - 1) or len(digits) != 8 * want or not _HEX.issuperset(digits):
             raise _fail(
@@ -244,6 +244,11 @@ def parse_header(buf: bytes, file_size: int, path: str = "<buffer>") -> Header:
 
 
 _HEX = frozenset("0123456789abcdef")
+
+
+def _decimal(text: str) -> bool:
+    """ASCII digits only: str.isdigit also takes '²', which int() refuses."""
+    return text.isascii() and text.isdigit()
 
 
 def segments(begin: int, nbytes: int, block: int) -> int:

@@ -53,6 +53,15 @@ def verify_file(core: Any, path: str | os.PathLike, checksums: Mapping[str, int]
     header = fmt.read_header(path)
     if checksums is not None or header.checksums() is not None:
         _read_to_host(core, path, header, True, checksums)
+    blocks, whole = header.block_checksums(), header.checksums()
+    if blocks is None or whole is None:
+        return header
+    for e in header.tensors:
+        if e.nbytes and _segments(e, e.begin, e.end, *blocks)[2] != whole[e.name]:
+            raise ChecksumError(
+                f"{path}: the block checksums of tensor {e.name!r} do not combine to its checksum; the "
+                "header is corrupt"
+            )
     return header
 
 
@@ -150,14 +159,20 @@ def _span(
 ) -> tuple[int, int, int | None]:
     """The bytes [begin, end) of the data section to read for elements [start, stop) of `e`, and the CRC
     they must have (None: not verified): the whole tensor, or with block checksums the segments over it."""
-    from . import _core
-
     lo, hi = e.begin + start * e.dtype.itemsize, e.begin + stop * e.dtype.itemsize
     if expected is None:
         return lo, hi, None
     if blocks is None:
         return e.begin, e.end, expected[e.name]
-    size, sums = blocks
+    return _segments(e, lo, hi, *blocks)
+
+
+def _segments(
+    e: fmt.TensorEntry, lo: int, hi: int, size: int, sums: dict[str, list[int]]
+) -> tuple[int, int, int]:
+    """The block segments of `e` over bytes [lo, hi) of the data section: [begin, end) and their CRC."""
+    from . import _core
+
     first, last = lo // size, (hi - 1) // size
     skip = e.begin // size  # the tensor's first segment
     begin, end = max(e.begin, first * size), min(e.end, (last + 1) * size)

@@ -83,6 +83,24 @@ def test_reads_safetensors_written_files(tmp_path):
         ({"__metadata__": {"k": 1}}, b"", "strings to strings"),
         ({"a": [1]}, b"", "not an object"),
         ({"__metadata__": {"datastates.version": "99"}}, b"", "newer"),
+        ({"__metadata__": {"datastates.version": "\u00b2"}}, b"", "newer"),
+        *(
+            (
+                {
+                    "__metadata__": {"datastates.crc32c_blocks": blocks},
+                    "a": {"dtype": "U8", "shape": [5000], "data_offsets": [0, 5000]},
+                },
+                b"\0" * 5000,
+                "a block size",
+            )
+            for blocks in [
+                "\u00b2:" + "0" * 16,
+                "4096:" + "0" * 8,
+                "4000:" + "0" * 16,
+                "1024:" + "0" * 40,
+                "4096",
+            ]
+        ),
         (
             {
                 "__metadata__": {"datastates.crc32c": "xyz"},

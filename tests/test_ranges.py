@@ -159,3 +159,18 @@ def test_a_range_or_a_tensor_reads_its_own_pages_from_storage_not_the_file(tmp_p
         one = _read_bytes() - before
     assert 0 < ranged <= 2 * MIB, ranged  # its block, and the kernel's read-around of the faulted pages
     assert 4 * MIB <= one <= 6 * MIB, one  # tensor "b" alone, not the 68 MiB file
+
+
+def test_a_damaged_block_checksum_is_found_by_verify_and_by_the_read_over_it(tmp_path):
+    state, path = _state(), tmp_path / "s.safetensors"
+    with DataStatesEngine(small_config()) as engine:
+        engine.save(state, path).wait_persisted()
+        raw = path.read_bytes()
+        at = raw.index(b'"datastates.crc32c_blocks":"1048576:') + len(b'"datastates.crc32c_blocks":"1048576:')
+        digit = b"1" if raw[at + 8 : at + 9] != b"1" else b"2"  # the second block's first digit
+        path.write_bytes(raw[: at + 8] + digit + raw[at + 9 :])
+        with pytest.raises(ChecksumError, match="block checksums of tensor 'big' do not combine"):
+            engine.verify(path)
+        with pytest.raises(ChecksumError, match=rf"tensor 'big' .*bytes \[{MIB}, {2 * MIB}\)"):
+            engine.load_ranges(path, {"big": (MIB // 4 + 1, MIB // 4 + 2)})
+        assert engine.load_ranges(path, {"big": (1, 2)})["big"].item() == state["big"][1].item()
