@@ -142,11 +142,7 @@ def load_ranges(
             )
         lo = e.begin + start * e.dtype.itemsize - begin
         part = raw[lo : lo + (stop - start) * e.dtype.itemsize]
-        if (header.data_start + begin + lo) % e.dtype.itemsize == 0:
-            out[e.name] = part.view(e.dtype.torch)
-        else:
-            out[e.name] = empty((stop - start,), e.dtype.torch, torch.device("cpu"))
-            out[e.name].view(torch.uint8).copy_(part)
+        out[e.name] = _typed(part, header.data_start + begin + lo, e, (stop - start,))
     return out
 
 
@@ -310,11 +306,15 @@ def _read_to_device(
         _verify(path, zero, expected, [0] * len(zero))
 
 
-def _typed(raw: torch.Tensor, file_offset: int, e: fmt.TensorEntry) -> torch.Tensor:
-    """The tensor over its bytes in the file mapping, or a copy where they are not naturally aligned (never
-    for files written by the engine or by safetensors: only when the file offset is misaligned)."""
+def _typed(
+    raw: torch.Tensor, file_offset: int, e: fmt.TensorEntry, shape: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """The tensor (of `shape`, default the entry's) over its bytes in the file mapping, or a copy where they
+    are not naturally aligned (never for files written by the engine or by safetensors: only when the file
+    offset is misaligned)."""
+    shape = e.shape if shape is None else shape
     if file_offset % e.dtype.itemsize == 0:
-        return raw.view(e.dtype.torch).view(e.shape)
-    out = empty(e.shape, e.dtype.torch, torch.device("cpu"))
+        return raw.view(e.dtype.torch).view(shape)
+    out = empty(shape, e.dtype.torch, torch.device("cpu"))
     out.reshape(-1).view(torch.uint8).copy_(raw)
     return out
