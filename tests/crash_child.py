@@ -34,6 +34,8 @@ def save_loop(root_dir: str, ready: Any, tier_base: str | None = None) -> None:
         DataStatesConfig(host_cache_size=4 / 1024, chunk_size=1, parser_threads=2, flush_threads=2)
     )
     tier = MemoryTier(tier_base, root, 0) if tier_base else None
+    if tier:
+        tier.prune(step - 1 if step > 1 else None)  # as the trainer's Saver does at its start
 
     def mark(result: Any) -> None:  # on the committer's thread, once committed (as the Saver's report)
         if tier and result.committed:

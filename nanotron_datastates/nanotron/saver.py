@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from ..engine import DataStatesEngine
 from ..plan import SavePlan
-from . import groups, housekeeping, say, shards, staging, states
+from . import checkpoint, groups, housekeeping, say, shards, staging, states
 from .commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
 from .gate import SnapshotGate
 from .settings import TrainerSettings
@@ -81,6 +81,11 @@ class Saver:
         if settings.memory_tier:
             rank = tdist.get_rank() if tdist.is_initialized() else 0
             self.tier = MemoryTier(settings.memory_tier_path, self.checkpoints, rank)
+            try:
+                keep = checkpoint.latest_step(self.checkpoints)
+            except (OSError, ValueError):
+                keep = None
+            self.tier.prune(keep)  # what a killed process left besides the newest committed step
         self.committer = Committer(group, on_result=self._report)
 
     # -- 1. after the first step ----------------------------------------------------------------------------

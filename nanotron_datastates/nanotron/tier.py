@@ -85,6 +85,19 @@ class MemoryTier:
         if not list(folder.glob(".rank-*.json")):
             shutil.rmtree(folder, ignore_errors=True)
 
+    def prune(self, keep: int | None) -> None:
+        """At the start of training: drops this rank's steps other than `keep` (the step latest.txt names),
+        and the unmarked folders below it. A process killed between marking a step and dropping the older
+        ones leaves them behind; this keeps the tier at one checkpoint per rank plus the one in flight."""
+        for folder in self.steps():
+            step = int(folder.name)
+            if step == keep:
+                continue
+            if (folder / MARKER.format(rank=self.rank)).exists() or (
+                keep is not None and step < keep and not list(folder.glob(".rank-*.json"))
+            ):
+                self.drop(step)
+
     def steps(self) -> list[Path]:
         if not self.folder.is_dir():
             return []
