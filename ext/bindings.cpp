@@ -171,7 +171,9 @@ NB_MODULE(_core, m) {
           "Raises the job's error (OSError, ValueError or RuntimeError), if any")
       .def("stats", &job_stats)
       .def("mirror_error", &ds::SaveJob::mirror_error, "Why the mirror copy was dropped (empty: it was not)")
-      .def("checksums", &ds::SaveJob::checksums, "[(tensor name, CRC-32C)] in file order, once persisted");
+      .def("checksums", &ds::SaveJob::checksums, "[(tensor name, CRC-32C)] in file order, once persisted")
+      .def("block_checksums", &ds::SaveJob::block_checksums,
+           "(block size, [(tensor name, [CRC-32C per block segment])]) in file order, once persisted");
 
   m.def("wait_jobs", &ds::wait_jobs, "jobs"_a, "persisted"_a, "timeout"_a = -1.0,
         nb::call_guard<nb::gil_scoped_release>(), "Waits for every job; False on timeout");

@@ -479,6 +479,18 @@ std::vector<std::pair<std::string, std::uint32_t>> SaveJob::checksums() {
   return out;
 }
 
+std::pair<std::size_t, std::vector<std::pair<std::string, std::vector<std::uint32_t>>>>
+SaveJob::block_checksums() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::pair<std::size_t, std::vector<std::pair<std::string, std::vector<std::uint32_t>>>> out{0, {}};
+  if (!persisted_ || error_ || crcs_.size() != layout_.order.size()) return out;
+  out.first = block_;
+  out.second.reserve(crcs_.size());
+  for (std::size_t k = 0; k < crcs_.size(); ++k)
+    out.second.emplace_back(tensors_[layout_.order[k]].name, crc_parts_[k]);
+  return out;
+}
+
 JobStats SaveJob::stats() {
   std::lock_guard<std::mutex> lock(mu_);
   return stats_;

@@ -102,6 +102,9 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   JobStats stats();
   // Tensor name and CRC-32C, in file order, once persisted (empty before, or without checksums).
   std::vector<std::pair<std::string, std::uint32_t>> checksums();
+  // The block size and, per tensor in file order, its name and its block segments' CRC-32C, once persisted
+  // (block size 0 before, or without checksums): what a file without them in its header is read by in part.
+  std::pair<std::size_t, std::vector<std::pair<std::string, std::vector<std::uint32_t>>>> block_checksums();
   const std::string& path() const { return path_; }
   // Why the mirror copy was dropped (empty: written, or none asked for).
   std::string mirror_error();

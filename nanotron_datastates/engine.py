@@ -50,9 +50,12 @@ class SaveHandle:
         nbytes: int,
         staged: bool = False,
         mirror: str | None = None,
+        exact_metadata: bool = False,
     ) -> None:
         self._job = job
         self.path = path
+        self.exact_metadata = exact_metadata
+        """Whether the header holds the caller's metadata only, without checksums (see :meth:`checksums`)."""
         self.mirror = mirror
         """Where the save writes its second copy (``save(..., mirror=...)``), or None."""
         self.nbytes = nbytes
@@ -137,6 +140,15 @@ class SaveHandle:
         """CRC-32C of each tensor, by name, once persisted (empty when checksums are off)."""
         self.wait_persisted()
         return dict(self._job.checksums())
+
+    def block_checksums(self) -> tuple[int, dict[str, list[int]]]:
+        """(B, the CRC-32C of each block segment per tensor name), once persisted: each tensor's bytes cut at
+        the multiples of B in the data section, as docs/FORMAT.md specifies (B is 0 when checksums are off).
+        A file saved with `exact_metadata` holds neither these nor :meth:`checksums`: keep them elsewhere to
+        read it in part (:meth:`DataStatesEngine.load_ranges`)."""
+        self.wait_persisted()
+        block, sums = self._job.block_checksums()
+        return block, dict(sums)
 
     def _raise(self) -> None:
         if self._job.failed():
@@ -308,7 +320,7 @@ class DataStatesEngine:
         bases = prepared[0].bases if prepared else []
         jobs = self._core.save_many(requests, bases, streams)  # all queued, or none (it raises)
         handles = [
-            SaveHandle(job, path, p.arrays, p.nbytes, stage, m)
+            SaveHandle(job, path, p.arrays, p.nbytes, stage, m, p.exact_metadata)
             for job, p, path, m in zip(jobs, prepared, paths, copies)
         ]
         for h in handles:
@@ -424,13 +436,19 @@ class DataStatesEngine:
         verify = self.config.verify_checksums if verify is None else verify
         load_into_tensors(self._core, path, tensors, verify=verify, checksums=checksums)
 
-    def verify(self, path: str | os.PathLike, checksums: Mapping[str, int] | None = None) -> bool:
+    def verify(
+        self,
+        path: str | os.PathLike,
+        checksums: Mapping[str, int] | None = None,
+        block_checksums: tuple[int, Mapping[str, Sequence[int]]] | None = None,
+    ) -> bool:
         """Checks a file end to end: its header, its size, and every tensor's CRC-32C (stored in the file, or
-        `checksums`). Raises FormatError, ChecksumError or OSError naming the file; returns whether any
-        checksum was checked (False: a file without checksums, whose structure alone is sound)."""
+        `checksums`, with their `block_checksums`). Raises FormatError, ChecksumError or OSError naming the
+        file; returns whether any checksum was checked (False: a file without checksums, whose structure
+        alone is sound)."""
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
-        header = verify_file(self._core, path, checksums)
+        header = verify_file(self._core, path, checksums, block_checksums)
         return checksums is not None or header.checksums() is not None
 
     def load_tensors(
@@ -448,13 +466,19 @@ class DataStatesEngine:
         ranges: Mapping[str, tuple[int, int]],
         *,
         checksums: Mapping[str, int] | None = None,
+        block_checksums: tuple[int, Mapping[str, Sequence[int]]] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Elements [start, stop) of each named tensor, flattened, onto the CPU: a rank's part of a larger
         state. Files the engine writes hold a checksum per block (1 MiB at most), so only the blocks over
-        each range are read and each is checked; for other files the whole tensor is read and checked."""
+        each range are read and each is checked; for other files the whole tensor is read and checked. A file
+        saved with `exact_metadata` is read in part with the `checksums` and `block_checksums` of its
+        :class:`SaveHandle`."""
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
-        return load_ranges(self._core, path, ranges, verify=self.config.verify_checksums, checksums=checksums)
+        verify = self.config.verify_checksums
+        return load_ranges(
+            self._core, path, ranges, verify=verify, checksums=checksums, block_checksums=block_checksums
+        )
 
     def read_structure(self, path: str | os.PathLike) -> Any:
         """The saved structure with a `TensorRef` (name in the file, dtype, shape) in place of each tensor:

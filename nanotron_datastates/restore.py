@@ -45,15 +45,24 @@ def load_file(
     return skeleton.decode(skel, tensors, allow_pickle=allow_pickle, path=path), header
 
 
-def verify_file(core: Any, path: str | os.PathLike, checksums: Mapping[str, int] | None = None) -> fmt.Header:
+def verify_file(
+    core: Any,
+    path: str | os.PathLike,
+    checksums: Mapping[str, int] | None = None,
+    block_checksums: tuple[int, Mapping[str, Sequence[int]]] | None = None,
+) -> fmt.Header:
     """Reads every byte of the file and checks each tensor against its checksum (stored in the file or
-    given); FormatError, ChecksumError or OSError name the file. Returns the header; a file with no
-    checksums, and none given, is only checked for structure."""
+    given), and that its block checksums (likewise) combine to it; FormatError, ChecksumError or OSError
+    name the file. Returns the header; a file with no checksums, and none given, is only checked for
+    structure."""
     path = os.fspath(path)
     header = fmt.read_header(path)
     if checksums is not None or header.checksums() is not None:
         _read_to_host(core, path, header, True, checksums)
-    blocks, whole = header.block_checksums(), header.checksums()
+    if checksums is None:
+        blocks, whole = header.block_checksums(), header.checksums()
+    else:
+        blocks, whole = _given_blocks(path, header, block_checksums), dict(checksums)
     if blocks is None or whole is None:
         return header
     for e in header.tensors:
@@ -111,11 +120,12 @@ def load_ranges(
     *,
     verify: bool = True,
     checksums: Mapping[str, int] | None = None,
+    block_checksums: tuple[int, Mapping[str, Sequence[int]]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Elements [start, stop) of each named tensor, flattened, on the CPU. Where the file holds block
-    checksums, only the block segments over the range are read, and each is checked; otherwise the whole
-    tensor is read and checked (`checksums` given, or none in the file). KeyError names a tensor the file
-    does not hold, ValueError a range outside it."""
+    checksums (or `block_checksums` are given with `checksums`, for a file that keeps them elsewhere), only
+    the block segments over the range are read, and each is checked; otherwise the whole tensor is read and
+    checked. KeyError names a tensor the file does not hold, ValueError a range outside it."""
     path = os.fspath(path)
     header = fmt.read_header(path)
     by_name = {e.name: e for e in header.tensors}
@@ -126,7 +136,11 @@ def load_ranges(
         if not 0 <= start <= stop <= e.numel:
             raise ValueError(f"{path}: elements [{start}, {stop}) are outside tensor {name!r} of {e.numel}")
     expected = _expected(path, header, checksums) if verify else None
-    blocks = header.block_checksums() if expected is not None and checksums is None else None
+    blocks = None
+    if expected is not None and checksums is None:
+        blocks = header.block_checksums()
+    elif expected is not None:
+        blocks = _given_blocks(path, header, block_checksums)
     wanted = [(by_name[name], start, stop) for name, (start, stop) in ranges.items() if stop > start]
     spans = [_span(e, start, stop, expected, blocks) for e, start, stop in wanted]
     data_len = header.file_size - header.data_start
@@ -144,6 +158,18 @@ def load_ranges(
         part = raw[lo : lo + (stop - start) * e.dtype.itemsize]
         out[e.name] = _typed(part, header.data_start + begin + lo, e, (stop - start,))
     return out
+
+
+def _given_blocks(
+    path: str, header: fmt.Header, given: tuple[int, Mapping[str, Sequence[int]]] | None
+) -> tuple[int, dict[str, list[int]]] | None:
+    if given is None:
+        return None
+    size, sums = given
+    fits = size >= 4096 and not size & (size - 1) and set(sums) == {e.name for e in header.tensors}
+    if not fits or any(len(sums[e.name]) != fmt.segments(e.begin, e.nbytes, size) for e in header.tensors):
+        raise ChecksumError(f"{path}: the block checksums given do not fit the file's tensors")
+    return size, {name: list(v) for name, v in sums.items()}
 
 
 def _span(

@@ -174,3 +174,35 @@ def test_a_damaged_block_checksum_is_found_by_verify_and_by_the_read_over_it(tmp
         with pytest.raises(ChecksumError, match=rf"tensor 'big' .*bytes \[{MIB}, {2 * MIB}\)"):
             engine.load_ranges(path, {"big": (MIB // 4 + 1, MIB // 4 + 2)})
         assert engine.load_ranges(path, {"big": (1, 2)})["big"].item() == state["big"][1].item()
+
+
+def test_a_file_without_checksums_in_its_header_is_read_in_part_with_those_kept_outside(tmp_path):
+    """Nanotron's weight files (`exact_metadata`): the manifest keeps each one's checksums, per tensor and
+    per block (`layout.file_entry`), and a reshard reads a part of it with them."""
+    from nanotron_datastates.nanotron import layout
+
+    state, path = _state(), tmp_path / "model" / "w.safetensors"
+    with DataStatesEngine(small_config()) as engine:
+        h = engine.save(state, path, exact_metadata=True)
+        doc = {"files": {"model/w.safetensors": layout.file_entry(path.stat().st_size, h)}}
+        sums = layout.file_checksums(doc, tmp_path, path)
+        blocks = layout.file_block_checksums(doc, tmp_path, path)
+        assert blocks is not None and blocks[0] == MIB and sums == h.checksums()
+        assert engine.verify(path, sums, blocks)
+        header = fmt.read_header(path)
+        big = next(e for e in header.tensors if e.name == "big")
+        _flip(path, header.data_start + big.begin + 2 * MIB + 10)  # in the third block of "big"
+        kept = {"checksums": sums, "block_checksums": blocks}
+        got = engine.load_ranges(path, {"big": (0, MIB // 4)}, **kept)["big"]
+        assert got.equal(state["big"][: MIB // 4])  # the first block alone: read and checked
+        with pytest.raises(ChecksumError, match="tensor 'big'"):
+            engine.load_ranges(
+                path, {"big": (MIB // 2, MIB // 2 + 1)}, checksums=sums, block_checksums=blocks
+            )
+        with pytest.raises(ChecksumError, match="the block checksums given do not fit"):
+            engine.load_ranges(path, {"big": (0, 1)}, checksums=sums, block_checksums=(MIB, {"big": [1]}))
+        doc["files"]["model/w.safetensors"]["crc32c_blocks"]["big"] = "1048576:xyz"
+        with pytest.raises(
+            layout.ManifestError, match="block checksums of model/w.safetensors are malformed"
+        ):
+            layout.file_block_checksums(doc, tmp_path, path)

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ..engine import wait_handles
+from . import layout
 
 
 class CheckpointError(RuntimeError):
@@ -140,15 +141,12 @@ class Committer:
         wait_handles(p.handles, persisted=True)
         for h in p.handles:
             try:
-                sums = h.checksums()  # waits until persisted
+                h.wait_persisted()
                 stats = h.stats
                 snapshot_s = max(snapshot_s, stats["snapshot_s"] or 0.0)
                 persisted_s = max(persisted_s, stats["persisted_s"] or 0.0)
                 rel = Path(os.path.relpath(h.path, p.folder)).as_posix()
-                files[rel] = {
-                    "bytes": stats["file_bytes"],
-                    "crc32c": {n: f"{c:08x}" for n, c in sums.items()},
-                }
+                files[rel] = layout.file_entry(stats["file_bytes"], h)
                 if stats["mirrored"]:
                     mirrored[rel] = files[rel]
             except Exception as e:

@@ -223,11 +223,8 @@ def _to_datastates(src: Path, out: Path, engine: DataStatesEngine, handles: list
             h.wait_snapshot()
     entries = {}
     for target, h in saved:
-        sums = h.checksums()  # waits until persisted; raises the save's error
-        entries[target] = {
-            "bytes": (out / target).stat().st_size,
-            "crc32c": {name: f"{crc:08x}" for name, crc in sums.items()},
-        }
+        h.wait_persisted()  # raises the save's error
+        entries[target] = layout.file_entry((out / target).stat().st_size, h)
     _sync_dirs(out)
     # As the trainer commits: the metadata, then the manifest, which makes the folder a datastates checkpoint.
     layout.write_atomic(out / METADATA, (src / METADATA).read_bytes())

@@ -263,6 +263,45 @@ def file_checksums(
     return {name: int(v, 16) for name, v in entry["crc32c"].items()}
 
 
+def file_entry(nbytes: int, handle: Any) -> dict[str, Any]:
+    """The manifest's entry for a persisted file (a SaveHandle's): its size and its tensors' CRCs; for a
+    file whose header holds none (`exact_metadata`: Nanotron's weight files), its block segments' CRCs too,
+    spelled as in a header (`B:` and 8 hex digits per segment), so that a part of it can be read and
+    checked."""
+    sums = handle.checksums()
+    entry: dict[str, Any] = {"bytes": nbytes, "crc32c": {n: f"{c:08x}" for n, c in sums.items()}}
+    if handle.exact_metadata:
+        size, blocks = handle.block_checksums()
+        if size:
+            spelled = {n: f"{size}:" + "".join(f"{c:08x}" for c in v) for n, v in blocks.items()}
+            entry["crc32c_blocks"] = spelled
+    return entry
+
+
+def file_block_checksums(
+    doc: dict[str, Any], folder: str | os.PathLike, path: str | os.PathLike
+) -> tuple[int, dict[str, list[int]]] | None:
+    """The block checksums the manifest holds for `path`, if any (see `file_entry`)."""
+    rel = Path(os.path.relpath(path, folder)).as_posix()
+    raw = (doc["files"].get(rel) or {}).get("crc32c_blocks")
+    if raw is None:
+        return None
+    bad = ManifestError(f"{folder}/{MANIFEST}: the block checksums of {rel} are malformed")
+    if not isinstance(raw, dict):
+        raise bad
+    sizes, out = set(), {}
+    for name, text in raw.items():
+        size, _, digits = text.partition(":") if isinstance(text, str) else ("", "", "")
+        hex_digits = set(digits) <= set("0123456789abcdef") and len(digits) % 8 == 0
+        if not (size.isascii() and size.isdigit() and hex_digits):
+            raise bad
+        sizes.add(int(size))
+        out[str(name)] = [int(digits[i : i + 8], 16) for i in range(0, len(digits), 8)]
+    if len(sizes) != 1:
+        raise bad
+    return sizes.pop(), out
+
+
 def random_states_at(doc: dict[str, Any], place: Place) -> str:
     """The saved random-state file of the rank at `place`, each rank index taken modulo the saved size of its
     dimension: a deterministic choice for a rank of another layout, which did not exist when it was saved."""

@@ -51,25 +51,34 @@ def load_weights(engine: DataStatesEngine, manifest: dict[str, Any], folder: Pat
             assert piece.path is not None
             sources[t] = (piece, [Source(piece.path, "data", (0, math.prod(piece.local_shape)))])
         p = reshard_plan.plan(name, need, sources)
-        read = _read(engine, p.ranges(), lambda path: layout.file_checksums(manifest, folder, path))
+        read = _read(engine, p.ranges(), lambda path: _manifest_sums(manifest, folder, path))
         with torch.no_grad():
             param.copy_(reshard_plan.assemble(p, read, param.dtype))
     return len(params)
 
 
+Sums = tuple[dict[str, int] | None, tuple[int, dict[str, list[int]]] | None]
+
+
+def _manifest_sums(manifest: dict[str, Any], folder: Path, path: Path) -> Sums:
+    """A weight file's checksums, per tensor and per block, which the manifest holds for it."""
+    return layout.file_checksums(manifest, folder, path), layout.file_block_checksums(manifest, folder, path)
+
+
 def _read(
     engine: DataStatesEngine,
     ranges: Iterable[tuple[Path, str, tuple[int, int]]],
-    checksums: Callable[[Path], dict[str, int] | None] | None = None,
+    checksums: Callable[[Path], Sums] | None = None,
 ) -> dict[tuple[Path, str], torch.Tensor]:
-    """The ranges of saved tensors, each file read once by the engine's parser threads."""
+    """The ranges of saved tensors, each file read once by the engine's parser threads; `checksums` gives a
+    file's where its header has none."""
     by_file: dict[Path, dict[str, tuple[int, int]]] = {}
     for path, tensor, elements in ranges:
         assert by_file.setdefault(path, {}).setdefault(tensor, elements) == elements, (path, tensor)
     out = {}
     for path, wanted in by_file.items():
-        sums = checksums(path) if checksums is not None else None
-        for tensor, t in engine.load_ranges(path, wanted, checksums=sums).items():
+        sums, blocks = checksums(path) if checksums is not None else (None, None)
+        for tensor, t in engine.load_ranges(path, wanted, checksums=sums, block_checksums=blocks).items():
             out[(path, tensor)] = t
     return out
 

@@ -154,7 +154,12 @@ def _verify_checkpoint(engine: DataStatesEngine, folder: Path, report: Report) -
             report.files_failed += 1
             report.problems.append(f"{path}: {size} bytes, the manifest says {entry.get('bytes')}")
             continue
-        _verify_file(engine, path, layout.file_checksums(doc, folder, path), report)
+        try:
+            blocks = layout.file_block_checksums(doc, folder, path)
+        except layout.ManifestError as e:
+            report.problems.append(str(e))
+            continue
+        _verify_file(engine, path, layout.file_checksums(doc, folder, path), report, blocks)
     _verify_random_states(folder, doc, report)
     listed = {folder / rel for rel in doc["files"]}
     for p in sorted(folder.rglob("*.safetensors")):
@@ -179,14 +184,19 @@ def _verify_random_states(folder: Path, doc: dict[str, Any], report: Report) -> 
 
 
 def _verify_file(
-    engine: DataStatesEngine, path: Path, checksums: Mapping[str, int] | None, report: Report
+    engine: DataStatesEngine,
+    path: Path,
+    checksums: Mapping[str, int] | None,
+    report: Report,
+    blocks: tuple[int, dict[str, list[int]]] | None = None,
 ) -> None:
-    """The file's header, size and every tensor's CRC-32C (`checksums`, else those stored in the file).
-    Where one fails, each tensor is checked on its own, so that every tensor that fails is named."""
+    """The file's header, size and every tensor's CRC-32C (`checksums`, else those stored in the file), and
+    that its block checksums (`blocks`, else the file's) combine to them. Where one fails, each tensor is
+    checked on its own, so that every tensor that fails is named."""
     report.files_checked += 1
     try:
         header = fmt.read_header(path)
-        if engine.verify(path, checksums):
+        if engine.verify(path, checksums, blocks):
             report.tensors_checksummed += len(header.tensors)
         else:
             report.files_without_checksums += 1
