@@ -184,6 +184,7 @@ def test_a_file_without_checksums_in_its_header_is_read_in_part_with_those_kept_
     state, path = _state(), tmp_path / "model" / "w.safetensors"
     with DataStatesEngine(small_config()) as engine:
         h = engine.save(state, path, exact_metadata=True)
+        h.wait_persisted()
         doc = {"files": {"model/w.safetensors": layout.file_entry(path.stat().st_size, h)}}
         sums = layout.file_checksums(doc, tmp_path, path)
         blocks = layout.file_block_checksums(doc, tmp_path, path)
