@@ -128,6 +128,15 @@ struct Restore {
                                 [&](std::size_t s) { return data_start + spans[s].end <= lo; });
   }
 
+  // Whether any span has bytes in piece i.
+  bool reaches(std::size_t i) const {
+    const std::uint64_t lo = piece_lo(i), hi = lo + piece;
+    for (auto it = first_span_after(lo); it != order.end() && data_start + spans[*it].begin < hi; ++it) {
+      if (spans[*it].end > spans[*it].begin) return true;
+    }
+    return false;
+  }
+
   // The pages of piece i that the spans cover, as runs of whole pages (the memory of piece i starts at
   // `mem`): block-aligned lengths to request, and the bytes that must arrive (the file may end inside the
   // last block). None where no span reaches into the piece: reading some tensors, or ranges of them, reads
@@ -247,7 +256,7 @@ RestoreResult restore_file(const std::string& path, std::uint64_t data_start, st
   }
   std::vector<std::size_t> todo;  // the pieces some span reaches into
   for (std::size_t i = 0; i < r.num_pieces(); ++i) {
-    if (!r.runs(i, nullptr).empty()) todo.push_back(i);
+    if (r.reaches(i)) todo.push_back(i);
   }
   const std::size_t n = todo.size();
   if (n > 0) {
