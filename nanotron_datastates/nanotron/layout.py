@@ -117,7 +117,8 @@ def topology(*, tp: int, pp: int, dp: int, cp: int, expert: int, zero_stage: int
 
 def stock_topology(folder: str | os.PathLike) -> dict[str, int]:
     """The layout a checkpoint of Nanotron's own format was saved with, as far as its files say (tp, dp and cp
-    from its metadata, pp and the ZeRO stage from its config); {} if they say nothing."""
+    from its metadata, pp and the ZeRO stage from its config, else from its optimizer's config, as Nanotron's
+    loader reads them); {} if they say nothing."""
     folder = Path(folder)
     meta, config = read_json(folder / NANOTRON_METADATA), read_yaml(folder / "config.yaml")
     out = {k: int(meta[k]) for k in ("tp", "dp", "cp") if isinstance(meta.get(k), int)}
@@ -126,6 +127,12 @@ def stock_topology(folder: str | os.PathLike) -> dict[str, int]:
         out["pp"] = par["pp"]
     if isinstance(opt.get("zero_stage"), int):
         out["zero_stage"] = opt["zero_stage"]
+    saved_optimizer = read_json(folder / "optimizer" / "optimizer_config.json")
+    sizes = saved_optimizer.get("parallelism") or {}
+    if "pp" not in out and str(sizes.get("pp_size", "")).isdigit():
+        out["pp"] = int(sizes["pp_size"])
+    if "zero_stage" not in out and isinstance(saved_optimizer.get("type"), str):
+        out["zero_stage"] = int(saved_optimizer["type"] == "ZeroDistributedOptimizer")
     return out
 
 

@@ -34,7 +34,8 @@ class ReshardError(ValueError):
 def refuse_stock(folder: Path, config: Any, pc: Any) -> None:
     """A Nanotron checkpoint of its own (pickles, no manifest) is left to Nanotron's loaders, whose merge of
     optimizer shards across layouts is broken (its file patterns miss its own names; it drops the fp32
-    master weights). Where the optimizer would be loaded on another layout, say what works instead."""
+    master weights). Where the optimizer would be loaded on another layout, say what works instead; a ZeRO-0
+    checkpoint on another dp size is Nanotron's to load (its optimizer files are per tp and pp rank)."""
     from . import groups
 
     saved = layout.stock_topology(folder)
@@ -42,6 +43,8 @@ def refuse_stock(folder: Path, config: Any, pc: Any) -> None:
         return
     here = groups.layout_of(pc, int(config.optimizer.zero_stage))
     changed = {k: v for k, v in layout.topology_changes(saved, here).items() if k in saved}
+    if set(changed) <= {"dp"} and saved.get("zero_stage") == 0 == here["zero_stage"]:
+        return
     if changed:
         moved = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
         raise ReshardError(

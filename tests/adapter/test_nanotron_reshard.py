@@ -92,3 +92,39 @@ def test_where_one_rank_finds_the_newest_checkpoint_damaged_every_rank_falls_bac
     for r in launch(tmp_path, 2, 1, 2, 1, 1, 1, mode="resume"):
         assert r["resumed_from"] == "5" and r["last_train_step"] == 5
         assert r["differences"] == [], r["differences"][:10]
+
+
+def test_a_stock_zero0_checkpoint_resumes_on_another_dp_size_through_nanotron_as_without_the_adapter(
+    tmp_path, monkeypatch
+):
+    """What Nanotron manages on its own stays allowed: a ZeRO-0 checkpoint of its own format, saved on dp=2,
+    resumes on one process (its optimizer files are per tp and pp rank); the adapter leaves it to Nanotron's
+    loaders, which restore every weight and Adam moment bit for bit."""
+    import torch.distributed as tdist
+    from cpu_ranks import config, differences, parallel_context, snapshot, training_state
+    from nanotron.serialize.optimizer import load_lr_scheduler, load_optimizer
+    from nanotron.serialize.weights import load_weights
+
+    from nanotron_datastates.nanotron.resume import Resume
+
+    launch(tmp_path, 2, 1, 2, 1, 1, 0)  # Nanotron's own save, dp=2 ZeRO-0, in tmp_path/stock
+    for k, v in (("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("RANK", "0")):
+        monkeypatch.setenv(k, v)
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path}/init1", rank=0, world_size=1)
+    try:
+        c, pc = config(), parallel_context()
+        assert not Resume().plan(c, pc, tmp_path / "stock")  # not ours, and not refused
+        expected = snapshot(*training_state(pc, c))
+        model, optimizer, lr_scheduler, random_states = training_state(pc, c, seed=1)
+        load_weights(model=model, parallel_context=pc, root_folder=tmp_path / "stock")
+        load_optimizer(optimizer=optimizer, parallel_context=pc, root_folder=tmp_path / "stock", model=model)
+        load_lr_scheduler(lr_scheduler, False, pc, tmp_path / "stock")
+        got = snapshot(model, optimizer, lr_scheduler, random_states)
+        for k in ("random", "lr_scheduler"):  # Nanotron's loader steps the scheduler once after loading it
+            expected.pop(k), got.pop(k)
+        for groups in (expected["optimizer"]["param_groups"], got["optimizer"]["param_groups"]):
+            for g in groups:  # Nanotron's loader keeps the configured lr; its scheduler sets it at the step
+                g.pop("lr")
+        assert differences(expected, got) == []
+    finally:
+        tdist.destroy_process_group()
