@@ -7,6 +7,10 @@ reading only the ranges that hold its part (`ranged`) and once each saved tensor
 (`whole`, how the reshard read before block checksums). Bytes read from storage are the process's
 `read_bytes` (/proc/self/io); both modes check every byte they read against its checksum.
 
+The same for the weights (bf16, one file per parameter and tensor-parallel rank, saved as Nanotron's are:
+its metadata alone in the header, the checksums per tensor and per block in the manifest's entry), from
+one tensor-parallel size to another (`--weights`, SAVEDxNEW).
+
     python3 benchmarks/bench_reshard_reads.py --dir /work/bench --out benchmarks/results/cpu
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import shutil
 import time
@@ -24,7 +29,7 @@ import torch
 from _common import CacheDropper, command_info, host_info, summarize, write_json
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
-from nanotron_datastates.nanotron import reshard, reshard_plan
+from nanotron_datastates.nanotron import layout, reshard, reshard_plan
 from nanotron_datastates.nanotron.reshard_plan import Need, Source
 from nanotron_datastates.nanotron.saved_layout import Piece, zero_ranges
 
@@ -105,6 +110,42 @@ def rank_reads(folder: Path, saved_dp: int, tp: int, dp: int, t: int, d: int, ra
     return out
 
 
+def save_weights(engine: DataStatesEngine, folder: Path, tp: int) -> dict[str, Any]:
+    """Each parameter's pieces over `tp` ranks, one file each; the manifest that keeps their checksums."""
+    files = {}
+    for name, shape, split, chunks in PARAMS:
+        for t, piece in pieces_of(shape, tp, split, chunks).items():
+            rel = f"model/{name}_tp-{t}.safetensors"
+            h = engine.save(
+                {"data": torch.full(piece.local_shape, float(t + 2), dtype=torch.bfloat16)},
+                folder / rel,
+                exact_metadata=True,
+            )
+            h.wait_persisted()
+            files[rel] = layout.file_entry((folder / rel).stat().st_size, h)
+    return {"files": files}
+
+
+def weight_reads(folder: Path, saved_tp: int, tp: int, t: int, ranged: bool) -> list:
+    """(file, tensor, elements) of the weights rank t of tensor-parallel size `tp` reads."""
+    out = []
+    for name, shape, split, chunks in PARAMS:
+        saved = {}
+        for r, piece in pieces_of(shape, saved_tp, split, chunks).items():
+            path = folder / f"model/{name}_tp-{r}.safetensors"
+            saved[r] = (piece, [Source(path, "data", (0, torch.Size(piece.local_shape).numel()))])
+        mine = pieces_of(shape, tp, split, chunks)
+        piece = mine.get(t, mine.get(-1))
+        need = Need(-1, piece.local_shape, shape, piece, None)
+        ranges = list(reshard_plan.plan(name, need, saved).ranges())
+        if not ranged:  # each file the plan touches, whole
+            sizes = {src.path: src.flat[1] for _, sources in saved.values() for src in sources}
+            touched = dict.fromkeys((p, x) for p, x, _ in ranges)
+            ranges = [(p, x, (0, sizes[p])) for p, x in touched]
+        out += ranges
+    return out
+
+
 def read_bytes() -> int:
     for line in Path("/proc/self/io").read_text().splitlines():
         if line.startswith("read_bytes:"):
@@ -119,6 +160,7 @@ def main() -> None:
     ap.add_argument("--saved-dp", type=int, default=2)
     ap.add_argument("--layouts", default="1x4,1x8,2x2,2x4", help="new layouts, TPxDP (ZeRO-1)")
     ap.add_argument("--ranks", type=int, default=2, help="ranks measured per layout (the first ones)")
+    ap.add_argument("--weights", default="1x2,1x4,2x4", help="weights: saved TP x new TP")
     args = ap.parse_args()
     dropper = CacheDropper()
     folder = args.dir / "reshard_reads"
@@ -144,8 +186,9 @@ def main() -> None:
                     del got
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    total = sum(f.stat().st_size for f in files)
-    shutil.rmtree(folder, ignore_errors=True)
+        total = sum(f.stat().st_size for f in files)
+        shutil.rmtree(folder, ignore_errors=True)
+        weight_rows = measure_weights(engine, dropper, args.dir / "reshard_weights", args.weights, args.ranks)
     result = {
         "command": command_info(),
         "host": host_info([str(args.dir)]),
@@ -155,8 +198,41 @@ def main() -> None:
         "rows": rows,
         "ranged_over_whole_bytes": summarize([r["ranged_read_bytes"] / r["whole_read_bytes"] for r in rows]),
         "ranged_over_whole_time": summarize([r["ranged_s"] / r["whole_s"] for r in rows]),
+        "weight_rows": weight_rows,
+        "weights_ranged_over_whole_bytes": summarize(
+            [r["ranged_read_bytes"] / r["whole_read_bytes"] for r in weight_rows]
+        ),
     }
     write_json(args.out / "reshard_reads.json", result)
+
+
+def measure_weights(
+    engine: DataStatesEngine, dropper: CacheDropper, folder: Path, cases: str, ranks: int
+) -> list:
+    """Per case SAVEDxNEW and per measured rank, as for the optimizer state."""
+    rows = []
+    for case in cases.split(","):
+        saved_tp, tp = (int(x) for x in case.split("x"))
+        shutil.rmtree(folder, ignore_errors=True)
+        doc = save_weights(engine, folder, saved_tp)
+        files = [folder / rel for rel in doc["files"]]
+        sums = functools.partial(reshard._manifest_sums, doc, folder)
+        for t in range(min(ranks, tp)):
+            row: dict[str, Any] = {"saved_tp": saved_tp, "tp": tp, "tp_rank": t}
+            row["saved_bytes"] = sum(f.stat().st_size for f in files)
+            for mode in ("whole", "ranged"):
+                ranges = weight_reads(folder, saved_tp, tp, t, mode == "ranged")
+                dropper.drop(files)
+                before, t0 = read_bytes(), time.perf_counter()
+                got = reshard._read(engine, ranges, sums)
+                row[f"{mode}_s"] = time.perf_counter() - t0
+                row[f"{mode}_read_bytes"] = read_bytes() - before
+                row[f"{mode}_tensor_bytes"] = sum(x.numel() * x.element_size() for x in got.values())
+                del got
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    shutil.rmtree(folder, ignore_errors=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -23,7 +23,15 @@ from . import _core, telemetry
 from . import format as fmt
 from .config import DataStatesConfig
 from .plan import SavePlan, plan_save, prepare_many
-from .restore import load_file, load_into_tensors, load_ranges, load_tensors, read_structure, verify_file
+from .restore import (
+    load_file,
+    load_into_tensors,
+    load_range_list,
+    load_ranges,
+    load_tensors,
+    read_structure,
+    verify_file,
+)
 
 log = logging.getLogger("nanotron_datastates")
 _warned: set[str] = set()
@@ -478,6 +486,23 @@ class DataStatesEngine:
         verify = self.config.verify_checksums
         return load_ranges(
             self._core, path, ranges, verify=verify, checksums=checksums, block_checksums=block_checksums
+        )
+
+    def load_range_list(
+        self,
+        path: str | os.PathLike,
+        items: Sequence[tuple[str, int, int]],
+        *,
+        checksums: Mapping[str, int] | None = None,
+        block_checksums: tuple[int, Mapping[str, Sequence[int]]] | None = None,
+    ) -> list[torch.Tensor]:
+        """As :meth:`load_ranges`, for a list of (tensor name, start, stop) that may hold several ranges of
+        one tensor; the tensors come back in the same order. One read of the file serves them all."""
+        if self._closed:
+            raise ValueError("the engine is closed; create a new DataStatesEngine")
+        verify = self.config.verify_checksums
+        return load_range_list(
+            self._core, path, items, verify=verify, checksums=checksums, block_checksums=block_checksums
         )
 
     def read_structure(self, path: str | os.PathLike) -> Any:

@@ -126,10 +126,28 @@ def load_ranges(
     checksums (or `block_checksums` are given with `checksums`, for a file that keeps them elsewhere), only
     the block segments over the range are read, and each is checked; otherwise the whole tensor is read and
     checked. KeyError names a tensor the file does not hold, ValueError a range outside it."""
+    items = [(name, start, stop) for name, (start, stop) in ranges.items()]
+    got = load_range_list(
+        core, path, items, verify=verify, checksums=checksums, block_checksums=block_checksums
+    )
+    return dict(zip(ranges, got))
+
+
+def load_range_list(
+    core: Any,
+    path: str | os.PathLike,
+    items: Sequence[tuple[str, int, int]],
+    *,
+    verify: bool = True,
+    checksums: Mapping[str, int] | None = None,
+    block_checksums: tuple[int, Mapping[str, Sequence[int]]] | None = None,
+) -> list[torch.Tensor]:
+    """As `load_ranges`, for any number of (tensor name, start, stop), several of one tensor included,
+    returned in order. A tensor's ranges that overlap or touch are read as one."""
     path = os.fspath(path)
     header = fmt.read_header(path)
     by_name = {e.name: e for e in header.tensors}
-    for name, (start, stop) in ranges.items():
+    for name, start, stop in items:
         e = by_name.get(name)
         if e is None:
             raise KeyError(f"{path} holds no tensor {name!r}")
@@ -141,13 +159,16 @@ def load_ranges(
         blocks = header.block_checksums()
     elif expected is not None:
         blocks = _given_blocks(path, header, block_checksums)
-    wanted = [(by_name[name], start, stop) for name, (start, stop) in ranges.items() if stop > start]
+    if expected is not None and blocks is None:  # each tensor read whole to be checked: once
+        wanted = [(by_name[n], 0, by_name[n].numel) for n in dict.fromkeys(n for n, a, b in items if b > a)]
+    else:
+        wanted = [(by_name[n], a, b) for n, a, b in _merged(items)]
     spans = [_span(e, start, stop, expected, blocks) for e, start, stop in wanted]
     data_len = header.file_size - header.data_start
     begins, ends = [b for b, _, _ in spans], [x for _, x, _ in spans]
     raws, sums = core.restore_host(path, header.data_start, data_len, begins, ends, expected is not None)
     sums = sums if expected is not None else [0] * len(spans)
-    out = {name: torch.empty(0, dtype=by_name[name].dtype.torch) for name in ranges}
+    read: dict[str, list[tuple[int, torch.Tensor]]] = {}  # name -> [(first element, elements)]
     for (e, start, stop), (begin, end, crc), raw, got in zip(wanted, spans, raws, sums):
         if crc is not None and got != crc:
             raise ChecksumError(
@@ -156,7 +177,28 @@ def load_ranges(
             )
         lo = e.begin + start * e.dtype.itemsize - begin
         part = raw[lo : lo + (stop - start) * e.dtype.itemsize]
-        out[e.name] = _typed(part, header.data_start + begin + lo, e, (stop - start,))
+        read.setdefault(e.name, []).append(
+            (start, _typed(part, header.data_start + begin + lo, e, (stop - start,)))
+        )
+    out = []
+    for name, start, stop in items:
+        if stop == start:
+            out.append(torch.empty(0, dtype=by_name[name].dtype.torch))
+            continue
+        first, t = next((a, t) for a, t in read[name] if a <= start and stop <= a + t.numel())
+        out.append(t[start - first : stop - first])
+    return out
+
+
+def _merged(items: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """Each tensor's non-empty ranges, those that overlap or touch merged: disjoint, so that the spans read
+    for them rise in both begin and end."""
+    out: list[tuple[str, int, int]] = []
+    for name, start, stop in sorted((n, a, b) for n, a, b in items if b > a):
+        if out and out[-1][0] == name and start <= out[-1][2]:
+            out[-1] = (name, out[-1][1], max(out[-1][2], stop))
+        else:
+            out.append((name, start, stop))
     return out
 
 

@@ -149,6 +149,10 @@ def test_a_range_or_a_tensor_reads_its_own_pages_from_storage_not_the_file(tmp_p
     state = {"a": torch.randn(8 * MIB), "b": torch.randn(MIB), "c": torch.randn(8 * MIB)}  # 68 MiB
     with DataStatesEngine(small_config()) as engine:
         engine.save(state, path).wait_persisted()
+        # The same calls on another file first: what they import lazily is read from storage once, here.
+        engine.save({"a": torch.ones(MIB)}, tmp_path / "warm.safetensors").wait_persisted()
+        engine.load_ranges(tmp_path / "warm.safetensors", {"a": (0, 1)})["a"].item()
+        engine.load_tensors(tmp_path / "warm.safetensors", ["a"])["a"].equal(state["b"])
         _evict(path)
         before = _read_bytes()
         assert engine.load_ranges(path, {"a": (5 * MIB, 5 * MIB + 1)})["a"].item() == state["a"][5 * MIB]
@@ -207,3 +211,26 @@ def test_a_file_without_checksums_in_its_header_is_read_in_part_with_those_kept_
             layout.ManifestError, match="block checksums of model/w.safetensors are malformed"
         ):
             layout.file_block_checksums(doc, tmp_path, path)
+
+
+def test_several_ranges_of_one_tensor_come_back_in_order_and_only_their_blocks_are_read(tmp_path):
+    """`load_range_list`: two far apart ranges of "big" (a fused projection's two chunks), one inside the
+    first and an empty one, and a range of another tensor; overlapping ranges are read once. A flipped byte
+    between the two far ranges is not read, so not found; one inside the second is found."""
+    state, path = _state(), tmp_path / "s.safetensors"
+    items = [("big", 10, MIB // 8), ("big", 5 * MIB // 8, 5 * MIB // 8 + 3), ("rows", 999, 2001)]
+    items += [("big", 20, 30), ("big", 7, 7), ("scalar", 0, 1)]
+    with DataStatesEngine(small_config()) as engine:
+        engine.save(state, path).wait_persisted()
+        got = engine.load_range_list(path, items)
+        for (name, a, b), t in zip(items, got):
+            assert t.equal(state[name].reshape(-1)[a:b]), (name, a, b)
+        header = fmt.read_header(path)
+        big = next(e for e in header.tensors if e.name == "big")
+        _flip(path, header.data_start + big.begin + MIB + 100)  # in the second block: between the two
+        assert engine.load_range_list(path, items[:2])[1].equal(state["big"][5 * MIB // 8 : 5 * MIB // 8 + 3])
+        _flip(path, header.data_start + big.begin + 5 * MIB // 2 + 4)  # in the third: the second range's
+        with pytest.raises(ChecksumError, match="tensor 'big'"):
+            engine.load_range_list(path, items[:2])
+        with pytest.raises(ValueError, match="outside tensor 'rows'"):
+            engine.load_range_list(path, [("rows", 0, 700_001)])

@@ -69,17 +69,19 @@ def _read(
     engine: DataStatesEngine,
     ranges: Iterable[tuple[Path, str, tuple[int, int]]],
     checksums: Callable[[Path], Sums] | None = None,
-) -> dict[tuple[Path, str], torch.Tensor]:
-    """The ranges of saved tensors, each file read once by the engine's parser threads; `checksums` gives a
-    file's where its header has none."""
-    by_file: dict[Path, dict[str, tuple[int, int]]] = {}
+) -> dict[tuple[Path, str, tuple[int, int]], torch.Tensor]:
+    """The ranges of saved tensors, keyed as given, each file read once by the engine's parser threads;
+    `checksums` gives a file's where its header has none."""
+    by_file: dict[Path, dict[tuple[str, tuple[int, int]], None]] = {}
     for path, tensor, elements in ranges:
-        assert by_file.setdefault(path, {}).setdefault(tensor, elements) == elements, (path, tensor)
+        by_file.setdefault(path, {})[(tensor, elements)] = None
     out = {}
     for path, wanted in by_file.items():
         sums, blocks = checksums(path) if checksums is not None else (None, None)
-        for tensor, t in engine.load_ranges(path, wanted, checksums=sums, block_checksums=blocks).items():
-            out[(path, tensor)] = t
+        items = [(tensor, a, b) for tensor, (a, b) in wanted]
+        got = engine.load_range_list(path, items, checksums=sums, block_checksums=blocks)
+        for (tensor, elements), t in zip(wanted, got):
+            out[(path, tensor, elements)] = t
     return out
 
 
@@ -146,7 +148,7 @@ def optimizer_state(
         entry = {key: reshard_plan.assemble(plans[(name, key)], read) for key in keys}
         if name in steps:
             path, ref = steps[name]
-            entry["step"] = read[(path, ref.name)].clone().view(ref.shape)
+            entry["step"] = read[(path, ref.name, (0, math.prod(ref.shape)))].clone().view(ref.shape)
         state[need.index] = dict(sorted(entry.items()))
         if with_masters:
             masters[name] = reshard_plan.assemble(plans[(name, MASTER)], read)

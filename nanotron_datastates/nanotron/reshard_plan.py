@@ -2,11 +2,11 @@
 putting them together (reshard.py plans and reads through this).
 
 Everything is counted in rows, dim 0 of each tensor. The rank's piece of the full tensor (its tensor-parallel
-slices, and with ZeRO a flat range of those) lies within a window of the full tensor's rows; each saved piece
-holds a window of its own rows that maps into it; a saved piece's rows are a contiguous flat range of its
-local tensor, so each file holding a ZeRO shard of it contributes one contiguous range of elements. Those
-ranges are all that is read: a ZeRO flat range or a dim-0 slice costs only its own bytes, a dim-1 slice the
-rows it crosses.
+slices, and with ZeRO a flat range of those) lies within windows of the full tensor's rows, one per slice
+pair (a fused projection's chunks each give one); each saved piece holds a span of its own rows that maps
+onto a window; a saved piece's rows are a contiguous flat range of its local tensor, so each file holding a
+ZeRO shard of it contributes one contiguous range of elements per window. Those ranges are all that is
+read: a ZeRO flat range or a dim-0 slice costs only its own bytes, a dim-1 slice the rows it crosses.
 """
 
 from __future__ import annotations
@@ -60,20 +60,28 @@ class PieceReads:
 
 
 @dataclasses.dataclass(frozen=True)
+class Window:
+    """Rows of the full tensor that this rank's piece holds, and the saved pieces' reads that cover them."""
+
+    rows: tuple[int, int]
+    pieces: tuple[PieceReads, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """How to rebuild one state of one parameter on this rank."""
 
     name: str
     need: Need
-    rows: tuple[int, int]  # of the full tensor
     local_rows: tuple[int, int]  # of this rank's local tensor
-    pieces: tuple[PieceReads, ...]
+    windows: tuple[Window, ...]
 
     def ranges(self) -> Iterator[tuple[Path, str, tuple[int, int]]]:
         """(file, tensor, elements) of every read."""
-        for p in self.pieces:
-            for r in p.reads:
-                yield r.source.path, r.source.tensor, r.elements
+        for w in self.windows:
+            for p in w.pieces:
+                for r in p.reads:
+                    yield r.source.path, r.source.tensor, r.elements
 
 
 def plan(name: str, need: Need, pieces: dict[int, tuple[Piece, list[Source]]]) -> Plan:
@@ -86,55 +94,66 @@ def plan(name: str, need: Need, pieces: dict[int, tuple[Piece, list[Source]]]) -
         local_rows = (lo // row, -(-hi // row)) if hi > lo else (0, 0)
     else:
         local_rows = (0, local[0])
-    rows = _map(name, need.piece, need.full_shape, local_rows, False)
-    out = []
-    for piece, sources in pieces.values():
-        saved_rows = _map(name, piece, need.full_shape, rows, True)
-        if saved_rows[1] <= saved_rows[0]:
-            continue
-        width = math.prod(_rows_of(piece.local_shape)[1:])
-        lo, hi = saved_rows[0] * width, saved_rows[1] * width
-        reads = []
-        for s in sources:
-            a, b = max(lo, s.flat[0]), min(hi, s.flat[1])
-            if b > a:
-                reads.append(Read(s, (a - s.flat[0], b - s.flat[0]), a - lo))
-        if sum(r.elements[1] - r.elements[0] for r in reads) != hi - lo:
-            raise ReshardError(f"parameter {name!r}: the saved shards do not hold every element of its piece")
-        out.append(PieceReads(piece, saved_rows, tuple(reads)))
-    return Plan(name, need, rows, local_rows, tuple(out))
+    windows = []
+    for rows in _windows(name, need.piece, need.full_shape, local_rows):
+        out = []
+        for piece, sources in pieces.values():
+            saved_rows = _map(name, piece, need.full_shape, rows)
+            if saved_rows[1] <= saved_rows[0]:
+                continue
+            width = math.prod(_rows_of(piece.local_shape)[1:])
+            lo, hi = saved_rows[0] * width, saved_rows[1] * width
+            reads = []
+            for s in sources:
+                a, b = max(lo, s.flat[0]), min(hi, s.flat[1])
+                if b > a:
+                    reads.append(Read(s, (a - s.flat[0], b - s.flat[0]), a - lo))
+            if sum(r.elements[1] - r.elements[0] for r in reads) != hi - lo:
+                raise ReshardError(
+                    f"parameter {name!r}: the saved shards do not hold every element of its piece"
+                )
+            out.append(PieceReads(piece, saved_rows, tuple(reads)))
+        windows.append(Window(rows, tuple(out)))
+    return Plan(name, need, local_rows, tuple(windows))
 
 
 def assemble(
-    p: Plan, read: dict[tuple[Path, str], torch.Tensor], dtype: torch.dtype | None = None
+    p: Plan, read: dict[tuple[Path, str, tuple[int, int]], torch.Tensor], dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """This rank's state tensor, from the ranges read (keyed by file and tensor, as `Plan.ranges` names
-    them), in `dtype` (default: as read)."""
-    window: torch.Tensor | None = None
+    """This rank's state tensor, from the ranges read (keyed by file, tensor and elements, as `Plan.ranges`
+    names them), in `dtype` (default: as read)."""
     full = _rows_of(p.need.full_shape)
-    for pr in p.pieces:
-        parts = [read[(r.source.path, r.source.tensor)] for r in pr.reads]
-        kind = dtype or parts[0].dtype
-        src = empty((pr.rows[1] - pr.rows[0], *_rows_of(pr.piece.local_shape)[1:]), kind, _CPU)
-        flat = src.view(-1)
-        for r, part in zip(pr.reads, parts):
-            flat[r.at : r.at + part.numel()] = part
-        if window is None:
-            window = empty((p.rows[1] - p.rows[0], *full[1:]), kind, _CPU)
-        for (la, _), (ga, gb), lrest, grest in _pairs(p.name, pr.piece, p.need.full_shape):
-            u, v = max(ga, p.rows[0]), min(gb, p.rows[1])
-            if v > u:
-                at = u - ga + la - pr.rows[0]
-                window[(slice(u - p.rows[0], v - p.rows[0]),) + grest] = src[(slice(at, at + v - u),) + lrest]
+    filled: list[tuple[tuple[int, int], torch.Tensor]] = []  # (rows of the full tensor, their values)
+    for w in p.windows:
+        window: torch.Tensor | None = None
+        for pr in w.pieces:
+            parts = [read[(r.source.path, r.source.tensor, r.elements)] for r in pr.reads]
+            kind = dtype or parts[0].dtype
+            src = empty((pr.rows[1] - pr.rows[0], *_rows_of(pr.piece.local_shape)[1:]), kind, _CPU)
+            flat = src.view(-1)
+            for r, part in zip(pr.reads, parts):
+                flat[r.at : r.at + part.numel()] = part
+            if window is None:
+                window = empty((w.rows[1] - w.rows[0], *full[1:]), kind, _CPU)
+            for (la, _), (ga, gb), lrest, grest in _pairs(p.name, pr.piece, p.need.full_shape):
+                u, v = max(ga, w.rows[0]), min(gb, w.rows[1])
+                if v > u:
+                    at = u - ga + la - pr.rows[0]
+                    window[(slice(u - w.rows[0], v - w.rows[0]),) + grest] = src[
+                        (slice(at, at + v - u),) + lrest
+                    ]
+        if window is not None:
+            filled.append((w.rows, window))
     local = _rows_of(p.need.piece.local_shape)
     lo, hi = p.local_rows
-    kind = window.dtype if window is not None else dtype or torch.float32
+    kind = filled[0][1].dtype if filled else dtype or torch.float32
     mine = empty((hi - lo, *local[1:]), kind, _CPU)
-    if window is not None:
-        for (la, lb), (ga, _), lrest, grest in _pairs(p.name, p.need.piece, p.need.full_shape):
-            x, y = max(la, lo), min(lb, hi)
+    for (la, lb), (ga, _), lrest, grest in _pairs(p.name, p.need.piece, p.need.full_shape):
+        for (wa, wb), window in filled:
+            # The pair's local rows within [lo, hi) whose global rows fall in this window.
+            x, y = max(la, lo, wa - ga + la), min(lb, hi, wb - ga + la)
             if y > x:
-                at = x - la + ga - p.rows[0]
+                at = x - la + ga - wa
                 mine[(slice(x - lo, y - lo),) + lrest] = window[(slice(at, at + y - x),) + grest]
     flat = mine.view(-1)
     if p.need.zero is not None:
@@ -170,16 +189,31 @@ def _pairs(name: str, piece: Piece, full_shape: tuple[int, ...]) -> list[Pair]:
     return out
 
 
-def _map(
-    name: str, piece: Piece, full_shape: tuple[int, ...], rows: tuple[int, int], to_local: bool
-) -> tuple[int, int]:
-    """The rows of the full tensor that a piece's local `rows` cover (or with `to_local`, the piece's local
-    rows that cover the full tensor's `rows`), as one span."""
+def _windows(
+    name: str, piece: Piece, full_shape: tuple[int, ...], local_rows: tuple[int, int]
+) -> list[tuple[int, int]]:
+    """The rows of the full tensor that the piece's local `local_rows` cover: one span per slice pair,
+    sorted, those that touch or overlap merged."""
+    spans = []
+    for (la, lb), (ga, _), _, _ in _pairs(name, piece, full_shape):
+        x, y = max(la, local_rows[0]), min(lb, local_rows[1])
+        if y > x:
+            spans.append((x - la + ga, y - la + ga))
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _map(name: str, piece: Piece, full_shape: tuple[int, ...], rows: tuple[int, int]) -> tuple[int, int]:
+    """The piece's local rows that cover the full tensor's `rows`, as one span."""
     lo, hi = None, None
-    for (la, lb), (ga, gb), _, _ in _pairs(name, piece, full_shape):
-        src, dst = ((ga, gb), (la, lb)) if to_local else ((la, lb), (ga, gb))
-        a, b = max(src[0], rows[0]), min(src[1], rows[1])
+    for (la, _), (ga, gb), _, _ in _pairs(name, piece, full_shape):
+        a, b = max(ga, rows[0]), min(gb, rows[1])
         if b > a:
-            a, b = a - src[0] + dst[0], b - src[0] + dst[0]
+            a, b = a - ga + la, b - ga + la
             lo, hi = (a, b) if lo is None else (min(lo, a), max(hi, b))  # type: ignore[type-var]
     return (lo, hi) if lo is not None and hi is not None else (0, 0)
