@@ -4,8 +4,10 @@ saved as ZeRO-1 shards over `--saved-dp` ranks, each shard holding Adam's two mo
 weights of its flat range of every parameter. Each rank of each new layout rebuilds its own part through
 the reshard's own plan and reader (`reshard_plan.plan`, `reshard._read`), from a cold page cache, once
 reading only the ranges that hold its part (`ranged`) and once each saved tensor it touches whole
-(`whole`, how the reshard read before block checksums). Bytes read from storage are the process's
-`read_bytes` (/proc/self/io); both modes check every byte they read against its checksum.
+(`whole`, how the reshard read before block checksums). Before each read the checkpoint's files are evicted
+from the page cache; what the read brought back is counted from the page cache (`resident_bytes`: mincore),
+so that it is these files' bytes alone (the process's `read_bytes` is kept beside it: it also counts code
+pages and readahead). Both modes check every byte they read against its checksum.
 
 The same for the weights (bf16, one file per parameter and tensor-parallel rank, saved as Nanotron's are:
 its metadata alone in the header, the checksums per tensor and per block in the manifest's entry), from
@@ -20,13 +22,14 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from _common import CacheDropper, command_info, host_info, summarize, write_json
+from _common import command_info, evict, host_info, resident_bytes, summarize, write_json
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
 from nanotron_datastates.nanotron import layout, reshard, reshard_plan
@@ -153,6 +156,22 @@ def read_bytes() -> int:
     raise RuntimeError("/proc/self/io has no read_bytes")
 
 
+def measure(engine: DataStatesEngine, files: list[Path], ranges: list, sums: Any = None) -> dict[str, Any]:
+    """One cold read of `ranges` through the reshard's reader: seconds, bytes brought into the page cache
+    from `files`, the process's read_bytes, and the bytes of the tensors returned."""
+    os.sync()
+    evict(files)
+    before, t0 = read_bytes(), time.perf_counter()
+    got = reshard._read(engine, ranges, sums)
+    seconds = time.perf_counter() - t0
+    return {
+        "s": seconds,
+        "bytes": resident_bytes(files),
+        "process_read_bytes": read_bytes() - before,
+        "tensor_bytes": sum(x.numel() * x.element_size() for x in got.values()),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", type=Path, required=True, help="scratch folder on the storage to measure")
@@ -162,7 +181,6 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2, help="ranks measured per layout (the first ones)")
     ap.add_argument("--weights", default="1x2,1x4,2x4", help="weights: saved TP x new TP")
     args = ap.parse_args()
-    dropper = CacheDropper()
     folder = args.dir / "reshard_reads"
     shutil.rmtree(folder, ignore_errors=True)
     config = DataStatesConfig(host_cache_size=2.0, parser_threads=2)
@@ -177,38 +195,30 @@ def main() -> None:
                 row: dict[str, Any] = {"tp": tp, "dp": dp, "tp_rank": t, "dp_rank": d}
                 for mode in ("whole", "ranged"):
                     ranges = rank_reads(folder, args.saved_dp, tp, dp, t, d, mode == "ranged")
-                    dropper.drop(files)
-                    before, t0 = read_bytes(), time.perf_counter()
-                    got = reshard._read(engine, ranges)
-                    row[f"{mode}_s"] = time.perf_counter() - t0
-                    row[f"{mode}_read_bytes"] = read_bytes() - before
-                    row[f"{mode}_tensor_bytes"] = sum(x.numel() * x.element_size() for x in got.values())
-                    del got
+                    row.update({f"{mode}_{k}": v for k, v in measure(engine, files, ranges).items()})
                 print(json.dumps(row), flush=True)
                 rows.append(row)
         total = sum(f.stat().st_size for f in files)
         shutil.rmtree(folder, ignore_errors=True)
-        weight_rows = measure_weights(engine, dropper, args.dir / "reshard_weights", args.weights, args.ranks)
+        weight_rows = measure_weights(engine, args.dir / "reshard_weights", args.weights, args.ranks)
     result = {
         "command": command_info(),
         "host": host_info([str(args.dir)]),
-        "cache_drop": dropper.method,
+        "cache_drop": "the files evicted (POSIX_FADV_DONTNEED) before each read",
         "saved_dp": args.saved_dp,
         "checkpoint_bytes": total,
         "rows": rows,
-        "ranged_over_whole_bytes": summarize([r["ranged_read_bytes"] / r["whole_read_bytes"] for r in rows]),
+        "ranged_over_whole_bytes": summarize([r["ranged_bytes"] / r["whole_bytes"] for r in rows]),
         "ranged_over_whole_time": summarize([r["ranged_s"] / r["whole_s"] for r in rows]),
         "weight_rows": weight_rows,
         "weights_ranged_over_whole_bytes": summarize(
-            [r["ranged_read_bytes"] / r["whole_read_bytes"] for r in weight_rows]
+            [r["ranged_bytes"] / r["whole_bytes"] for r in weight_rows]
         ),
     }
     write_json(args.out / "reshard_reads.json", result)
 
 
-def measure_weights(
-    engine: DataStatesEngine, dropper: CacheDropper, folder: Path, cases: str, ranks: int
-) -> list:
+def measure_weights(engine: DataStatesEngine, folder: Path, cases: str, ranks: int) -> list:
     """Per case SAVEDxNEW and per measured rank, as for the optimizer state."""
     rows = []
     for case in cases.split(","):
@@ -222,13 +232,7 @@ def measure_weights(
             row["saved_bytes"] = sum(f.stat().st_size for f in files)
             for mode in ("whole", "ranged"):
                 ranges = weight_reads(folder, saved_tp, tp, t, mode == "ranged")
-                dropper.drop(files)
-                before, t0 = read_bytes(), time.perf_counter()
-                got = reshard._read(engine, ranges, sums)
-                row[f"{mode}_s"] = time.perf_counter() - t0
-                row[f"{mode}_read_bytes"] = read_bytes() - before
-                row[f"{mode}_tensor_bytes"] = sum(x.numel() * x.element_size() for x in got.values())
-                del got
+                row.update({f"{mode}_{k}": v for k, v in measure(engine, files, ranges, sums).items()})
             print(json.dumps(row), flush=True)
             rows.append(row)
     shutil.rmtree(folder, ignore_errors=True)
