@@ -13,7 +13,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -116,13 +116,13 @@ class Header:
         """(B, stored CRC-32C of each block segment per tensor name), or None when the file has none: a
         tensor's segments are its bytes cut at the multiples of B in the data section (docs/FORMAT.md)."""
         raw = self.metadata.get(KEY_BLOCK_CRC)
-        if raw is None:
+        parsed = parse_blocks(raw) if raw is not None else None
+        if parsed is None:
             return None
-        size, _, digits = raw.partition(":")
-        block, pos, out = int(size), 0, {}
+        (block, crcs), pos, out = parsed, 0, {}
         for t in self.tensors:
             n = segments(t.begin, t.nbytes, block)
-            out[t.name] = [int(digits[8 * i : 8 * i + 8], 16) for i in range(pos, pos + n)]
+            out[t.name] = crcs[pos : pos + n]
             pos += n
         return block, out
 
@@ -231,10 +231,9 @@ def parse_header(buf: bytes, file_size: int, path: str = "<buffer>") -> Header:
         raise _fail(path, f"{KEY_CRC} must hold 8 lowercase hex digits per tensor")
     blocks = meta.get(KEY_BLOCK_CRC)
     if blocks is not None:
-        size, _, digits = blocks.partition(":")
-        block = int(size) if _decimal(size) else 0
-        want = sum(segments(e.begin, e.nbytes, block) for e in entries) if block else -1
-        if block < 4096 or block & (block - 1) or len(digits) != 8 * want or not _HEX.issuperset(digits):
+        parsed = parse_blocks(blocks)
+        want = sum(segments(e.begin, e.nbytes, parsed[0]) for e in entries) if parsed else -1
+        if parsed is None or len(parsed[1]) != want:
             raise _fail(
                 path,
                 f"{KEY_BLOCK_CRC} must hold a block size (a power of two, 4096 or more), ':', "
@@ -244,6 +243,22 @@ def parse_header(buf: bytes, file_size: int, path: str = "<buffer>") -> Header:
 
 
 _HEX = frozenset("0123456789abcdef")
+
+
+def parse_blocks(text: str) -> tuple[int, list[int]] | None:
+    """(B, the CRCs) from the spelling of block checksums (`KEY_BLOCK_CRC`, and a manifest's
+    `crc32c_blocks`): B in decimal, ':', 8 lowercase hex digits per segment; None where it is malformed or B
+    is not a power of two of 4096 or more."""
+    size, colon, digits = text.partition(":")
+    block = int(size) if _decimal(size) else 0
+    if not colon or block < 4096 or block & (block - 1) or len(digits) % 8 or not _HEX.issuperset(digits):
+        return None
+    return block, [int(digits[i : i + 8], 16) for i in range(0, len(digits), 8)]
+
+
+def spell_blocks(block: int, crcs: Iterable[int]) -> str:
+    """The spelling `parse_blocks` reads."""
+    return f"{block}:" + "".join(f"{c:08x}" for c in crcs)
 
 
 def _decimal(text: str) -> bool:

@@ -129,8 +129,9 @@ def stock_topology(folder: str | os.PathLike) -> dict[str, int]:
         out["zero_stage"] = opt["zero_stage"]
     saved_optimizer = read_json(folder / "optimizer" / "optimizer_config.json")
     sizes = saved_optimizer.get("parallelism") or {}
-    if "pp" not in out and str(sizes.get("pp_size", "")).isdigit():
-        out["pp"] = int(sizes["pp_size"])
+    pp_size = str(sizes.get("pp_size", ""))
+    if "pp" not in out and pp_size.isascii() and pp_size.isdigit():
+        out["pp"] = int(pp_size)
     if "zero_stage" not in out and isinstance(saved_optimizer.get("type"), str):
         out["zero_stage"] = int(saved_optimizer["type"] == "ZeroDistributedOptimizer")
     return out
@@ -275,13 +276,14 @@ def file_entry(nbytes: int, handle: Any) -> dict[str, Any]:
     file whose header holds none (`exact_metadata`: Nanotron's weight files), its block segments' CRCs too,
     spelled as in a header (`B:` and 8 hex digits per segment), so that a part of it can be read and
     checked."""
+    from .. import format as fmt  # here: this module stays free of torch
+
     sums = handle.checksums()
     entry: dict[str, Any] = {"bytes": nbytes, "crc32c": {n: f"{c:08x}" for n, c in sums.items()}}
     if handle.exact_metadata:
         size, blocks = handle.block_checksums()
         if size:
-            spelled = {n: f"{size}:" + "".join(f"{c:08x}" for c in v) for n, v in blocks.items()}
-            entry["crc32c_blocks"] = spelled
+            entry["crc32c_blocks"] = {n: fmt.spell_blocks(size, v) for n, v in blocks.items()}
     return entry
 
 
@@ -289,6 +291,8 @@ def file_block_checksums(
     doc: dict[str, Any], folder: str | os.PathLike, path: str | os.PathLike
 ) -> tuple[int, dict[str, list[int]]] | None:
     """The block checksums the manifest holds for `path`, if any (see `file_entry`)."""
+    from .. import format as fmt  # here: this module stays free of torch
+
     rel = Path(os.path.relpath(path, folder)).as_posix()
     raw = (doc["files"].get(rel) or {}).get("crc32c_blocks")
     if raw is None:
@@ -298,12 +302,11 @@ def file_block_checksums(
         raise bad
     sizes, out = set(), {}
     for name, text in raw.items():
-        size, _, digits = text.partition(":") if isinstance(text, str) else ("", "", "")
-        hex_digits = set(digits) <= set("0123456789abcdef") and len(digits) % 8 == 0
-        if not (size.isascii() and size.isdigit() and hex_digits):
+        parsed = fmt.parse_blocks(text) if isinstance(text, str) else None
+        if parsed is None:
             raise bad
-        sizes.add(int(size))
-        out[str(name)] = [int(digits[i : i + 8], 16) for i in range(0, len(digits), 8)]
+        sizes.add(parsed[0])
+        out[str(name)] = parsed[1]
     if len(sizes) != 1:
         raise bad
     return sizes.pop(), out
