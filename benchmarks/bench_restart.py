@@ -247,7 +247,7 @@ def main() -> int:
     a.add_argument("--zero", type=int, default=0, help="ZeRO stage (default %(default)s)")
     a.add_argument("--out", required=True)
     a.add_argument("--work", default="/tmp/ds_restart")
-    a.add_argument("--tier-path", default="/dev/shm/nanotron-datastates", help="(default %(default)s)")
+    a.add_argument("--tier-path", default="/dev/shm/nanotron-datastates-{uid}", help="(default %(default)s)")
     a.add_argument("--only", default="", help="these runs only, comma-separated (restores need their save)")
     sm = sub.add_parser("summarize", help="recompute a result file's summary from its records")
     sm.add_argument("file")
@@ -257,6 +257,8 @@ def main() -> int:
     ph.add_argument("--step", type=int, required=True)
     ph.add_argument("--kill", action="store_true")
     args = p.parse_args()
+    if getattr(args, "tier_path", None):
+        args.tier_path = args.tier_path.replace("{uid}", str(os.geteuid()))
     if args.what == "summarize":
         path = Path(args.file)
         old = json.loads(path.read_text())

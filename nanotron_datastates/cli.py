@@ -173,8 +173,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--path",
-        default="/dev/shm/nanotron-datastates",
-        help="the memory tier's folder, as `datastates.memory_tier_path` sets it (default: %(default)s)",
+        default="/dev/shm/nanotron-datastates-{uid}",
+        help="the memory tier's folder, as `datastates.memory_tier_path` sets it ({uid}: this user's id; "
+        "default: %(default)s)",
     )
     c.add_argument(
         "--json", action="store_true", help="with list: print JSON instead of text (default: text)"

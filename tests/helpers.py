@@ -135,3 +135,43 @@ def constructors_forced_to(dtype: torch.dtype):
     finally:
         for n, fn in saved.items():
             setattr(torch, n, fn)
+
+
+def forge_crc32c(data: bytes, change: dict[int, int], fix_at: int) -> bytes:
+    """`data` with the bytes at the offsets of `change` set to its values and the 4 bytes at `fix_at`
+    (which `change` must not touch) rewritten so that the CRC-32C of the result equals that of `data`: CRC is
+    no defence against a chosen input. CRC-32C is affine in its input, so the 32 bits at `fix_at` are solved
+    for over GF(2)."""
+    n = len(data)
+    zero = _core.crc32c(bytes(n))
+
+    def linear(delta: bytes) -> int:  # the linear part of the CRC of a difference of n bytes
+        return _core.crc32c(delta) ^ zero
+
+    delta = bytearray(n)
+    for at, value in change.items():
+        delta[at] = data[at] ^ value
+    target = linear(bytes(delta))
+    # Columns: the effect of each of the 32 bits at fix_at; solve sum(x_i * col_i) = target.
+    rows = []
+    for bit in range(32):
+        d = bytearray(n)
+        d[fix_at + bit // 8] = 1 << (bit % 8)
+        rows.append((linear(bytes(d)), 1 << bit))
+    basis: dict[int, tuple[int, int]] = {}  # top bit -> (effect, which bits), a row echelon basis
+    for col, mask in rows:
+        while col and col.bit_length() in basis:
+            b_col, b_mask = basis[col.bit_length()]
+            col, mask = col ^ b_col, mask ^ b_mask
+        if col:
+            basis[col.bit_length()] = (col, mask)
+    solution = 0
+    while target and target.bit_length() in basis:
+        b_col, b_mask = basis[target.bit_length()]
+        target, solution = target ^ b_col, solution ^ b_mask
+    assert target == 0, "the 32 bits at fix_at do not span the CRC's space"
+    for i in range(4):
+        delta[fix_at + i] = (solution >> (8 * i)) & 0xFF
+    out = bytes(a ^ b for a, b in zip(data, delta))
+    assert _core.crc32c(out) == _core.crc32c(data)
+    return out

@@ -118,7 +118,7 @@ def test_sigkill_with_the_memory_tier_restores_from_memory_only_a_whole_committe
                 continue
             latest = int((root / layout.LATEST).read_text())
             doc = layout.read_manifest(root / str(latest))
-            held = [int(f.name) for f in tier.steps() if list(f.glob(".rank-*.json"))]
+            held = [s for s in tier.steps() if list((tier.folder / str(s)).glob(".rank-*.json"))]
             # Never ahead of storage; two only where the kill fell between marking one and dropping the last.
             assert len(held) <= 2 and all(s <= latest for s in held), (held, latest)
             source = tier.folder / str(latest) if tier.holds(latest, doc) else root / str(latest)

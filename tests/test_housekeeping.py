@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from nanotron_datastates.nanotron import housekeeping, layout
 
 
@@ -55,7 +57,7 @@ def test_a_removal_cut_short_never_looks_committed(tmp_path, monkeypatch):
     for step in (10, 20):
         _folder(tmp_path, step)
     (tmp_path / layout.LATEST).write_text("20")
-    monkeypatch.setattr(housekeeping.shutil, "rmtree", lambda *a, **k: None)  # the process dies here
+    monkeypatch.setattr(housekeeping.trust, "remove_tree", lambda *a, **k: False)  # the process dies here
     housekeeping.rotate(tmp_path, 1, committed_step=20)
     assert not layout.is_datastates_checkpoint(tmp_path / "10")  # markers went first
     assert layout.is_datastates_checkpoint(tmp_path / "20")
@@ -89,3 +91,50 @@ def test_telemetry_lines_append_and_a_torn_line_is_skipped(tmp_path):
     assert rec["step"] == 40 and rec["bytes"] == 2_000_000 and rec["stall_s"] == 0.012
     assert rec["cache_high_water_bytes"] == 5 << 20 and rec["cache_wait_s"] == 0.002
     assert rec["throughput_gbps"] == r.gbps and rec["removed"] == [str(tmp_path / "0")]
+
+
+def test_rotation_never_follows_a_link_named_like_a_step(tmp_path):
+    """A link named like an old step (`5 -> elsewhere`) is not a checkpoint of the folder: rotation leaves
+    it and what it points to; folders named by non-canonical numbers (`05`, `+7`, `٣`) are not steps."""
+    root = tmp_path / "ckpt"
+    elsewhere = _folder(tmp_path / "elsewhere", 5)
+    (elsewhere / layout.NANOTRON_METADATA).write_text("{}")
+    root.mkdir()
+    (root / "5").symlink_to(elsewhere)
+    for name in ("05", "+7", "٣"):
+        _folder(root, 0).rename(root / name)
+    for step in (10, 20, 30):
+        _folder(root, step)
+    (root / layout.LATEST).write_text("30")
+    removed = housekeeping.rotate(root, 2, committed_step=30)
+    assert [p.name for p in removed] == ["10"]
+    assert (elsewhere / layout.MANIFEST).is_file() and (elsewhere / layout.NANOTRON_METADATA).is_file()
+    assert (root / "5").is_symlink() and all((root / n).is_dir() for n in ("05", "+7", "٣", "20", "30"))
+
+
+def test_one_parser_of_step_numbers():
+    from nanotron_datastates.trust import step_number
+
+    assert [step_number(t) for t in ("0", "10", "9223372036854775807")] == [0, 10, 2**63 - 1]
+    bad = ("", "010", "+20", "-1", "2_0", " 10", "10 ", "١٠", "１０", "²", "9223372036854775808", "1e3")
+    assert all(step_number(t) is None for t in bad)
+
+
+def test_latest_txt_is_read_strictly_and_never_through_a_link(tmp_path):
+    """Only canonical ASCII digits name a step; a latest.txt that is a link is refused without quoting its
+    target's content."""
+    from nanotron_datastates.nanotron.checkpoint import latest_step
+
+    for text in ("١٠", "１０", "+20", "2_0", "20 x"):
+        (tmp_path / layout.LATEST).write_text(text)
+        with pytest.raises(ValueError, match="not a step number"):
+            latest_step(tmp_path)
+    (tmp_path / layout.LATEST).write_text("20\n")
+    assert latest_step(tmp_path) == 20
+    secret = tmp_path / "secret"
+    secret.write_text("TOKEN-abc123")
+    (tmp_path / layout.LATEST).unlink()
+    (tmp_path / layout.LATEST).symlink_to(secret)
+    with pytest.raises(ValueError) as e:
+        latest_step(tmp_path)
+    assert "TOKEN" not in str(e.value) and "link" in str(e.value)

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanotron_datastates import format as fmt
+from nanotron_datastates import trust
+from nanotron_datastates.nanotron import layout, tier
+from nanotron_datastates.nanotron.settings import TrainerSettings
 from nanotron_datastates.nanotron.tier import MemoryTier
+
+from helpers import forge_crc32c, write_nanotron_checkpoint
 
 
 def _hold(tier: MemoryTier, step: int, *, mark: bool = True) -> None:
@@ -26,7 +40,7 @@ def test_prune_keeps_the_latest_step_and_what_other_ranks_hold(tmp_path):
     _hold(r0, 5, mark=False)  # a save killed before it was committed
     _hold(r0, 40, mark=False)  # one in flight
     r0.prune(30)
-    assert [int(p.name) for p in r0.steps()] == [20, 30, 40]
+    assert r0.steps() == [20, 30, 40]
     assert not r0.path(20, "model/w_0.safetensors").exists()  # rank 0's copy of 20 dropped ...
     assert r1.path(20, "model/w_1.safetensors").exists()  # ... rank 1's kept
     assert r0.path(30, "model/w_0.safetensors").exists() and r0.path(40, "model/w_0.safetensors").exists()
@@ -38,3 +52,119 @@ def test_prune_without_a_latest_step_drops_every_step_this_rank_marked(tmp_path)
     _hold(tier, 2)
     tier.prune(None)
     assert tier.steps() == []
+
+
+# -- a hostile or careless neighbour ------------------------------------------------------------------------
+
+NOBODY = 65534  # another user's uid (CI runs as root, which may chown)
+
+
+def _victim(tmp_path: Path, name: str) -> Path:
+    p = tmp_path / "elsewhere" / name
+    p.parent.mkdir(exist_ok=True)
+    p.write_text("not the tier's")
+    return p
+
+
+def test_a_planted_marker_never_removes_anything_outside_the_step_folder(tmp_path):
+    """A marker in the tier lists names; one listing an absolute path, a `..` path or a name under a linked
+    folder is not followed: prune and drop remove only files inside the step's own folder."""
+    tier = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0)
+    victims = [_victim(tmp_path, n) for n in ("absolute", "dotdot", "linked")]
+    _hold(tier, 3)
+    folder = tier.folder / "3"
+    os.symlink(victims[2].parent, folder / "optimizer")
+    hostile = {
+        str(victims[0]): {"bytes": 1},
+        os.path.relpath(victims[1], folder): {"bytes": 1},
+        "optimizer/linked": {"bytes": 1},
+        "model/w_0.safetensors": {"bytes": 10},
+    }
+    (folder / ".rank-0.json").write_text(json.dumps({"step": 3, "files": hostile}))
+    _hold(tier, 4)  # a linked step folder holding a marker of rank 0
+    os.symlink(victims[0].parent, tier.folder / "2")
+    (victims[0].parent / ".rank-0.json").write_text(json.dumps({"step": 2, "files": {"absolute": {}}}))
+    tier.prune(4)
+    tier.drop(3)
+    assert all(v.read_text() == "not the tier's" for v in victims)
+    assert (victims[0].parent / ".rank-0.json").exists() and (tier.folder / "2").is_symlink()
+    assert tier.steps() == [4]
+
+
+@pytest.mark.parametrize("how", ["owner", "mode", "link"])
+def test_a_tier_folder_not_private_to_this_user_is_refused(tmp_path, how):
+    """The tier's root and each job's folder must be this user's, 0700, and no link: one that another user
+    created (or made writable to others) is refused, naming it."""
+    base = tmp_path / "shm"
+    if how == "link":
+        (tmp_path / "real").mkdir(mode=0o700)
+        os.symlink(tmp_path / "real", base)
+    else:
+        base.mkdir(mode=0o700)
+        os.chown(base, NOBODY, NOBODY) if how == "owner" else os.chmod(base, 0o777)
+    with pytest.raises(trust.UntrustedPath, match=str(base)):
+        MemoryTier(base, tmp_path / "ckpt", 0)
+    with pytest.raises(trust.UntrustedPath, match=str(base)):
+        tier.jobs(base)
+
+
+def test_the_default_tier_path_is_per_user():
+    assert str(os.geteuid()) in str(tier.root(TrainerSettings().memory_tier_path))
+
+
+def _planted(tmp_path: Path, engine, *, how: str) -> tuple[Path, dict, Path]:
+    """A committed checkpoint in storage, and a copy of it in the tier whose first tensor's bytes are
+    changed with its CRC-32C forged to match the manifest's: a copy another user planted (`how`: the tier's
+    root is theirs, or the file is)."""
+    root = tmp_path / "ckpt"
+    folder = write_nanotron_checkpoint(engine, root, 7)
+    doc = layout.read_manifest(folder)
+    base = tmp_path / "shm"
+    planted = tier.job_folder(base, root) / "7"
+    for rel, entry in doc["files"].items():
+        (planted / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(folder / rel, planted / rel)
+    rel = next(r for r in doc["files"] if r.startswith("model/"))
+    raw = (planted / rel).read_bytes()
+    header = fmt.read_header(planted / rel)
+    begin = header.data_start
+    forged = forge_crc32c(raw[begin:], {0: raw[begin] ^ 0x40, 1: raw[begin + 1] ^ 0x01}, 8)
+    (planted / rel).write_bytes(raw[:begin] + forged)
+    (planted / ".rank-0.json").write_text(json.dumps({"step": 7, "files": doc["files"]}))
+    if how == "root":
+        for d, dirs, names in os.walk(base):
+            for n in [d, *(os.path.join(d, x) for x in dirs + names)]:
+                os.chown(n, NOBODY, NOBODY)
+    else:
+        base.chmod(0o700)
+        tier.job_folder(base, root).chmod(0o700)
+        os.chown(planted / rel, NOBODY, NOBODY)
+    return folder, doc, planted / rel
+
+
+@pytest.mark.parametrize("how", ["root", "file"])
+def test_a_planted_copy_with_forged_checksums_is_never_used(tmp_path, engine, how):
+    """Checksums cannot tell a planted copy from ours (its CRCs are forged to match the manifest's, which the
+    engine confirms by loading it): the tier serves a copy only from a private folder of this user's, every
+    file a regular file of ours; else the resume reads storage, saying why."""
+    folder, doc, rel_path = _planted(tmp_path, engine, how=how)
+    rel = rel_path.relative_to(tier.job_folder(tmp_path / "shm", folder.parent) / "7").as_posix()
+    sums = layout.file_checksums(doc, folder, folder / rel)
+    planted = engine.load(rel_path, checksums=sums)["data"]  # passes every checksum ...
+    assert not torch.equal(planted, engine.load(folder / rel, checksums=sums)["data"])  # ... yet differs
+    settings = TrainerSettings(memory_tier=True, memory_tier_path=str(tmp_path / "shm"))
+    assert tier.tier_copy(settings, folder, doc, 0) is None
+    why = tier.why_not(settings, folder, doc, 0)
+    assert why and ("uid" in why), why
+
+
+def test_a_marked_name_under_a_linked_folder_is_not_followed(tmp_path):
+    """A valid marker whose file lies under a folder that became a link: the drop removes the link, never
+    what it points to."""
+    tier = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0)
+    victim = _victim(tmp_path, "w_0.safetensors")
+    _hold(tier, 3)
+    shutil.rmtree(tier.folder / "3" / "model")
+    os.symlink(victim.parent, tier.folder / "3" / "model")
+    tier.drop(3)
+    assert victim.read_text() == "not the tier's" and tier.steps() == []

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .. import format as fmt
+from .. import trust
 from . import layout
 
 NANOTRON_FILES = (layout.NANOTRON_METADATA, "config.yaml", "model_config.json")
@@ -73,10 +74,22 @@ def _nanotron_like(folder: Path) -> bool:
 
 
 def step_folders(root: Path) -> list[Path]:
-    """The checkpoint folders under a checkpoints folder (named by their step), oldest first."""
-    if not root.is_dir():
+    """The checkpoint folders under a checkpoints folder, oldest first: real folders (a link is never taken
+    for one) named by a canonical step number (`trust.step_number`)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
         return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    steps = [(trust.step_number(n), root / n) for n in names]
+    return [p for s, p in sorted((s, p) for s, p in steps if s is not None) if trust.is_real_dir(p)]
+
+
+def step_of(folder: Path) -> int:
+    """The step a folder of `step_folders` is named by."""
+    step = trust.step_number(folder.name)
+    if step is None:
+        raise ValueError(f"{folder}: not named by a step number")
+    return step
 
 
 def safetensors_files(folder: Path) -> Iterator[Path]:
@@ -91,14 +104,21 @@ def safetensors_files(folder: Path) -> Iterator[Path]:
 
 
 def latest_step(root: Path) -> int | None:
-    """The step `latest.txt` names, or None without one."""
+    """The step `latest.txt` names, or None without one; ValueError, naming it, where it is not a regular
+    file (a link is not followed, nor its target quoted) or holds anything but a step number (canonical
+    ASCII decimal, a trailing newline allowed)."""
+    path = root / layout.LATEST
     try:
-        text = (root / layout.LATEST).read_text().strip()
+        raw = trust.read_regular(path, 64)
     except FileNotFoundError:
         return None
-    if not text.isdigit():
-        raise ValueError(f"{root / layout.LATEST} holds {text!r}, not a step number")
-    return int(text)
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read as a step number: {e.strerror or e}") from None
+    text = raw.decode("ascii", errors="replace")
+    step = trust.step_number(text.removesuffix("\n"))
+    if step is None:
+        raise ValueError(f"{path} holds {text[:32]!r}, not a step number")
+    return step
 
 
 def temporaries(folder: Path) -> list[Path]:

@@ -6,16 +6,16 @@ Imports no Nanotron: the checkpoints folder is all it needs.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import fasteners
 
-from .. import telemetry
+from .. import telemetry, trust
 from . import layout
-from .checkpoint import is_committed, latest_step, step_folders, temporaries
+from .checkpoint import is_committed, latest_step, step_folders, step_of, temporaries
 
 LOCK = ".datastates.lock"  # latest.txt moves, and checkpoints are removed, only under this lock
 TELEMETRY = telemetry.FILE
@@ -37,17 +37,17 @@ def rotate(root: str | os.PathLike, keep_last_n: int, committed_step: int) -> li
             latest = latest_step(root)
         except ValueError:  # an unreadable latest.txt: remove nothing
             return []
-        folders = [f for f in step_folders(root) if int(f.name) <= committed_step]
+        folders = [f for f in step_folders(root) if step_of(f) <= committed_step]  # real folders only
         committed = [f for f in folders if is_committed(f)]
         keep = set(committed[-keep_last_n:]) | {root / str(latest)}
-        doomed = [f for f in folders if f not in keep and (f in committed or int(f.name) < committed_step)]
+        doomed = [f for f in folders if f not in keep and (f in committed or step_of(f) < committed_step)]
         for folder in doomed:
-            for marker in _MARKERS:
-                (folder / marker).unlink(missing_ok=True)
-            layout.fsync_path(folder)
-    for folder in doomed:
-        shutil.rmtree(folder, ignore_errors=True)
-    return doomed
+            for marker in _MARKERS:  # by name, through no link: a folder swapped for one since is left
+                with contextlib.suppress(trust.UntrustedPath):
+                    trust.unlink_in(root, f"{folder.name}/{marker}")
+            if trust.is_real_dir(folder):
+                layout.fsync_path(folder)
+    return [folder for folder in doomed if trust.remove_tree(root, folder.name)]
 
 
 def after_commit(result: Any, root: Path, settings: Any, cache: dict[str, Any]) -> list[Path]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import groups, layout, say, tier
+from . import checkpoint, groups, layout, say, tier
 from .commit import CheckpointError
 
 
@@ -71,6 +71,10 @@ def fallbacks(folder: Path, source: Path | None) -> list[tuple[Path, Path]]:
     """The checkpoints to try after `folder` (read from `source`), newest first, as (folder, source): this one
     from storage where it came from memory, then every older committed one of its checkpoints folder."""
     out = [(folder, folder)] if source is not None and source != folder else []
-    older = [p for p in folder.parent.iterdir() if p.name.isdigit() and int(p.name) < int(folder.name)]
+    older = [
+        p
+        for p in checkpoint.step_folders(folder.parent)
+        if checkpoint.step_of(p) < checkpoint.step_of(folder)
+    ]
     older = [p for p in older if layout.is_datastates_checkpoint(p)]
-    return out + [(p, p) for p in sorted(older, key=lambda p: int(p.name), reverse=True)]
+    return out + [(p, p) for p in reversed(older)]

@@ -42,8 +42,9 @@ class TrainerSettings(Settings):
     written from the host cache as it is flushed, so that a restart on the same node (a killed process,
     torchrun's restarts, a relaunch) reads it from memory. Needs room for two checkpoints of the node's ranks
     there (checked after the first step); removed when training ends normally. One-node jobs."""
-    memory_tier_path: str = "/dev/shm/nanotron-datastates"
-    """Where the memory tier keeps its files: a tmpfs."""
+    memory_tier_path: str = "/dev/shm/nanotron-datastates-{uid}"
+    """Where the memory tier keeps its files: a tmpfs folder private to this user (`{uid}` is replaced by
+    the user's id; created 0700, refused if another user owns it or others may write to it)."""
 
 
 @dataclass(frozen=True)

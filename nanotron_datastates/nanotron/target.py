@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import layout
+from . import checkpoint, layout
 
 
 def parse_config(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -32,8 +32,9 @@ def resume_folder(config: Any) -> Path | None:
     if path is None or not check_path_is_local(path):
         return None
     path = Path(path)
-    if (path / layout.LATEST).exists():
-        folder = path / str(int((path / layout.LATEST).read_text()))
+    step = checkpoint.latest_step(path)  # ValueError, naming latest.txt, where it is not a step number
+    if step is not None:
+        folder = path / str(step)
     elif (path / "model_config.json").exists():
         folder = path
     else:

@@ -13,37 +13,53 @@ normally; `nanotron-datastates tier` lists and clears it.
 
 Layout: `<memory_tier_path>/<job>/<step>/<the checkpoint's files>`, `<job>` named after the checkpoints
 folder (its resolved path's hash), so jobs of one node keep apart.
+
+The tier lives beside other users (`/dev/shm` is world-writable): its root is private to this user (0700,
+ours, no link: `trust.private_dir`; the default path holds the user's id), markers list file names that
+must stay inside their step's folder, every file is opened without following a link and must be a regular
+file of ours, and nothing is removed but by name inside the tier (`trust`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
+from .. import trust
 from . import layout
 
 MARKER = ".rank-{rank}.json"
+MAX_MARKER = 64 << 20  # bytes: a marker lists one rank's files
 
 
 class TierError(RuntimeError):
     """The memory tier cannot hold the checkpoints asked for (no room on the node)."""
 
 
+def root(base: str | os.PathLike) -> Path:
+    """The tier's root folder, `base` with `{uid}` replaced by this user's id: created private where missing;
+    trust.UntrustedPath, naming it, where it is a link, another user's, or open to others."""
+    return trust.private_dir(str(base).replace("{uid}", str(os.geteuid())), "memory tier folder")
+
+
 def job_folder(base: str | os.PathLike, checkpoints: str | os.PathLike) -> Path:
-    """This job's folder in the tier: named after its checkpoints folder."""
+    """This job's folder in the tier (not created): named after its checkpoints folder."""
     key = hashlib.sha1(str(Path(checkpoints).resolve()).encode()).hexdigest()[:16]
-    return Path(base) / key
+    return Path(str(base).replace("{uid}", str(os.geteuid()))) / key
 
 
 class MemoryTier:
-    """One rank's view of its job's folder in the tier."""
+    """One rank's view of its job's folder in the tier. Raises trust.UntrustedPath where the tier's root or
+    the job's folder is not private to this user."""
 
     def __init__(self, base: str | os.PathLike, checkpoints: str | os.PathLike, rank: int) -> None:
-        self.folder = job_folder(base, checkpoints)
+        root(base)
+        self.folder = trust.private_dir(job_folder(base, checkpoints), "memory tier folder")
         self.checkpoints = Path(checkpoints)
         self.rank = rank
 
@@ -54,7 +70,6 @@ class MemoryTier:
     def check_room(self, node_bytes: int) -> None:
         """Raises TierError unless the tier's file system has room for two checkpoints of this node's ranks
         (the one held and the one in flight) besides what this job already holds there."""
-        self.folder.mkdir(parents=True, exist_ok=True)
         st = os.statvfs(self.folder)
         free = st.f_bavail * st.f_frsize + _size(self.folder)
         if free < 2 * node_bytes:
@@ -63,47 +78,49 @@ class MemoryTier:
                 f"checkpoints of this node's ranks), and {free / 1e9:.2f} GB is free there: turn the memory "
                 "tier off, or give the tmpfs more room (mount -o remount,size=...)"
             )
-        (self.folder / "job.json").write_text(json.dumps({"checkpoints": str(self.checkpoints.resolve())}))
+        layout.write_atomic(
+            self.folder / "job.json", json.dumps({"checkpoints": str(self.checkpoints.resolve())})
+        )
 
     def commit(self, step: int, files: dict[str, dict[str, Any]]) -> None:
         """Marks `step` as held by this rank (its files, each with the manifest's size and checksums), after
         the checkpoint was committed to storage; then drops this rank's older steps."""
+        for rel in files:
+            trust.relative_name(rel, f"the files of step {step}")
         marker = self.folder / str(step) / MARKER.format(rank=self.rank)
         layout.write_atomic(marker, json.dumps({"step": step, "files": files}))
-        for folder in self.steps():
-            if int(folder.name) < step:
-                self.drop(int(folder.name))
+        for older in self.steps():
+            if older < step:
+                self.drop(older)
 
     def drop(self, step: int) -> None:
-        """Removes this rank's files (and marker) of `step`; the step's folder once no rank has any there."""
-        folder = self.folder / str(step)
-        marker = folder / MARKER.format(rank=self.rank)
-        doc = layout.read_json(marker)
-        marker.unlink(missing_ok=True)  # first: a half-dropped step is never taken as held
-        for rel in doc.get("files", {}):
-            (folder / rel).unlink(missing_ok=True)
-        if not list(folder.glob(".rank-*.json")):
-            shutil.rmtree(folder, ignore_errors=True)
+        """Removes this rank's files (and marker) of `step`; the step's folder once no rank has any there.
+        Only names inside the step's folder are removed, never through a link: a marker naming anything
+        else is ignored."""
+        name = MARKER.format(rank=self.rank)
+        files = self._marked(step, self.rank) or {}
+        trust.unlink_in(self.folder, f"{step}/{name}")  # first: a half-dropped step is never taken as held
+        for rel in files:
+            with contextlib.suppress(trust.UntrustedPath):  # under a link: left for the folder's removal
+                trust.unlink_in(self.folder / str(step), rel)
+        if not self._markers(step):
+            trust.remove_tree(self.folder, str(step))
 
     def prune(self, keep: int | None) -> None:
         """At the start of training: drops this rank's steps other than `keep` (the step latest.txt names),
         and the unmarked folders below it. A process killed between marking a step and dropping the older
         ones leaves them behind; this keeps the tier at one checkpoint per rank plus the one in flight."""
-        for folder in self.steps():
-            step = int(folder.name)
+        mine = MARKER.format(rank=self.rank)
+        for step in self.steps():
             if step == keep:
                 continue
-            if (folder / MARKER.format(rank=self.rank)).exists() or (
-                keep is not None and step < keep and not list(folder.glob(".rank-*.json"))
-            ):
+            markers = self._markers(step)
+            if mine in markers or (keep is not None and step < keep and not markers):
                 self.drop(step)
 
-    def steps(self) -> list[Path]:
-        if not self.folder.is_dir():
-            return []
-        return sorted(
-            (p for p in self.folder.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)
-        )
+    def steps(self) -> list[int]:
+        """The steps this job's folder holds (real folders named by a step), oldest first."""
+        return _steps(self.folder)
 
     def holds(self, step: int, manifest: dict[str, Any]) -> bool:
         """Whether the tier holds the whole checkpoint of `step` as the manifest describes it: marked by the
@@ -112,16 +129,18 @@ class MemoryTier:
         return self.why_not(step, manifest) is None
 
     def why_not(self, step: int, manifest: dict[str, Any]) -> str | None:
-        """Why the tier does not hold the checkpoint of `step` whole (None: it does; see `holds`)."""
+        """Why the tier does not hold the checkpoint of `step` whole (None: it does; see `holds`). Every
+        marker and file must be a regular file of this user's, reached without a link."""
         folder = self.folder / str(step)
-        if not folder.is_dir():
+        if not trust.is_real_dir(folder):
             return f"no copy of step {step} in {self.folder}"
         marked: dict[str, dict[str, Any]] = {}
-        for marker in folder.glob(".rank-*.json"):
-            doc = layout.read_json(marker)
-            if doc.get("step") != step:
-                return f"{marker} is not of step {step}"
-            marked.update(doc.get("files", {}))
+        for name in self._markers(step):
+            try:
+                files = self._marked(step, int(name[len(".rank-") : -len(".json")]), strict=True)
+            except (OSError, ValueError) as e:
+                return str(e)
+            marked.update(files or {})
         files = manifest.get("files", {})
         if manifest.get("step") != step:
             return f"the manifest is of step {manifest.get('step')}, not {step}"
@@ -130,68 +149,136 @@ class MemoryTier:
             return f"{len(lacking)} of {len(files)} files not marked held (first: {lacking[:1]})"
         for rel, entry in files.items():
             try:
-                size = (folder / rel).stat().st_size
+                size = _regular_size(folder, rel)
             except OSError as e:
-                return f"{folder / rel}: {e.strerror}"
+                return f"{folder / rel}: {e.strerror or e}"
             if size != entry.get("bytes") or marked[rel] != entry:
                 return f"{folder / rel} differs from the manifest's entry"
         return None
 
     def release(self) -> None:
         """At the normal end of training: this rank's steps dropped, and the job's folder once empty."""
-        for folder in self.steps():
-            self.drop(int(folder.name))
+        for step in self.steps():
+            self.drop(step)
         if not self.steps():
-            shutil.rmtree(self.folder, ignore_errors=True)
+            trust.remove_tree(self.folder.parent, self.folder.name)
 
     def clear(self) -> None:
         """Removes this job's folder, every rank's files (`nanotron-datastates tier clear`)."""
-        shutil.rmtree(self.folder, ignore_errors=True)
+        trust.remove_tree(self.folder.parent, self.folder.name)
+
+    def _markers(self, step: int) -> list[str]:
+        """The names of the rank markers in the folder of `step`."""
+        try:
+            names = os.listdir(self.folder / str(step))
+        except OSError:
+            return []
+        return sorted(n for n in names if n.startswith(".rank-") and n.endswith(".json"))
+
+    def _marked(self, step: int, rank: int, strict: bool = False) -> dict[str, dict[str, Any]] | None:
+        """The files rank `rank` marked held at `step` ({name: entry}); None where there is no marker, or
+        (unless `strict`, which raises naming the marker) where it is not a regular file of ours holding a
+        marker of that step whose names stay inside the step's folder."""
+        path = self.folder / str(step) / MARKER.format(rank=rank)
+        try:
+            doc = json.loads(trust.read_regular(path, MAX_MARKER, own=True))
+            files = doc.get("files") if isinstance(doc, dict) else None
+            if not isinstance(files, dict) or doc.get("step") != step:
+                raise ValueError(f"{path} is not a marker of step {step}")
+            for rel in files:
+                trust.relative_name(rel, str(path))
+            if not all(isinstance(e, dict) for e in files.values()):
+                raise ValueError(f"{path}: an entry is not an object")
+            return files
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            if strict:
+                raise
+            return None
+
+
+def _steps(folder: Path) -> list[int]:
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    steps = [trust.step_number(n) for n in names if trust.is_real_dir(folder / n)]
+    return sorted(s for s in steps if s is not None)
+
+
+def _regular_size(folder: Path, rel: str) -> int:
+    """The size of the file `folder/rel`, reached without a link; UntrustedPath unless a regular file of
+    this user's."""
+    parts = trust.relative_name(rel, str(folder)).parts
+    with trust.walk_dir(folder, parts[:-1]) as fd:
+        st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+    if not stat.S_ISREG(st.st_mode):
+        raise trust.UntrustedPath(0, f"{folder / rel}: not a regular file")
+    if st.st_uid != os.geteuid():
+        raise trust.UntrustedPath(0, f"{folder / rel}: belongs to uid {st.st_uid}, not to this user")
+    return st.st_size
 
 
 def tier_copy(settings: Any, folder: Path, manifest: dict[str, Any], rank: int) -> Path | None:
     """The memory tier's copy of the checkpoint in `folder` (TrainerSettings `settings`), where this node's
     tier holds it whole; None otherwise, or where the memory tier is off."""
-    if not settings.memory_tier:
+    if not settings.memory_tier or why_not(settings, folder, manifest, rank) is not None:
         return None
     tier = MemoryTier(settings.memory_tier_path, folder.parent, rank)
-    step = int(manifest.get("step", -1))
-    return tier.folder / str(step) if tier.holds(step, manifest) else None
+    return tier.folder / str(int(manifest.get("step", -1)))
 
 
 def why_not(settings: Any, folder: Path, manifest: dict[str, Any], rank: int) -> str | None:
-    """Why the memory tier holds no whole copy of the checkpoint in `folder` (None: it does)."""
-    tier = MemoryTier(settings.memory_tier_path, folder.parent, rank)
-    return tier.why_not(int(manifest.get("step", -1)), manifest)
+    """Why the memory tier holds no whole copy of the checkpoint in `folder` (None: it does); a tier folder
+    that is not private to this user is a reason."""
+    try:
+        tier = MemoryTier(settings.memory_tier_path, folder.parent, rank)
+    except OSError as e:
+        return str(e)
+    step = manifest.get("step")
+    return tier.why_not(step, manifest) if isinstance(step, int) else "the manifest names no step"
 
 
 def _size(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    total = 0
+    for d, _, names in os.walk(folder):  # links to folders are not followed
+        for n in names:
+            st = os.lstat(os.path.join(d, n))
+            total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
 
 
 def clear_jobs(base: str | os.PathLike, folders: list[Path] | None = None) -> list[Path]:
-    """Removes these jobs' folders of the tier (default: every one); returns those removed."""
+    """Removes these jobs' folders of the tier (default: every one); returns those removed. The tier's root
+    must be private to this user."""
+    top = root(base)
     folders = [Path(f["folder"]) for f in jobs(base)] if folders is None else folders
-    removed = [f for f in folders if f.is_dir()]
-    for f in removed:
-        shutil.rmtree(f, ignore_errors=True)
-    return removed
+    return [f for f in folders if f.parent == top and trust.remove_tree(top, f.name)]
 
 
 def jobs(base: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every job's folder in the tier: its checkpoints folder, the steps it holds, their bytes."""
-    base = Path(base)
+    """Every job's folder in the tier: its checkpoints folder, the steps it holds, their bytes. The tier's
+    root must be private to this user (nothing is created where it is missing)."""
+    path = Path(str(base).replace("{uid}", str(os.geteuid())))
+    if not os.path.lexists(path):
+        return []
+    top = root(path)
     out = []
-    for folder in sorted(base.iterdir()) if base.is_dir() else []:
-        if not folder.is_dir():
+    for name in sorted(os.listdir(top)):
+        folder = top / name
+        if not trust.is_real_dir(folder):
             continue
-        doc = layout.read_json(folder / "job.json")
-        steps = sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit())
+        try:
+            doc = json.loads(trust.read_regular(folder / "job.json", 1 << 16, own=True))
+        except (OSError, ValueError):
+            doc = {}
+        checkpoints = doc.get("checkpoints") if isinstance(doc, dict) else None
         out.append(
             {
                 "folder": str(folder),
-                "checkpoints": doc.get("checkpoints"),
-                "steps": steps,
+                "checkpoints": checkpoints if isinstance(checkpoints, str) else None,
+                "steps": _steps(folder),
                 "bytes": _size(folder),
             }
         )
