@@ -113,10 +113,8 @@ def private_dir(path: str | os.PathLike, what: str = "folder") -> Path:
     UntrustedPath, naming it, where it is a link, is not a folder, has another owner, or lets the group or
     others in."""
     path = Path(path)
-    try:
+    with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700, parents=True)
-    except FileExistsError:
-        pass
     st = os.lstat(path)
     problem = None
     if stat.S_ISLNK(st.st_mode):

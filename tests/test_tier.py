@@ -121,7 +121,7 @@ def _planted(tmp_path: Path, engine, *, how: str) -> tuple[Path, dict, Path]:
     doc = layout.read_manifest(folder)
     base = tmp_path / "shm"
     planted = tier.job_folder(base, root) / "7"
-    for rel, entry in doc["files"].items():
+    for rel in doc["files"]:
         (planted / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(folder / rel, planted / rel)
     rel = next(r for r in doc["files"] if r.startswith("model/"))

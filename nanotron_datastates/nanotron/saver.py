@@ -36,6 +36,7 @@ from .commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
 from .gate import SnapshotGate
 from .settings import TrainerSettings
 from .tier import MemoryTier
+from .writer_lock import WriterLock
 
 MAX_IN_FLIGHT = 2  # checkpoints being flushed at once; a third waits for the oldest
 Observer = Callable[[str, dict[str, Any]], None]
@@ -68,6 +69,8 @@ class Saver:
 
         self.engine, self.settings, self.pc = engine, settings, pc
         self.model, self.optimizer, self.checkpoints = model, optimizer, Path(checkpoints)
+        # The rank that commits holds the folder's writer lock for the job's life: a second job fails here.
+        self.writer = WriterLock(self.checkpoints).acquire() if groups.rank(pc.world_pg) == 0 else None
         # A gloo group of its own: the committer's collectives run on a background thread, off the GPU.
         group = tdist.new_group(backend="gloo") if tdist.is_initialized() else None
         self.gate = SnapshotGate()
@@ -256,6 +259,8 @@ class Saver:
             say.error(f"{e}; exiting anyway")
         self.outstanding = 0
         self.committer.close()
+        if self.writer is not None:
+            self.writer.release()
 
     def _report(self, r: CommitResult) -> None:
         """On the committer thread, for every checkpoint: rank 0's housekeeping and telemetry, the log line,

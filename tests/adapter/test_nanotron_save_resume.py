@@ -286,3 +286,17 @@ def test_the_memory_tier_is_released_when_training_ends_and_refused_without_room
     with pytest.raises(TierError, match=r"memory_tier needs .* GB in .*shm"):
         saver.tier.check_room(saver._nbytes)
     saver.close()
+
+
+def test_a_second_trainer_on_the_same_checkpoints_folder_is_refused(rank0, tmp_path):
+    """Two writers committing the same steps would mix one's manifest with the other's files: the rank that
+    commits holds the folder's writer lock, so a second Saver there fails at its start, and the folder is
+    free again once the first closes."""
+    from nanotron_datastates.nanotron.writer_lock import FolderBusy
+
+    root = tmp_path / "ckpt"
+    first = saver_of(rank0, root)
+    with pytest.raises(FolderBusy, match=str(root)):
+        saver_of(rank0, root)
+    first.close()
+    saver_of(rank0, root).close()

@@ -1,0 +1,90 @@
+"""One writer per checkpoints folder: two jobs committing the same steps into one folder would mix one's
+manifest with the other's files. The rank that commits (rank 0) holds `.datastates.writer.lock` in the
+checkpoints folder for the job's life; a second job on the same folder fails at its start, naming the folder
+and the holder's host and pid. Readers (resume, verify, inspect, convert) take no lock.
+
+The lock is a POSIX record lock (`fcntl.lockf`, what `fasteners` uses; it works on NFS with lockd), taken
+without waiting and released by the kernel when the holder's process dies, so a job killed and restarted
+takes it again. Record locks belong to a process, not to a descriptor: a second acquisition in the same
+process is refused here, and nothing else of the package opens the file (closing any descriptor of it
+would drop the lock).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from .. import trust
+
+LOCK = ".datastates.writer.lock"
+_HELD: dict[str, WriterLock] = {}  # realpath of the folder -> its lock, in this process
+
+
+class FolderBusy(RuntimeError):
+    """Another job (or another trainer of this process) writes checkpoints into this folder."""
+
+
+class WriterLock:
+    """The writer's lock of one checkpoints folder, held from `acquire` to `release`."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.fd: int | None = None
+
+    def acquire(self) -> WriterLock:
+        """Takes the lock, or raises FolderBusy naming the folder and its holder. The lock file is opened
+        without following a link (trust.UntrustedPath if it is one)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        key = os.path.realpath(self.root)
+        if key in _HELD:
+            raise FolderBusy(
+                f"{self.root}: this process already writes checkpoints there (pid {os.getpid()}); one "
+                "trainer per checkpoints folder"
+            )
+        path = self.root / LOCK
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise trust.UntrustedPath(e.errno, f"{path}: a link; not followed") from None
+            raise
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _holder(fd)
+            os.close(fd)
+            if e.errno in (errno.EACCES, errno.EAGAIN):
+                raise FolderBusy(
+                    f"{self.root}: another job writes checkpoints there ({holder}); give this job its own "
+                    "checkpoints_path, or stop that one"
+                ) from None
+            raise
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        self.fd = fd
+        _HELD[key] = self
+        return self
+
+    def release(self) -> None:
+        """Releases the lock (idempotent); the file stays, naming the last holder."""
+        if self.fd is None:
+            return
+        _HELD.pop(os.path.realpath(self.root), None)
+        os.close(self.fd)  # drops the record lock
+        self.fd = None
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, as its file says (host and pid), for the message."""
+    try:
+        doc = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"host {doc['host']}, pid {doc['pid']}, since {doc['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "holder unknown"
