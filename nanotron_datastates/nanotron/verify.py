@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .. import format as fmt
+from .. import trust
 from ..engine import DataStatesEngine
 from ..errors import ChecksumError
 from . import layout
@@ -102,7 +103,10 @@ def _verify_root(engine: DataStatesEngine, root: Path, report: Report) -> None:
         report.problems.append(f"{root / layout.LATEST} names step {latest}, which is not a checkpoint")
     for folder in folders:
         if is_committed(folder):
-            _verify_checkpoint(engine, folder, report)
+            try:  # one checkpoint's problem, whatever it is, never stops the others' verification
+                _verify_checkpoint(engine, folder, report)
+            except Exception as e:  # noqa: BLE001 - reported as this checkpoint's problem
+                report.problems.append(f"{folder}: cannot be verified: {e!r}")
         else:
             report.notes.append(f"{folder}: not committed (a save in progress or cut short); not used")
     if not folders:
@@ -137,7 +141,8 @@ def _verify_checkpoint(engine: DataStatesEngine, folder: Path, report: Report) -
     except (OSError, ValueError) as e:
         report.problems.append(f"{folder / layout.MANIFEST}: {e}")
         return
-    if folder.name.isdigit() and doc.get("step") != int(folder.name):
+    named = trust.step_number(folder.name)
+    if named is not None and doc["step"] != named:
         report.problems.append(f"{folder / layout.MANIFEST}: step {doc.get('step')} in folder {folder.name}")
     for rel, entry in doc["files"].items():
         try:

@@ -1,0 +1,125 @@
+"""Manifests written by someone else: every one is checked against its schema when read (a ManifestError
+naming the key, which a resume catches and falls back from), and `verify` reports each bad checkpoint and goes
+on to the next, in bounded time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from nanotron_datastates.nanotron import layout
+from nanotron_datastates.nanotron.verify import verify
+
+from helpers import write_nanotron_checkpoint
+
+
+def _edit(doc: dict, how: str) -> tuple[dict, str]:
+    """The manifest `doc` damaged one way; the key its error must name."""
+    rel = next(iter(doc["files"]))
+    if how == "version-text":
+        doc["version"] = "2"
+        return doc, "version"
+    if how == "version-list":
+        doc["version"] = [1]
+        return doc, "version"
+    if how == "huge-topology":
+        doc["topology"].update(tp=100_000, dp=100_000)
+        return doc, "topology"
+    if how == "topology-list":
+        doc["topology"] = [1, 2]
+        return doc, "topology"
+    if how == "topology-text":
+        doc["topology"]["tp"] = "1"
+        return doc, "topology.tp"
+    if how == "entry-list":
+        doc["files"][rel] = [1]
+        return doc, rel
+    if how == "crc-list":
+        doc["files"][rel]["crc32c"] = ["00000000"]
+        return doc, "crc32c"
+    if how == "crc-number":
+        doc["files"][rel]["crc32c"] = {"data": 12}
+        return doc, "crc32c"
+    if how == "bytes-negative":
+        doc["files"][rel]["bytes"] = -1
+        return doc, "bytes"
+    if how == "bytes-huge":
+        doc["files"][rel]["bytes"] = 2**64
+        return doc, "bytes"
+    if how == "step-text":
+        doc["step"] = "20"
+        return doc, "step"
+    if how == "blocks-list":
+        doc["files"][rel]["crc32c_blocks"] = ["4096:00000000"]
+        return doc, "crc32c_blocks"
+    raise AssertionError(how)
+
+
+HOW = [
+    "version-text", "version-list", "huge-topology", "topology-list", "topology-text", "entry-list",
+    "crc-list", "crc-number", "bytes-negative", "bytes-huge", "step-text", "blocks-list",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    from nanotron_datastates import DataStatesEngine
+
+    root = tmp_path_factory.mktemp("ckpt")
+    with DataStatesEngine(host_cache_size=1 / 64, chunk_size=1) as engine:
+        for step in (10, 20):
+            write_nanotron_checkpoint(engine, root, step)
+    return root
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_a_hostile_manifest_is_a_manifest_error_naming_its_key(saved, how, tmp_path):
+    folder = tmp_path / "20"
+    folder.mkdir()
+    doc, key = _edit(json.loads((saved / "20" / layout.MANIFEST).read_text()), how)
+    (folder / layout.MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(layout.ManifestError, match=key.replace("[", r"\[")):
+        layout.read_manifest(folder)
+
+
+def test_a_manifest_nested_too_deeply_or_too_large_is_refused(tmp_path):
+    (tmp_path / layout.MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(layout.ManifestError):
+        layout.read_manifest(tmp_path)
+    with open(tmp_path / layout.MANIFEST, "wb") as f:
+        f.truncate(layout.MAX_MANIFEST + 1)
+    with pytest.raises(OSError, match="more than"):
+        layout.read_manifest(tmp_path)
+
+
+def test_verify_reports_each_bad_checkpoint_and_goes_on_in_bounded_time(saved, tmp_path):
+    """Every damage at once, one per checkpoint folder, beside a whole checkpoint: `verify` names each bad
+    one, verifies the whole one, and finishes (10^10 rank combinations are never walked)."""
+    import shutil
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved, root)
+    for i, how in enumerate(HOW):
+        folder = root / str(100 + i)
+        shutil.copytree(saved / "20", folder)
+        doc = json.loads((folder / layout.MANIFEST).read_text())
+        doc["step"] = 100 + i
+        (folder / layout.MANIFEST).write_text(json.dumps(_edit(doc, how)[0]))
+    script = (
+        "import json, sys; from nanotron_datastates.nanotron.verify import verify; "
+        f"r = verify({str(root)!r}); print(json.dumps(r.as_dict()))"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    for i in range(len(HOW)):
+        assert any(str(root / str(100 + i)) in p for p in report["problems"]), (HOW[i], report["problems"])
+    assert not any(f"{root / '10'}/" in p or f"{root / '20'}/" in p for p in report["problems"])
+    assert report["files_checked"] >= 2 * len(layout.read_manifest(saved / "10")["files"])
+
+
+def test_a_whole_checkpoint_still_verifies(saved):
+    assert verify(saved).ok
