@@ -201,6 +201,9 @@ def parse_header(buf: bytes, file_size: int, path: str = "<buffer>") -> Header:
         shape, offs = info.get("shape"), info.get("data_offsets")
         if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
             raise _fail(path, f"tensor {name!r}: shape must be a list of non-negative integers")
+        if math.prod(max(s, 1) for s in shape) >= 2**63:
+            # torch counts elements and strides in 64 bits: [2**64, 0] holds no byte but no tensor has it
+            raise _fail(path, f"tensor {name!r}: shape {shape} does not fit 63 bits")
         if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)):
             raise _fail(path, f"tensor {name!r}: data_offsets must be two integers")
         begin, end = offs

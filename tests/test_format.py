@@ -150,3 +150,15 @@ def test_padding_and_empty_tensors_are_valid(tmp_path):
     }
     h = fmt.read_header(_file(tmp_path, header, b"\1\2", pad=100))
     assert [t.name for t in h.tensors] == ["e", "a"] and h.data_start == 8 + len(json.dumps(header)) + 100
+
+
+@pytest.mark.parametrize("shape", [[2**64, 0], [0, 2**63], [2**32, 2**31, 0], [2**62, 2, 0]])
+def test_a_shape_that_does_not_fit_63_bits_is_a_format_error(tmp_path, shape):
+    """No byte, but no tensor can have it: refused with the header, before `load` builds anything."""
+    from nanotron_datastates import DataStatesEngine
+
+    p = _file(tmp_path, {"a": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}, b"")
+    with pytest.raises(FormatError, match="63 bits"):
+        fmt.read_header(p)
+    with DataStatesEngine(host_cache_size=1 / 64) as engine, pytest.raises(FormatError, match="63 bits"):
+        engine.load(p)
