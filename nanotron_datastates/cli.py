@@ -464,6 +464,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_tier(args: argparse.Namespace) -> int:
     from .nanotron import tier
 
+    args.path = args.path.replace("{uid}", str(os.geteuid()))
     if args.action == "list":
         jobs = tier.jobs(args.path)
         if args.json:

@@ -494,3 +494,13 @@ def test_tier_lists_and_clears_what_jobs_keep_in_memory(tmp_path, capsys):
     assert rc == 0 and "removed 1 job folder" in out
     rc, out, _ = run(capsys, "tier", "list", "--path", str(base))
     assert rc == 0 and "no checkpoint held in memory" in out
+
+
+def test_tier_refuses_a_folder_another_user_planted(tmp_path, capsys):
+    base = tmp_path / "shm"
+    base.mkdir(mode=0o700)
+    os.chown(base, 65534, 65534)
+    for action in ("list", "clear"):
+        rc, _, err = run(capsys, "tier", action, "--path", str(base))
+        assert rc == 1 and str(base) in err and "uid 65534" in err
+    assert base.is_dir()
