@@ -57,6 +57,7 @@ def verify_file(
     structure."""
     path = os.fspath(path)
     header = fmt.read_header(path)
+    _check_structure(header, path)
     if checksums is not None or header.checksums() is not None:
         _read_to_host(core, path, header, True, checksums)
     if checksums is None:
@@ -72,6 +73,14 @@ def verify_file(
                 "header is corrupt"
             )
     return header
+
+
+def _check_structure(header: fmt.Header, path: str) -> None:
+    """What `load` checks of the skeleton beyond the header (JSON, tags, base64, every tensor named held),
+    without unpickling: `verify` says OK only for a file `load` reads."""
+    skel = header.metadata.get(fmt.KEY_SKELETON)
+    if skel is not None:
+        skeleton.decode(skel, {e.name: None for e in header.tensors}, path=path, unpickle=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,9 +90,16 @@ def uses_pickle(skeleton: str) -> bool:
 
 
 def decode(
-    skeleton: str, tensors: dict[str, torch.Tensor], *, allow_pickle: bool = False, path: str = ""
+    skeleton: str,
+    tensors: dict[str, Any],
+    *,
+    allow_pickle: bool = False,
+    path: str = "",
+    unpickle: bool = True,
 ) -> Any:
-    """Rebuilds the state from its skeleton and the loaded tensors. FormatError on anything malformed."""
+    """Rebuilds the state from its skeleton and the loaded tensors. FormatError on anything malformed.
+    `unpickle=False` checks the skeleton only (what `verify` does): a pickled leaf's base64 is checked and
+    None stands for it, whether or not `allow_pickle`; nothing is unpickled."""
     try:
         doc = json.loads(skeleton)
     except (ValueError, RecursionError) as e:
@@ -144,6 +151,8 @@ def decode(
                 raise bad("invalid base64") from None
             if tag == "b":
                 return raw
+            if not unpickle:
+                return None
             if not allow_pickle:
                 raise FormatError(
                     f"{path}: holds pickled objects; pass allow_pickle=True to load it (only if you trust it)"
