@@ -23,7 +23,7 @@ import json
 import os
 import re
 import tempfile
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from .. import trust
@@ -301,12 +301,9 @@ def _is_int(x: Any) -> bool:
 
 def _not_a_member(rel: Any) -> str | None:
     """Why `rel` cannot name a file of a checkpoint's layout, or None."""
-    if not isinstance(rel, str) or not rel:
-        return "is not a file name"
-    p = PurePosixPath(rel)
-    if p.is_absolute() or "\\" in rel:
-        return "is an absolute path"
-    if any(part in ("", ".", "..") for part in rel.split("/")):
+    try:
+        p = trust.relative_name(rel)
+    except trust.UntrustedPath:
         return "leaves the checkpoint's folder or is not a plain path"
     if len(p.parts) < 2 or p.parts[0] not in FOLDERS or p.suffix != ".safetensors":
         return f"is not a safetensors file under {', '.join(f + '/' for f in FOLDERS)}"
