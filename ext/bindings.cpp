@@ -220,7 +220,8 @@ NB_MODULE(_core, m) {
       .def(
           "restore_host",
           [](ds::Engine& e, const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
-             const std::vector<std::uint64_t>& begins, const std::vector<std::uint64_t>& ends, bool verify) {
+             const std::vector<std::uint64_t>& begins, const std::vector<std::uint64_t>& ends, bool verify,
+             int fd) {
             if (begins.size() != ends.size())
               throw ds::ErrorException(ds::Error::value("begins and ends differ in length"));
             std::vector<ds::RestoreSpan> spans(begins.size());
@@ -228,7 +229,7 @@ NB_MODULE(_core, m) {
             ds::RestoreResult r;
             {
               nb::gil_scoped_release release;
-              r = e.restore(path, data_start, data_len, spans, false, verify);
+              r = e.restore(path, data_start, data_len, spans, false, verify, fd);
             }
             // One uint8 tensor per span, each with its own storage (storage_offset 0: some torch calls, such
             // as set_rng_state, ignore offsets) holding a reference to the shared buffer, freed with the last
@@ -245,12 +246,14 @@ NB_MODULE(_core, m) {
             }
             return nb::make_tuple(out, r.crcs);
           },
-          "path"_a, "data_start"_a, "data_len"_a, "begins"_a, "ends"_a, "verify"_a,
-          "Maps the file and reads its data section in parallel: ([uint8 tensor per span], crcs)")
+          "path"_a, "data_start"_a, "data_len"_a, "begins"_a, "ends"_a, "verify"_a, "fd"_a = -1,
+          "Maps the file (`fd`, an open descriptor of `path`, where >= 0) and reads its data section in "
+          "parallel: ([uint8 tensor per span], crcs)")
       .def(
           "restore_device",
           [](ds::Engine& e, const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
-             const std::vector<std::uint64_t>& begins, const std::vector<nb::ndarray<>>& dests, bool verify) {
+             const std::vector<std::uint64_t>& begins, const std::vector<nb::ndarray<>>& dests, bool verify,
+             int fd) {
             if (begins.size() != dests.size())
               throw ds::ErrorException(ds::Error::value("begins and destinations differ in length"));
             std::vector<ds::RestoreSpan> spans(begins.size());
@@ -261,10 +264,11 @@ NB_MODULE(_core, m) {
                 throw ds::ErrorException(ds::Error::value("restore_device needs CUDA destinations"));
             }
             nb::gil_scoped_release release;
-            return e.restore(path, data_start, data_len, spans, true, verify).crcs;
+            return e.restore(path, data_start, data_len, spans, true, verify, fd).crcs;
           },
-          "path"_a, "data_start"_a, "data_len"_a, "begins"_a, "dests"_a, "verify"_a,
-          "Reads the data section into CUDA tensors through pinned chunks; returns the crcs")
+          "path"_a, "data_start"_a, "data_len"_a, "begins"_a, "dests"_a, "verify"_a, "fd"_a = -1,
+          "Reads the data section (of `fd`, an open descriptor of `path`, where >= 0) into CUDA tensors "
+          "through pinned chunks; returns the crcs")
       .def("prepare_cache", &ds::Engine::prepare_cache, "wait"_a, "chunks"_a,
            nb::call_guard<nb::gil_scoped_release>())
       .def("wait_idle", &ds::Engine::wait_idle, "timeout"_a = -1.0, nb::call_guard<nb::gil_scoped_release>())

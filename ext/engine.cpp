@@ -111,7 +111,7 @@ FlushWorker* Engine::next_flusher() {
 }
 
 RestoreResult Engine::restore(const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
-                              const std::vector<RestoreSpan>& spans, bool to_device, bool verify) {
+                              const std::vector<RestoreSpan>& spans, bool to_device, bool verify, int fd) {
   const Work work(this);  // close() waits for restores too
   RestoreOptions ro;
   ro.use_uring = backend_ == "io_uring";
@@ -119,7 +119,7 @@ RestoreResult Engine::restore(const std::string& path, std::uint64_t data_start,
   ro.depth = opts_.queue_depth;
   ro.read_bytes = opts_.read_bytes;
   ro.verify = verify;
-  return restore_file(path, data_start, data_len, spans, to_device, ro, parsers_, *cache_);
+  return restore_file(path, data_start, data_len, spans, to_device, ro, parsers_, *cache_, fd);
 }
 
 void Engine::prepare_cache(bool wait, std::size_t chunks) {

@@ -59,8 +59,9 @@ class Engine final : public JobObserver {
                                 const std::vector<std::pair<int, std::uintptr_t>>& streams,
                                 bool embed_checksums = true);
 
+  // `fd` >= 0: the caller's open descriptor of `path` (which names it in errors), read instead of the path.
   RestoreResult restore(const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
-                        const std::vector<RestoreSpan>& spans, bool to_device, bool verify);
+                        const std::vector<RestoreSpan>& spans, bool to_device, bool verify, int fd = -1);
 
   // Faults in and pins the first `chunks` chunks of the cache (those handed out first) not prepared yet:
   // before returning (`wait`), or on a background thread. Otherwise a chunk is prepared when first used.

@@ -246,14 +246,27 @@ int open_for_read(const std::string& path, bool direct) {
   return open(path.c_str(), O_RDONLY | O_CLOEXEC);
 }
 
+// A descriptor of our own for the caller's open file `fd`: the same file, whatever the path names now. With
+// O_DIRECT, a new open of the same inode through /proc (O_DIRECT is per open file, and the caller's must stay
+// as it is); else, or where that fails, a duplicate.
+int reopen_for_read(int fd, bool direct) {
+  if (direct) {
+    const std::string self = "/proc/self/fd/" + std::to_string(fd);
+    const int own = open(self.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+    if (own >= 0) return own;
+  }
+  return fcntl(fd, F_DUPFD_CLOEXEC, 0);
+}
+
 }  // namespace
 
 RestoreResult restore_file(const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
                            const std::vector<RestoreSpan>& spans, bool to_device, const RestoreOptions& opts,
-                           TaskPool& pool, HostCache& cache) {
+                           TaskPool& pool, HostCache& cache, int fd) {
   Restore r(path, data_start, data_len, spans, to_device, opts, cache);
   RestoreResult out;
-  r.fd = open_for_read(path, to_device && opts.direct_io);
+  const bool direct = to_device && opts.direct_io;
+  r.fd = fd >= 0 ? reopen_for_read(fd, direct) : open_for_read(path, direct);
   if (r.fd < 0) throw ErrorException(Error::os(errno, "opening for restore", path));
   if (!to_device) {
     try {

@@ -134,14 +134,34 @@ class Header:
 def read_header(path: str | os.PathLike) -> Header:
     """Reads and validates the header of the safetensors file at `path`."""
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) == 8:
-            (n,) = struct.unpack("<Q", head)
-            if n <= MAX_HEADER and 8 + n <= size:
-                head += f.read(n)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return read_header_fd(fd, path)
+    finally:
+        os.close(fd)
+
+
+def read_header_fd(fd: int, path: str) -> Header:
+    """Reads and validates the header of the open file `fd` (`path` names it in errors)."""
+    size = os.fstat(fd).st_size
+    head = _pread(fd, 8, 0)
+    if len(head) == 8:
+        (n,) = struct.unpack("<Q", head)
+        if n <= MAX_HEADER and 8 + n <= size:
+            head += _pread(fd, n, 8)
     return parse_header(head, size, path)
+
+
+def _pread(fd: int, n: int, offset: int) -> bytes:
+    parts = []
+    while n > 0:
+        chunk = os.pread(fd, min(n, 1 << 30), offset)
+        if not chunk:
+            break
+        parts.append(chunk)
+        n -= len(chunk)
+        offset += len(chunk)
+    return b"".join(parts)
 
 
 def _fail(path: str, msg: str) -> FormatError:

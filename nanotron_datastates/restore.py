@@ -10,15 +10,27 @@ the saved structure.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
 from . import format as fmt
 from . import skeleton
 from .errors import ChecksumError
+
+
+@contextlib.contextmanager
+def _opened(path: str) -> Iterator[tuple[int, fmt.Header]]:
+    """The file open once, and its header read from that descriptor: the core reads the data through it
+    too, so that a file renamed over `path` meanwhile gives the old file or the new, never a mix."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        yield fd, fmt.read_header_fd(fd, path)
+    finally:
+        os.close(fd)  # a host mapping made from it stays valid
 
 
 def load_file(
@@ -32,13 +44,13 @@ def load_file(
 ) -> tuple[Any, fmt.Header]:
     """The saved structure (a flat dict for plain safetensors files) and the file's header."""
     path = os.fspath(path)
-    header = fmt.read_header(path)
     device = _device(device, path)
-    if device.type == "cpu":
-        tensors = _read_to_host(core, path, header, verify, checksums)
-    else:
-        tensors = {e.name: empty(e.shape, e.dtype.torch, device) for e in header.tensors}
-        _read_to_device(core, path, header, tensors, verify, checksums)
+    with _opened(path) as (fd, header):
+        if device.type == "cpu":
+            tensors = _read_to_host(core, path, fd, header, verify, checksums)
+        else:
+            tensors = {e.name: empty(e.shape, e.dtype.torch, device) for e in header.tensors}
+            _read_to_device(core, path, fd, header, tensors, verify, checksums)
     skel = header.metadata.get(fmt.KEY_SKELETON)
     if skel is None:
         return tensors, header
@@ -56,10 +68,10 @@ def verify_file(
     name the file. Returns the header; a file with no checksums, and none given, is only checked for
     structure."""
     path = os.fspath(path)
-    header = fmt.read_header(path)
-    _check_structure(header, path)
-    if checksums is not None or header.checksums() is not None:
-        _read_to_host(core, path, header, True, checksums)
+    with _opened(path) as (fd, header):
+        _check_structure(header, path)
+        if checksums is not None or header.checksums() is not None:
+            _read_to_host(core, path, fd, header, True, checksums)
     if checksums is None:
         blocks, whole = header.block_checksums(), header.checksums()
     else:
@@ -112,14 +124,14 @@ def load_tensors(
     """The tensors of these names only, on the CPU: only their bytes are read, each whole, so each is checked
     against its checksum. KeyError names a tensor the file does not hold."""
     path = os.fspath(path)
-    header = fmt.read_header(path)
-    by_name = {e.name: e for e in header.tensors}
-    wanted = set(names)
-    missing = sorted(wanted - set(by_name))
-    if missing:
-        raise KeyError(f"{path} holds no tensor {missing[0]!r}")
-    entries = [e for e in header.tensors if e.name in wanted]
-    return _read_to_host(core, path, header, verify, checksums, entries)
+    with _opened(path) as (fd, header):
+        by_name = {e.name: e for e in header.tensors}
+        wanted = set(names)
+        missing = sorted(wanted - set(by_name))
+        if missing:
+            raise KeyError(f"{path} holds no tensor {missing[0]!r}")
+        entries = [e for e in header.tensors if e.name in wanted]
+        return _read_to_host(core, path, fd, header, verify, checksums, entries)
 
 
 def load_ranges(
@@ -154,7 +166,20 @@ def load_range_list(
     """As `load_ranges`, for any number of (tensor name, start, stop), several of one tensor included,
     returned in order. A tensor's ranges that overlap or touch are read as one."""
     path = os.fspath(path)
-    header = fmt.read_header(path)
+    with _opened(path) as (fd, header):
+        return _range_list(core, path, fd, header, items, verify, checksums, block_checksums)
+
+
+def _range_list(
+    core: Any,
+    path: str,
+    fd: int,
+    header: fmt.Header,
+    items: Sequence[tuple[str, int, int]],
+    verify: bool,
+    checksums: Mapping[str, int] | None,
+    block_checksums: tuple[int, Mapping[str, Sequence[int]]] | None,
+) -> list[torch.Tensor]:
     by_name = {e.name: e for e in header.tensors}
     for name, start, stop in items:
         e = by_name.get(name)
@@ -175,7 +200,9 @@ def load_range_list(
     spans = [_span(e, start, stop, expected, blocks) for e, start, stop in wanted]
     data_len = header.file_size - header.data_start
     begins, ends = [b for b, _, _ in spans], [x for _, x, _ in spans]
-    raws, sums = core.restore_host(path, header.data_start, data_len, begins, ends, expected is not None)
+    raws, sums = core.restore_host(
+        path, header.data_start, data_len, begins, ends, expected is not None, fd=fd
+    )
     sums = sums if expected is not None else [0] * len(spans)
     read: dict[str, list[tuple[int, torch.Tensor]]] = {}  # name -> [(first element, elements)]
     for (e, start, stop), (begin, end, crc), raw, got in zip(wanted, spans, raws, sums):
@@ -265,7 +292,19 @@ def load_into_tensors(
 ) -> None:
     """Fills `targets` (tensor name in the file -> destination of the same dtype and shape)."""
     path = os.fspath(path)
-    header = fmt.read_header(path)
+    with _opened(path) as (fd, header):
+        _load_into(core, path, fd, header, targets, verify, checksums)
+
+
+def _load_into(
+    core: Any,
+    path: str,
+    fd: int,
+    header: fmt.Header,
+    targets: Mapping[str, torch.Tensor],
+    verify: bool,
+    checksums: Mapping[str, int] | None,
+) -> None:
     by_name = {e.name: e for e in header.tensors}
     for name, t in targets.items():
         e = by_name.get(name)
@@ -277,9 +316,9 @@ def load_into_tensors(
                 f"{t.dtype}{list(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}"
             )
     if targets and all(t.device.type == "cuda" for t in targets.values()):
-        _read_to_device(core, path, header, targets, verify, checksums)
+        _read_to_device(core, path, fd, header, targets, verify, checksums)
         return
-    loaded = _read_to_host(core, path, header, verify, checksums)
+    loaded = _read_to_host(core, path, fd, header, verify, checksums)
     with torch.no_grad():
         for name, t in targets.items():
             t.copy_(loaded[name])
@@ -342,6 +381,7 @@ def _verify(
 def _read_to_host(
     core: Any,
     path: str,
+    fd: int,
     header: fmt.Header,
     verify: bool,
     checksums: Mapping[str, int] | None,
@@ -352,7 +392,9 @@ def _read_to_host(
     entries = list(header.tensors if entries is None else entries)
     data_len = header.file_size - header.data_start
     begins, ends = [e.begin for e in entries], [e.end for e in entries]
-    raws, sums = core.restore_host(path, header.data_start, data_len, begins, ends, expected is not None)
+    raws, sums = core.restore_host(
+        path, header.data_start, data_len, begins, ends, expected is not None, fd=fd
+    )
     if expected is not None:
         _verify(path, entries, expected, sums, raws)
     return {e.name: _typed(raw, header.data_start + e.begin, e) for e, raw in zip(entries, raws)}
@@ -361,6 +403,7 @@ def _read_to_host(
 def _read_to_device(
     core: Any,
     path: str,
+    fd: int,
     header: fmt.Header,
     targets: Mapping[str, torch.Tensor],
     verify: bool,
@@ -375,7 +418,7 @@ def _read_to_device(
         torch.cuda.current_stream(d).synchronize()
     data_len = header.file_size - header.data_start
     sums = core.restore_device(
-        path, header.data_start, data_len, [e.begin for e in entries], dests, expected is not None
+        path, header.data_start, data_len, [e.begin for e in entries], dests, expected is not None, fd=fd
     )
     if expected is not None:
         _verify(path, entries, expected, sums, dests)
