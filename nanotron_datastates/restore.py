@@ -110,7 +110,7 @@ def read_structure(path: str | os.PathLike) -> Any:
     header = fmt.read_header(path)
     refs = {e.name: TensorRef(e.name, e.dtype.torch, e.shape) for e in header.tensors}
     skel = header.metadata.get(fmt.KEY_SKELETON)
-    return refs if skel is None else skeleton.decode(skel, refs, path=path)  # type: ignore[arg-type]
+    return refs if skel is None else skeleton.decode(skel, refs, path=path)
 
 
 def load_tensors(

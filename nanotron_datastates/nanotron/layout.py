@@ -248,7 +248,7 @@ def check_manifest(doc: Any, path: str | os.PathLike) -> dict[str, Any]:
     if version > MANIFEST_VERSION:
         raise ManifestError(f"{path} was written by a newer nanotron-datastates (version {version})")
     step = doc.get("step")
-    if not _is_int(step) or not 0 <= step < 2**63:
+    if not (isinstance(step, int) and _is_int(step) and 0 <= step < 2**63):
         raise bad("'step'", f"is {step!r}, not a step number")
     files = doc["files"]
     if len(files) > MAX_FILES:
@@ -281,7 +281,7 @@ def _check_entry(entry: Any, bad: Any) -> None:
     if not isinstance(entry, dict):
         raise bad("", "is not an object")
     size = entry.get("bytes")
-    if not _is_int(size) or not 0 <= size < 2**63:
+    if not (isinstance(size, int) and _is_int(size) and 0 <= size < 2**63):
         raise bad("bytes", f"is {size!r}, not a size")
     sums = entry.get("crc32c", {})
     if not isinstance(sums, dict) or not all(
