@@ -69,6 +69,19 @@ class CommitResult:
     def gbps(self) -> float:
         return self.bytes / self.committed_s / 1e9 if self.committed_s > 0 else 0.0
 
+    def why(self) -> str:
+        """Why it was not committed, in one line: the first error in full, then how many more (a disk that
+        fills fails every file; the log and the telemetry keep the whole list)."""
+        return summary(self.errors)
+
+
+def summary(errors: list[str]) -> str:
+    """The first error in full and the count of the others."""
+    if not errors:
+        return "no error recorded"
+    more = len(errors) - 1
+    return errors[0] + (f"; and {more} more error{'s' if more > 1 else ''} (all in the log)" if more else "")
+
 
 class Committer:
     """The background committer of one rank. `group` is a gloo process group over all ranks (None: alone)."""

@@ -235,7 +235,7 @@ class Saver:
             r = failed[0]
             raise CheckpointError(
                 f"checkpoint {r.step} at {r.folder} was not committed (latest.txt still names the previous "
-                "one): " + "; ".join(r.errors)
+                "one): " + r.why()
             )
 
     def backpressure(self, on_committed: Callable[[int], None]) -> None:
@@ -279,7 +279,8 @@ class Saver:
         if r.committed:
             say.info(housekeeping.describe(r))
         else:
-            say.error(f"checkpoint {r.step} NOT committed: {'; '.join(r.errors)}")
+            listed = "".join(f"\n  {e}" for e in r.errors)
+            say.error(f"checkpoint {r.step} NOT committed, {len(r.errors)} error(s):{listed}")
         self._notify("committed", result=r)
 
     def _notify(self, event: str, **fields: Any) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -300,3 +301,21 @@ def test_a_second_trainer_on_the_same_checkpoints_folder_is_refused(rank0, tmp_p
         saver_of(rank0, root)
     first.close()
     saver_of(rank0, root).close()
+
+
+def test_a_checkpoint_whose_files_all_fail_raises_the_first_error_and_counts_the_rest(rank0, tmp_path):
+    """A full disk fails every file of a checkpoint: the error names the first cause in full and counts the
+    others, in one short line; the log keeps the whole list."""
+    root = tmp_path / "ckpt"
+    (root / "10").mkdir(parents=True)
+    for sub in ("model", "optimizer", "lr_scheduler", "random"):
+        (root / "10" / sub).write_text("not a folder")  # every file of the checkpoint fails
+    saver = saver_of(rank0, root)
+    ask(saver, rank0, 10)
+    saver.before_step()
+    with pytest.raises(CheckpointError) as e:
+        saver.take(1, lambda s: None)
+    message = str(e.value)
+    assert re.search(r"; and \d+ more errors \(all in the log\)$", message), message
+    assert len(message) < 1000 and message.count(str(root / "10")) <= 3, message
+    saver.close()
