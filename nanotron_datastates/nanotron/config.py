@@ -5,8 +5,9 @@ therefore swaps in subclasses of Nanotron's own `Config` and `CheckpointsArgs` t
 Nanotron looks them up (the `nanotron.config` namespaces, the default arguments of `get_config_from_file`
 and of `DistributedTrainer`). After parsing, `config.checkpoints.checkpointing_engine` is "torch" (Nanotron's
 own behaviour, the default) or "datastates"; `config.datastates` holds the section's keys with the values in
-effect (environment overrides applied: what `config.yaml` then records), and `section(config)` the parsed
-`Section` (engine and trainer settings).
+effect (environment overrides applied: what `config.yaml` then records), read by attribute like Nanotron's
+own sections (`config.datastates.keep_last_n`) or by key, and `section(config)` the parsed `Section`
+(engine and trainer settings).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from typing import Any, Optional
 
 from . import compat
-from .settings import Section
+from .settings import DatastatesSection, Section, section_keys
 
 ENGINES = ("torch", "datastates")
 
@@ -62,13 +63,12 @@ def make_classes(ncc: Any) -> tuple[type, type]:
                     )
                 self.checkpoints.checkpointing_engine = self.checkpointing_engine
                 self.checkpointing_engine = None
-            parsed = (
-                self.datastates
-                if isinstance(self.datastates, Section)
-                else Section.from_dict(self.datastates)
-            )
-            self.datastates = parsed.to_dict()
-            self._datastates_section = parsed  # not a field: config.yaml records the plain keys
+            given: Any = self.datastates
+            if isinstance(given, DatastatesSection):  # a parsed config's, given again
+                given = dict(vars(given))
+            parsed = given if isinstance(given, Section) else Section.from_dict(given)
+            self.datastates = section_keys(parsed)  # by attribute or key; config.yaml records plain keys
+            self._datastates_section = parsed  # not a field
 
         @property
         def uses_datastates(self) -> bool:

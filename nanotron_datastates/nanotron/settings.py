@@ -76,3 +76,37 @@ class Section:
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.engine.to_dict(), **self.trainer.to_dict()}
+
+
+def _keys_class() -> type:
+    """`config.datastates`: every key of the section with its value in effect, read by attribute like every
+    section of Nanotron's config (`config.datastates.host_cache_size`), or by key. A flat dataclass, so that
+    Nanotron's `serialize` writes its plain keys into `config.yaml`."""
+    names = [
+        (f.name, Any, dataclasses.field(default=None))
+        for c in (DataStatesConfig, TrainerSettings)
+        for f in fields(c)
+    ]
+
+    def getitem(self: Any, key: str) -> Any:
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def keys(self: Any) -> list[str]:
+        return list(self.__dataclass_fields__)
+
+    return dataclasses.make_dataclass(
+        "DatastatesSection",
+        names,
+        frozen=True,
+        namespace={"__getitem__": getitem, "keys": keys, "__module__": __name__},
+    )
+
+
+DatastatesSection = _keys_class()
+
+
+def section_keys(parsed: Section) -> Any:
+    """The `DatastatesSection` of a parsed section."""
+    return DatastatesSection(**parsed.to_dict())

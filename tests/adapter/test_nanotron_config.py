@@ -139,6 +139,14 @@ def test_datastates_under_checkpoints_with_a_section(tmp_path):
     assert engine.flush_threads == DataStatesConfig().flush_threads  # the engine's default
     assert trainer.keep_last_n == 2 and trainer.telemetry is TrainerSettings().telemetry
     assert c.datastates["keep_last_n"] == 2 and c.datastates["flush_threads"] == engine.flush_threads
+    assert c.datastates.keep_last_n == 2 and c.datastates.host_cache_size == 8  # by attribute, as Nanotron's
+    written = tmp_path / "written.yaml"
+    c.save_as_yaml(written)  # plain keys, read back the same
+    text = written.read_text()
+    assert "DatastatesSection" not in text and "keep_last_n: 2" in text
+    from nanotron.config import get_config_from_file
+
+    assert get_config_from_file(str(written)).datastates == c.datastates
 
 
 def test_top_level_key_as_datastates_docs_write_it(tmp_path):
