@@ -113,7 +113,8 @@ def _parser() -> argparse.ArgumentParser:
         "Writes a checkpoint folder in another layout: 'torch' (the folder Nanotron's own save() writes, "
         "optimizer, LR scheduler and random states as pickles) or 'datastates' (this engine's safetensors "
         "files, with their checksums and the manifest). A datastates checkpoint's files are checked against "
-        "its manifest on the way.",
+        "its manifest on the way. Nothing is unpickled without --allow-pickle: Nanotron's .pt files are read "
+        "with torch.load(weights_only=True).",
     )
     c.add_argument("src", help="the checkpoint folder to read (one step folder, not a checkpoints folder)")
     c.add_argument("out", help="the folder to write (must not exist, or be empty)")
@@ -122,6 +123,13 @@ def _parser() -> argparse.ArgumentParser:
         required=True,
         choices=["torch", "datastates"],
         help="the layout to write: torch or datastates (required, no default)",
+    )
+    c.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="unpickle what the source holds (Nanotron's .pt files with torch.load(weights_only=False)), "
+        "which runs any code they name: only for a checkpoint you trust (default: off: only tensors, plain "
+        "containers and the classes of Nanotron's random states are read, anything else is refused)",
     )
     c.set_defaults(func=cmd_convert)
 
@@ -349,7 +357,7 @@ def _verify_summary(r: verify.Report) -> str:
 def cmd_convert(args: argparse.Namespace) -> int:
     from .nanotron.convert import convert
 
-    out = convert(args.src, args.out, to=args.to)
+    out = convert(args.src, args.out, to=args.to, allow_pickle=args.allow_pickle)
     print(f"{args.src} -> {out} ({args.to} layout)")
     return 0
 

@@ -10,21 +10,32 @@ Nanotron itself is needed only for the random states (its `RandomStates` is what
 
     from nanotron_datastates.nanotron.convert import convert
     convert("checkpoints/40", "stock/40", to="torch")
+
+Nothing is unpickled without `allow_pickle=True`: the stock `.pt` files are read with
+`torch.load(weights_only=True)`, which builds tensors and plain containers only, and for the random states
+the few classes they hold (Nanotron's RandomStates and RandomState, NumPy's uint32 array); a file that needs
+anything else is refused (UnpicklingRefused, naming it). Unpickling runs whatever code the file names: opt
+in only for a checkpoint you trust.
 """
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import json
 import os
+import pickle
+import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
+from torch.torch_version import TorchVersion
 
+from .. import trust
 from ..engine import DataStatesEngine, SaveHandle
 from ..errors import FormatError
 from . import layout, states
@@ -38,15 +49,30 @@ RANDOM = "random"
 MODEL = "model"
 
 
+class UnpicklingRefused(pickle.UnpicklingError, ValueError):
+    """A stock `.pt` file holds objects that loading without unpickling does not build; `allow_pickle=True`
+    (`--allow-pickle`) unpickles it, which runs whatever code it names: only for a trusted checkpoint."""
+
+
 def convert(
-    src: str | os.PathLike, out: str | os.PathLike, to: str, engine: DataStatesEngine | None = None
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    to: str,
+    engine: DataStatesEngine | None = None,
+    allow_pickle: bool = False,
 ) -> Path:
     """Writes the checkpoint folder `src` into the new folder `out` in the layout `to` ("torch": Nanotron's
     stock layout, from ours; "datastates": ours, from Nanotron's). Returns `Path(out)`.
 
+    `allow_pickle=True` unpickles what `src` holds: the stock `.pt` files with `torch.load(weights_only=
+    False)`, pickled leaves of a datastates file. That runs any code the files name: only for a checkpoint
+    you trust. Without it, the stock files are read with `weights_only=True` (tensors, plain containers and
+    the classes Nanotron's random states hold).
+
     Raises ValueError if `src` is not a checkpoint of the other layout, FileExistsError if `out` exists and is
-    not empty, ChecksumError if a file of a datastates `src` does not match its manifest. On any error, what
-    was written into `out` is removed.
+    not empty, ChecksumError if a file of a datastates `src` does not match its manifest, UnpicklingRefused
+    (a ValueError) naming a stock file that needs `allow_pickle`. On any error, what was written into `out`
+    is removed.
     """
     src, out = Path(src), Path(out)
     if to not in TARGETS:
@@ -59,8 +85,8 @@ def convert(
     if engine is None:
         # Small and unpinned: converting runs on CPU, one file at a time.
         with DataStatesEngine(host_cache_size=0.25, pin_host_cache=False) as own:
-            return _convert(src, out, to, own)
-    return _convert(src, out, to, engine)
+            return _convert(src, out, to, own, allow_pickle)
+    return _convert(src, out, to, engine, allow_pickle)
 
 
 def _check_source(src: Path, to: str) -> None:
@@ -81,15 +107,15 @@ def _check_source(src: Path, to: str) -> None:
         raise ValueError(f"{src / METADATA}: not Nanotron's checkpoint metadata (no integer tp and dp)")
 
 
-def _convert(src: Path, out: Path, to: str, engine: DataStatesEngine) -> Path:
+def _convert(src: Path, out: Path, to: str, engine: DataStatesEngine, allow_pickle: bool) -> Path:
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     handles: list[SaveHandle] = []
     try:
         if to == "torch":
-            _to_torch(src, out, engine)
+            _to_torch(src, out, engine, allow_pickle)
         else:
-            _to_datastates(src, out, engine, handles)
+            _to_datastates(src, out, engine, handles, allow_pickle)
     except BaseException:
         # Saves still in flight would write into the folder being removed (or fail to rename into it).
         for h in handles:
@@ -110,7 +136,7 @@ def _convert(src: Path, out: Path, to: str, engine: DataStatesEngine) -> Path:
 # -- datastates -> torch ------------------------------------------------------------------------------------
 
 
-def _to_torch(src: Path, out: Path, engine: DataStatesEngine) -> None:
+def _to_torch(src: Path, out: Path, engine: DataStatesEngine, allow_pickle: bool) -> None:
     doc = layout.read_manifest(src)
     for rel, entry in doc["files"].items():
         path = layout.member(src, rel)
@@ -131,7 +157,7 @@ def _to_torch(src: Path, out: Path, engine: DataStatesEngine) -> None:
             if not kept:  # Nanotron main keeps one file for all context-parallel ranks: rank 0's
                 engine.verify(path, sums)
                 continue
-            saved = engine.load(path, checksums=sums)
+            saved = engine.load(path, checksums=sums, allow_pickle=allow_pickle)
             if not isinstance(saved, dict) or "nanotron" not in saved:
                 raise FormatError(f"{path}: not the random states of a datastates checkpoint")
             # Stock Nanotron keeps Nanotron's generators only; the process-wide ones ("global") have no place.
@@ -140,7 +166,7 @@ def _to_torch(src: Path, out: Path, engine: DataStatesEngine) -> None:
             )
             _torch_save(random_states, out / RANDOM / name)
         else:
-            _torch_save(engine.load(path, checksums=sums), out / _as_pt(rel))
+            _torch_save(engine.load(path, checksums=sums, allow_pickle=allow_pickle), out / _as_pt(rel))
     _copy_rest(src, out, listed=set(doc["files"]), to="torch")
     _sync_dirs(out)
     # Nanotron's own save is synchronous: its metadata file is what marks a whole stock checkpoint.
@@ -177,7 +203,9 @@ def _torch_save(obj: Any, path: Path) -> None:
 # -- torch -> datastates ------------------------------------------------------------------------------------
 
 
-def _to_datastates(src: Path, out: Path, engine: DataStatesEngine, handles: list[SaveHandle]) -> None:
+def _to_datastates(
+    src: Path, out: Path, engine: DataStatesEngine, handles: list[SaveHandle], allow_pickle: bool
+) -> None:
     meta = layout.read_json(src / METADATA)
     step = _step(src, meta)
     config = layout.read_yaml(src / CONFIG)
@@ -200,16 +228,14 @@ def _to_datastates(src: Path, out: Path, engine: DataStatesEngine, handles: list
             # stays Nanotron's (its metadata verbatim, nothing of ours), as the trainer writes weights.
             made = [(rel, engine.save(tensors, out / rel, metadata=metadata, exact_metadata=True))]
         elif parts[0] in PICKLED and rel.endswith(".pt"):
-            obj = torch.load(src / rel, map_location="cpu", weights_only=False)
+            obj = _load_stock(src / rel, allow_pickle)
             target = layout.as_safetensors(rel)
             made = [(target, engine.save(obj, out / target))]
         elif parts[0] == RANDOM and rel.endswith(".pt"):
-            _nanotron_random()  # unpickling needs it: fail with a clear message
-            loaded = torch.load(src / rel, map_location="cpu", weights_only=False)
-            if not isinstance(loaded, Mapping):
-                raise ValueError(f"{src / rel}: {type(loaded).__name__}, not Nanotron's RandomStates")
+            nanotron_random = _nanotron_random()  # unpickling needs it: fail with a clear message
+            loaded = _load_stock(src / rel, allow_pickle, _random_state_globals(nanotron_random))
             # No "global" entry: the stock layout never kept the process-wide generators (resume allows it).
-            plain = {"nanotron": {k: states.random_state_to_plain(v) for k, v in loaded.items()}}
+            plain = {"nanotron": _random_states_to_plain(src / rel, loaded, nanotron_random)}
             # Nanotron main's context-parallel ranks all read this one file: each of ours gets a copy.
             made = [(t, engine.save(plain, out / t)) for t in _random_targets(rel, topology["cp"])]
         else:
@@ -231,6 +257,111 @@ def _to_datastates(src: Path, out: Path, engine: DataStatesEngine, handles: list
     layout.write_atomic(out / layout.MANIFEST, json.dumps(layout.manifest(step, topology, entries), indent=1))
 
 
+def _load_stock(path: Path, allow_pickle: bool, allowed: Sequence[Any] = ()) -> Any:
+    """One of Nanotron's `.pt` files. Without `allow_pickle`, torch builds only tensors, plain containers and
+    the `allowed` classes and functions (exactly those): anything else raises UnpicklingRefused, unrun."""
+    if allow_pickle:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        with _safe_globals(path, allowed):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except UnpicklingRefused:  # this torch cannot allow them: already says so
+        raise
+    except pickle.UnpicklingError as e:
+        what = (
+            "tensors, plain containers and Nanotron's random states"
+            if allowed
+            else "tensors and plain containers"
+        )
+        raise UnpicklingRefused(
+            f"{path}: refused by torch.load(weights_only=True), which builds only {what} ({_why(e)}). The "
+            "file is damaged or holds other objects, and unpickling those runs any code they name: only if "
+            "the checkpoint is trusted, pass --allow-pickle (convert(..., allow_pickle=True))"
+        ) from None
+
+
+@contextlib.contextmanager
+def _safe_globals(path: Path, allowed: Sequence[Any]) -> Iterator[None]:
+    """Lets weights_only build `allowed` for the duration of one load, where this torch can."""
+    serialization = torch.serialization
+    if not allowed:
+        yield
+    elif hasattr(serialization, "safe_globals"):  # torch >= 2.5
+        with serialization.safe_globals(list(allowed)):
+            yield
+    elif hasattr(serialization, "add_safe_globals"):  # torch 2.4: process-wide, so undone after the load
+        before = serialization.get_safe_globals() if hasattr(serialization, "get_safe_globals") else None
+        serialization.add_safe_globals(list(allowed))
+        try:
+            yield
+        finally:
+            if before is not None and hasattr(serialization, "clear_safe_globals"):
+                serialization.clear_safe_globals()
+                serialization.add_safe_globals(before)
+    else:
+        raise UnpicklingRefused(
+            f"{path}: Nanotron's random states hold classes that torch {torch.__version__} cannot allow "
+            "without unpickling (torch.serialization.add_safe_globals needs torch >= 2.4): upgrade torch, "
+            "or, only if the checkpoint is trusted, pass --allow-pickle (convert(..., allow_pickle=True))"
+        )
+
+
+def _why(e: pickle.UnpicklingError) -> str:
+    """torch's reason for refusing a file, without its advice to unpickle it (worded differently by each
+    torch: the paragraph after "WeightsUnpickler error:", else the first that is not advice)."""
+    text = str(e)
+    found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\s*\n|$)", text, re.S)
+    if found:
+        reason = found.group(1)
+    else:
+        advice = ("Weights only load failed", "Check the documentation")
+        kept = [p for p in re.split(r"\n\s*\n", text) if p.strip() and not p.strip().startswith(advice)]
+        reason = kept[0] if kept else text
+    reason = reason.split(" Please use `torch.serialization")[0]  # allow-listing: not what we advise
+    return " ".join(reason.split())[:300].rstrip(".") or type(e).__name__
+
+
+def _random_state_globals(nanotron_random: Any) -> list[Any]:
+    """What Nanotron's random-state pickle holds beyond tensors and plain containers (nanotron/random.py),
+    exactly: RandomStates of RandomState, whose `numpy` field is NumPy's legacy generator state, a uint32
+    array, and how that array unpickles."""
+    import numpy as np
+
+    # The array's rebuilder, from NumPy itself: `numpy.core.multiarray._reconstruct`, `numpy._core` from 2.0.
+    reconstruct = np.zeros(0).__reduce__()[0]
+    allowed: list[Any] = [
+        nanotron_random.RandomStates,
+        nanotron_random.RandomState,
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),  # numpy.dtypes.UInt32DType (`numpy.dtype[uint32]` before NumPy 1.25)
+        codecs.encode,  # `_codecs.encode`: how pickle protocol 2 spells the array's bytes
+    ]
+    if TorchVersion(torch.__version__) >= "2.6":  # compared as versions, not as text
+        # torch allows a function by its module's name: a file written under the other NumPy major version
+        # names the other module; torch >= 2.6 takes (function, name) pairs.
+        allowed += [(reconstruct, f"{m}.multiarray._reconstruct") for m in ("numpy.core", "numpy._core")]
+    else:
+        allowed.append(reconstruct)
+    return allowed
+
+
+def _random_states_to_plain(path: Path, loaded: Any, nanotron_random: Any) -> dict[str, Any]:
+    """The loaded RandomStates as plain values; ValueError naming `path` for anything else, as a crafted
+    file can hold (the allowed classes are built without their checks)."""
+    if not isinstance(loaded, Mapping):
+        raise ValueError(f"{path}: {type(loaded).__name__}, not Nanotron's RandomStates")
+    plain = {}
+    for key, value in loaded.items():
+        if not isinstance(key, str) or not isinstance(value, nanotron_random.RandomState):
+            raise ValueError(f"{path}: entry {key!r} is {type(value).__name__}, not Nanotron's RandomState")
+        try:
+            plain[key] = states.random_state_to_plain(value)
+        except (AttributeError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: entry {key!r} is not a random state Nanotron writes ({e})") from None
+    return plain
+
+
 def _random_targets(rel: str, cp: int) -> list[str]:
     """Our names for Nanotron's random-state file `rel`, one per context-parallel rank."""
     base = layout.as_safetensors(rel)
@@ -244,8 +375,9 @@ def _step(src: Path, meta: dict[str, Any]) -> int:
     step = (meta.get("metas") or {}).get("last_train_step")
     if isinstance(step, int):
         return step
-    if src.resolve().name.isdigit():
-        return int(src.resolve().name)
+    named = trust.step_number(src.resolve().name)
+    if named is not None:
+        return named
     raise ValueError(f"{src}: no metas.last_train_step in {METADATA} and the folder is not named by its step")
 
 
