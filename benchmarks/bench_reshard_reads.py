@@ -32,9 +32,10 @@ import torch
 from _common import command_info, evict, host_info, resident_bytes, summarize, write_json
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
-from nanotron_datastates.nanotron import layout, reshard, reshard_plan
-from nanotron_datastates.nanotron.reshard_plan import Need, Source
-from nanotron_datastates.nanotron.saved_layout import Piece, zero_ranges
+from nanotron_datastates.nanotron.checkpoint import layout
+from nanotron_datastates.nanotron.resume import reshard, reshard_plan
+from nanotron_datastates.nanotron.resume.reshard_plan import Need, Source
+from nanotron_datastates.nanotron.resume.saved_layout import Piece, zero_ranges
 
 KINDS = ("exp_avg", "exp_avg_sq", "master")
 # The 180M model's parameters: (name, shape, tensor-parallel split dim or None, contiguous chunks on it).

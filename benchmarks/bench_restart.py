@@ -102,7 +102,7 @@ def run_phase(args: argparse.Namespace) -> None:
             n, diffs = compare(ref[part], now[part], part)
             rec["compared"][part] = {"tensors": n, "differences": len(diffs), "first": diffs[:10]}
         rec["compared"] = every_rank(rec["compared"])
-        from nanotron_datastates.nanotron import tier
+        from nanotron_datastates.nanotron import memory_tier as tier
 
         rec["tier"] = tier.jobs(args.tier_path)
         rec["marks"]["compare_s"] = time.perf_counter() - t_compare

@@ -87,7 +87,7 @@ def make_config(
 def capture(trainer: Any) -> dict[str, Any]:
     import torch
 
-    from nanotron_datastates.nanotron import states
+    from nanotron_datastates.nanotron import rng_states as states
 
     def host(x: Any) -> Any:
         if isinstance(x, torch.Tensor):

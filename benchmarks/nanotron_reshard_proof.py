@@ -171,8 +171,8 @@ def by_sample(trainer: Any, dataloaders: dict[str, Any]) -> dict[str, Any]:
 def run_phase(args: argparse.Namespace) -> None:
     import torch
 
-    from nanotron_datastates.nanotron import resume
-    from nanotron_datastates.nanotron.resume import Resume
+    from nanotron_datastates.nanotron.resume import resume
+    from nanotron_datastates.nanotron.resume.resume import Resume
 
     if args.no_warm:  # the comparison: a reshard without its files read into the page cache ahead
         resume.warm_for_reshard = lambda *a, **k: None

@@ -12,13 +12,13 @@ The public names are imported on first use: the post-import hook that every Pyth
 
 TYPE_CHECKING = False  # not typing's: importing typing costs milliseconds at every start
 if TYPE_CHECKING:
-    from .config import DataStatesConfig
     from .engine import DataStatesEngine, SaveHandle
+    from .engine_settings import DataStatesConfig
     from .errors import ChecksumError, FormatError
     from .plan import SavePlan
 
 _WHERE = {
-    "DataStatesConfig": "config",
+    "DataStatesConfig": "engine_settings",
     "DataStatesEngine": "engine",
     "SaveHandle": "engine",
     "ChecksumError": "errors",

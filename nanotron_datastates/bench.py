@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .config import DataStatesConfig
 from .engine import DataStatesEngine
+from .engine_settings import DataStatesConfig
 
 
 def make_state(size_mib: int, device: str) -> dict[str, torch.Tensor]:

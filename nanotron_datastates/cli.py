@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .nanotron import checkpoint, verify
+from .nanotron.checkpoint import folder as checkpoint
+from .nanotron.checkpoint import verify
 
 EXIT_STATUS = "exit status: 0 all is well, 1 problems found or the command failed, 2 bad usage"
 TELEMETRY = "datastates_telemetry.jsonl"  # telemetry.FILE, without importing it for --help
@@ -355,7 +356,7 @@ def _verify_summary(r: verify.Report) -> str:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .nanotron.convert import convert
+    from .nanotron.checkpoint.convert import convert
 
     out = convert(args.src, args.out, to=args.to, allow_pickle=args.allow_pickle)
     print(f"{args.src} -> {out} ({args.to} layout)")
@@ -470,7 +471,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_tier(args: argparse.Namespace) -> int:
-    from .nanotron import tier
+    from .nanotron import memory_tier as tier
 
     args.path = args.path.replace("{uid}", str(os.geteuid()))
     if args.action == "list":

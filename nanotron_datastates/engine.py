@@ -21,7 +21,7 @@ import torch
 
 from . import _core, telemetry
 from . import format as fmt
-from .config import DataStatesConfig
+from .engine_settings import DataStatesConfig
 from .plan import SavePlan, plan_save, prepare_many
 from .restore import (
     load_file,

@@ -23,9 +23,10 @@ FILES = ("model/w0.safetensors", "model/w1.safetensors", "optimizer/optimizer.sa
 
 def save_loop(root_dir: str, ready: Any, tier_base: str | None = None) -> None:
     from nanotron_datastates import DataStatesConfig, DataStatesEngine
-    from nanotron_datastates.nanotron import housekeeping, layout
-    from nanotron_datastates.nanotron.commit import Committer, PendingCheckpoint
-    from nanotron_datastates.nanotron.tier import MemoryTier
+    from nanotron_datastates.nanotron.checkpoint import layout
+    from nanotron_datastates.nanotron.memory_tier import MemoryTier
+    from nanotron_datastates.nanotron.save import housekeeping
+    from nanotron_datastates.nanotron.save.commit import Committer, PendingCheckpoint
 
     root = Path(root_dir)
     latest = root / layout.LATEST

@@ -64,7 +64,8 @@ def write_nanotron_checkpoint(engine, root: Path, step: int, *, latest: bool = T
 
     import yaml
 
-    from nanotron_datastates.nanotron import layout, states
+    from nanotron_datastates.nanotron import rng_states as states
+    from nanotron_datastates.nanotron.checkpoint import layout
 
     torch.manual_seed(step)
     model = torch.nn.Linear(8, 4)

@@ -15,8 +15,9 @@ import torch
 from nanotron_datastates import cli
 from nanotron_datastates import format as fmt
 from nanotron_datastates.cli import main
-from nanotron_datastates.nanotron import housekeeping, layout
-from nanotron_datastates.nanotron.commit import CommitResult
+from nanotron_datastates.nanotron.checkpoint import layout
+from nanotron_datastates.nanotron.save import housekeeping
+from nanotron_datastates.nanotron.save.commit import CommitResult
 
 from helpers import write_nanotron_checkpoint
 
@@ -475,7 +476,7 @@ def test_every_option_says_what_it_does_and_its_default(capsys):
 
 
 def test_tier_lists_and_clears_what_jobs_keep_in_memory(tmp_path, capsys):
-    from nanotron_datastates.nanotron.tier import MemoryTier
+    from nanotron_datastates.nanotron.memory_tier import MemoryTier
 
     base = tmp_path / "shm"
     for job in ("a", "b"):

@@ -21,8 +21,8 @@ import yaml
 
 from nanotron_datastates import DataStatesEngine
 from nanotron_datastates.errors import ChecksumError
-from nanotron_datastates.nanotron import layout, verify
-from nanotron_datastates.nanotron.convert import convert
+from nanotron_datastates.nanotron.checkpoint import layout, verify
+from nanotron_datastates.nanotron.checkpoint.convert import convert
 
 from helpers import same
 

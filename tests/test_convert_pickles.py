@@ -21,8 +21,8 @@ from test_convert import LR_SCHEDULER, OPTIMIZER, stock_checkpoint
 
 from nanotron_datastates import DataStatesEngine
 from nanotron_datastates.cli import main
-from nanotron_datastates.nanotron import layout
-from nanotron_datastates.nanotron.convert import UnpicklingRefused, convert
+from nanotron_datastates.nanotron.checkpoint import layout
+from nanotron_datastates.nanotron.checkpoint.convert import UnpicklingRefused, convert
 
 
 class Payload:

@@ -14,7 +14,7 @@ import torch
 
 from nanotron_datastates import DataStatesEngine
 from nanotron_datastates import format as fmt
-from nanotron_datastates.nanotron import layout
+from nanotron_datastates.nanotron.checkpoint import layout
 
 import crash_child
 from helpers import small_config
@@ -102,7 +102,7 @@ def test_sigkill_with_the_memory_tier_restores_from_memory_only_a_whole_committe
     step marked held there. After every kill, a restart takes the step latest.txt names from memory where the
     tier holds it whole (`MemoryTier.holds`), else from storage: every file it reads verifies and holds that
     step's values, and the tier never marks a step storage has not committed."""
-    from nanotron_datastates.nanotron.tier import MemoryTier
+    from nanotron_datastates.nanotron.memory_tier import MemoryTier
 
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "nanotron_datastates", "crash_child"])

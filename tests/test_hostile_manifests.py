@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from nanotron_datastates.nanotron import layout
-from nanotron_datastates.nanotron.verify import verify
+from nanotron_datastates.nanotron.checkpoint import layout
+from nanotron_datastates.nanotron.checkpoint.verify import verify
 
 from helpers import write_nanotron_checkpoint
 
@@ -109,7 +109,7 @@ def test_verify_reports_each_bad_checkpoint_and_goes_on_in_bounded_time(saved, t
         doc["step"] = 100 + i
         (folder / layout.MANIFEST).write_text(json.dumps(_edit(doc, how)[0]))
     script = (
-        "import json, sys; from nanotron_datastates.nanotron.verify import verify; "
+        "import json, sys; from nanotron_datastates.nanotron.checkpoint.verify import verify; "
         f"r = verify({str(root)!r}); print(json.dumps(r.as_dict()))"
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from nanotron_datastates.nanotron import housekeeping, layout
+from nanotron_datastates.nanotron.checkpoint import layout
+from nanotron_datastates.nanotron.save import housekeeping
 
 
 def _folder(root: Path, step: int, committed: bool = True, stock: bool = False) -> Path:
@@ -80,7 +81,7 @@ def test_stale_temporaries_are_removed_from_a_committed_folder(tmp_path):
 
 
 def test_telemetry_lines_append_and_a_torn_line_is_skipped(tmp_path):
-    from nanotron_datastates.nanotron.commit import CommitResult
+    from nanotron_datastates.nanotron.save.commit import CommitResult
 
     r = CommitResult(40, tmp_path / "40", True, [], 2_000_000, 3, 0.012, 0.05, 1.1, 1.2)
     cache = {"chunks": 8, "chunk_bytes": 1 << 20, "high_water": 5, "wait_ns": 2_000_000}
@@ -123,7 +124,7 @@ def test_one_parser_of_step_numbers():
 def test_latest_txt_is_read_strictly_and_never_through_a_link(tmp_path):
     """Only canonical ASCII digits name a step; a latest.txt that is a link is refused without quoting its
     target's content."""
-    from nanotron_datastates.nanotron.checkpoint import latest_step
+    from nanotron_datastates.nanotron.checkpoint.folder import latest_step
 
     for text in ("١٠", "１０", "+20", "2_0", "20 x"):
         (tmp_path / layout.LATEST).write_text(text)

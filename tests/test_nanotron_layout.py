@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanotron_datastates.nanotron import layout, states
+from nanotron_datastates.nanotron import rng_states as states
+from nanotron_datastates.nanotron.checkpoint import layout
 
 
 def test_names_follow_nanotron():

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from nanotron_datastates import DataStatesEngine
-from nanotron_datastates.nanotron.prefetch import Prefetch, fits_in_memory, warm_for_reshard, warm_page_cache
+from nanotron_datastates.nanotron.resume.read_ahead import (
+    Prefetch,
+    fits_in_memory,
+    warm_for_reshard,
+    warm_page_cache,
+)
 
 from helpers import same, small_config
 

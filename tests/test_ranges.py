@@ -177,7 +177,7 @@ def test_a_damaged_block_checksum_is_found_by_verify_and_by_the_read_over_it(tmp
 def test_a_file_without_checksums_in_its_header_is_read_in_part_with_those_kept_outside(tmp_path):
     """Nanotron's weight files (`exact_metadata`): the manifest keeps each one's checksums, per tensor and
     per block (`layout.file_entry`), and a reshard reads a part of it with them."""
-    from nanotron_datastates.nanotron import layout
+    from nanotron_datastates.nanotron.checkpoint import layout
 
     state, path = _state(), tmp_path / "model" / "w.safetensors"
     with DataStatesEngine(small_config()) as engine:

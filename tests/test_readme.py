@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
-from nanotron_datastates.nanotron import housekeeping
-from nanotron_datastates.nanotron.commit import CommitResult
-from nanotron_datastates.nanotron.settings import Section, TrainerSettings
+from nanotron_datastates.nanotron.save import housekeeping
+from nanotron_datastates.nanotron.save.commit import CommitResult
+from nanotron_datastates.nanotron.trainer_settings import Section, TrainerSettings
 
 from helpers import write_nanotron_checkpoint
 

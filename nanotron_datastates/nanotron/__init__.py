@@ -32,11 +32,11 @@ def __getattr__(name: str) -> Any:
 
         return DataStatesTrainerMixin
     if name == "register":
-        from .config import register
+        from .yaml_config import register
 
         return register
     if name == "CheckpointError":
-        from .commit import CheckpointError
+        from .save.commit import CheckpointError
 
         return CheckpointError
     if name == "NanotronUnavailable":

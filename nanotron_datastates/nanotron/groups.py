@@ -11,8 +11,8 @@ from typing import Any
 
 from nanotron import distributed as dist
 
+from .checkpoint.layout import Place, topology
 from .compat import NanotronUnavailable
-from .layout import Place, topology
 
 # What the adapter reads from a ParallelContext; a tuple means any one of these names.
 REQUIRED: tuple[str | tuple[str, ...], ...] = (

@@ -11,7 +11,8 @@ log = logging.getLogger("nanotron_datastates")
 
 def on_import(name: str) -> None:
     try:
-        from . import compat, config
+        from . import compat
+        from . import yaml_config as config
 
         if name == "nanotron.config":
             config.register()

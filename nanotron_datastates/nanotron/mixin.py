@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..engine import DataStatesEngine
-from . import groups, say
-from .config import section
-from .finalize import finalizer
-from .resume import Resume
-from .saver import Saver
+from . import groups
+from . import log as say
+from .resume.resume import Resume
+from .save.commit_files import finalizer
+from .save.saver import Saver
+from .yaml_config import section
 
 if TYPE_CHECKING:  # for type checkers: the mixin's attributes and hooks are those of Nanotron's trainer
     from nanotron.trainer import DistributedTrainer as _Trainer

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import compat, config
+from . import compat
+from . import yaml_config as config
 
 INSTALL_WHEN_DEFINED = False  # set by the post-import hook when this module imports Nanotron's trainer
 compat.check()

@@ -47,7 +47,7 @@ def config(tp: int = 1, dp: int = 1, pp: int = 1, cp: int = 1, zero_stage: int =
     """The example YAML, parsed by Nanotron, with this layout and a model of a few thousand parameters."""
     from nanotron.config import get_config_from_file
 
-    from nanotron_datastates.nanotron import config as ds_config
+    from nanotron_datastates.nanotron import yaml_config as ds_config
 
     ds_config.register()  # the example's `datastates:` keys
     c = get_config_from_file(str(EXAMPLE))
@@ -180,10 +180,10 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     """Saves this rank's state with the Saver (rank 0 commits), steps on, then resumes it with Resume into a
     state built afresh from another seed; returns what differs from the state captured at the save."""
     from nanotron_datastates import DataStatesEngine
-    from nanotron_datastates.nanotron.finalize import finalizer
-    from nanotron_datastates.nanotron.resume import Resume
-    from nanotron_datastates.nanotron.saver import Saver
-    from nanotron_datastates.nanotron.settings import TrainerSettings
+    from nanotron_datastates.nanotron.resume.resume import Resume
+    from nanotron_datastates.nanotron.save.commit_files import finalizer
+    from nanotron_datastates.nanotron.save.saver import Saver
+    from nanotron_datastates.nanotron.trainer_settings import TrainerSettings
 
     state = training_state(pc, c)
     model, optimizer, lr_scheduler, random_states = state
@@ -233,9 +233,9 @@ def save_only(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     """This layout's state, saved by the Saver into `work/ckpt/7` (rank 0 commits); with CPU_RANKS_TWO set,
     into `work/ckpt/5`, then, a step later, `work/ckpt/9`."""
     from nanotron_datastates import DataStatesEngine
-    from nanotron_datastates.nanotron.finalize import finalizer
-    from nanotron_datastates.nanotron.saver import Saver
-    from nanotron_datastates.nanotron.settings import TrainerSettings
+    from nanotron_datastates.nanotron.save.commit_files import finalizer
+    from nanotron_datastates.nanotron.save.saver import Saver
+    from nanotron_datastates.nanotron.trainer_settings import TrainerSettings
 
     model, optimizer, lr_scheduler, random_states = training_state(pc, c)
     engine = DataStatesEngine(host_cache_size=1 / 64, chunk_size=1)
@@ -260,7 +260,7 @@ def save_only(pc: Any, c: Any, work: Path) -> dict[str, Any]:
 
 
 def finalize_at(at: int, pc: Any, c: Any, optimizer: Any, work: Path) -> Any:
-    from nanotron_datastates.nanotron.finalize import finalizer
+    from nanotron_datastates.nanotron.save.commit_files import finalizer
 
     if torch.distributed.get_rank() != 0:
         return None
@@ -273,8 +273,8 @@ def resume_other(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     what differs from the state this layout holds after the same training (the same by construction:
     `by_position`), random states aside (another layout's ranks take those of the saved ranks at their
     places: compared where the rank existed)."""
-    from nanotron_datastates.nanotron.commit import CheckpointError
-    from nanotron_datastates.nanotron.resume import Resume
+    from nanotron_datastates.nanotron.resume.resume import Resume
+    from nanotron_datastates.nanotron.save.commit import CheckpointError
 
     if os.environ.get("CPU_RANKS_INTERMEDIATE"):  # another model than the one saved
         c.model.model_config.intermediate_size = int(os.environ["CPU_RANKS_INTERMEDIATE"])

@@ -17,8 +17,8 @@ from test_convert_pickles import Payload
 from torch.torch_version import TorchVersion
 
 from nanotron_datastates import DataStatesEngine
-from nanotron_datastates.nanotron import layout
-from nanotron_datastates.nanotron.convert import UnpicklingRefused, convert
+from nanotron_datastates.nanotron.checkpoint import layout
+from nanotron_datastates.nanotron.checkpoint.convert import UnpicklingRefused, convert
 
 
 def test_round_trip(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Which files a rank reads on resume (`layout.files_to_read`): before the process groups exist, from the
 config and the manifest alone (what the read-ahead from the trainer's first line reads: only what every rank
-reads), and with a rank's place in the groups. Reading them is prefetch.py's, tested in
+reads), and with a rank's place in the groups. Reading them is read_ahead.py's, tested in
 test_nanotron_prefetch.py; a GPU resume adopts the early read-ahead (the benchmarks' logs say so).
 
 Runs against each Nanotron tree (see conftest.py).
@@ -14,9 +14,10 @@ import pytest
 import torch
 import yaml
 
-from nanotron_datastates.nanotron import config as ds_config  # noqa: E402
-from nanotron_datastates.nanotron import layout, target  # noqa: E402
-from nanotron_datastates.nanotron.resume import Resume  # noqa: E402
+from nanotron_datastates.nanotron import yaml_config as ds_config  # noqa: E402
+from nanotron_datastates.nanotron.checkpoint import layout
+from nanotron_datastates.nanotron.resume import source as target  # noqa: E402
+from nanotron_datastates.nanotron.resume.resume import Resume  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "config_tiny_llama_datastates.yaml"
 OPTIMIZER = "optimizer/optimizer_pp-0-of-1_tp-0-of-1_exp-0-of-1.safetensors"

@@ -9,7 +9,8 @@ import pytest
 import torch.distributed as tdist
 from cpu_ranks import parallel_context
 
-from nanotron_datastates.nanotron import groups, layout
+from nanotron_datastates.nanotron import groups
+from nanotron_datastates.nanotron.checkpoint import layout
 from nanotron_datastates.nanotron.compat import NanotronUnavailable
 
 

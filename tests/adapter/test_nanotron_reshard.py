@@ -61,9 +61,9 @@ def test_a_stock_checkpoint_of_another_layout_is_refused_then_resumes_once_conve
     import torch.distributed as tdist
     from cpu_ranks import config, parallel_context
 
-    from nanotron_datastates.nanotron.convert import convert
-    from nanotron_datastates.nanotron.reshard import ReshardError
-    from nanotron_datastates.nanotron.resume import Resume
+    from nanotron_datastates.nanotron.checkpoint.convert import convert
+    from nanotron_datastates.nanotron.resume.reshard import ReshardError
+    from nanotron_datastates.nanotron.resume.resume import Resume
 
     launch(tmp_path, 4, 2, 2, 1, 1, 1)  # Nanotron's own save of the state, in tmp_path/stock
     for k, v in (("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("RANK", "0")):
@@ -105,7 +105,7 @@ def test_a_stock_zero0_checkpoint_resumes_on_another_dp_size_through_nanotron_as
     from nanotron.serialize.optimizer import load_lr_scheduler, load_optimizer
     from nanotron.serialize.weights import load_weights
 
-    from nanotron_datastates.nanotron.resume import Resume
+    from nanotron_datastates.nanotron.resume.resume import Resume
 
     launch(tmp_path, 2, 1, 2, 1, 1, 0)  # Nanotron's own save, dp=2 ZeRO-0, in tmp_path/stock
     for k, v in (("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("RANK", "0")):

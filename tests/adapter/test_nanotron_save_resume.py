@@ -28,14 +28,16 @@ from cpu_ranks import (
 from nanotron.serialize.metadata import CheckpointMetadata
 
 from nanotron_datastates import DataStatesEngine
-from nanotron_datastates.nanotron import housekeeping, layout, shards
-from nanotron_datastates.nanotron import tier as tier_module
-from nanotron_datastates.nanotron.commit import CheckpointError
-from nanotron_datastates.nanotron.finalize import finalizer
-from nanotron_datastates.nanotron.resume import Resume
-from nanotron_datastates.nanotron.saver import Saver
-from nanotron_datastates.nanotron.settings import Section, TrainerSettings
-from nanotron_datastates.nanotron.tier import TierError
+from nanotron_datastates.nanotron import memory_tier as tier_module
+from nanotron_datastates.nanotron import shards
+from nanotron_datastates.nanotron.checkpoint import layout
+from nanotron_datastates.nanotron.memory_tier import TierError
+from nanotron_datastates.nanotron.resume.resume import Resume
+from nanotron_datastates.nanotron.save import housekeeping
+from nanotron_datastates.nanotron.save.commit import CheckpointError
+from nanotron_datastates.nanotron.save.commit_files import finalizer
+from nanotron_datastates.nanotron.save.saver import Saver
+from nanotron_datastates.nanotron.trainer_settings import Section, TrainerSettings
 
 HAS_CP = "cp" in {f.name for f in dataclasses.fields(CheckpointMetadata)}
 LAYOUTS = [  # (world size, tp, dp, pp, cp, ZeRO stage)
@@ -293,7 +295,7 @@ def test_a_second_trainer_on_the_same_checkpoints_folder_is_refused(rank0, tmp_p
     """Two writers committing the same steps would mix one's manifest with the other's files: the rank that
     commits holds the folder's writer lock, so a second Saver there fails at its start, and the folder is
     free again once the first closes."""
-    from nanotron_datastates.nanotron.writer_lock import FolderBusy
+    from nanotron_datastates.nanotron.save.writer_lock import FolderBusy
 
     root = tmp_path / "ckpt"
     first = saver_of(rank0, root)

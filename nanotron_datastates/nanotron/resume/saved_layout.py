@@ -12,10 +12,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..engine import DataStatesEngine
-from ..format import read_header
-from ..restore import TensorRef, read_structure
-from . import layout
+from ...engine import DataStatesEngine
+from ...format import read_header
+from ...restore import TensorRef, read_structure
+from ..checkpoint import layout
 
 _OPTIMIZER = re.compile(
     r"optimizer_pp-(\d+)-of-(\d+)(?:_dp-(\d+)-of-(\d+))?_tp-(\d+)-of-(\d+)_exp-\d+-of-\d+"
@@ -36,7 +36,7 @@ def refuse_stock(folder: Path, config: Any, pc: Any) -> None:
     optimizer shards across layouts is broken (its file patterns miss its own names; it drops the fp32
     master weights). Where the optimizer would be loaded on another layout, say what works instead; a ZeRO-0
     checkpoint on another dp size is Nanotron's to load (its optimizer files are per tp and pp rank)."""
-    from . import groups
+    from .. import groups
 
     saved = layout.stock_topology(folder)
     if not saved or not config.checkpoints.load_optimizer:

@@ -1,6 +1,7 @@
 """The optimizer state of a resume, loaded last: the first forward and backward passes need the weights only,
-so the optimizer shard read ahead (prefetch.py) goes on reading while they run, and is loaded just before the
-first optimizer step, the save mirrored (DataStates-LLM's observation: neither pass touches the optimizer).
+so the optimizer shard read ahead (read_ahead.py) goes on reading while they run, and is loaded just before
+the first optimizer step, the save mirrored (DataStates-LLM's observation: neither pass touches the
+optimizer).
 
 Anything else that reads the optimizer's state first (`state_dict`: a checkpoint, a user's inspection) loads
 it too, so no caller sees the state from before the resume.
@@ -13,7 +14,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import say
+from .. import log as say
 
 
 class DeferredOptimizer:

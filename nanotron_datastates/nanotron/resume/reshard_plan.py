@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from ..restore import empty
+from ...restore import empty
 from .saved_layout import Piece, ReshardError
 
 _CPU = torch.device("cpu")

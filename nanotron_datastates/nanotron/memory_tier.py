@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import trust
-from . import layout
+from .checkpoint import layout
 
 MARKER = ".rank-{rank}.json"
 MAX_MARKER = 64 << 20  # bytes: a marker lists one rank's files

@@ -17,7 +17,7 @@ import sys
 from typing import Any, Optional
 
 from . import compat
-from .settings import DatastatesSection, Section, section_keys
+from .trainer_settings import DatastatesSection, Section, section_keys
 
 ENGINES = ("torch", "datastates")
 

@@ -11,12 +11,12 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from .. import format as fmt
-from .. import trust
-from ..engine import DataStatesEngine
-from ..errors import ChecksumError
+from ... import format as fmt
+from ... import trust
+from ...engine import DataStatesEngine
+from ...errors import ChecksumError
 from . import layout
-from .checkpoint import (
+from .folder import (
     KINDS,
     NANOTRON_FILES,
     explain,

@@ -8,9 +8,9 @@ a manifest (any other is left to Nanotron). The trainer mixin calls, in this ord
    it holds the checkpoint, and the small files into the page cache first. Never raises: whatever fails
    here, step 2 meets again and reports.
 2. `plan(config, pc, folder)`, in `pre_init`: whether this is ours to resume; where its files are read
-   (the memory tier, where every rank finds it whole there, else storage: recovery.py); the files this rank
+   (the memory tier, where every rank finds it whole there, else storage: fallback.py); the files this rank
    reads, now with its place in the groups; the read-ahead of step 1 adopted if it reads exactly those files
-   onto this device, else one started for them (prefetch.py). Nanotron's own loaders, which read pickles,
+   onto this device, else one started for them (read_ahead.py). Nanotron's own loaders, which read pickles,
    are turned off (`load_optimizer`, `load_lr_scheduler`) until they are ours to honour.
 3. `load_weights(model)`, where Nanotron loads its weights: from the read-ahead, else read now; on another
    layout, resharded (reshard.py).
@@ -41,13 +41,19 @@ from typing import Any, Sequence
 
 import torch
 
-from ..engine import DataStatesEngine
-from ..errors import FormatError
-from . import groups, layout, recovery, reshard, rest, saved_layout, say, shards, tier
-from .config import section
-from .deferred import DeferredOptimizer
-from .prefetch import PageCacheWarmer, Prefetch, fill, warm_for_reshard, warm_page_cache
-from .target import asked_layout, loads, parse_config, resume_folder
+from ...engine import DataStatesEngine
+from ...errors import FormatError
+from .. import groups, shards
+from .. import log as say
+from .. import memory_tier as tier
+from ..checkpoint import layout
+from ..yaml_config import section
+from . import fallback as recovery
+from . import reshard, saved_layout
+from . import scheduler_and_rng as rest
+from .deferred_optimizer import DeferredOptimizer
+from .read_ahead import PageCacheWarmer, Prefetch, fill, warm_for_reshard, warm_page_cache
+from .source import asked_layout, loads, parse_config, resume_folder
 
 # What reading a checkpoint raises where a file is missing, damaged (FormatError, ChecksumError) or not of
 # the layout, or does not fit the model (ReshardError): collected on each rank, so that every rank decides.
@@ -303,7 +309,7 @@ class Resume:
 
     def confirm(self) -> Any | None:
         """Waits for the optimizer state read ahead, then has the ranks agree that each read the checkpoint
-        whole, or fall back together (recovery.py). Returns the training metadata to resume with (None where
+        whole, or fall back together (fallback.py). Returns the training metadata to resume with (None where
         the scheduler is not loaded). Collective."""
         return recovery.confirm(self)
 

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .. import trust
+from ... import trust
 
 MANIFEST = "datastates.json"
 MANIFEST_FORMAT = "nanotron-datastates"
@@ -344,7 +344,7 @@ def file_entry(nbytes: int, handle: Any) -> dict[str, Any]:
     file whose header holds none (`exact_metadata`: Nanotron's weight files), its block segments' CRCs too,
     spelled as in a header (`B:` and 8 hex digits per segment), so that a part of it can be read and
     checked."""
-    from .. import format as fmt  # here: this module stays free of torch
+    from ... import format as fmt  # here: this module stays free of torch
 
     sums = handle.checksums()
     entry: dict[str, Any] = {"bytes": nbytes, "crc32c": {n: f"{c:08x}" for n, c in sums.items()}}
@@ -359,7 +359,7 @@ def file_block_checksums(
     doc: dict[str, Any], folder: str | os.PathLike, path: str | os.PathLike
 ) -> tuple[int, dict[str, list[int]]] | None:
     """The block checksums the manifest holds for `path`, if any (see `file_entry`)."""
-    from .. import format as fmt  # here: this module stays free of torch
+    from ... import format as fmt  # here: this module stays free of torch
 
     rel = Path(os.path.relpath(path, folder)).as_posix()
     raw = (doc["files"].get(rel) or {}).get("crc32c_blocks")

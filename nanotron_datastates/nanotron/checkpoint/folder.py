@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from .. import format as fmt
-from .. import trust
+from ... import format as fmt
+from ... import trust
 from . import layout
 
 NANOTRON_FILES = (layout.NANOTRON_METADATA, "config.yaml", "model_config.json")

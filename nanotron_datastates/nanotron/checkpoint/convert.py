@@ -8,7 +8,7 @@ written last. The weights' names, tensor key and metadata are the same in both l
 
 Nanotron itself is needed only for the random states (its `RandomStates` is what the stock pickle holds)::
 
-    from nanotron_datastates.nanotron.convert import convert
+    from nanotron_datastates.nanotron.checkpoint.convert import convert
     convert("checkpoints/40", "stock/40", to="torch")
 
 Nothing is unpickled without `allow_pickle=True`: the stock `.pt` files are read with
@@ -35,10 +35,11 @@ import torch
 import yaml
 from torch.torch_version import TorchVersion
 
-from .. import trust
-from ..engine import DataStatesEngine, SaveHandle
-from ..errors import FormatError
-from . import layout, states
+from ... import trust
+from ...engine import DataStatesEngine, SaveHandle
+from ...errors import FormatError
+from .. import rng_states as states
+from . import layout
 
 TARGETS = ("torch", "datastates")
 METADATA = layout.NANOTRON_METADATA

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from ..config import DataStatesConfig, Settings
+from ..engine_settings import DataStatesConfig, Settings
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..engine import DataStatesEngine
-from . import layout
+from ...engine import DataStatesEngine
+from ..checkpoint import layout
 
 log = logging.getLogger("nanotron_datastates")
 

@@ -7,8 +7,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..engine import DataStatesEngine
-from . import groups, layout, reshard, say, shards, states
+from ...engine import DataStatesEngine
+from .. import groups, shards
+from .. import log as say
+from .. import rng_states as states
+from ..checkpoint import layout
+from . import reshard
 
 
 def load_scheduler(

@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import checkpoint, layout
+from ..checkpoint import folder as checkpoint
+from ..checkpoint import layout
 
 
 def parse_config(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:

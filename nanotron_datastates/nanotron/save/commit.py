@@ -26,8 +26,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from ..engine import wait_handles
-from . import layout
+from ...engine import wait_handles
+from ..checkpoint import layout
 
 
 class CheckpointError(RuntimeError):

@@ -22,9 +22,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..engine import DataStatesEngine
-from ..restore import TensorRef
-from . import layout, reshard_plan
+from ...engine import DataStatesEngine
+from ...restore import TensorRef
+from ..checkpoint import layout
+from . import reshard_plan
 from .reshard_plan import Need, Source
 from .saved_layout import (
     MASTER,

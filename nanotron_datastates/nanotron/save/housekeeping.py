@@ -13,9 +13,9 @@ from typing import Any
 
 import fasteners
 
-from .. import telemetry, trust
-from . import layout
-from .checkpoint import is_committed, latest_step, step_folders, step_of, temporaries
+from ... import telemetry, trust
+from ..checkpoint import layout
+from ..checkpoint.folder import is_committed, latest_step, step_folders, step_of, temporaries
 
 LOCK = ".datastates.lock"  # latest.txt moves, and checkpoints are removed, only under this lock
 TELEMETRY = telemetry.FILE

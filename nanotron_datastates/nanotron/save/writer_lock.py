@@ -20,7 +20,7 @@ import socket
 import time
 from pathlib import Path
 
-from .. import trust
+from ... import trust
 
 LOCK = ".datastates.writer.lock"
 _HELD: dict[str, WriterLock] = {}  # realpath of the folder -> its lock, in this process

@@ -15,7 +15,7 @@
    on every rank; post-save hooks run for those committed; a failed one raises CheckpointError.
 
 With `memory_tier`, every file is also written to node-local shared memory as it is flushed, and each rank
-marks a step as held there once it is committed (tier.py).
+marks a step as held there once it is committed (memory_tier.py).
 
 `observers` are told of each queuing and commit (`observer(event, fields)`), for benchmarks and logs.
 """
@@ -29,13 +29,17 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..engine import DataStatesEngine
-from ..plan import SavePlan
-from . import checkpoint, groups, housekeeping, say, shards, staging, states
+from ...engine import DataStatesEngine
+from ...plan import SavePlan
+from .. import groups, shards
+from .. import log as say
+from .. import rng_states as states
+from ..checkpoint import folder as checkpoint
+from ..memory_tier import MemoryTier
+from ..trainer_settings import TrainerSettings
+from . import housekeeping, staging
 from .commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
 from .gate import SnapshotGate
-from .settings import TrainerSettings
-from .tier import MemoryTier
 from .writer_lock import WriterLock
 
 MAX_IN_FLIGHT = 2  # checkpoints being flushed at once; a third waits for the oldest

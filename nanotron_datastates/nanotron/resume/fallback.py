@@ -14,8 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import checkpoint, groups, layout, say, tier
-from .commit import CheckpointError
+from .. import groups
+from .. import log as say
+from .. import memory_tier as tier
+from ..checkpoint import folder as checkpoint
+from ..checkpoint import layout
+from ..save.commit import CheckpointError
 
 
 def memory_copy(resume: Any, settings: Any) -> Path | None:
