@@ -1,7 +1,13 @@
+// One save of one file, its stages in the order they run (save_job.hpp draws the whole life):
+//   1. plan     plan(): layout and header, checksum bookkeeping, the temporary file opened;
+//   2. copy     copy_piece(): each piece into a cache chunk; the last one captured completes the snapshot;
+//   3. flush    on_io_prepare() sums a piece as a worker writes it; piece_written() gives its chunk back;
+//   4. commit   after the last piece: header_op() (checksums combined into the header), header_written()
+//               (exact size), data_synced() (rename into place), directory_synced(), finish().
+// The mirror copy is save_mirror.cpp's; the waits and results the bindings read close this file.
 #include "save_job.hpp"
 
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,34 +18,10 @@
 #include <numeric>
 
 #include "crc32c.hpp"
+#include "save_files.hpp"
 
 namespace ds {
 namespace {
-
-std::atomic<std::uint64_t> g_seq{0};
-
-// mkdir -p; returns 0 or errno.
-int make_dirs(const std::string& dir) {
-  if (dir.empty()) return 0;
-  struct stat st;
-  if (stat(dir.c_str(), &st) == 0) return S_ISDIR(st.st_mode) ? 0 : ENOTDIR;
-  const auto slash = dir.find_last_of('/');
-  if (slash != std::string::npos && slash > 0)
-    if (int e = make_dirs(dir.substr(0, slash))) return e;
-  if (mkdir(dir.c_str(), 0777) != 0 && errno != EEXIST) return errno;
-  return 0;
-}
-
-void split_path(const std::string& path, std::string* dir, std::string* base) {
-  const auto slash = path.find_last_of('/');
-  if (slash == std::string::npos) {
-    *dir = ".";
-    *base = path;
-  } else {
-    *dir = slash == 0 ? "/" : path.substr(0, slash);
-    *base = path.substr(slash + 1);
-  }
-}
 
 bool wait_flag(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, const bool& flag,
                double timeout_s) {
@@ -48,6 +30,14 @@ bool wait_flag(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, 
     return true;
   }
   return cv.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return flag; });
+}
+
+IoOp fsync_of(int fd, IoTarget* target) {
+  IoOp op{};
+  op.kind = IoOp::Kind::Fsync;
+  op.fd = fd;
+  op.target = target;
+  return op;
 }
 
 }  // namespace
@@ -75,75 +65,20 @@ SaveJob::~SaveJob() {
   if (mirror_fd_ >= 0) close(mirror_fd_);
 }
 
+// -- 1. plan ------------------------------------------------------------------------------------------------
+
 SaveJob::Planned SaveJob::plan() {
   Planned out;
-  try {
-    // Block segments on a grid that divides the chunk: each is summed whole by the worker of its piece.
-    block_ = std::gcd(cache_->chunk_bytes(), kBlockBytes);
-    layout_ = plan_layout(tensors_, metadata_, opts_.checksums && embed_checksums_, block_);
-  } catch (const ErrorException& e) {
-    fail(Error{e.error.kind, e.error.os_errno, e.error.message, path_});
-  } catch (const std::bad_alloc&) {
-    fail(Error::os(ENOMEM, "planning the header", path_));
-  }
-  if (failed()) {
+  if (!plan_file() || !open_temporary()) {
     finish();
     return out;
-  }
-  chunk_ = cache_->chunk_bytes();
-  data_bytes_ = layout_.file_size - layout_.data_start;
-  npieces_ = (data_bytes_ + chunk_ - 1) / chunk_;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stats_.file_bytes = layout_.file_size;
-    stats_.tensor_bytes = data_bytes_;
-  }
-
-  // Checksum bookkeeping: the block segments of each tensor.
-  crc_parts_.resize(tensors_.size());
-  for (std::size_t k = 0; k < layout_.order.size(); ++k) {
-    const std::size_t t = layout_.order[k];
-    crc_parts_[k].assign(num_segments(layout_.offset[t], tensors_[t].nbytes, block_), 0);
-  }
-
-  std::string base;
-  split_path(path_, &dir_, &base);
-  tmp_path_ =
-      dir_ + "/." + base + ".dstmp." + std::to_string(getpid()) + "." + std::to_string(g_seq.fetch_add(1));
-  if (int e = make_dirs(dir_)) {
-    fail(Error::os(e, "creating the directory " + dir_, path_));
-    finish();
-    return out;
-  }
-  const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC;
-  if (opts_.direct_io) {
-    fd_ = open(tmp_path_.c_str(), flags | O_DIRECT, 0666);
-    direct_ = fd_ >= 0;
-    if (fd_ < 0 && errno != EINVAL) {  // EINVAL: this filesystem has no O_DIRECT (tmpfs); write buffered
-      fail(Error::os(errno, "creating the temporary file " + tmp_path_, path_));
-      finish();
-      return out;
-    }
-  }
-  if (fd_ < 0) {
-    fd_ = open(tmp_path_.c_str(), flags, 0666);
-    if (fd_ < 0) {
-      fail(Error::os(errno, "creating the temporary file " + tmp_path_, path_));
-      finish();
-      return out;
-    }
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stats_.direct_io = direct_;
   }
   if (!mirror_.empty()) open_mirror();
-
   piece_ops_.resize(npieces_);
   to_capture_.store(npieces_);
   to_write_.store(npieces_);
   out.pieces = npieces_;
-  if (npieces_ == 0) {
+  if (npieces_ == 0) {  // nothing to copy: the snapshot is done, the commit starts with the header
     {
       std::lock_guard<std::mutex> lock(mu_);
       snapshot_ = true;
@@ -155,6 +90,66 @@ SaveJob::Planned SaveJob::plan() {
   }
   return out;
 }
+
+bool SaveJob::plan_file() {
+  try {
+    // Block segments on a grid that divides the chunk: each is summed whole by the worker of its piece.
+    block_ = std::gcd(cache_->chunk_bytes(), kBlockBytes);
+    layout_ = plan_layout(tensors_, metadata_, opts_.checksums && embed_checksums_, block_);
+  } catch (const ErrorException& e) {
+    fail(Error{e.error.kind, e.error.os_errno, e.error.message, path_});
+    return false;
+  } catch (const std::bad_alloc&) {
+    fail(Error::os(ENOMEM, "planning the header", path_));
+    return false;
+  }
+  chunk_ = cache_->chunk_bytes();
+  data_bytes_ = layout_.file_size - layout_.data_start;
+  npieces_ = (data_bytes_ + chunk_ - 1) / chunk_;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.file_bytes = layout_.file_size;
+    stats_.tensor_bytes = data_bytes_;
+  }
+  // Checksum bookkeeping: the block segments of each tensor.
+  crc_parts_.resize(tensors_.size());
+  for (std::size_t k = 0; k < layout_.order.size(); ++k) {
+    const std::size_t t = layout_.order[k];
+    crc_parts_[k].assign(num_segments(layout_.offset[t], tensors_[t].nbytes, block_), 0);
+  }
+  return true;
+}
+
+// The temporary file beside the final path, with its parent folders: created before any byte is queued, so
+// nothing truncates later. O_DIRECT where the filesystem has it.
+bool SaveJob::open_temporary() {
+  tmp_path_ = temporary_path(path_, &dir_);
+  if (int e = make_dirs(dir_)) {
+    fail(Error::os(e, "creating the directory " + dir_, path_));
+    return false;
+  }
+  const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC;
+  if (opts_.direct_io) {
+    fd_ = open(tmp_path_.c_str(), flags | O_DIRECT, 0666);
+    direct_ = fd_ >= 0;
+    if (fd_ < 0 && errno != EINVAL) {  // EINVAL: this filesystem has no O_DIRECT (tmpfs); write buffered
+      fail(Error::os(errno, "creating the temporary file " + tmp_path_, path_));
+      return false;
+    }
+  }
+  if (fd_ < 0) {
+    fd_ = open(tmp_path_.c_str(), flags, 0666);
+    if (fd_ < 0) {
+      fail(Error::os(errno, "creating the temporary file " + tmp_path_, path_));
+      return false;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.direct_io = direct_;
+  return true;
+}
+
+// -- 2. copy ------------------------------------------------------------------------------------------------
 
 IoOp* SaveJob::copy_piece(std::size_t i, char* chunk, PieceCopier& copier) {
   const std::size_t lo = i * chunk_, hi = std::min(lo + chunk_, data_bytes_);
@@ -213,6 +208,8 @@ void SaveJob::piece_captured() {
   cv_.notify_all();
 }
 
+// -- 3. flush -----------------------------------------------------------------------------------------------
+
 void SaveJob::on_io_prepare(IoOp& op) {
   if (&op == &header_op_ || op.kind != IoOp::Kind::Write || !opts_.checksums) return;
   // Sum each block segment of this piece; pieces are summed on different workers and combined at commit.
@@ -229,49 +226,16 @@ void SaveJob::on_io_prepare(IoOp& op) {
   }
 }
 
+// A worker's write or fsync of this job has completed: the step it ends leads to the next.
 IoOp* SaveJob::on_io_complete(IoOp& op, int err) {
-  if (&op == &header_op_) {
-    if (err) {
-      fail(Error::os(err, "writing the header of " + tmp_path_, path_));
-      abort_commit();
-      return nullptr;
-    }
-    if (ftruncate(fd_, static_cast<off_t>(layout_.file_size)) != 0) {
-      fail(Error::os(errno, "truncating " + tmp_path_, path_));
-      abort_commit();
-      return nullptr;
-    }
-    write_mirror(header_buf_, layout_.data_start, 0);
-    if (mirror_ok_.load(std::memory_order_acquire) &&
-        ftruncate(mirror_fd_, static_cast<off_t>(layout_.file_size)) != 0)
-      mirror_fail(errno, "truncating");
-    if (!opts_.fsync) return after_data_synced();
-    fsync_op_ = IoOp{};
-    fsync_op_.kind = IoOp::Kind::Fsync;
-    fsync_op_.fd = fd_;
-    fsync_op_.target = this;
-    return &fsync_op_;
-  }
-  if (&op == &fsync_op_) {
-    if (err) {
-      fail(Error::os(err, "fsync of " + tmp_path_, path_));
-      abort_commit();
-      return nullptr;
-    }
-    return after_data_synced();
-  }
-  if (&op == &dirsync_op_) {
-    close(dirfd_);
-    dirfd_ = -1;
-    if (err) {
-      // Renamed but not known to be durable: do not leave it looking committed.
-      fail(Error::os(err, "fsync of directory " + dir_, path_));
-      unlink(path_.c_str());
-    }
-    finish();
-    return nullptr;
-  }
-  // A data piece: copied to the mirror from the same chunk, then the chunk goes back.
+  if (&op == &header_op_) return header_written(err);
+  if (&op == &fsync_op_) return data_synced(err);
+  if (&op == &dirsync_op_) return directory_synced(err);
+  return piece_written(op, err);
+}
+
+// A data piece: copied to the mirror from the same chunk, then the chunk goes back.
+IoOp* SaveJob::piece_written(IoOp& op, int err) {
   if (!err) write_mirror(op.buf, op.len, op.offset);
   cache_->release(op.buf);
   if (err)
@@ -293,26 +257,31 @@ IoOp* SaveJob::piece_finished() {
   return op;
 }
 
-IoOp* SaveJob::header_op() {
-  if (opts_.checksums) {
-    std::vector<std::uint32_t> crcs(layout_.order.size(), 0);
-    for (std::size_t k = 0; k < layout_.order.size(); ++k) {
-      const std::size_t n = tensors_[layout_.order[k]].nbytes;
-      if (n == 0) continue;
-      const std::size_t off = layout_.offset[layout_.order[k]];
-      const std::size_t first = off / block_;
-      std::uint32_t c = crc_parts_[k][0];
-      for (std::size_t j = 1; j < crc_parts_[k].size(); ++j) {
-        const std::size_t seg_lo = (first + j) * block_;
-        const std::size_t len = std::min(seg_lo + block_, off + n) - seg_lo;
-        c = crc32c_combine(c, crc_parts_[k][j], len);
-      }
-      crcs[k] = c;
+// -- 4. commit ----------------------------------------------------------------------------------------------
+
+// Each tensor's CRC-32C from its block segments' (summed by the flush workers), into the header.
+void SaveJob::combine_checksums() {
+  std::vector<std::uint32_t> crcs(layout_.order.size(), 0);
+  for (std::size_t k = 0; k < layout_.order.size(); ++k) {
+    const std::size_t n = tensors_[layout_.order[k]].nbytes;
+    if (n == 0) continue;
+    const std::size_t off = layout_.offset[layout_.order[k]];
+    const std::size_t first = off / block_;
+    std::uint32_t c = crc_parts_[k][0];
+    for (std::size_t j = 1; j < crc_parts_[k].size(); ++j) {
+      const std::size_t seg_lo = (first + j) * block_;
+      const std::size_t len = std::min(seg_lo + block_, off + n) - seg_lo;
+      c = crc32c_combine(c, crc_parts_[k][j], len);
     }
-    patch_checksums(layout_, crcs, crc_parts_);  // a no-op where they are not embedded
-    std::lock_guard<std::mutex> lock(mu_);
-    crcs_ = std::move(crcs);
+    crcs[k] = c;
   }
+  patch_checksums(layout_, crcs, crc_parts_);  // a no-op where they are not embedded
+  std::lock_guard<std::mutex> lock(mu_);
+  crcs_ = std::move(crcs);
+}
+
+IoOp* SaveJob::header_op() {
+  if (opts_.checksums) combine_checksums();
   if (posix_memalign(reinterpret_cast<void**>(&header_buf_), kPage, layout_.data_start) != 0) {
     fail(Error::os(ENOMEM, "allocating the header", path_));
     return nullptr;
@@ -328,7 +297,35 @@ IoOp* SaveJob::header_op() {
   return &header_op_;
 }
 
-IoOp* SaveJob::after_data_synced() {
+IoOp* SaveJob::header_written(int err) {
+  if (err) {
+    fail(Error::os(err, "writing the header of " + tmp_path_, path_));
+    abort_commit();
+    return nullptr;
+  }
+  // O_DIRECT wrote whole blocks: the file takes its exact size.
+  if (ftruncate(fd_, static_cast<off_t>(layout_.file_size)) != 0) {
+    fail(Error::os(errno, "truncating " + tmp_path_, path_));
+    abort_commit();
+    return nullptr;
+  }
+  write_mirror(header_buf_, layout_.data_start, 0);
+  truncate_mirror();
+  if (!opts_.fsync) return rename_into_place();
+  fsync_op_ = fsync_of(fd_, this);
+  return &fsync_op_;
+}
+
+IoOp* SaveJob::data_synced(int err) {
+  if (err) {
+    fail(Error::os(err, "fsync of " + tmp_path_, path_));
+    abort_commit();
+    return nullptr;
+  }
+  return rename_into_place();
+}
+
+IoOp* SaveJob::rename_into_place() {
   const int fd = fd_;
   fd_ = -1;
   if (close(fd) != 0) {
@@ -354,11 +351,20 @@ IoOp* SaveJob::after_data_synced() {
     finish();
     return nullptr;
   }
-  dirsync_op_ = IoOp{};
-  dirsync_op_.kind = IoOp::Kind::Fsync;
-  dirsync_op_.fd = dirfd_;
-  dirsync_op_.target = this;
+  dirsync_op_ = fsync_of(dirfd_, this);
   return &dirsync_op_;
+}
+
+IoOp* SaveJob::directory_synced(int err) {
+  close(dirfd_);
+  dirfd_ = -1;
+  if (err) {
+    // Renamed but not known to be durable: do not leave it looking committed.
+    fail(Error::os(err, "fsync of directory " + dir_, path_));
+    unlink(path_.c_str());
+  }
+  finish();
+  return nullptr;
 }
 
 void SaveJob::abort_commit() {
@@ -368,64 +374,6 @@ void SaveJob::abort_commit() {
   }
   if (!tmp_path_.empty()) unlink(tmp_path_.c_str());
   finish();
-}
-
-void SaveJob::fail(Error e) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!error_) error_ = std::move(e);
-  failed_.store(true, std::memory_order_release);
-}
-
-void SaveJob::open_mirror() {
-  std::string dir, base;
-  split_path(mirror_, &dir, &base);
-  mirror_tmp_ =
-      dir + "/." + base + ".dstmp." + std::to_string(getpid()) + "." + std::to_string(g_seq.fetch_add(1));
-  if (int e = make_dirs(dir)) return mirror_fail(e, "creating its directory for");
-  mirror_fd_ = open(mirror_tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-  if (mirror_fd_ < 0) return mirror_fail(errno, "creating");
-  mirror_ok_.store(true, std::memory_order_release);
-}
-
-void SaveJob::write_mirror(const char* buf, std::size_t len, std::uint64_t offset) {
-  if (!mirror_ok_.load(std::memory_order_acquire)) return;
-  while (len > 0) {  // tmpfs writes whole buffers; a short write (ENOSPC midway) is resumed or reported
-    const ssize_t n = pwrite(mirror_fd_, buf, len, static_cast<off_t>(offset));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return mirror_fail(n < 0 ? errno : ENOSPC, "writing");
-    buf += n;
-    len -= static_cast<std::size_t>(n);
-    offset += static_cast<std::uint64_t>(n);
-  }
-}
-
-void SaveJob::mirror_fail(int err, const std::string& what) {
-  mirror_ok_.store(false, std::memory_order_release);
-  std::lock_guard<std::mutex> lock(mu_);
-  if (mirror_error_.empty())
-    mirror_error_ = mirror_ + ": " + std::strerror(err) + " (" + what + " the mirror copy)";
-}
-
-// At the end of the job (every piece written or dropped): renamed into place if the save and the mirror both
-// succeeded, removed otherwise.
-void SaveJob::close_mirror(bool commit) {
-  if (mirror_fd_ < 0) return;
-  close(mirror_fd_);
-  mirror_fd_ = -1;
-  if (commit && mirror_ok_.load(std::memory_order_acquire)) {
-    if (rename(mirror_tmp_.c_str(), mirror_.c_str()) == 0) {
-      std::lock_guard<std::mutex> lock(mu_);
-      stats_.mirrored = true;
-      return;
-    }
-    mirror_fail(errno, "renaming into place");
-  }
-  unlink(mirror_tmp_.c_str());
-}
-
-std::string SaveJob::mirror_error() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return mirror_error_;
 }
 
 void SaveJob::finish() {
@@ -444,6 +392,14 @@ void SaveJob::finish() {
   }
   if (observer_) observer_->job_finished();
 }
+
+void SaveJob::fail(Error e) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!error_) error_ = std::move(e);
+  failed_.store(true, std::memory_order_release);
+}
+
+// -- waits and results (the bindings' side) -----------------------------------------------------------------
 
 bool SaveJob::wait_snapshot(double timeout_s) {
   std::unique_lock<std::mutex> lock(mu_);

@@ -110,17 +110,30 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   std::string mirror_error();
 
  private:
+  // 1. plan
+  bool plan_file();
+  bool open_temporary();
+  // 2. copy
   // File-order position of the first tensor that ends after data offset `lo` (the first in a piece).
   std::size_t first_ending_after(std::size_t lo) const;
-  void fail(Error e);
   void piece_captured();
+  // 3. flush
+  IoOp* piece_written(IoOp& op, int err);
   IoOp* piece_finished();
+  // 4. commit
+  void combine_checksums();
   IoOp* header_op();
-  IoOp* after_data_synced();
+  IoOp* header_written(int err);
+  IoOp* data_synced(int err);
+  IoOp* rename_into_place();
+  IoOp* directory_synced(int err);
   void abort_commit();
   void finish();
+  void fail(Error e);
+  // the mirror copy (save_mirror.cpp)
   void open_mirror();
   void write_mirror(const char* buf, std::size_t len, std::uint64_t offset);
+  void truncate_mirror();
   void mirror_fail(int err, const std::string& what);
   void close_mirror(bool commit);
 

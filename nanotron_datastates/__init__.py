@@ -12,15 +12,16 @@ The public names are imported on first use: the post-import hook that every Pyth
 
 TYPE_CHECKING = False  # not typing's: importing typing costs milliseconds at every start
 if TYPE_CHECKING:
-    from .engine import DataStatesEngine, SaveHandle
+    from .engine import DataStatesEngine
     from .engine_settings import DataStatesConfig
     from .errors import ChecksumError, FormatError
     from .plan import SavePlan
+    from .save_handle import SaveHandle
 
 _WHERE = {
     "DataStatesConfig": "engine_settings",
     "DataStatesEngine": "engine",
-    "SaveHandle": "engine",
+    "SaveHandle": "save_handle",
     "ChecksumError": "errors",
     "FormatError": "errors",
     "SavePlan": "plan",

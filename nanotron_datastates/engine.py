@@ -6,22 +6,25 @@ A save goes through four stages; only the first runs on the caller's thread::
 
 and resolves two futures, as PyTorch DCP's ``AsyncSaveResponse`` does: *snapshot* (every tensor captured, the
 caller may mutate them) and *persisted* (fsync'd, renamed into place, directory fsync'd).
+
+This module is the public face; the plumbing is beside it: `plan` (flattening), `save_handle` (one save's
+futures), `in_flight` (the engine-wide waits and telemetry), `restore` (reading), `core_setup` (starting the
+C++ core).
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
-import threading
 import time
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from . import _core, telemetry
 from . import format as fmt
+from .core_setup import start_core
 from .engine_settings import DataStatesConfig
+from .in_flight import InFlight
 from .plan import SavePlan, plan_save, prepare_many
 from .restore import (
     load_file,
@@ -32,155 +35,11 @@ from .restore import (
     read_structure,
     verify_file,
 )
+from .save_handle import SaveHandle, wait_handles
+
+__all__ = ["DataStatesEngine", "SaveHandle", "wait_handles"]
 
 log = logging.getLogger("nanotron_datastates")
-_warned: set[str] = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
-        log.warning(msg)
-
-
-class SaveHandle:
-    """One save in flight. Returned by :meth:`DataStatesEngine.save`.
-
-    Both waits raise the save's error (OSError with errno and path, for I/O) once it is known, and
-    TimeoutError when `timeout` (seconds) passes first.
-    """
-
-    def __init__(
-        self,
-        job: Any,
-        path: str,
-        keepalive: list[torch.Tensor],
-        nbytes: int,
-        staged: bool = False,
-        mirror: str | None = None,
-        exact_metadata: bool = False,
-    ) -> None:
-        self._job = job
-        self.path = path
-        self.exact_metadata = exact_metadata
-        """Whether the header holds the caller's metadata only, without checksums (see :meth:`checksums`)."""
-        self.mirror = mirror
-        """Where the save writes its second copy (``save(..., mirror=...)``), or None."""
-        self.nbytes = nbytes
-        self.staged = staged
-        """Whether the save copied the state when it was called (``save(..., stage=True)``)."""
-        self._keepalive: list[torch.Tensor] | None = keepalive
-        self._reported = False
-        self._stall_s = 0.0  # the caller's time in save (its share of the call) and in wait_snapshot
-        self._logged = False  # its telemetry line written
-
-    def wait_snapshot(self, timeout: float | None = None) -> None:
-        """Returns once every tensor of the state has been captured: the caller may mutate them now. At once
-        for a staged save, whose copies were queued before :meth:`DataStatesEngine.save` returned."""
-        if self.staged:
-            self._raise()
-            return
-        t0 = time.perf_counter()
-        try:
-            self.wait_copied(timeout)
-        finally:
-            self._stall_s += time.perf_counter() - t0
-
-    def wait_copied(self, timeout: float | None = None) -> None:
-        """Returns once every byte is in the engine's host cache (or already written); the tensors the engine
-        read (the state's, or a staged save's copies, whose memory goes back now) are no longer used."""
-        if not self._job.wait_snapshot(-1.0 if timeout is None else timeout):
-            raise TimeoutError(f"snapshot of {self.path} not done within {timeout} s")
-        self._keepalive = None  # the engine no longer reads them
-        self._raise()
-
-    def wait_persisted(self, timeout: float | None = None) -> None:
-        """Returns once the file is durable at :attr:`path` (fsync'd, renamed, directory fsync'd)."""
-        if not self._job.wait_persisted(-1.0 if timeout is None else timeout):
-            raise TimeoutError(f"{self.path} not persisted within {timeout} s")
-        self._keepalive = None
-        self._raise()
-
-    def snapshot_done(self) -> bool:
-        """True once :meth:`wait_snapshot` would return at once."""
-        return self.staged or self._job.snapshot_done()
-
-    def done(self) -> bool:
-        """True once persisted or failed."""
-        return self._job.persisted_done()
-
-    def exception(self) -> BaseException | None:
-        """The save's error once it has failed, else None; never raises it."""
-        if not self._job.failed() or not self.done():
-            return None
-        try:
-            self._job.raise_error()
-        except Exception as e:
-            return e
-        return None
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        """Bytes and seconds since submission: ``snapshot_s`` and ``persisted_s`` (None until done)."""
-        s = self._job.stats()
-        t0 = s["t_submit_ns"]
-        return {
-            "path": self.path,
-            "file_bytes": s["file_bytes"],
-            "tensor_bytes": s["tensor_bytes"],
-            "snapshot_s": (s["t_snapshot_ns"] - t0) / 1e9 if s["t_snapshot_ns"] else None,
-            "persisted_s": (s["t_persisted_ns"] - t0) / 1e9 if s["t_persisted_ns"] else None,
-            "direct_io": s["direct_io"],
-            "mirrored": s["mirrored"],
-        }
-
-    def mirrored(self) -> bool:
-        """Once persisted: whether the mirror copy is in place at :attr:`mirror`. A mirror that could not be
-        written (no room, say) never fails the save: :meth:`mirror_error` says why it was dropped."""
-        self.wait_persisted()
-        return bool(self._job.stats()["mirrored"])
-
-    def mirror_error(self) -> str | None:
-        """Why the mirror copy was dropped, or None."""
-        return self._job.mirror_error() or None
-
-    def checksums(self) -> dict[str, int]:
-        """CRC-32C of each tensor, by name, once persisted (empty when checksums are off)."""
-        self.wait_persisted()
-        return dict(self._job.checksums())
-
-    def block_checksums(self) -> tuple[int, dict[str, list[int]]]:
-        """(B, the CRC-32C of each block segment per tensor name), once persisted: each tensor's bytes cut at
-        the multiples of B in the data section, as docs/FORMAT.md specifies (B is 0 when checksums are off).
-        A file saved with `exact_metadata` holds neither these nor :meth:`checksums`: keep them elsewhere to
-        read it in part (:meth:`DataStatesEngine.load_ranges`)."""
-        self.wait_persisted()
-        block, sums = self._job.block_checksums()
-        return block, dict(sums)
-
-    def _raise(self) -> None:
-        if self._job.failed():
-            self._reported = True
-            self._job.raise_error()
-
-    def __repr__(self) -> str:
-        state = "persisted" if self.done() else ("captured" if self.snapshot_done() else "copying")
-        if self.done() and self._job.failed():
-            state = "failed"
-        return f"<SaveHandle {self.path} {state}>"
-
-
-def wait_handles(
-    handles: Sequence[SaveHandle], *, persisted: bool = False, timeout: float | None = None
-) -> None:
-    """Waits until every handle's bytes are in the host cache (`persisted`: durable), in one call that gives
-    the GIL up once, then lets go of the tensors they kept alive. TimeoutError if `timeout` passes first.
-    A failed save counts as done here: its own waits report its error."""
-    if not _core.wait_jobs([h._job for h in handles], persisted, -1.0 if timeout is None else timeout):
-        what = "persisted" if persisted else "copied"
-        raise TimeoutError(f"{len(handles)} saves not all {what} within {timeout} s")
-    for h in handles:
-        h._keepalive = None
 
 
 class DataStatesEngine:
@@ -197,36 +56,8 @@ class DataStatesEngine:
         elif overrides:
             config = DataStatesConfig(**{**config.to_dict(), **overrides})
         self.config = config
-        _check_memory(config)
-        pin_device = -1
-        if config.pin_host_cache and torch.cuda.is_available():
-            pin_device = torch.cuda.current_device()
-        self._core = _core.Engine(
-            cache_bytes=config.cache_bytes,
-            chunk_bytes=config.chunk_bytes,
-            pin_device=pin_device,
-            huge_pages=config.huge_pages,
-            parser_threads=config.parser_threads,
-            copy_threads=config.copy_threads or 1,
-            host_copy_threads=config.copy_threads or min(4, os.cpu_count() or 1),
-            flush_threads=config.flush_threads,
-            queue_depth=config.queue_depth,
-            read_bytes=config.read_bytes,
-            io_backend=config.io_backend,
-            direct_io=config.direct_io,
-            fsync=config.fsync,
-            checksums=config.checksums,
-        )
-        if self._core.fallback_reason:
-            _warn_once(
-                f"io_uring is refused here ({self._core.fallback_reason}); flushing with a pwrite thread pool"
-            )
-        if pin_device >= 0 and not self._core.pinned:
-            _warn_once(
-                f"could not page-lock the host cache ({self._core.pin_error}); GPU copies will be slower"
-            )
-        self._lock = threading.Lock()
-        self._handles: collections.deque[SaveHandle] = collections.deque()
+        self._core = start_core(config)
+        self._in_flight = InFlight(config.telemetry_path, self._core.cache_stats)
         self._closed = False
 
     # -- saving -------------------------------------------------------------------------------------------
@@ -333,76 +164,16 @@ class DataStatesEngine:
         ]
         for h in handles:
             h._stall_s = (time.perf_counter() - t0) / len(handles)
-        with self._lock:
-            self._log()
-            self._prune()
-            self._handles.extend(handles)
+        self._in_flight.add(handles)
         return handles
 
     def wait_snapshot(self, timeout: float | None = None) -> None:
         """Waits for the snapshot of every save in flight; raises the first error not yet reported."""
-        self._wait_all("snapshot", timeout)
+        self._in_flight.wait("snapshot", timeout)
 
     def wait_persisted(self, timeout: float | None = None) -> None:
         """Waits until every save in flight is persisted; raises the first error not yet reported."""
-        self._wait_all("persisted", timeout)
-
-    def _wait_all(self, what: str, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            handles = list(self._handles)
-        for h in handles:  # one at a time, so that a timeout names the save
-            left = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            wait = h._job.wait_snapshot if what == "snapshot" else h._job.wait_persisted
-            if not wait(left):
-                raise TimeoutError(f"{what} of {h.path} not done within {timeout} s")
-            h._keepalive = None
-        with self._lock:
-            failed = next((h for h in self._handles if h._job.failed() and not h._reported), None)
-            self._log()
-            self._prune()
-        if failed is not None:
-            failed._raise()  # the others stay for the next wait, or close()
-
-    def _prune(self) -> None:
-        # Drop handles that are persisted and have nothing left to report (oldest first).
-        while (
-            self._handles
-            and self._handles[0].done()
-            and (self._handles[0]._reported or not self._handles[0]._job.failed())
-            and (self._handles[0]._logged or not self.config.telemetry_path)
-        ):
-            self._handles.popleft()
-
-    def _log(self) -> None:
-        """Writes the telemetry lines of the saves done since the last call (`config.telemetry_path`)."""
-        if not self.config.telemetry_path:
-            return
-        done = [h for h in self._handles if not h._logged and h.done()]
-        if not done:
-            return
-        cache = self._core.cache_stats(True)
-        lines = []
-        for h in done:
-            h._logged = True
-            s, err = h.stats, h.exception()
-            persisted = s["persisted_s"] or 0.0
-            line = telemetry.record(
-                step=None,
-                where=h.path,
-                committed=err is None,
-                errors=[str(err)] if err else [],
-                nbytes=s["file_bytes"],
-                files=1,
-                stall_s=h._stall_s,
-                snapshot_s=s["snapshot_s"] or 0.0,
-                persisted_s=persisted,
-                committed_s=persisted,
-                cache=cache,
-            )
-            lines.append(line)
-            cache = {}  # counted on the first line of the batch
-        telemetry.append(self.config.telemetry_path, lines)
+        self._in_flight.wait("persisted", timeout)
 
     # -- loading ------------------------------------------------------------------------------------------
 
@@ -556,22 +327,10 @@ class DataStatesEngine:
         """
         if self._closed:
             return
-        if self.config.telemetry_path:  # the last lines, while the cache's statistics are still there
-            with self._lock:
-                handles = list(self._handles)
-            for h in handles:
-                h._job.wait_persisted(-1.0)
-            with self._lock:
-                self._log()
+        self._in_flight.log_remaining()
         self._closed = True
         self._core.close()
-        with self._lock:
-            pending = [h for h in self._handles if not h._reported and h._job.failed()]
-            self._handles.clear()
-        if pending:
-            for h in pending[1:]:
-                log.error("checkpoint save failed: %s", h.exception())
-            pending[0]._raise()
+        self._in_flight.close()
 
     def __enter__(self) -> DataStatesEngine:
         return self
@@ -591,15 +350,3 @@ class DataStatesEngine:
                 self.close()
         except Exception:
             pass
-
-
-def _check_memory(config: DataStatesConfig) -> None:
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return
-    if config.cache_bytes > 0.9 * total:
-        raise ValueError(
-            f"datastates.host_cache_size={config.host_cache_size} GiB does not fit in this machine's "
-            f"{total / 2**30:.1f} GiB of memory; use at most {0.9 * total / 2**30:.1f}"
-        )

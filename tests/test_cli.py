@@ -12,9 +12,8 @@ import sys
 import pytest
 import torch
 
-from nanotron_datastates import cli
 from nanotron_datastates import format as fmt
-from nanotron_datastates.cli import main
+from nanotron_datastates.cli import main, measure, parser, words
 from nanotron_datastates.nanotron.checkpoint import layout
 from nanotron_datastates.nanotron.save import housekeeping
 from nanotron_datastates.nanotron.save.commit import CommitResult
@@ -250,9 +249,9 @@ def test_inspect_a_folder_of_engine_files(tiny_lm, capsys):
     assert (rc, err) == (0, "")
     lines = out.splitlines()
     total = sum((tiny_lm / rel).stat().st_size for rel in TINY_LM_FILES)
-    assert lines[0] == f"{tiny_lm}: 3 safetensors files, 9 tensors, {cli.human_bytes(total)}"
+    assert lines[0] == f"{tiny_lm}: 3 safetensors files, 9 tensors, {words.human_bytes(total)}"
     for rel in TINY_LM_FILES:  # nested, in path order; other files are not listed
-        size = cli.human_bytes((tiny_lm / rel).stat().st_size)
+        size = words.human_bytes((tiny_lm / rel).stat().st_size)
         assert f"  {rel}: {size}, 3 tensors BF16/F32, datastates, CRC-32C per tensor" in lines
     assert len(lines) == 4 and "train_losses" not in out
     rc, out, _ = run(capsys, "inspect", str(tiny_lm), "--tensors")
@@ -345,10 +344,10 @@ def test_nanotron_own_layout_is_read_without_a_manifest(ckpt, capsys):
 def test_human_units_and_plurals():
     sizes = [0, 1, 999, 1000, 1234, 12_345, 512_000, 999_499, 999_999, 2_160_000_000, 5 * 10**12]
     expected = ["0 B", "1 B", "999 B", "1 kB", "1.23 kB", "12.3 kB", "512 kB", "999 kB", "1 MB", "2.16 GB"]
-    assert [cli.human_bytes(n) for n in sizes] == [*expected, "5 TB"]
-    assert [cli.plural(n, "tensor") for n in (0, 1, 2)] == ["0 tensors", "1 tensor", "2 tensors"]
-    assert cli.plural(1, "temporary", "temporaries") == "1 temporary"
-    assert cli.plural(3, "temporary", "temporaries") == "3 temporaries"
+    assert [words.human_bytes(n) for n in sizes] == [*expected, "5 TB"]
+    assert [words.plural(n, "tensor") for n in (0, 1, 2)] == ["0 tensors", "1 tensor", "2 tensors"]
+    assert words.plural(1, "temporary", "temporaries") == "1 temporary"
+    assert words.plural(3, "temporary", "temporaries") == "3 temporaries"
 
 
 def test_every_size_printed_is_in_one_unit_system(ckpt, tiny_lm, capsys):
@@ -410,7 +409,7 @@ def test_plot_says_what_it_needs(tiny_lm, ckpt, capsys):
     (tiny_lm / "notes.jsonl").write_bytes(b"\xff\xfe not text")
     rc, _, err = run(capsys, "plot", str(tiny_lm / "notes.jsonl"))
     assert rc == 1 and "no telemetry records" in err and "codec" not in err
-    assert cli.TELEMETRY == housekeeping.TELEMETRY
+    assert measure.TELEMETRY == housekeeping.TELEMETRY
 
 
 # -- a closed pipe; help ------------------------------------------------------------------------------------
@@ -456,8 +455,8 @@ def test_piped_into_head_prints_no_broken_pipe(engine, tmp_path):
 
 
 def test_every_option_says_what_it_does_and_its_default(capsys):
-    parser = cli._parser()
-    (commands,) = [a for a in parser._actions if isinstance(a, type(parser._subparsers._group_actions[0]))]
+    p = parser.build_parser()
+    (commands,) = [a for a in p._actions if isinstance(a, type(p._subparsers._group_actions[0]))]
     assert set(commands.choices) == {"inspect", "verify", "convert", "bench", "plot", "tier"}
     for name, sub in commands.choices.items():
         for action in sub._actions:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
-from nanotron_datastates.engine import wait_handles
+from nanotron_datastates.save_handle import wait_handles
 
 from helpers import injected_fault, same, small_config
 

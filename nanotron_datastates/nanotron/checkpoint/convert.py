@@ -36,8 +36,9 @@ import yaml
 from torch.torch_version import TorchVersion
 
 from ... import trust
-from ...engine import DataStatesEngine, SaveHandle
+from ...engine import DataStatesEngine
 from ...errors import FormatError
+from ...save_handle import SaveHandle
 from .. import rng_states as states
 from . import layout
 

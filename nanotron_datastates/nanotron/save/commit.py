@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from ...engine import wait_handles
+from ...save_handle import wait_handles
 from ..checkpoint import layout
 
 

@@ -1,0 +1,152 @@
+"""`inspect`, `verify` and `convert`: what a checkpoint holds, whether it is sound, and the other layout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from ..nanotron.checkpoint import folder as checkpoint
+from ..nanotron.checkpoint import verify
+from .words import human_bytes, plural
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    info = checkpoint.describe(args.path, tensors=args.tensors)
+    if args.json:
+        text = json.dumps(info, indent=1)
+    elif info["kind"] == "file":
+        text = _file_text(info, args.tensors)
+    elif info["kind"] == "folder":
+        text = _folder_text(info)
+    elif info["kind"] == "checkpoint":
+        text = _checkpoint_text(info)
+    else:
+        text = _root_text(info, args.tensors)
+    print(text)
+    return 0
+
+
+def _root_text(info: dict[str, Any], tensors: bool) -> str:
+    latest = info["latest"]
+    named = f"latest.txt names {latest}" if latest is not None else "no readable latest.txt"
+    lines = [f"{info['path']}: {plural(len(info['checkpoints']), 'checkpoint')}, {named}"]
+    for ck in info["checkpoints"]:
+        lines.append(_checkpoint_line(ck))
+        if tensors:
+            lines.extend(_files_lines(ck["files"], "    "))
+    return "\n".join(lines)
+
+
+def _checkpoint_line(ck: dict[str, Any]) -> str:
+    topo = ", ".join(f"{k}={v}" for k, v in ck["topology"].items() if v is not None) or "?"
+    state = "committed" if ck["committed"] else "NOT committed"
+    latest = ", latest" if ck["latest"] else ""
+    step = "?" if ck["step"] is None else ck["step"]
+    return (
+        f"  {Path(ck['path']).name}: step {step}, {ck['engine'] or 'unknown engine'}, {state}{latest}; "
+        f"{plural(len(ck['files']), 'file')}, {plural(ck['tensors'], 'tensor')}, {human_bytes(ck['bytes'])}; "
+        f"{topo}"
+    )
+
+
+def _checkpoint_text(ck: dict[str, Any]) -> str:
+    lines = [f"{ck['path']}:", _checkpoint_line(ck), *_files_lines(ck["files"], "    ")]
+    lines.extend(_temporaries_lines(ck["temporaries"]))
+    return "\n".join(lines)
+
+
+def _folder_text(info: dict[str, Any]) -> str:
+    files = info["files"]
+    lines = [
+        f"{info['path']}: {plural(len(files), 'safetensors file')}, {plural(info['tensors'], 'tensor')}, "
+        f"{human_bytes(info['bytes'])}"
+    ]
+    lines.extend(_files_lines(files, "  "))
+    lines.extend(_temporaries_lines(info["temporaries"]))
+    return "\n".join(lines)
+
+
+def _files_lines(files: list[dict[str, Any]], indent: str) -> list[str]:
+    """One line per file; under a safetensors file read with its tensors, one line per tensor."""
+    lines = []
+    for f in files:
+        desc = [human_bytes(f["bytes"])]
+        if "tensors" in f:
+            desc.append(f"{plural(f['tensors'], 'tensor')} {'/'.join(f['dtypes'])}".rstrip())
+            desc.append(_writer_text(f["engine"], f["checksums"], f.get("checksums_in_manifest", False)))
+        error = f"  ERROR {f['error']}" if "error" in f else ""
+        lines.append(f"{indent}{f['file']}: {', '.join(desc)}{error}")
+        lines.extend(_tensor_lines(f.get("tensor_list", []), indent + "  "))
+    return lines
+
+
+def _tensor_lines(tensors: list[dict[str, Any]], indent: str) -> list[str]:
+    return [f"{indent}{t['name']}: {t['dtype']} {t['shape']} ({human_bytes(t['bytes'])})" for t in tensors]
+
+
+def _temporaries_lines(temporaries: list[str]) -> list[str]:
+    if not temporaries:
+        return []
+    n = plural(len(temporaries), "temporary", "temporaries")
+    return [f"  {n} left by a process that died mid-save: {', '.join(temporaries)}"]
+
+
+def _writer_text(engine: str, checksums: bool, in_manifest: bool = False) -> str:
+    if checksums:
+        return f"{engine}, CRC-32C per tensor"
+    return f"{engine}, {'CRC-32C per tensor in datastates.json' if in_manifest else 'no checksums'}"
+
+
+def _file_text(info: dict[str, Any], tensors: bool) -> str:
+    listed = info["tensors"]
+    dtypes = "/".join(sorted({t["dtype"] for t in listed}))
+    size = sum(t["bytes"] for t in listed)
+    count = f"{plural(len(listed), 'tensor')} {dtypes}".rstrip()
+    lines = [
+        f"{info['path']}: {human_bytes(info['bytes'])}, {count} ({human_bytes(size)} of data), "
+        f"{_writer_text(info['engine'], info['checksums'])}"
+    ]
+    if tensors:
+        lines.extend(_tensor_lines(listed, "  "))
+    for k, v in info["metadata"].items():
+        lines.append(f"  metadata {k} = {v[:100]}{'...' if len(v) > 100 else ''}")
+    return "\n".join(lines)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    if checkpoint.kind_of(args.path) not in checkpoint.KINDS:
+        raise checkpoint.NotACheckpoint(checkpoint.explain(args.path))
+    report = verify.verify(args.path)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=1))
+    else:
+        for n in report.notes:
+            print(f"note: {n}")
+        for p in report.problems:
+            print(f"PROBLEM: {p}")
+        print(_verify_summary(report))
+    return 0 if report.ok else 1
+
+
+def _verify_summary(r: verify.Report) -> str:
+    verdict = "OK" if r.ok else f"FAILED ({plural(len(r.problems), 'problem')})"
+    files = plural(r.files_checked, "file") + " checked"
+    if r.files_failed:
+        files += f" ({r.files_failed} failed)"
+    tensors = plural(r.tensors_checksummed, "tensor") + " checksummed"
+    if r.tensors_failed:
+        tensors += f" ({r.tensors_failed} failed)"
+    parts = [files, tensors]
+    if r.files_without_checksums:
+        parts.append(f"{plural(r.files_without_checksums, 'file')} without checksums (structure checked)")
+    return f"{r.path}: {verdict}; {', '.join(parts)}"
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ..nanotron.checkpoint.convert import convert
+
+    out = convert(args.src, args.out, to=args.to, allow_pickle=args.allow_pickle)
+    print(f"{args.src} -> {out} ({args.to} layout)")
+    return 0

@@ -1,0 +1,33 @@
+"""`tier`: the memory tier's job folders, listed or cleared."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from .words import human_bytes, plural
+
+
+def cmd_tier(args: argparse.Namespace) -> int:
+    from ..nanotron import memory_tier as tier
+
+    args.path = args.path.replace("{uid}", str(os.geteuid()))
+    if args.action == "list":
+        jobs = tier.jobs(args.path)
+        if args.json:
+            print(json.dumps(jobs, indent=1))
+            return 0
+        if not jobs:
+            print(f"{args.path}: no checkpoint held in memory")
+        for j in jobs:
+            steps = ", ".join(map(str, j["steps"])) or "none"
+            print(
+                f"{j['folder']}: {j['checkpoints'] or '(checkpoints folder unknown)'}, "
+                f"{plural(len(j['steps']), 'step')} ({steps}), {human_bytes(j['bytes'])}"
+            )
+        return 0
+    folders = [tier.job_folder(args.path, args.checkpoints)] if args.checkpoints else None
+    removed = tier.clear_jobs(args.path, folders)
+    print(f"{args.path}: removed {plural(len(removed), 'job folder')}")
+    return 0

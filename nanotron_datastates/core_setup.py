@@ -1,0 +1,64 @@
+"""Starting the C++ core from the engine's settings: the memory check, the pinning device, the warnings
+about what this machine refuses (io_uring, page-locking)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from . import _core
+from .engine_settings import DataStatesConfig
+
+log = logging.getLogger("nanotron_datastates")
+_warned: set[str] = set()
+
+
+def start_core(config: DataStatesConfig) -> _core.Engine:
+    """The core's engine (threads, host cache, flush workers) for `config`; ValueError naming the setting
+    when the host cache cannot fit in this machine's memory."""
+    check_memory(config)
+    pin_device = -1
+    if config.pin_host_cache and torch.cuda.is_available():
+        pin_device = torch.cuda.current_device()
+    core = _core.Engine(
+        cache_bytes=config.cache_bytes,
+        chunk_bytes=config.chunk_bytes,
+        pin_device=pin_device,
+        huge_pages=config.huge_pages,
+        parser_threads=config.parser_threads,
+        copy_threads=config.copy_threads or 1,
+        host_copy_threads=config.copy_threads or min(4, os.cpu_count() or 1),
+        flush_threads=config.flush_threads,
+        queue_depth=config.queue_depth,
+        read_bytes=config.read_bytes,
+        io_backend=config.io_backend,
+        direct_io=config.direct_io,
+        fsync=config.fsync,
+        checksums=config.checksums,
+    )
+    if core.fallback_reason:
+        _warn_once(f"io_uring is refused here ({core.fallback_reason}); flushing with a pwrite thread pool")
+    if pin_device >= 0 and not core.pinned:
+        _warn_once(f"could not page-lock the host cache ({core.pin_error}); GPU copies will be slower")
+    return core
+
+
+def check_memory(config: DataStatesConfig) -> None:
+    """ValueError when the host cache asks for more than 90% of this machine's memory."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return
+    if config.cache_bytes > 0.9 * total:
+        raise ValueError(
+            f"datastates.host_cache_size={config.host_cache_size} GiB does not fit in this machine's "
+            f"{total / 2**30:.1f} GiB of memory; use at most {0.9 * total / 2**30:.1f}"
+        )
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
