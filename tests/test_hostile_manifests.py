@@ -109,12 +109,14 @@ def test_verify_reports_each_bad_checkpoint_and_goes_on_in_bounded_time(saved, t
         doc["step"] = 100 + i
         (folder / layout.MANIFEST).write_text(json.dumps(_edit(doc, how)[0]))
     script = (
-        "import json, sys; from nanotron_datastates.nanotron.checkpoint.verify import verify; "
-        f"r = verify({str(root)!r}); print(json.dumps(r.as_dict()))"
+        "import json, resource; from nanotron_datastates.nanotron.checkpoint.verify import verify; "
+        f"r = verify({str(root)!r}).as_dict(); "
+        "r['max_rss_kib'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; print(json.dumps(r))"
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["max_rss_kib"] < 1024 * 1024, report["max_rss_kib"]  # torch's import and the files: < 1 GiB
     for i in range(len(HOW)):
         assert any(str(root / str(100 + i)) in p for p in report["problems"]), (HOW[i], report["problems"])
     assert not any(f"{root / '10'}/" in p or f"{root / '20'}/" in p for p in report["problems"])
