@@ -116,7 +116,9 @@ def test_verify_reports_each_bad_checkpoint_and_goes_on_in_bounded_time(saved, t
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
-    assert report["max_rss_kib"] < 1024 * 1024, report["max_rss_kib"]  # torch's import and the files: < 1 GiB
+    # torch, the engine's host cache in use and the files come to about 1 GiB: the bound catches memory that
+    # grows with what a hostile manifest claims (ranks, files, sizes)
+    assert report["max_rss_kib"] < 2 * 1024 * 1024, report["max_rss_kib"]
     for i in range(len(HOW)):
         assert any(str(root / str(100 + i)) in p for p in report["problems"]), (HOW[i], report["problems"])
     assert not any(f"{root / '10'}/" in p or f"{root / '20'}/" in p for p in report["problems"])
