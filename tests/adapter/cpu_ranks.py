@@ -345,12 +345,12 @@ def stock_save(pc: Any, c: Any, state: tuple[Any, Any, Any, Any], root: Path, st
     # a torch.save of two ranks at once into one path can interleave their bytes.
     import torch.distributed as dist
 
-    cp_pg = getattr(pc, "cp_pg", None)
-    cp_size = cp_pg.size() if cp_pg is not None else 1
-    for turn in range(cp_size):
-        if cp_size == 1 or dist.get_rank(cp_pg) == turn:
+    from nanotron_datastates.nanotron import groups
+
+    for turn in range(groups.cp_size(pc)):
+        if groups.cp_rank(pc) == turn:
             save_random_states(random_states=random_states, parallel_context=pc, root_folder=root)
-        if cp_size > 1:
+        if groups.cp_size(pc) > 1:
             dist.barrier()
     save_meta(parallel_context=pc, root_folder=root, training_metadata=training_metadata(step))
 
