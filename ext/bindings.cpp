@@ -71,7 +71,8 @@ using View = std::tuple<std::size_t, std::size_t, std::size_t, std::vector<std::
 // A file to save: path, tensor names, safetensors dtypes, then the tensors (arrays), or their views into
 // the bases (a staged checkpoint: two DLPack exports instead of hundreds), metadata, embed_checksums.
 using FileArg = std::tuple<std::string, std::vector<std::string>, std::vector<std::string>,
-                           std::vector<nb::ndarray<>>, std::vector<View>, ds::Metadata, bool, std::string>;
+                           std::vector<nb::ndarray<>>, std::vector<View>, ds::Metadata, bool, std::string,
+                           std::string>;
 
 ds::TensorSrc view_src(const View& v, const std::vector<nb::ndarray<>>& bases, std::string name,
                        std::string dtype, const std::string& path) {
@@ -106,7 +107,7 @@ ds::TensorSrc view_src(const View& v, const std::vector<nb::ndarray<>>& bases, s
 }
 
 ds::SaveRequest to_request(FileArg& f, const std::vector<nb::ndarray<>>& bases) {
-  auto& [path, names, dtypes, arrays, views, metadata, embed_checksums, mirror] = f;
+  auto& [path, names, dtypes, arrays, views, metadata, embed_checksums, mirror, recycle] = f;
   const std::size_t n = views.empty() ? arrays.size() : views.size();
   if (names.size() != n || dtypes.size() != n || (!views.empty() && !arrays.empty()))
     throw ds::ErrorException(ds::Error::value(path + ": names, dtypes and tensors differ in length"));
@@ -119,6 +120,7 @@ ds::SaveRequest to_request(FileArg& f, const std::vector<nb::ndarray<>>& bases) 
   r.metadata = std::move(metadata);
   r.embed_checksums = embed_checksums;
   r.mirror = std::move(mirror);
+  r.recycle = std::move(recycle);
   return r;
 }
 
@@ -215,8 +217,15 @@ NB_MODULE(_core, m) {
             return e.save_many(std::move(requests), streams);
           },
           "files"_a, "bases"_a, "streams"_a,
-          "Queues files [(path, names, dtypes, arrays, views, metadata, embed_checksums, mirror)]; one Job "
-          "each")
+          "Queues files [(path, names, dtypes, arrays, views, metadata, embed_checksums, mirror, recycle)]; "
+          "one Job each")
+      .def(
+          "keep_mirrors",
+          [](ds::Engine& e, const std::vector<std::string>& paths) {
+            nb::gil_scoped_release release;  // unpinning takes the CUDA driver's locks
+            return e.keep_mirrors(paths);
+          },
+          "paths"_a, "Keeps these mirror files mapped for later saves to recycle; unmaps the others")
       .def(
           "restore_host",
           [](ds::Engine& e, const std::string& path, std::uint64_t data_start, std::uint64_t data_len,

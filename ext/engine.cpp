@@ -61,7 +61,7 @@ std::vector<std::shared_ptr<SaveJob>> Engine::save_many(
       SaveRequest& r = requests[i];
       jobs.push_back(std::make_shared<SaveJob>(std::move(r.path), std::move(r.tensors), std::move(r.metadata),
                                                opts_.save, r.embed_checksums, events, cache_.get(), this,
-                                               std::move(r.mirror)));
+                                               std::move(r.mirror), &mirrors_, std::move(r.recycle)));
     }
   } catch (const std::bad_alloc&) {
     e = Error::internal("out of memory queuing a save");
@@ -81,7 +81,7 @@ std::shared_ptr<SaveJob> Engine::save(std::string path, std::vector<TensorSrc> t
                                       const std::vector<std::pair<int, std::uintptr_t>>& streams,
                                       bool embed_checksums) {
   std::vector<SaveRequest> one;
-  one.push_back({std::move(path), std::move(tensors), std::move(metadata), embed_checksums, {}});
+  one.push_back({std::move(path), std::move(tensors), std::move(metadata), embed_checksums, {}, {}});
   return save_many(std::move(one), streams).front();
 }
 
@@ -101,7 +101,8 @@ void Engine::run_piece(const std::shared_ptr<SaveJob>& job, std::size_t i) {
     job->skip_piece(i);
     return;
   }
-  char* chunk = cache_->acquire();  // backpressure: waits for a flush to give one back
+  char* chunk = job->mirror_piece(i);  // the mirror file is the staging memory, or
+  if (!chunk) chunk = cache_->acquire();  // a cache chunk: backpressure, waits for a flush to give one back
   PieceCopier copier(job->events());
   if (IoOp* op = job->copy_piece(i, chunk, copier)) next_flusher()->submit(op);
 }
@@ -173,6 +174,7 @@ void Engine::close() {
   host_copiers_.stop();
   parsers_.stop();
   for (auto& f : flushers_) f->stop();
+  mirrors_.clear();
   cache_.reset();  // unpins and unmaps: a closed engine holds no memory
   std::lock_guard<std::mutex> lock(mu_);
   closed_ = true;

@@ -14,6 +14,7 @@
 
 #include "flush.hpp"
 #include "host_cache.hpp"
+#include "mirror_file.hpp"
 #include "restore.hpp"
 #include "save_job.hpp"
 #include "task_pool.hpp"
@@ -41,7 +42,8 @@ struct SaveRequest {
   std::vector<TensorSrc> tensors;
   Metadata metadata;
   bool embed_checksums = true;
-  std::string mirror;  // a second copy's path (e.g. on tmpfs), written from the same chunks; empty: none
+  std::string mirror;   // a second copy's path (e.g. on tmpfs), the save's staging memory; empty: none
+  std::string recycle;  // an earlier save's mirror file to take this one's bytes (renamed), or empty
 };
 
 class Engine final : public JobObserver {
@@ -66,6 +68,10 @@ class Engine final : public JobObserver {
   // Faults in and pins the first `chunks` chunks of the cache (those handed out first) not prepared yet:
   // before returning (`wait`), or on a background thread. Otherwise a chunk is prepared when first used.
   void prepare_cache(bool wait, std::size_t chunks);
+
+  // Keeps the mirror files of these paths mapped for later saves to recycle; unmaps the others. Returns how
+  // many stay mapped.
+  std::size_t keep_mirrors(const std::vector<std::string>& paths) { return mirrors_.keep_only(paths); }
 
   // Waits until no save or restore is in flight; false on timeout (< 0: none).
   bool wait_idle(double timeout_s);
@@ -99,6 +105,7 @@ class Engine final : public JobObserver {
 
   EngineOptions opts_;
   std::unique_ptr<HostCache> cache_;
+  MirrorFiles mirrors_;  // mirror files kept mapped after their saves
   std::string backend_;
   std::string fallback_reason_;
   bool pinned_ = false;

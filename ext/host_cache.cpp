@@ -7,7 +7,6 @@
 #include <cerrno>
 #include <system_error>
 
-#include "common.hpp"
 #include "cuda.hpp"
 
 #ifndef MADV_POPULATE_WRITE
@@ -79,18 +78,25 @@ HostCache::~HostCache() {
   if (base_) munmap(base_, bytes_);
 }
 
+bool fault_in(char* p, std::size_t n) {
+  // Now rather than in the middle of a copy; older kernels lack the advice: touch the pages.
+  if (madvise(p, n, MADV_POPULATE_WRITE) == 0) return true;
+  if (errno != EINVAL) return false;
+  const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  for (std::size_t off = 0; off < n; off += page) p[off] = 0;
+  return true;
+}
+
+Error pin(char* p, std::size_t n, int device) {
+  if (Error e = cuda::make_current(device)) return e;  // per thread: the background one, or an acquirer
+  return cuda::check(cuda::api()->cuMemHostRegister(p, n, cuda::kHostRegisterPortable), "cuMemHostRegister");
+}
+
 void HostCache::prepare(std::size_t i) {
   char* c = base_ + i * chunk_bytes_;
-  // Fault the pages in now rather than in the middle of a copy; older kernels lack the advice: touch them.
-  if (madvise(c, chunk_bytes_, MADV_POPULATE_WRITE) != 0) {
-    const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
-    for (std::size_t off = 0; off < chunk_bytes_; off += page) c[off] = 0;
-  }
+  fault_in(c, chunk_bytes_);
   if (pin_device_ >= 0) {
-    Error e = cuda::make_current(pin_device_);  // per thread: the background one, or an acquirer
-    if (!e)
-      e = cuda::check(cuda::api()->cuMemHostRegister(c, chunk_bytes_, cuda::kHostRegisterPortable),
-                      "cuMemHostRegister");
+    Error e = pin(c, chunk_bytes_, pin_device_);
     if (!e) {
       chunk_pinned_[i].store(true);
     } else if (i == 0) {

@@ -21,6 +21,8 @@
 #include <thread>
 #include <vector>
 
+#include "common.hpp"
+
 namespace ds {
 
 struct CacheStats {
@@ -33,6 +35,11 @@ struct CacheStats {
   bool pinned = false;
   bool huge_pages = false;  // the arena asked for transparent huge pages, and the kernel took the advice
 };
+
+// Faults in [p, p + n) for writing (p page-aligned); false where the kernel could not supply the pages.
+bool fault_in(char* p, std::size_t n);
+// Page-locks [p, p + n) for DMA, through `device`'s context made current on this thread.
+Error pin(char* p, std::size_t n, int device);
 
 class HostCache {
  public:
@@ -55,6 +62,8 @@ class HostCache {
   // Whether chunks are page-locked (decided by the first chunk; a later chunk that fails stays pageable).
   bool pinned() const { return pinned_; }
   const std::string& pin_error() const { return pin_error_; }
+  // The CUDA ordinal whose context pins the chunks; -1 where they are not pinned.
+  int pin_device() const { return pinned_ ? pin_device_ : -1; }
   CacheStats stats(bool reset);
   // Starts preparing chunks [0, count) (those acquired first) on a background thread; count is capped at the
   // number of chunks. Repeatable: a larger count extends the work while the thread still runs (after it has

@@ -1,6 +1,7 @@
 // One save of one file, its stages in the order they run (save_job.hpp draws the whole life):
 //   1. plan     plan(): layout and header, checksum bookkeeping, the temporary file opened;
-//   2. copy     copy_piece(): each piece into a cache chunk; the last one captured completes the snapshot;
+//   2. copy     copy_piece(): each piece into a cache chunk (or the mirror's mapping); the last one captured
+//               completes the snapshot;
 //   3. flush    on_io_prepare() sums a piece as a worker writes it; piece_written() gives its chunk back;
 //   4. commit   after the last piece: header_op() (checksums combined into the header), header_written()
 //               (exact size), data_synced() (rename into place), directory_synced(), finish().
@@ -44,9 +45,11 @@ IoOp fsync_of(int fd, IoTarget* target) {
 
 SaveJob::SaveJob(std::string path, std::vector<TensorSrc> tensors, Metadata metadata, SaveOptions opts,
                  bool embed_checksums, std::shared_ptr<const cuda::StreamEvents> events, HostCache* cache,
-                 JobObserver* observer, std::string mirror)
+                 JobObserver* observer, std::string mirror, MirrorFiles* mirrors, std::string recycle)
     : path_(std::move(path)),
       mirror_(std::move(mirror)),
+      recycle_(std::move(recycle)),
+      mirrors_(mirrors),
       tensors_(std::move(tensors)),
       metadata_(std::move(metadata)),
       opts_(opts),
@@ -62,7 +65,6 @@ SaveJob::~SaveJob() {
   std::free(header_buf_);
   if (fd_ >= 0) close(fd_);
   if (dirfd_ >= 0) close(dirfd_);
-  if (mirror_fd_ >= 0) close(mirror_fd_);
 }
 
 // -- 1. plan ------------------------------------------------------------------------------------------------
@@ -164,7 +166,7 @@ IoOp* SaveJob::copy_piece(std::size_t i, char* chunk, PieceCopier& copier) {
   }
   if (Error e = copier.finish(); e && !err) err = e;
   if (err) {
-    cache_->release(chunk);
+    release(chunk);
     fail(Error{err.kind, err.os_errno, err.message, path_});
     piece_captured();
     if (IoOp* op = piece_finished()) return op;  // never: the job has failed
@@ -234,10 +236,9 @@ IoOp* SaveJob::on_io_complete(IoOp& op, int err) {
   return piece_written(op, err);
 }
 
-// A data piece: copied to the mirror from the same chunk, then the chunk goes back.
+// A data piece: its chunk goes back (a piece in the mirror's mapping stays there).
 IoOp* SaveJob::piece_written(IoOp& op, int err) {
-  if (!err) write_mirror(op.buf, op.len, op.offset);
-  cache_->release(op.buf);
+  release(op.buf);
   if (err)
     fail(Error::os(err,
                    "writing " + std::to_string(op.len) + " bytes at offset " + std::to_string(op.offset) +
@@ -287,6 +288,7 @@ IoOp* SaveJob::header_op() {
     return nullptr;
   }
   std::memcpy(header_buf_, layout_.header.data(), layout_.data_start);
+  if (map_) std::memcpy(map_->data(), header_buf_, layout_.data_start);
   header_op_ = IoOp{};
   header_op_.kind = IoOp::Kind::Write;
   header_op_.fd = fd_;
@@ -309,8 +311,6 @@ IoOp* SaveJob::header_written(int err) {
     abort_commit();
     return nullptr;
   }
-  write_mirror(header_buf_, layout_.data_start, 0);
-  truncate_mirror();
   if (!opts_.fsync) return rename_into_place();
   fsync_op_ = fsync_of(fd_, this);
   return &fsync_op_;

@@ -3,17 +3,18 @@
 //   1. plan()        copy thread: layout and header, parent directories, temporary file opened (O_DIRECT
 //                    when it can), so no byte is queued before the file exists and nothing truncates later;
 //   2. copy_piece()  copy threads: piece i (a chunk-sized, 4096-aligned slice of the data section) copied
-//                    into a cache chunk; when every piece is copied or dropped the snapshot is done;
+//                    into a cache chunk, or into the mirror file's mapping; when every piece is copied or
+//                    dropped the snapshot is done;
 //   3. flush         flush workers: on_io_prepare() sums the piece (CRC-32C per tensor range), the worker
 //                    writes it; its chunk goes back to the cache when the write completes;
 //   4. commit        after the last piece: header (with checksums) written, ftruncate to the exact size
 //                    (O_DIRECT pads the tail), fsync, rename onto the final path, fsync of the directory;
 //                    persisted.
 //
-// With a mirror path (a memory tier on tmpfs), each piece and the header are also written there, from the
-// same cache chunk, by the flush worker once the piece's own write has completed (no second copy from the
-// device); the mirror is renamed into place just before the job counts as persisted. A mirror that fails (no
-// room) only drops the mirror: the save itself goes on, and mirrored() says so.
+// With a mirror path (a memory tier on tmpfs), the mirror file is the save's staging memory (mirror_file.hpp):
+// mapped at plan, each piece copied into it and written to storage from it, the header copied in at commit;
+// it is renamed into place just before the job counts as persisted. A mirror that cannot be had (no room)
+// only drops the mirror: the save goes through cache chunks, and mirrored() says so.
 //
 // An error at any step is stored (the first one wins), later pieces are dropped, the temporary file is
 // removed, and both waits resolve: nothing is ever left at the final path, and earlier files are untouched.
@@ -35,6 +36,7 @@
 #include "cuda.hpp"
 #include "flush.hpp"
 #include "host_cache.hpp"
+#include "mirror_file.hpp"
 #include "plan.hpp"
 
 namespace ds {
@@ -69,7 +71,8 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   // `events`: recorded on the caller's streams at save() (its device copies wait for them), never null.
   SaveJob(std::string path, std::vector<TensorSrc> tensors, Metadata metadata, SaveOptions opts,
           bool embed_checksums, std::shared_ptr<const cuda::StreamEvents> events, HostCache* cache,
-          JobObserver* observer, std::string mirror = {});
+          JobObserver* observer, std::string mirror = {}, MirrorFiles* mirrors = nullptr,
+          std::string recycle = {});
   ~SaveJob() override;
 
   struct Planned {
@@ -83,7 +86,11 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   bool failed() const { return failed_.load(std::memory_order_acquire); }
   // Whether any tensor lies in GPU memory (its copies are the copy engine's, not the calling thread's).
   bool on_device() const { return on_device_; }
-  // Copies piece i into `chunk`; returns its write op, or nullptr after a failure (chunk released, counted).
+  // Where piece i is to be copied when the mirror file is the staging memory (faulted in and pinned); null:
+  // into a cache chunk.
+  char* mirror_piece(std::size_t i);
+  // Copies piece i into `chunk` (a cache chunk, or mirror_piece(i)); returns its write op, or nullptr after a
+  // failure (a cache chunk released, counted).
   IoOp* copy_piece(std::size_t i, char* chunk, PieceCopier& copier);
   // A piece not copied because the job had failed already.
   void skip_piece(std::size_t i);
@@ -132,17 +139,17 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   void fail(Error e);
   // the mirror copy (save_mirror.cpp)
   void open_mirror();
-  void write_mirror(const char* buf, std::size_t len, std::uint64_t offset);
-  void truncate_mirror();
-  void mirror_fail(int err, const std::string& what);
+  void mirror_fail(const Error& e);
   void close_mirror(bool commit);
+  void release(char* buf);  // a cache chunk back; nothing for the mirror's mapping
 
   const std::string path_;
   const std::string mirror_;
+  const std::string recycle_;  // a mirror file of an earlier save to take the new bytes, or empty
+  MirrorFiles* const mirrors_;
   std::string mirror_tmp_;
-  int mirror_fd_ = -1;
-  std::atomic<bool> mirror_ok_{false};
-  std::string mirror_error_;  // guarded by mu_
+  std::shared_ptr<MirrorFile> map_;  // set at plan when the mirror is the staging memory, then fixed
+  std::string mirror_error_;         // guarded by mu_
   std::string tmp_path_;
   std::string dir_;
   std::vector<TensorSrc> tensors_;

@@ -87,9 +87,11 @@ class DataStatesEngine:
         device's current stream) and save those copies; the caller may mutate the state as soon as this
         returns. Costs the state's size in memory on each device until the copies reach the host cache.
 
-        `mirror`: a second path (a memory tier, e.g. under /dev/shm) where the same bytes are written from the
-        host cache as each piece is flushed, and renamed into place once the file is persisted (not synced:
-        a copy in memory). A mirror that cannot be written is dropped, never the save (`SaveHandle.mirrored`).
+        `mirror`: a second path (a memory tier, e.g. under /dev/shm) whose file is the save's staging memory:
+        mapped (and pinned) in place of host cache chunks, each piece copied into it and written to `path`
+        from it, renamed into place once the file is persisted (not synced: a copy in memory). The mapping is
+        kept for a later save to recycle (:meth:`save_plans`' `recycle`, :meth:`keep_mirrors`). A mirror that
+        cannot be had (no room) is dropped, never the save (`SaveHandle.mirrored`).
         """
         plan = self.plan(state, metadata=metadata, allow_pickle=allow_pickle, exact_metadata=exact_metadata)
         return self.save_plan(plan, path, stage=stage, mirror=mirror)
@@ -125,12 +127,16 @@ class DataStatesEngine:
         *,
         stage: bool = False,
         mirrors: Sequence[str | os.PathLike | None] | None = None,
+        recycle: Sequence[str | os.PathLike | None] | None = None,
     ) -> list[SaveHandle]:
         """Saves several plans, each to its path, as :meth:`save_plan` would one by one. Staged, their copies
         are made together (one allocation per device, packed as the files are, and one multi-tensor copy per
         dtype): for a checkpoint of many files, far fewer kernel launches on the caller's thread, and fewer
         copies to the host. The files are queued all together or, if this raises (staging out of memory:
-        torch's OutOfMemoryError), none of them. `mirrors`: each file's mirror path or None (:meth:`save`)."""
+        torch's OutOfMemoryError), none of them. `mirrors`: each file's mirror path or None (:meth:`save`).
+        `recycle`: for each mirror, an earlier save's mirror file (of this user's, in a folder private to it)
+        to rename to the new mirror path and overwrite, its mapping and pinned pages reused; None or a missing
+        file: a new one."""
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         t0 = time.perf_counter()
@@ -139,6 +145,10 @@ class DataStatesEngine:
         if len(mirrors) != len(files):
             raise ValueError(f"{len(mirrors)} mirrors for {len(files)} files")
         copies = [os.path.abspath(os.fspath(m)) if m is not None else None for m in mirrors]
+        recycle = list(recycle) if recycle is not None else [None] * len(files)
+        if len(recycle) != len(files):
+            raise ValueError(f"{len(recycle)} files to recycle for {len(files)} files")
+        old = [os.path.abspath(os.fspath(r)) if r is not None else "" for r in recycle]
         prepared = prepare_many([plan for plan, _ in files], stage=stage)
         # One call to the core for all: one event per device on the caller's streams, and a staged file's
         # tensors as places in the staged buffers rather than a DLPack export each.
@@ -152,8 +162,9 @@ class DataStatesEngine:
                 p.metadata,
                 not p.exact_metadata,
                 m or "",
+                r if m else "",
             )
-            for p, path, m in zip(prepared, paths, copies)
+            for p, path, m, r in zip(prepared, paths, copies, old)
         ]
         streams = sorted({s for p in prepared for s in p.streams})
         bases = prepared[0].bases if prepared else []
@@ -166,6 +177,12 @@ class DataStatesEngine:
             h._stall_s = (time.perf_counter() - t0) / len(handles)
         self._in_flight.add(handles)
         return handles
+
+    def keep_mirrors(self, paths: Sequence[str | os.PathLike]) -> int:
+        """Keeps the mirror files at `paths` mapped (and pinned) for later saves to recycle, and unmaps every
+        other mirror file this engine has written; returns how many stay mapped. A mirror file that is
+        removed keeps its memory until it is unmapped here (or the engine closes)."""
+        return self._core.keep_mirrors([os.path.abspath(os.fspath(p)) for p in paths])
 
     def wait_snapshot(self, timeout: float | None = None) -> None:
         """Waits for the snapshot of every save in flight; raises the first error not yet reported."""

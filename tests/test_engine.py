@@ -326,11 +326,11 @@ def test_the_core_refuses_a_staged_view_outside_its_buffer_and_queues_none_of_th
     the staged buffers): a bad one is a ValueError naming the file and the tensor, no file of the call is
     queued, and the engine goes on."""
     base = torch.zeros(64, dtype=torch.uint8)
-    good = (str(tmp_path / "a.safetensors"), ["x"], ["F32"], [], [(0, 0, 4, (4,))], [], True, "")
-    past = (str(tmp_path / "b.safetensors"), ["y"], ["F32"], [], [(0, 60, 4, (2,))], [], True, "")
+    good = (str(tmp_path / "a.safetensors"), ["x"], ["F32"], [], [(0, 0, 4, (4,))], [], True, "", "")
+    past = (str(tmp_path / "b.safetensors"), ["y"], ["F32"], [], [(0, 60, 4, (2,))], [], True, "", "")
     with pytest.raises(ValueError, match=r"tensor 'y' of .*b\.safetensors: its view ends past its buffer"):
         engine._core.save_many([good, past], [base], [])
-    absent = (str(tmp_path / "c.safetensors"), ["z"], ["F32"], [], [(1, 0, 4, (1,))], [], True, "")
+    absent = (str(tmp_path / "c.safetensors"), ["z"], ["F32"], [], [(1, 0, 4, (1,))], [], True, "", "")
     with pytest.raises(ValueError, match="names buffer 1, which is absent"):
         engine._core.save_many([absent], [base], [])
     engine.save({"w": torch.ones(3)}, tmp_path / "d.safetensors").wait_persisted()

@@ -1,8 +1,10 @@
-"""A save's mirror copy (`save(..., mirror=...)`: the memory tier's files): written from the same host cache
-chunks as the file, byte for byte the same, in place only once the file is persisted; dropped, never the
-save, where it cannot be written; never left behind by a save that fails."""
+"""A save's mirror copy (`save(..., mirror=...)`: the memory tier's files): the save's staging memory in place
+of host cache chunks, byte for byte the file, in place only once the file is persisted; recycled by a later
+save (renamed, its mapping reused); dropped, never the save, where it cannot be had; never left behind by a
+save that fails."""
 
 import errno
+import os
 
 import pytest
 import torch
@@ -63,3 +65,71 @@ def test_save_plans_take_one_mirror_per_file_and_check_their_count(tmp_path):
             engine.save_plans(plans, mirrors=[None, None])
         hs = engine.save_plans(plans, mirrors=[None, tmp_path / "m1.safetensors", None])
         assert [h.mirrored() for h in hs] == [False, True, False]
+
+
+def test_the_mirror_is_the_staging_memory_no_cache_chunk_is_used(tmp_path):
+    with DataStatesEngine(small_config()) as engine:  # 1 MiB chunks: several pieces
+        engine.cache_stats(reset=True)
+        h = engine.save(state(), tmp_path / "f.safetensors", mirror=tmp_path / "mem" / "f.safetensors")
+        h.wait_persisted()
+        assert h.mirrored() and engine.cache_stats()["high_water"] == 0
+        plain = engine.save(state(), tmp_path / "g.safetensors")
+        plain.wait_persisted()
+        assert engine.cache_stats()["high_water"] > 0  # without a mirror, the chunks carry the bytes
+
+
+def later_state(n: int = 700_000):
+    return {"w": torch.arange(n, dtype=torch.float32), "b": torch.ones(17), "step": 4}
+
+
+@pytest.mark.parametrize("n", [700_000, 900_000])  # the same size (mapping reused) and another (mapped anew)
+def test_a_later_save_recycles_the_earlier_mirror_file(tmp_path, n):
+    mem = tmp_path / "mem"
+    with DataStatesEngine(small_config()) as engine:
+        engine.save(state(), tmp_path / "1.safetensors", mirror=mem / "1" / "f.safetensors").wait_persisted()
+        inode = os.stat(mem / "1" / "f.safetensors").st_ino
+        h = engine.save_plans(
+            [(engine.plan(later_state(n)), tmp_path / "2.safetensors")],
+            mirrors=[mem / "2" / "f.safetensors"],
+            recycle=[mem / "1" / "f.safetensors"],
+        )[0]
+        h.wait_persisted()
+        assert h.mirrored() and not (mem / "1" / "f.safetensors").exists()
+        assert os.stat(mem / "2" / "f.safetensors").st_ino == inode  # the same file, renamed
+        assert (mem / "2" / "f.safetensors").read_bytes() == (tmp_path / "2.safetensors").read_bytes()
+        assert engine.keep_mirrors([mem / "2" / "f.safetensors"]) == 1
+        assert engine.keep_mirrors([]) == 0
+        back = engine.load(mem / "2" / "f.safetensors")
+    assert torch.equal(back["w"], later_state(n)["w"]) and back["step"] == 4
+
+
+def test_a_missing_file_to_recycle_gives_a_new_mirror(tmp_path):
+    with DataStatesEngine(small_config()) as engine:
+        h = engine.save_plans(
+            [(engine.plan(state()), tmp_path / "f.safetensors")],
+            mirrors=[tmp_path / "mem" / "f.safetensors"],
+            recycle=[tmp_path / "mem" / "gone.safetensors"],
+        )[0]
+        h.wait_persisted()
+        assert h.mirrored()
+        assert (tmp_path / "mem/f.safetensors").read_bytes() == (tmp_path / "f.safetensors").read_bytes()
+
+
+def test_a_link_planted_as_the_file_to_recycle_is_not_followed(tmp_path):
+    """Hostile: the file to recycle is a link to somebody's file. The link is moved, never opened through: the
+    file it names keeps its bytes, the mirror is dropped with a reason, and the save is whole."""
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"precious" * 1000)
+    (tmp_path / "mem").mkdir()
+    (tmp_path / "mem" / "old.safetensors").symlink_to(victim)
+    with DataStatesEngine(small_config()) as engine:
+        h = engine.save_plans(
+            [(engine.plan(state()), tmp_path / "f.safetensors")],
+            mirrors=[tmp_path / "mem" / "f.safetensors"],
+            recycle=[tmp_path / "mem" / "old.safetensors"],
+        )[0]
+        h.wait_persisted()
+        assert not h.mirrored() and "f.safetensors" in h.mirror_error()
+        assert engine.load(tmp_path / "f.safetensors")["step"] == 3
+    assert victim.read_bytes() == b"precious" * 1000
+    assert sorted(p.name for p in (tmp_path / "mem").iterdir()) == []  # the link and the temporary gone

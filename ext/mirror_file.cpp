@@ -1,0 +1,110 @@
+#include "mirror_file.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <unordered_set>
+
+#include "cuda.hpp"
+#include "host_cache.hpp"
+
+namespace ds {
+
+MirrorFile::MirrorFile(const std::string& path, std::size_t bytes, bool existing, std::size_t block,
+                       int pin_device)
+    : bytes_(bytes), block_(block), pin_device_(pin_device) {
+  const int flags = O_RDWR | O_CLOEXEC | O_NOFOLLOW | (existing ? 0 : O_CREAT | O_EXCL);
+  fd_ = open(path.c_str(), flags, 0600);
+  if (fd_ < 0) throw ErrorException(Error::os(errno, "opening the mirror copy", path));
+  struct stat st {};
+  auto fail = [&](Error e) {
+    if (base_) munmap(base_, bytes_);
+    close(fd_);
+    throw ErrorException(std::move(e));
+  };
+  if (fstat(fd_, &st) != 0) fail(Error::os(errno, "checking the mirror copy", path));
+  if (!S_ISREG(st.st_mode) || st.st_uid != geteuid())
+    fail(Error::value("the mirror copy to recycle is not a regular file of this user's", path));
+  if (Error e = resize(bytes, path)) fail(e);
+  // Reserved now: a tmpfs out of room then fails here, not with a SIGBUS in the middle of a copy.
+  if (int e = posix_fallocate(fd_, 0, static_cast<off_t>(bytes)); e != 0 && e != EOPNOTSUPP)
+    fail(Error::os(e, "reserving the memory of the mirror copy", path));
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (p == MAP_FAILED) fail(Error::os(errno, "mapping the mirror copy", path));
+  base_ = static_cast<char*>(p);
+  madvise(base_, bytes_, MADV_DONTFORK);  // data loader workers must not share it
+  const std::size_t blocks = (bytes_ + block_ - 1) / block_;
+  once_ = std::make_unique<std::once_flag[]>(blocks);
+  pinned_ = std::make_unique<std::atomic<bool>[]>(blocks);
+  for (std::size_t i = 0; i < blocks; ++i) pinned_[i].store(false);
+}
+
+MirrorFile::~MirrorFile() {
+  const cuda::Api* api = pin_device_ >= 0 ? cuda::api() : nullptr;
+  for (std::size_t i = 0; api && i * block_ < bytes_; ++i)
+    if (pinned_[i].load()) api->cuMemHostUnregister(base_ + i * block_);
+  if (base_) munmap(base_, bytes_);
+  if (fd_ >= 0) close(fd_);
+}
+
+Error MirrorFile::resize(std::size_t file_bytes, const std::string& path) {
+  struct stat st {};
+  if (fstat(fd_, &st) != 0) return Error::os(errno, "checking the mirror copy", path);
+  if (static_cast<std::size_t>(st.st_size) != file_bytes && ftruncate(fd_, static_cast<off_t>(file_bytes)) != 0)
+    return Error::os(errno, "sizing the mirror copy", path);
+  return {};
+}
+
+void MirrorFile::prepare(std::size_t offset, std::size_t len) {
+  if (len == 0) return;
+  const std::size_t last = std::min(offset + len, bytes_) - 1;
+  for (std::size_t i = offset / block_; i <= last / block_; ++i)
+    std::call_once(once_[i], [this, i] { prepare_block(i); });
+}
+
+void MirrorFile::prepare_block(std::size_t i) {
+  char* p = base_ + i * block_;
+  const std::size_t n = std::min(block_, bytes_ - i * block_);
+  if (fault_in(p, n) && pin_device_ >= 0) pinned_[i].store(pin(p, n, pin_device_).kind == Error::Kind::None);
+}
+
+std::shared_ptr<MirrorFile> MirrorFiles::take(const std::string& path) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = files_.find(path);
+  if (it == files_.end()) return nullptr;
+  std::shared_ptr<MirrorFile> f = std::move(it->second);
+  files_.erase(it);
+  return f;
+}
+
+void MirrorFiles::put(const std::string& path, std::shared_ptr<MirrorFile> file) {
+  std::lock_guard<std::mutex> lock(mu_);
+  files_[path] = std::move(file);
+}
+
+std::size_t MirrorFiles::keep_only(const std::vector<std::string>& keep) {
+  const std::unordered_set<std::string> kept(keep.begin(), keep.end());
+  std::vector<std::shared_ptr<MirrorFile>> dropped;  // unmapped outside the lock
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = files_.begin(); it != files_.end();) {
+    if (kept.count(it->first)) {
+      ++it;
+    } else {
+      dropped.push_back(std::move(it->second));
+      it = files_.erase(it);
+    }
+  }
+  return files_.size();
+}
+
+void MirrorFiles::clear() {
+  std::unordered_map<std::string, std::shared_ptr<MirrorFile>> dropped;
+  std::lock_guard<std::mutex> lock(mu_);
+  dropped.swap(files_);
+}
+
+}  // namespace ds

@@ -1,0 +1,69 @@
+// A save's mirror copy as its staging memory: the mirror file (a memory tier on tmpfs) is mapped shared and
+// the save copies each piece straight into it, the flush workers write the storage file from it, and what
+// remains when the save commits is the memory copy. No cache chunk and no second copy on the host.
+//
+// Mapping and page-locking many GiB costs seconds (0.25-0.4 s per GiB with 4 KiB pages), so a mapping is
+// kept after its save (MirrorFiles) and recycled by a later save of the same file: the file is renamed to its
+// new name and its pages, still pinned, take the new bytes. Blocks are faulted in and pinned by the first
+// copy that touches them, as the host cache's chunks are.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common.hpp"
+
+namespace ds {
+
+class MirrorFile {
+ public:
+  // Opens `path` (a new file; or an existing one of ours, `existing`, never through a link), sizes it to
+  // `bytes` (a multiple of 4096), reserves its memory (ENOSPC now, not a SIGBUS later) and maps it shared.
+  // Pins blocks of `block` bytes through `pin_device`'s context (-1: never). Throws ErrorException naming
+  // the file.
+  MirrorFile(const std::string& path, std::size_t bytes, bool existing, std::size_t block, int pin_device);
+  ~MirrorFile();
+  MirrorFile(const MirrorFile&) = delete;
+  MirrorFile& operator=(const MirrorFile&) = delete;
+
+  char* data() const { return base_; }
+  std::size_t size() const { return bytes_; }
+  int fd() const { return fd_; }
+  // Faults in (and pins) the blocks that [offset, offset + len) touches, once each.
+  void prepare(std::size_t offset, std::size_t len);
+  // Makes the file `bytes` long again (a recycled file was cut to its exact size within its last page).
+  Error resize(std::size_t file_bytes, const std::string& path);
+
+ private:
+  void prepare_block(std::size_t i);
+
+  int fd_ = -1;
+  char* base_ = nullptr;
+  std::size_t bytes_ = 0;
+  std::size_t block_ = 0;
+  int pin_device_ = -1;
+  std::unique_ptr<std::once_flag[]> once_;
+  std::unique_ptr<std::atomic<bool>[]> pinned_;
+};
+
+// The mirror mappings kept after their saves, by the path each file has now; a save recycling a file takes
+// its mapping out. Thread-safe.
+class MirrorFiles {
+ public:
+  std::shared_ptr<MirrorFile> take(const std::string& path);
+  void put(const std::string& path, std::shared_ptr<MirrorFile> file);
+  // Drops (unpins, unmaps) every mapping but those of `keep`; returns how many are kept.
+  std::size_t keep_only(const std::vector<std::string>& keep);
+  void clear();
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<std::string, std::shared_ptr<MirrorFile>> files_;
+};
+
+}  // namespace ds
