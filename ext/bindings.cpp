@@ -70,9 +70,9 @@ ds::TensorSrc to_src(const nb::ndarray<>& a, std::string name, std::string dtype
 using View = std::tuple<std::size_t, std::size_t, std::size_t, std::vector<std::int64_t>>;
 // A file to save: path, tensor names, safetensors dtypes, then the tensors (arrays), or their views into
 // the bases (a staged checkpoint: two DLPack exports instead of hundreds), metadata, embed_checksums.
-using FileArg = std::tuple<std::string, std::vector<std::string>, std::vector<std::string>,
-                           std::vector<nb::ndarray<>>, std::vector<View>, ds::Metadata, bool, std::string,
-                           std::string>;
+using FileArg =
+    std::tuple<std::string, std::vector<std::string>, std::vector<std::string>, std::vector<nb::ndarray<>>,
+               std::vector<View>, ds::Metadata, bool, std::string, std::string>;
 
 ds::TensorSrc view_src(const View& v, const std::vector<nb::ndarray<>>& bases, std::string name,
                        std::string dtype, const std::string& path) {

@@ -101,7 +101,7 @@ void Engine::run_piece(const std::shared_ptr<SaveJob>& job, std::size_t i) {
     job->skip_piece(i);
     return;
   }
-  char* chunk = job->mirror_piece(i);  // the mirror file is the staging memory, or
+  char* chunk = job->mirror_piece(i);     // the mirror file is the staging memory, or
   if (!chunk) chunk = cache_->acquire();  // a cache chunk: backpressure, waits for a flush to give one back
   PieceCopier copier(job->events());
   if (IoOp* op = job->copy_piece(i, chunk, copier)) next_flusher()->submit(op);

@@ -54,7 +54,8 @@ MirrorFile::~MirrorFile() {
 Error MirrorFile::resize(std::size_t file_bytes, const std::string& path) {
   struct stat st {};
   if (fstat(fd_, &st) != 0) return Error::os(errno, "checking the mirror copy", path);
-  if (static_cast<std::size_t>(st.st_size) != file_bytes && ftruncate(fd_, static_cast<off_t>(file_bytes)) != 0)
+  if (static_cast<std::size_t>(st.st_size) != file_bytes &&
+      ftruncate(fd_, static_cast<off_t>(file_bytes)) != 0)
     return Error::os(errno, "sizing the mirror copy", path);
   return {};
 }

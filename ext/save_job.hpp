@@ -11,10 +11,10 @@
 //                    (O_DIRECT pads the tail), fsync, rename onto the final path, fsync of the directory;
 //                    persisted.
 //
-// With a mirror path (a memory tier on tmpfs), the mirror file is the save's staging memory (mirror_file.hpp):
-// mapped at plan, each piece copied into it and written to storage from it, the header copied in at commit;
-// it is renamed into place just before the job counts as persisted. A mirror that cannot be had (no room)
-// only drops the mirror: the save goes through cache chunks, and mirrored() says so.
+// With a mirror path (a memory tier on tmpfs), the mirror file is the save's staging memory
+// (mirror_file.hpp): mapped at plan, each piece copied into it and written to storage from it, the header
+// copied in at commit; it is renamed into place just before the job counts as persisted. A mirror that cannot
+// be had (no room) only drops the mirror: the save goes through cache chunks, and mirrored() says so.
 //
 // An error at any step is stored (the first one wins), later pieces are dropped, the temporary file is
 // removed, and both waits resolve: nothing is ever left at the final path, and earlier files are untouched.

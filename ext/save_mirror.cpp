@@ -1,7 +1,7 @@
-// A save's mirror copy (a memory tier on tmpfs), mapped as the save's staging memory (mirror_file.hpp): opened
-// at plan, or recycled from an earlier save's file, renamed into place when the job ends well and then kept
-// mapped for a later save to recycle. A mirror that cannot be had drops the mirror only: the pieces then go
-// through cache chunks.
+// A save's mirror copy (a memory tier on tmpfs), mapped as the save's staging memory (mirror_file.hpp):
+// opened at plan, or recycled from an earlier save's file, renamed into place when the job ends well and then
+// kept mapped for a later save to recycle. A mirror that cannot be had drops the mirror only: the pieces then
+// go through cache chunks.
 #include <unistd.h>
 
 #include <algorithm>
