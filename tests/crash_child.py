@@ -1,7 +1,8 @@
 """The process that test_crash.py kills: saves checkpoints in a loop, committed as the Nanotron trainer
 commits them (engine files, then the manifest, then latest.txt), keeping the newest three with the trainer's
-rotation; with a memory tier, each file mirrored there and each committed step marked held, as the trainer's
-Saver does. Not a test."""
+rotation; with a memory tier, each file's copy there is its save's host memory (recycled from the spare, or
+with one copy from the held step, as the trainer's Saver does) and each committed step marked held. Not a
+test."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def tensors(step: int) -> dict[str, Any]:
 FILES = ("model/w0.safetensors", "model/w1.safetensors", "optimizer/optimizer.safetensors")
 
 
-def save_loop(root_dir: str, ready: Any, tier_base: str | None = None) -> None:
+def save_loop(root_dir: str, ready: Any, tier_base: str | None = None, copies: int = 2) -> None:
     from nanotron_datastates import DataStatesConfig, DataStatesEngine
     from nanotron_datastates.nanotron.checkpoint import layout
     from nanotron_datastates.nanotron.memory_tier import MemoryTier
@@ -34,13 +35,14 @@ def save_loop(root_dir: str, ready: Any, tier_base: str | None = None) -> None:
     engine = DataStatesEngine(
         DataStatesConfig(host_cache_size=4 / 1024, chunk_size=1, parser_threads=2, flush_threads=2)
     )
-    tier = MemoryTier(tier_base, root, 0) if tier_base else None
+    tier = MemoryTier(tier_base, root, 0, copies) if tier_base else None
     if tier:
         tier.prune(step - 1 if step > 1 else None)  # as the trainer's Saver does at its start
 
     def mark(result: Any) -> None:  # on the committer's thread, once committed (as the Saver's report)
         if tier and result.committed:
             tier.commit(result.step, result.mirrored)
+            engine.keep_mirrors(tier.files())
 
     committer = Committer(None, on_result=mark)
     ready.set()
@@ -48,18 +50,15 @@ def save_loop(root_dir: str, ready: Any, tier_base: str | None = None) -> None:
     while True:
         folder = root / str(step)
         mirrors = [tier.path(step, rel) if tier else None for rel in FILES]
-        handles = [
+        recycle = tier.recycle(step, list(FILES)) if tier else None
+        plans = [
             # Like Nanotron's weight files: exact metadata, checksums in the manifest only.
-            engine.save(
-                {"data": tensors(step)["w"]},
-                folder / FILES[i],
-                metadata={"step": str(step)},
-                exact_metadata=True,
-                mirror=mirrors[i],
-            )
-            for i in range(2)
+            engine.plan({"data": tensors(step)["w"]}, metadata={"step": str(step)}, exact_metadata=True)
+            for _ in range(2)
         ]
-        handles.append(engine.save({"step": step, **tensors(step)}, folder / FILES[2], mirror=mirrors[2]))
+        plans.append(engine.plan({"step": step, **tensors(step)}))
+        files = [(plan, folder / rel) for plan, rel in zip(plans, FILES)]
+        handles = engine.save_plans(files, mirrors=mirrors, recycle=recycle)
 
         def finalize(files: dict[str, Any], folder: Path = folder, step: int = step) -> None:
             layout.write_atomic(folder / layout.MANIFEST, json.dumps(layout.manifest(step, {}, files)))

@@ -36,6 +36,7 @@ BAD = {
     "queue_at_step": ["false", 0],
     "telemetry": ["yes", 0],
     "memory_tier": ["on", 1],
+    "memory_tier_copies": [0, 3, 1.5, "2"],
     "memory_tier_path": ["", 3, None],
 }
 ACCEPTS = {
@@ -50,6 +51,7 @@ ACCEPTS = {
     "keep_last_n": "integer >= 0",
     "device_snapshot": "auto, always, never",
     "telemetry": "true or false",
+    "memory_tier_copies": "1 or 2",
     "memory_tier_path": "a path",
     "telemetry_path": 'a path (or "" for none)',
 }

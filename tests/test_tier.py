@@ -47,12 +47,59 @@ def test_prune_keeps_the_latest_step_and_what_other_ranks_hold(tmp_path):
     assert r0.path(30, "model/w_0.safetensors").exists() and r0.path(40, "model/w_0.safetensors").exists()
 
 
+def test_prune_removes_what_dead_processes_were_writing_and_keeps_a_live_ones(tmp_path):
+    import subprocess
+
+    tier = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tier.folder / "7").mkdir()
+    (tier.folder / "7" / f".w.safetensors.dstmp.{dead.pid}.0").write_bytes(b"x")
+    (tier.folder / "7" / f".w.safetensors.dstmp.{os.getpid()}.1").write_bytes(b"x")
+    tier.prune(None)
+    assert [p.name for p in (tier.folder / "7").iterdir()] == [f".w.safetensors.dstmp.{os.getpid()}.1"]
+
+
 def test_prune_without_a_latest_step_drops_every_step_this_rank_marked(tmp_path):
     tier = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0)
     _hold(tier, 1)
     _hold(tier, 2)
     tier.prune(None)
     assert tier.steps() == []
+
+
+def _files(tier: MemoryTier, step: int) -> dict:
+    return {f"model/w_{tier.rank}.safetensors": {"bytes": 10}}
+
+
+def test_with_two_copies_the_held_step_becomes_the_spare_the_next_save_takes_over(tmp_path):
+    """Two copies: committing a step turns the step held before into this rank's spare (marker withdrawn,
+    files kept); the next save is handed the spare's files to take over, never the held step's."""
+    t = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0, copies=2)
+    rel = "model/w_0.safetensors"
+    _hold(t, 1, mark=False)
+    t.commit(1, _files(t, 1))
+    assert t.recycle(2, [rel]) == [None]  # nothing spare yet: the held step is never handed out
+    _hold(t, 2, mark=False)
+    t.commit(2, _files(t, 2))
+    assert t.path(1, rel).exists() and not (t.folder / "1" / ".rank-0.json").exists()
+    assert t.recycle(3, [rel, "model/other.safetensors"]) == [t.path(1, rel), None]
+    assert t.recycle(4, [rel]) == [None]  # handed out once
+    t.path(1, rel).rename(t.path(2, rel).with_name("taken"))  # what the engine does with it
+    _hold(t, 3, mark=False)
+    t.commit(3, _files(t, 3))
+    assert t.steps() == [2, 3] and (t.folder / "3" / ".rank-0.json").exists()
+
+
+def test_with_one_copy_the_next_save_withdraws_the_held_step_before_taking_it_over(tmp_path):
+    t = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0, copies=1)
+    rel = "model/w_0.safetensors"
+    _hold(t, 1, mark=False)
+    t.commit(1, _files(t, 1))
+    doc = {"step": 1, "files": _files(t, 1)}
+    assert t.holds(1, doc)
+    assert t.recycle(2, [rel]) == [t.path(1, rel)]
+    assert not t.holds(1, doc) and "not marked held" in t.why_not(1, doc)  # a restart now reads storage
 
 
 # -- a hostile or careless neighbour ------------------------------------------------------------------------

@@ -2,13 +2,22 @@
 shared memory (a tmpfs: /dev/shm), so that a restart on the same node (a process killed, torchrun restarting
 it, a manual relaunch) reads it from memory instead of storage.
 
-Each file is written there by the engine from the same host cache chunks as it flushes them to storage
-(`save(..., mirror=...)`): no second copy from the GPU. Storage stays the source of truth: a rank marks a
-step as held (`.rank-<r>.json`: its files with their sizes and checksums) only once the checkpoint is
-committed to storage, then drops its older steps; so the tier holds at most one committed checkpoint per
-rank, plus the one in flight. A restart uses a step only where every rank finds it whole: marked, every file
-of the manifest present with the manifest's size and checksums (`holds`), and the ranks agree before anyone
-reads; the engine checks every tensor's checksum as it reads. The tier is removed when training ends
+The tier's files are the save's host memory: the engine maps each file there and copies the GPU's bytes
+straight into it, then writes storage from it (`save(..., mirror=...)`), so the snapshot the save takes is
+the memory copy, with no host cache chunk and no second copy. Storage stays the source of truth: a rank
+marks a step as held (`.rank-<r>.json`: its files with their sizes and checksums) only once the checkpoint
+is committed to storage.
+
+Copies (`memory_tier_copies`): with 2, the held step stays whole while the next checkpoint is taken; once
+that one is committed, the older becomes the rank's spare, whose files (still mapped and pinned) the save
+after takes over: renamed and overwritten (`recycle`). The tier then holds two checkpoints of the rank. With
+1, a new checkpoint takes over the held step's files, its marker withdrawn first so that no restart reads
+them half overwritten: the tier holds one checkpoint, the memory the host cache would take without it, and
+a crash while a checkpoint is in flight restarts from storage.
+
+A restart uses a step only where every rank finds it whole: marked, every file of the manifest present with
+the manifest's size and checksums (`holds`), and the ranks agree before anyone reads; the engine checks
+every tensor's checksum as it reads. The tier is removed when training ends
 normally; `nanotron-datastates tier` lists and clears it.
 
 Layout: `<memory_tier_path>/<job>/<step>/<the checkpoint's files>`, `<job>` named after the checkpoints
@@ -57,41 +66,85 @@ class MemoryTier:
     """One rank's view of its job's folder in the tier. Raises trust.UntrustedPath where the tier's root or
     the job's folder is not private to this user."""
 
-    def __init__(self, base: str | os.PathLike, checkpoints: str | os.PathLike, rank: int) -> None:
+    def __init__(
+        self, base: str | os.PathLike, checkpoints: str | os.PathLike, rank: int, copies: int = 2
+    ) -> None:
         root(base)
         self.folder = trust.private_dir(job_folder(base, checkpoints), "memory tier folder")
         self.checkpoints = Path(checkpoints)
         self.rank = rank
+        self.copies = copies
+        self._spare: tuple[int, list[str]] | None = None  # a step this rank held before, and its files
 
     def path(self, step: int, rel: str | os.PathLike) -> Path:
         """Where the tier keeps the file `rel` of the checkpoint of `step`."""
         return self.folder / str(step) / rel
 
     def check_room(self, node_bytes: int) -> None:
-        """Raises TierError unless the tier's file system has room for two checkpoints of this node's ranks
-        (the one held and the one in flight) besides what this job already holds there."""
+        """Raises TierError unless the tier's file system has room for `copies` checkpoints of this node's
+        ranks besides what this job already holds there."""
         st = os.statvfs(self.folder)
         free = st.f_bavail * st.f_frsize + _size(self.folder)
-        if free < 2 * node_bytes:
+        need = self.copies * node_bytes
+        if free < need:
             raise TierError(
-                f"datastates.memory_tier needs {2 * node_bytes / 1e9:.2f} GB in {self.folder.parent} (two "
-                f"checkpoints of this node's ranks), and {free / 1e9:.2f} GB is free there: turn the memory "
-                "tier off, or give the tmpfs more room (mount -o remount,size=...)"
+                f"datastates.memory_tier needs {need / 1e9:.2f} GB in {self.folder.parent} ("
+                f"{self.copies} checkpoint(s) of this node's ranks: memory_tier_copies), and "
+                f"{free / 1e9:.2f} GB is free there: turn the memory tier off, set memory_tier_copies to 1, "
+                "or give the tmpfs more room (mount -o remount,size=...)"
             )
         layout.write_atomic(
             self.folder / "job.json", json.dumps({"checkpoints": str(self.checkpoints.resolve())})
         )
 
+    def recycle(self, step: int, rels: list[str]) -> list[Path | None]:
+        """The files of an earlier step that the save of `step` takes over (renamed and overwritten by the
+        engine), one per name of `rels` (None: a new file): with 2 copies the rank's spare; with 1 the held
+        step's, its marker withdrawn first, so that no restart reads them while they are overwritten."""
+        donor: tuple[int, list[str]] | None = None
+        if self.copies == 1:
+            mine = MARKER.format(rank=self.rank)
+            held = [s for s in self.steps() if s < step and mine in self._markers(s)]
+            if held:
+                donor = (held[-1], list(self._marked(held[-1], self.rank) or {}))
+                try:
+                    trust.unlink_in(self.folder, f"{held[-1]}/{mine}")
+                except OSError:  # still marked: never overwritten
+                    return [None] * len(rels)
+        elif self._spare is not None and self._spare[0] < step:
+            donor, self._spare = self._spare, None
+        if donor is None:
+            return [None] * len(rels)
+        have = set(donor[1])
+        out: list[Path | None] = []
+        for rel in rels:
+            path = self.path(donor[0], rel)
+            try:
+                ok = rel in have and _regular_size(self.folder / str(donor[0]), rel) >= 0
+            except OSError:
+                ok = False
+            out.append(path if ok else None)
+        return out
+
     def commit(self, step: int, files: dict[str, dict[str, Any]]) -> None:
         """Marks `step` as held by this rank (its files, each with the manifest's size and checksums), after
-        the checkpoint was committed to storage; then drops this rank's older steps."""
+        the checkpoint was committed to storage; then, with 2 copies, the step it held before becomes its
+        spare (marker withdrawn, files kept for the next save), and its other older steps are dropped."""
         for rel in files:
             trust.relative_name(rel, f"the files of step {step}")
         marker = self.folder / str(step) / MARKER.format(rank=self.rank)
         layout.write_atomic(marker, json.dumps({"step": step, "files": files}))
-        for older in self.steps():
-            if older < step:
-                self.drop(older)
+        mine = MARKER.format(rank=self.rank)
+        older = [s for s in self.steps() if s < step]
+        held = [s for s in older if mine in self._markers(s)]
+        if self.copies == 2 and held:
+            spare = (held[-1], list(self._marked(held[-1], self.rank) or {}))
+            trust.unlink_in(self.folder, f"{held[-1]}/{mine}")  # first: never taken as held again
+            self._drop_spare()
+            self._spare = spare
+        for s in older:
+            if self._spare is None or s != self._spare[0]:
+                self.drop(s)
 
     def drop(self, step: int) -> None:
         """Removes this rank's files (and marker) of `step`; the step's folder once no rank has any there.
@@ -106,10 +159,30 @@ class MemoryTier:
         if not self._markers(step):
             trust.remove_tree(self.folder, str(step))
 
+    def _drop_spare(self) -> None:
+        """Removes what is left of this rank's spare (the files no save took over)."""
+        if self._spare is None:
+            return
+        step, rels = self._spare
+        self._spare = None
+        for rel in rels:
+            with contextlib.suppress(OSError):
+                trust.unlink_in(self.folder / str(step), rel)
+        if not self._markers(step):
+            _remove_empty(self.folder / str(step))
+
+    def files(self) -> list[Path]:
+        """Every file the job's folder holds now (the engine keeps those of this rank mapped)."""
+        out = []
+        for d, _, names in os.walk(self.folder):  # links to folders are not followed
+            out += [Path(d) / n for n in names if not n.startswith(".rank-") and n != "job.json"]
+        return out
+
     def prune(self, keep: int | None) -> None:
         """At the start of training: drops this rank's steps other than `keep` (the step latest.txt names),
         and the unmarked folders below it. A process killed between marking a step and dropping the older
         ones leaves them behind; this keeps the tier at one checkpoint per rank plus the one in flight."""
+        self._remove_dead_temporaries()
         mine = MARKER.format(rank=self.rank)
         for step in self.steps():
             if step == keep:
@@ -117,6 +190,16 @@ class MemoryTier:
             markers = self._markers(step)
             if mine in markers or (keep is not None and step < keep and not markers):
                 self.drop(step)
+
+    def _remove_dead_temporaries(self) -> None:
+        """Removes the files that saves of processes no longer running were writing
+        (`.<name>.dstmp.<pid>.<n>`): each holds up to a file's worth of memory nothing would give back."""
+        for d, _, names in os.walk(self.folder):  # links to folders are not followed
+            for n in names:
+                pid = n.split(".dstmp.", 1)[1].split(".", 1)[0] if ".dstmp." in n else ""
+                if pid.isdigit() and not _alive(int(pid)):
+                    with contextlib.suppress(OSError):
+                        trust.unlink_in(self.folder, os.path.relpath(os.path.join(d, n), self.folder))
 
     def steps(self) -> list[int]:
         """The steps this job's folder holds (real folders named by a step), oldest first."""
@@ -158,6 +241,7 @@ class MemoryTier:
 
     def release(self) -> None:
         """At the normal end of training: this rank's steps dropped, and the job's folder once empty."""
+        self._drop_spare()
         for step in self.steps():
             self.drop(step)
         if not self.steps():
@@ -238,6 +322,25 @@ def why_not(settings: Any, folder: Path, manifest: dict[str, Any], rank: int) ->
         return str(e)
     step = manifest.get("step")
     return tier.why_not(step, manifest) if isinstance(step, int) else "the manifest names no step"
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: running
+        return True
+    return True
+
+
+def _remove_empty(folder: Path) -> None:
+    """Removes `folder` and the folders below it where they are empty (never a file, never through a link)."""
+    for d, _, _ in sorted(os.walk(folder), key=lambda w: -len(w[0])):
+        with contextlib.suppress(OSError):
+            os.rmdir(d)
 
 
 def _size(folder: Path) -> int:

@@ -16,7 +16,10 @@ from ..engine_settings import DataStatesConfig, Settings
 class TrainerSettings(Settings):
     """What the Nanotron trainer does around the engine."""
 
-    RANGES = {"keep_last_n": (0, 1 << 20, "expected an integer >= 0 (0 keeps every checkpoint)")}
+    RANGES = {
+        "keep_last_n": (0, 1 << 20, "expected an integer >= 0 (0 keeps every checkpoint)"),
+        "memory_tier_copies": (1, 2, "expected 1 or 2"),
+    }
     CHOICES = {"device_snapshot": ("auto", "always", "never")}
 
     keep_last_n: int = 0
@@ -39,9 +42,14 @@ class TrainerSettings(Settings):
     stall, snapshot, persisted, throughput, cache high-water mark and waits)."""
     memory_tier: bool = False
     """Keep the newest committed checkpoint of each rank in node-local shared memory too (`memory_tier_path`),
-    written from the host cache as it is flushed, so that a restart on the same node (a killed process,
-    torchrun's restarts, a relaunch) reads it from memory. Needs room for two checkpoints of the node's ranks
-    there (checked after the first step); removed when training ends normally. One-node jobs."""
+    so that a restart on the same node (a killed process, torchrun's restarts, a relaunch) reads it from
+    memory. The tier's files are the saves' host memory (in place of host cache chunks, no second copy).
+    Needs room for `memory_tier_copies` checkpoints of the node's ranks there (checked after the first step);
+    removed when training ends normally. One-node jobs."""
+    memory_tier_copies: int = 2
+    """Checkpoints of each rank the memory tier keeps: 2, the committed one stays whole while the next is
+    taken; 1, the next overwrites it (withdrawn first: a restart never reads it half overwritten), in the
+    memory of one checkpoint, and a crash while a checkpoint is in flight restarts from storage."""
     memory_tier_path: str = "/dev/shm/nanotron-datastates-{uid}"
     """Where the memory tier keeps its files: a tmpfs folder private to this user (`{uid}` is replaced by
     the user's id; created 0700, refused if another user owns it or others may write to it)."""

@@ -245,7 +245,9 @@ def test_the_memory_tier_holds_the_newest_committed_checkpoint_and_a_restart_rea
     _, newest = two_checkpoints(rank0, tmp_path / "ckpt", **tier)
     (job,) = shm.iterdir()  # one job
     held = sorted(p.name for p in job.iterdir() if p.is_dir())
-    assert held == ["7"] and (job / "7" / ".rank-0.json").exists()  # step 5 dropped once 7 was committed
+    # Step 5 held, then the spare (its marker withdrawn) once 7 was committed: the next save takes it over.
+    assert held == ["5", "7"] and (job / "7" / ".rank-0.json").exists()
+    assert not (job / "5" / ".rank-0.json").exists()
     for rel in layout.read_manifest(tmp_path / "ckpt" / "7")["files"]:
         assert (job / "7" / rel).read_bytes() == (tmp_path / "ckpt" / "7" / rel).read_bytes()
     resume, got, metadata = resumed(rank0, tmp_path / "ckpt" / "7", **tier)

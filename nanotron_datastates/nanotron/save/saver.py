@@ -14,8 +14,9 @@
 4. `take(count)` at the next request and `drain()` at the end: the outcomes (commit.py), in order, the same
    on every rank; post-save hooks run for those committed; a failed one raises CheckpointError.
 
-With `memory_tier`, every file is also written to node-local shared memory as it is flushed, and each rank
-marks a step as held there once it is committed (memory_tier.py).
+With `memory_tier`, each file's copy in node-local shared memory is the save's host memory (the engine copies
+into it and flushes from it, in place of host cache chunks), and each rank marks a step as held there once it
+is committed (memory_tier.py).
 
 `observers` are told of each queuing and commit (`observer(event, fields)`), for benchmarks and logs.
 """
@@ -87,7 +88,8 @@ class Saver:
         self.tier: MemoryTier | None = None
         if settings.memory_tier:
             rank = tdist.get_rank() if tdist.is_initialized() else 0
-            self.tier = MemoryTier(settings.memory_tier_path, self.checkpoints, rank)
+            copies = settings.memory_tier_copies
+            self.tier = MemoryTier(settings.memory_tier_path, self.checkpoints, rank, copies)
             try:
                 keep = checkpoint.latest_step(self.checkpoints)
             except (OSError, ValueError):
@@ -103,10 +105,12 @@ class Saver:
         self._nbytes = sum(p.nbytes for p in plans)
         # Pinning stalls other CUDA calls (8 GiB pinned at start took the first step from 0.97 to 2.99 s on an
         # H100): after the first step, no more than one checkpoint fills (each file takes whole chunks).
+        # With the memory tier, the tier's files take the bytes instead: the cache is left as it is.
         chunk = self.engine.cache_stats()["chunk_bytes"]
         chunks = sum(-(-p.nbytes // chunk) for p in plans) + 2  # + the scheduler's and random states' files
-        self.engine.prepare_cache(wait=False, nbytes=chunks * chunk)
-        if self.tier is not None:  # this rank's checkpoint, as many times as the node has ranks
+        if self.tier is None:
+            self.engine.prepare_cache(wait=False, nbytes=chunks * chunk)
+        else:  # this rank's checkpoint, as many times as the node has ranks
             self.tier.check_room(self._nbytes * int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         if self._decide()[0]:
             staging.warm(plans)
@@ -184,10 +188,12 @@ class Saver:
             if files.optimizer is not None:
                 todo.append((files.optimizer, self.engine.plan(self.optimizer.state_dict())))
             targets = [(plan, pending.folder / path) for path, plan in todo + later]
-            mirrors = None
+            mirrors = recycle = None
             if self.tier is not None:
-                mirrors = [self.tier.path(pending.step, path) for path, _ in todo + later]
-            pending.handles = self._submit(targets, stage, mirrors)
+                names = [path for path, _ in todo + later]
+                mirrors = [self.tier.path(pending.step, path) for path in names]
+                recycle = self.tier.recycle(pending.step, [str(n) for n in names])
+            pending.handles = self._submit(targets, stage, mirrors, recycle)
             self.gate.add(pending.handles, on_wait=functools.partial(_add_stall, pending))
         except Exception as e:  # reported at the next checkpoint or the end, as a failed write would be
             pending.errors.append(f"queuing its files failed: {e!r}")
@@ -198,7 +204,11 @@ class Saver:
         self.committer.submit(pending)
 
     def _submit(
-        self, files: list[tuple[SavePlan, Path]], stage: bool, mirrors: list[Path] | None
+        self,
+        files: list[tuple[SavePlan, Path]],
+        stage: bool,
+        mirrors: list[Path] | None,
+        recycle: list[Path | None] | None,
     ) -> list[Any]:
         """Queues every file: all staged on the GPU together (so the optimizer step waits for none), or
         straight from the state where unstaged or where staging runs out of GPU memory."""
@@ -206,13 +216,13 @@ class Saver:
             import torch
 
             try:
-                return self.engine.save_plans(files, stage=True, mirrors=mirrors)
+                return self.engine.save_plans(files, stage=True, mirrors=mirrors, recycle=recycle)
             except torch.cuda.OutOfMemoryError:
                 self._staged = False
                 say.info(
                     "out of GPU memory copying a checkpoint on the GPU: it is copied from the state itself"
                 )
-        return self.engine.save_plans(files, mirrors=mirrors)
+        return self.engine.save_plans(files, mirrors=mirrors, recycle=recycle)
 
     # -- 3. every optimizer step ----------------------------------------------------------------------------
 
@@ -272,6 +282,7 @@ class Saver:
         if self.tier is not None and r.committed:
             try:
                 self.tier.commit(r.step, r.mirrored)
+                self.engine.keep_mirrors(self.tier.files())  # the dropped files' memory goes back
             except OSError as e:  # a restart then reads storage
                 say.error(f"memory tier, after checkpoint {r.step}: {e!r}", every_rank=True)
         if groups.rank(self.pc.world_pg) == 0:
