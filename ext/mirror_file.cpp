@@ -15,8 +15,8 @@
 namespace ds {
 
 MirrorFile::MirrorFile(const std::string& path, std::size_t bytes, bool existing, std::size_t block,
-                       int pin_device)
-    : bytes_(bytes), block_(block), pin_device_(pin_device) {
+                       std::size_t origin, int pin_device)
+    : bytes_(bytes), block_(block), origin_(std::min(origin, bytes)), pin_device_(pin_device) {
   const int flags = O_RDWR | O_CLOEXEC | O_NOFOLLOW | (existing ? 0 : O_CREAT | O_EXCL);
   fd_ = open(path.c_str(), flags, 0600);
   if (fd_ < 0) throw ErrorException(Error::os(errno, "opening the mirror copy", path));
@@ -37,16 +37,16 @@ MirrorFile::MirrorFile(const std::string& path, std::size_t bytes, bool existing
   if (p == MAP_FAILED) fail(Error::os(errno, "mapping the mirror copy", path));
   base_ = static_cast<char*>(p);
   madvise(base_, bytes_, MADV_DONTFORK);  // data loader workers must not share it
-  const std::size_t blocks = (bytes_ + block_ - 1) / block_;
-  once_ = std::make_unique<std::once_flag[]>(blocks);
-  pinned_ = std::make_unique<std::atomic<bool>[]>(blocks);
-  for (std::size_t i = 0; i < blocks; ++i) pinned_[i].store(false);
+  blocks_ = 1 + (bytes_ - origin_ + block_ - 1) / block_;
+  once_ = std::make_unique<std::once_flag[]>(blocks_);
+  pinned_ = std::make_unique<std::atomic<bool>[]>(blocks_);
+  for (std::size_t i = 0; i < blocks_; ++i) pinned_[i].store(false);
 }
 
 MirrorFile::~MirrorFile() {
   const cuda::Api* api = pin_device_ >= 0 ? cuda::api() : nullptr;
-  for (std::size_t i = 0; api && i * block_ < bytes_; ++i)
-    if (pinned_[i].load()) api->cuMemHostUnregister(base_ + i * block_);
+  for (std::size_t i = 0; api && i < blocks_; ++i)
+    if (pinned_[i].load()) api->cuMemHostUnregister(base_ + block_start(i));
   if (base_) munmap(base_, bytes_);
   if (fd_ >= 0) close(fd_);
 }
@@ -62,15 +62,24 @@ Error MirrorFile::resize(std::size_t file_bytes, const std::string& path) {
 
 void MirrorFile::prepare(std::size_t offset, std::size_t len) {
   if (len == 0) return;
-  const std::size_t last = std::min(offset + len, bytes_) - 1;
-  for (std::size_t i = offset / block_; i <= last / block_; ++i)
+  const std::size_t last = block_of(std::min(offset + len, bytes_) - 1);
+  for (std::size_t i = block_of(offset); i <= last; ++i)
     std::call_once(once_[i], [this, i] { prepare_block(i); });
 }
 
+std::size_t MirrorFile::block_of(std::size_t offset) const {
+  return offset < origin_ ? 0 : 1 + (offset - origin_) / block_;
+}
+
+std::size_t MirrorFile::block_start(std::size_t i) const {
+  return i == 0 ? 0 : origin_ + (i - 1) * block_;
+}
+
 void MirrorFile::prepare_block(std::size_t i) {
-  char* p = base_ + i * block_;
-  const std::size_t n = std::min(block_, bytes_ - i * block_);
-  if (fault_in(p, n) && pin_device_ >= 0) pinned_[i].store(pin(p, n, pin_device_).kind == Error::Kind::None);
+  const std::size_t lo = block_start(i), hi = i == 0 ? origin_ : std::min(bytes_, lo + block_);
+  if (hi <= lo) return;
+  if (fault_in(base_ + lo, hi - lo) && pin_device_ >= 0)
+    pinned_[i].store(pin(base_ + lo, hi - lo, pin_device_).kind == Error::Kind::None);
 }
 
 std::shared_ptr<MirrorFile> MirrorFiles::take(const std::string& path) {

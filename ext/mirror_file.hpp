@@ -24,15 +24,18 @@ class MirrorFile {
  public:
   // Opens `path` (a new file; or an existing one of ours, `existing`, never through a link), sizes it to
   // `bytes` (a multiple of 4096), reserves its memory (ENOSPC now, not a SIGBUS later) and maps it shared.
-  // Pins blocks of `block` bytes through `pin_device`'s context (-1: never). Throws ErrorException naming
-  // the file.
-  MirrorFile(const std::string& path, std::size_t bytes, bool existing, std::size_t block, int pin_device);
+  // Pins blocks through `pin_device`'s context (-1: never): [0, origin), then `block` bytes each from
+  // `origin` on, so that a piece of the data section (at origin + i * block) lies in one registration (a
+  // device copy into memory that spans two registrations fails). Throws ErrorException naming the file.
+  MirrorFile(const std::string& path, std::size_t bytes, bool existing, std::size_t block, std::size_t origin,
+             int pin_device);
   ~MirrorFile();
   MirrorFile(const MirrorFile&) = delete;
   MirrorFile& operator=(const MirrorFile&) = delete;
 
   char* data() const { return base_; }
   std::size_t size() const { return bytes_; }
+  std::size_t origin() const { return origin_; }
   int fd() const { return fd_; }
   // Faults in (and pins) the blocks that [offset, offset + len) touches, once each.
   void prepare(std::size_t offset, std::size_t len);
@@ -41,11 +44,15 @@ class MirrorFile {
 
  private:
   void prepare_block(std::size_t i);
+  std::size_t block_of(std::size_t offset) const;
+  std::size_t block_start(std::size_t i) const;
 
   int fd_ = -1;
   char* base_ = nullptr;
   std::size_t bytes_ = 0;
   std::size_t block_ = 0;
+  std::size_t origin_ = 0;
+  std::size_t blocks_ = 0;
   int pin_device_ = -1;
   std::unique_ptr<std::once_flag[]> once_;
   std::unique_ptr<std::atomic<bool>[]> pinned_;

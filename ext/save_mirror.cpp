@@ -26,13 +26,13 @@ void SaveJob::open_mirror() {
     if (!existing) old.reset();  // gone: a new file
   }
   try {
-    if (old && old->size() == bytes) {
+    if (old && old->size() == bytes && old->origin() == layout_.data_start) {
       if (Error e = old->resize(bytes, mirror_tmp_)) throw ErrorException(e);
       map_ = std::move(old);
     } else {
-      old.reset();  // another size, or not mapped here: mapped anew
+      old.reset();  // another layout, or not mapped here: mapped anew
       map_ = std::make_shared<MirrorFile>(mirror_tmp_, bytes, existing, cache_->chunk_bytes(),
-                                          cache_->pin_device());
+                                          layout_.data_start, cache_->pin_device());
     }
   } catch (const ErrorException& e) {
     unlink(mirror_tmp_.c_str());

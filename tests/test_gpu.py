@@ -237,3 +237,24 @@ def test_a_load_on_another_thread_keeps_the_file_dtypes_while_torch_empty_is_pat
     for key in ("step", "exp_avg"):
         assert got["state"]["0"][key].dtype == torch.float32
         assert same(got["state"]["0"][key].cpu(), state["state"]["0"][key])
+
+
+@pytest.mark.parametrize("stage", [False, True])
+def test_a_cuda_save_into_its_mirror_and_a_save_recycling_it(gpu_engine, tmp_path, stage):
+    """The mirror file as the staging memory of device copies (pinned by blocks laid on the pieces, which
+    start after the header), then taken over by the next save: both byte for byte their files."""
+    mem = tmp_path / "mem"
+    for k, scale in enumerate((1, 2)):
+        state = {f"t{i}": torch.randn(3_000_000 + i, device="cuda") * scale for i in range(3)}
+        h = gpu_engine.save_plans(
+            [(gpu_engine.plan(state), tmp_path / f"{k}.safetensors")],
+            stage=stage,
+            mirrors=[mem / str(k) / "f.safetensors"],
+            recycle=[mem / "0" / "f.safetensors"] if k else None,
+        )[0]
+        h.wait_persisted()
+        assert h.mirrored(), h.mirror_error()
+        assert (mem / str(k) / "f.safetensors").read_bytes() == (tmp_path / f"{k}.safetensors").read_bytes()
+        back = gpu_engine.load(mem / str(k) / "f.safetensors", "cuda")
+        assert all(torch.equal(back[n], v) for n, v in state.items())
+    assert not (mem / "0" / "f.safetensors").exists()  # taken over
