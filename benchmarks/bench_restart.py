@@ -13,8 +13,8 @@ scratch (Nanotron main's collect_env report and the restart's comparison left ou
 * `restart-memory`: one `torchrun --max-restarts 1` with `datastates.memory_tier: true`: the worker trains,
   takes a synchronous copy of its whole state at `--step` (weights, optimizer with fp32 master weights,
   scheduler, random states, metadata) as it asks for that checkpoint, and SIGKILLs itself once the checkpoint
-  is committed; torchrun starts it again, it resumes from the memory tier, compares its whole restored state
-  with that copy, bit for bit, and trains on.
+  is committed; torchrun starts it again, it resumes from the memory tier, clones its whole restored state on
+  the GPU (the clone's time left out), trains on, and then compares the clone with that copy, bit for bit.
 
 With `--dp N`, every run is N data-parallel workers (`--zero 1`: optimizer shards per rank); each compares its
 own state with its own copy, and all must resume from memory for `restart-memory` to count as from memory.
@@ -38,7 +38,7 @@ from typing import Any
 
 from _nanotron import REPO, book_dummy_tokens, load_run_train, time_library_report, write_config
 from bench_nanotron import MODELS, MemorySampler, make_cold
-from nanotron_proof import capture, compare
+from nanotron_proof import capture, compare, to_host
 
 EVERYTHING = ("weights", "optimizer", "lr_scheduler", "random", "global_rng", "metadata", "iteration_step")
 
@@ -96,21 +96,26 @@ def run_phase(args: argparse.Namespace) -> None:
     torch.distributed.all_gather_object(from_memory, here)
     rec["resumed_from_memory"] = all(from_memory)
     rec["ranks_from_memory"] = sum(from_memory)
+    restored = None
     if args.kill and restart > 0:
-        t_compare = time.perf_counter()  # left out of the time to the first step, as the report above
-        ref = torch.load(reference, weights_only=False)
-        now = capture(trainer)
+        # The restored state cloned on the GPU (left out of the time to the first step, as the report above),
+        # compared with the synchronous copy once training is over: the host stays as a restart leaves it.
+        t_clone = time.perf_counter()
+        restored = capture(trainer, on_device=True)
+        torch.cuda.synchronize()
+        from nanotron_datastates.nanotron import memory_tier as tier
+
+        rec["tier"] = tier.jobs(args.tier_path)
+        rec["marks"]["compare_s"] = time.perf_counter() - t_clone
+    trainer.train(run_train.get_dataloader(trainer))
+    rec["memory"] = {**memory.stop(), "gpu_max_reserved_bytes": torch.cuda.max_memory_reserved()}
+    if restored is not None:
+        ref, now = torch.load(reference, weights_only=False), to_host(restored)
         rec["compared"] = {}
         for part in EVERYTHING:
             n, diffs = compare(ref[part], now[part], part)
             rec["compared"][part] = {"tensors": n, "differences": len(diffs), "first": diffs[:10]}
         rec["compared"] = every_rank(rec["compared"])
-        from nanotron_datastates.nanotron import memory_tier as tier
-
-        rec["tier"] = tier.jobs(args.tier_path)
-        rec["marks"]["compare_s"] = time.perf_counter() - t_compare
-    trainer.train(run_train.get_dataloader(trainer))
-    rec["memory"] = {**memory.stop(), "gpu_max_reserved_bytes": torch.cuda.max_memory_reserved()}
     if rank == 0:
         Path(f"{args.record}.{restart}.json").write_text(json.dumps(rec))
 

@@ -84,14 +84,16 @@ def make_config(
 # -- state capture and comparison (inside a phase) -------------------------------------------------------
 
 
-def capture(trainer: Any) -> dict[str, Any]:
+def capture(trainer: Any, on_device: bool = False) -> dict[str, Any]:
+    """The trainer's whole state, its tensors copied to the host (`on_device`: cloned where they are, a quick
+    copy that leaves the host alone; `to_host` later)."""
     import torch
 
     from nanotron_datastates.nanotron import rng_states as states
 
     def host(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            return x.detach().cpu().clone()
+            return x.detach().clone() if on_device else x.detach().cpu().clone()
         if isinstance(x, dict):
             return {k: host(v) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
@@ -107,6 +109,19 @@ def capture(trainer: Any) -> dict[str, Any]:
         "metadata": dataclasses.asdict(trainer.metadata),
         "iteration_step": trainer.iteration_step,
     }
+
+
+def to_host(x: Any) -> Any:
+    """A captured state with its tensors on the host."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, dict):
+        return {k: to_host(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_host(v) for v in x)
+    return x
 
 
 def compare(a: Any, b: Any, path: str = "") -> tuple[int, list[str]]:
