@@ -1,5 +1,8 @@
 #include "engine.hpp"
 
+#include <algorithm>
+#include <thread>
+
 namespace ds {
 
 Engine::Engine(const EngineOptions& opts)
@@ -8,7 +11,9 @@ Engine::Engine(const EngineOptions& opts)
           std::make_unique<HostCache>(opts.cache_bytes, opts.chunk_bytes, opts.pin_device, opts.huge_pages)),
       parsers_(opts.parser_threads),
       copiers_(opts.copy_threads),
-      host_copiers_(opts.host_copy_threads) {
+      host_copiers_(opts.host_copy_threads),
+      pinners_(std::max(1u, std::min(4u, std::thread::hardware_concurrency() / 2))) {
+  mirrors_.set_pool(&pinners_);
   pinned_ = cache_->pinned();
   pin_error_ = cache_->pin_error();
   if (opts_.io_backend != "pwrite") {
@@ -21,6 +26,7 @@ Engine::Engine(const EngineOptions& opts)
           parsers_.stop();
           copiers_.stop();
           host_copiers_.stop();
+          pinners_.stop();
           throw ErrorException(Error::value("io_backend='io_uring' but io_uring is refused here: " + why));
         }
         fallback_reason_ = why;
@@ -174,6 +180,7 @@ void Engine::close() {
   host_copiers_.stop();
   parsers_.stop();
   for (auto& f : flushers_) f->stop();
+  pinners_.stop();
   mirrors_.clear();
   cache_.reset();  // unpins and unmaps: a closed engine holds no memory
   std::lock_guard<std::mutex> lock(mu_);

@@ -115,6 +115,7 @@ class Engine final : public JobObserver {
   TaskPool parsers_;
   TaskPool copiers_;       // saves with any GPU tensor: the copy engine moves the bytes
   TaskPool host_copiers_;  // saves of host tensors only: the threads move the bytes
+  TaskPool pinners_;       // fault in and pin new mirror files ahead of the copies
 
   std::mutex close_mu_;  // serializes close()
   std::mutex mu_;

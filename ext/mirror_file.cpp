@@ -63,8 +63,11 @@ Error MirrorFile::resize(std::size_t file_bytes, const std::string& path) {
 void MirrorFile::prepare(std::size_t offset, std::size_t len) {
   if (len == 0) return;
   const std::size_t last = block_of(std::min(offset + len, bytes_) - 1);
-  for (std::size_t i = block_of(offset); i <= last; ++i)
-    std::call_once(once_[i], [this, i] { prepare_block(i); });
+  for (std::size_t i = block_of(offset); i <= last; ++i) prepare_block_once(i);
+}
+
+void MirrorFile::prepare_block_once(std::size_t i) {
+  std::call_once(once_[i], [this, i] { prepare_block(i); });
 }
 
 std::size_t MirrorFile::block_of(std::size_t offset) const {
@@ -80,6 +83,11 @@ void MirrorFile::prepare_block(std::size_t i) {
   if (hi <= lo) return;
   if (fault_in(base_ + lo, hi - lo) && pin_device_ >= 0)
     pinned_[i].store(pin(base_ + lo, hi - lo, pin_device_).kind == Error::Kind::None);
+}
+
+void MirrorFiles::prepare_in_background(const std::shared_ptr<MirrorFile>& file) {
+  if (!pool_) return;
+  for (std::size_t i = 0; i < file->blocks(); ++i) pool_->submit([file, i] { file->prepare_block_once(i); });
 }
 
 std::shared_ptr<MirrorFile> MirrorFiles::take(const std::string& path) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common.hpp"
+#include "task_pool.hpp"
 
 namespace ds {
 
@@ -39,6 +40,9 @@ class MirrorFile {
   int fd() const { return fd_; }
   // Faults in (and pins) the blocks that [offset, offset + len) touches, once each.
   void prepare(std::size_t offset, std::size_t len);
+  // Block i, once (a copy that reaches it first waits for it, or does it).
+  void prepare_block_once(std::size_t i);
+  std::size_t blocks() const { return blocks_; }
   // Makes the file `bytes` long again (a recycled file was cut to its exact size within its last page).
   Error resize(std::size_t file_bytes, const std::string& path);
 
@@ -62,6 +66,10 @@ class MirrorFile {
 // its mapping out. Thread-safe.
 class MirrorFiles {
  public:
+  // Threads that fault in and pin a new mapping's blocks ahead of the copies (several at once: one copy
+  // thread alone would pin a 14.5 GB checkpoint's tmpfs pages for seconds). Null: the copies do it.
+  void set_pool(TaskPool* pool) { pool_ = pool; }
+  void prepare_in_background(const std::shared_ptr<MirrorFile>& file);
   std::shared_ptr<MirrorFile> take(const std::string& path);
   void put(const std::string& path, std::shared_ptr<MirrorFile> file);
   // Drops (unpins, unmaps) every mapping but those of `keep`; returns how many are kept.
@@ -69,6 +77,7 @@ class MirrorFiles {
   void clear();
 
  private:
+  TaskPool* pool_ = nullptr;
   std::mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<MirrorFile>> files_;
 };

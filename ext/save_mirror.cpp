@@ -33,6 +33,7 @@ void SaveJob::open_mirror() {
       old.reset();  // another layout, or not mapped here: mapped anew
       map_ = std::make_shared<MirrorFile>(mirror_tmp_, bytes, existing, cache_->chunk_bytes(),
                                           layout_.data_start, cache_->pin_device());
+      if (mirrors_) mirrors_->prepare_in_background(map_);
     }
   } catch (const ErrorException& e) {
     unlink(mirror_tmp_.c_str());
