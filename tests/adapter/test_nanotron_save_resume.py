@@ -239,15 +239,18 @@ def test_with_no_older_checkpoint_a_damaged_one_is_an_error_naming_the_file(rank
         resumed(rank0, folder)
 
 
-def test_the_memory_tier_holds_the_newest_committed_checkpoint_and_a_restart_reads_it(rank0, tmp_path):
+@pytest.mark.parametrize("copies", [2, 1])
+def test_the_memory_tier_holds_the_newest_checkpoint_and_a_restart_reads_it(rank0, tmp_path, copies):
     shm = tmp_path / "shm"
-    tier = {"memory_tier": True, "memory_tier_path": str(shm)}
+    tier = {"memory_tier": True, "memory_tier_path": str(shm), "memory_tier_copies": copies}
     _, newest = two_checkpoints(rank0, tmp_path / "ckpt", **tier)
     (job,) = shm.iterdir()  # one job
     held = sorted(p.name for p in job.iterdir() if p.is_dir())
-    # Step 5 held, then the spare (its marker withdrawn) once 7 was committed: the next save takes it over.
-    assert held == ["5", "7"] and (job / "7" / ".rank-0.json").exists()
-    assert not (job / "5" / ".rank-0.json").exists()
+    if copies == 2:  # step 5 held, then the spare (marker withdrawn) once 7 was committed
+        assert held == ["5", "7"] and not (job / "5" / ".rank-0.json").exists()
+    else:  # the save of 7 took step 5's files over, and 5's folder went
+        assert held == ["7"]
+    assert (job / "7" / ".rank-0.json").exists()
     for rel in layout.read_manifest(tmp_path / "ckpt" / "7")["files"]:
         assert (job / "7" / rel).read_bytes() == (tmp_path / "ckpt" / "7" / rel).read_bytes()
     resume, got, metadata = resumed(rank0, tmp_path / "ckpt" / "7", **tier)
