@@ -4,8 +4,9 @@
 //
 // Mapping and page-locking many GiB costs seconds (0.25-0.4 s per GiB with 4 KiB pages), so a mapping is
 // kept after its save (MirrorFiles) and recycled by a later save of the same file: the file is renamed to its
-// new name and its pages, still pinned, take the new bytes. Blocks are faulted in and pinned by the first
-// copy that touches them, as the host cache's chunks are.
+// new name and its pages, still pinned, take the new bytes. A new file's blocks are faulted in and pinned by
+// a small pool ahead of the copies (MirrorFiles::prepare_in_background), or by the first copy that reaches
+// one.
 #pragma once
 
 #include <atomic>
@@ -37,7 +38,6 @@ class MirrorFile {
   char* data() const { return base_; }
   std::size_t size() const { return bytes_; }
   std::size_t origin() const { return origin_; }
-  int fd() const { return fd_; }
   // Faults in (and pins) the blocks that [offset, offset + len) touches, once each.
   void prepare(std::size_t offset, std::size_t len);
   // Block i, once (a copy that reaches it first waits for it, or does it).

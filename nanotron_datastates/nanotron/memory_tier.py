@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import trust
+from .checkpoint import folder as checkpoint_folder
 from .checkpoint import layout
 
 MARKER = ".rank-{rank}.json"
@@ -103,28 +104,18 @@ class MemoryTier:
         step's, its marker withdrawn first, so that no restart reads them while they are overwritten."""
         donor: tuple[int, list[str]] | None = None
         if self.copies == 1:
-            mine = MARKER.format(rank=self.rank)
-            held = [s for s in self.steps() if s < step and mine in self._markers(s)]
-            if held:
-                donor = (held[-1], list(self._marked(held[-1], self.rank) or {}))
+            donor = self._held_before(step)
+            if donor is not None:
                 try:
-                    trust.unlink_in(self.folder, f"{held[-1]}/{mine}")
+                    self._withdraw(donor[0])
                 except OSError:  # still marked: never overwritten
                     return [None] * len(rels)
         elif self._spare is not None and self._spare[0] < step:
             donor, self._spare = self._spare, None
         if donor is None:
             return [None] * len(rels)
-        have = set(donor[1])
-        out: list[Path | None] = []
-        for rel in rels:
-            path = self.path(donor[0], rel)
-            try:
-                ok = rel in have and _regular_size(self.folder / str(donor[0]), rel) >= 0
-            except OSError:
-                ok = False
-            out.append(path if ok else None)
-        return out
+        folder, have = self.folder / str(donor[0]), set(donor[1])
+        return [folder / rel if rel in have and _is_ours(folder, rel) else None for rel in rels]
 
     def commit(self, step: int, files: dict[str, dict[str, Any]]) -> None:
         """Marks `step` as held by this rank (its files, each with the manifest's size and checksums), after
@@ -134,17 +125,24 @@ class MemoryTier:
             trust.relative_name(rel, f"the files of step {step}")
         marker = self.folder / str(step) / MARKER.format(rank=self.rank)
         layout.write_atomic(marker, json.dumps({"step": step, "files": files}))
-        mine = MARKER.format(rank=self.rank)
-        older = [s for s in self.steps() if s < step]
-        held = [s for s in older if mine in self._markers(s)]
-        if self.copies == 2 and held:
-            spare = (held[-1], list(self._marked(held[-1], self.rank) or {}))
-            trust.unlink_in(self.folder, f"{held[-1]}/{mine}")  # first: never taken as held again
+        spare = self._held_before(step) if self.copies == 2 else None
+        if spare is not None:
+            self._withdraw(spare[0])  # first: never taken as held again
             self._drop_spare()
             self._spare = spare
-        for s in older:
-            if self._spare is None or s != self._spare[0]:
+        for s in self.steps():
+            if s < step and (self._spare is None or s != self._spare[0]):
                 self.drop(s)
+
+    def _held_before(self, step: int) -> tuple[int, list[str]] | None:
+        """The newest step below `step` that this rank marks held, with the files it marked; None: none."""
+        mine = MARKER.format(rank=self.rank)
+        held = [s for s in self.steps() if s < step and mine in self._markers(s)]
+        return (held[-1], list(self._marked(held[-1], self.rank) or {})) if held else None
+
+    def _withdraw(self, step: int) -> None:
+        """Removes this rank's marker of `step`: from then on no restart takes the step as held."""
+        trust.unlink_in(self.folder, f"{step}/{MARKER.format(rank=self.rank)}")
 
     def drop(self, step: int) -> None:
         """Removes this rank's files (and marker) of `step`; the step's folder once no rank has any there.
@@ -194,12 +192,11 @@ class MemoryTier:
     def _remove_dead_temporaries(self) -> None:
         """Removes the files that saves of processes no longer running were writing
         (`.<name>.dstmp.<pid>.<n>`): each holds up to a file's worth of memory nothing would give back."""
-        for d, _, names in os.walk(self.folder):  # links to folders are not followed
-            for n in names:
-                pid = n.split(".dstmp.", 1)[1].split(".", 1)[0] if ".dstmp." in n else ""
-                if pid.isdigit() and not _alive(int(pid)):
-                    with contextlib.suppress(OSError):
-                        trust.unlink_in(self.folder, os.path.relpath(os.path.join(d, n), self.folder))
+        for path in checkpoint_folder.temporaries(self.folder):
+            pid = path.name.split(".dstmp.", 1)[1].split(".", 1)[0] if ".dstmp." in path.name else ""
+            if pid.isdigit() and not _alive(int(pid)):
+                with contextlib.suppress(OSError):
+                    trust.unlink_in(self.folder, str(path.relative_to(self.folder)))
 
     def steps(self) -> list[int]:
         """The steps this job's folder holds (real folders named by a step), oldest first."""
@@ -322,6 +319,15 @@ def why_not(settings: Any, folder: Path, manifest: dict[str, Any], rank: int) ->
         return str(e)
     step = manifest.get("step")
     return tier.why_not(step, manifest) if isinstance(step, int) else "the manifest names no step"
+
+
+def _is_ours(folder: Path, rel: str) -> bool:
+    """Whether `folder/rel` is a regular file of this user's, reached without a link (`_regular_size`)."""
+    try:
+        _regular_size(folder, rel)
+    except OSError:
+        return False
+    return True
 
 
 def _alive(pid: int) -> bool:
