@@ -141,14 +141,8 @@ class DataStatesEngine:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         t0 = time.perf_counter()
         paths = [os.path.abspath(os.fspath(path)) for _, path in files]
-        mirrors = list(mirrors) if mirrors is not None else [None] * len(files)
-        if len(mirrors) != len(files):
-            raise ValueError(f"{len(mirrors)} mirrors for {len(files)} files")
-        copies = [os.path.abspath(os.fspath(m)) if m is not None else None for m in mirrors]
-        recycle = list(recycle) if recycle is not None else [None] * len(files)
-        if len(recycle) != len(files):
-            raise ValueError(f"{len(recycle)} files to recycle for {len(files)} files")
-        old = [os.path.abspath(os.fspath(r)) if r is not None else "" for r in recycle]
+        copies = _paths_per_file(mirrors, len(files), "mirrors")
+        old = [r or "" for r in _paths_per_file(recycle, len(files), "files to recycle")]
         prepared = prepare_many([plan for plan, _ in files], stage=stage)
         # One call to the core for all: one event per device on the caller's streams, and a staged file's
         # tensors as places in the staged buffers rather than a DLPack export each.
@@ -367,3 +361,12 @@ class DataStatesEngine:
                 self.close()
         except Exception:
             pass
+
+
+def _paths_per_file(paths: Sequence[str | os.PathLike | None] | None, n: int, what: str) -> list[str | None]:
+    """One absolute path (or None) per file of a save_plans call; ValueError naming `what` where the count
+    differs."""
+    paths = list(paths) if paths is not None else [None] * n
+    if len(paths) != n:
+        raise ValueError(f"{len(paths)} {what} for {n} files")
+    return [os.path.abspath(os.fspath(p)) if p is not None else None for p in paths]

@@ -106,9 +106,9 @@ class Saver:
         # Pinning stalls other CUDA calls (8 GiB pinned at start took the first step from 0.97 to 2.99 s on an
         # H100): after the first step, no more than one checkpoint fills (each file takes whole chunks).
         # With the memory tier, the tier's files take the bytes instead: the cache is left as it is.
-        chunk = self.engine.cache_stats()["chunk_bytes"]
-        chunks = sum(-(-p.nbytes // chunk) for p in plans) + 2  # + the scheduler's and random states' files
         if self.tier is None:
+            chunk = self.engine.cache_stats()["chunk_bytes"]
+            chunks = sum(-(-p.nbytes // chunk) for p in plans) + 2  # + the scheduler's and random states'
             self.engine.prepare_cache(wait=False, nbytes=chunks * chunk)
         else:  # this rank's checkpoint, as many times as the node has ranks
             self.tier.check_room(self._nbytes * int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
