@@ -28,7 +28,10 @@ B=benchmarks
 
 run_step() {
   case "$1" in
-    tests) python3 -m pytest -q -rs tests/test_gpu.py tests/test_engine.py tests/test_streaming.py ;;
+    tests) python3 -m pytest -q -rs tests/test_gpu.py tests/test_engine.py tests/test_streaming.py \
+      tests/test_restore_from_memory.py ;;
+    tier-read) # the memory tier's read into GPU memory: mapped against read(2), 4-16 parser threads
+      python3 $B/micro/bench_tier_read.py --out "$OUT/tier-read" ;;
     dd | ddread) bash $B/disk.sh "$1" "$WORK" ;;
     engine) # the engine alone: blocking, device-to-host, persisted and restore against their baselines
       python3 $B/bench_engine.py --repeat 2 --skip-baselines --device both --dir "$WORK/engine" \

@@ -186,7 +186,8 @@ NB_MODULE(_core, m) {
           [](ds::Engine* self, std::size_t cache_bytes, std::size_t chunk_bytes, int pin_device,
              bool huge_pages, unsigned parser_threads, unsigned copy_threads, unsigned host_copy_threads,
              unsigned flush_threads, unsigned queue_depth, std::size_t read_bytes,
-             const std::string& io_backend, bool direct_io, bool fsync, bool checksums) {
+             const std::string& io_backend, bool direct_io, bool fsync, bool checksums,
+             bool map_memory_files) {
             ds::EngineOptions o;
             o.cache_bytes = cache_bytes;
             o.chunk_bytes = chunk_bytes;
@@ -200,12 +201,13 @@ NB_MODULE(_core, m) {
             o.read_bytes = read_bytes;
             o.io_backend = io_backend;
             o.save = {direct_io, fsync, checksums};
+            o.map_memory_files = map_memory_files;
             nb::gil_scoped_release release;  // allocating and pinning the cache can take seconds
             new (self) ds::Engine(o);
           },
           "cache_bytes"_a, "chunk_bytes"_a, "pin_device"_a, "huge_pages"_a, "parser_threads"_a,
           "copy_threads"_a, "host_copy_threads"_a, "flush_threads"_a, "queue_depth"_a, "read_bytes"_a,
-          "io_backend"_a, "direct_io"_a, "fsync"_a, "checksums"_a)
+          "io_backend"_a, "direct_io"_a, "fsync"_a, "checksums"_a, "map_memory_files"_a = true)
       .def(
           "save_many",
           [](ds::Engine& e, std::vector<FileArg> files, const std::vector<nb::ndarray<>>& bases,
@@ -269,15 +271,14 @@ NB_MODULE(_core, m) {
             for (std::size_t i = 0; i < spans.size(); ++i) {
               spans[i] = {begins[i], begins[i] + dests[i].nbytes(), static_cast<char*>(dests[i].data()),
                           device_of(dests[i], "destination " + std::to_string(i))};
-              if (spans[i].device < 0)
-                throw ds::ErrorException(ds::Error::value("restore_device needs CUDA destinations"));
             }
             nb::gil_scoped_release release;
             return e.restore(path, data_start, data_len, spans, true, verify, fd).crcs;
           },
           "path"_a, "data_start"_a, "data_len"_a, "begins"_a, "dests"_a, "verify"_a, "fd"_a = -1,
           "Reads the data section (of `fd`, an open descriptor of `path`, where >= 0) into CUDA tensors "
-          "through pinned chunks; returns the crcs")
+          "through pinned chunks (host destinations take the same path, memcpy for the upload); returns the "
+          "crcs")
       .def("prepare_cache", &ds::Engine::prepare_cache, "wait"_a, "chunks"_a,
            nb::call_guard<nb::gil_scoped_release>())
       .def("wait_idle", &ds::Engine::wait_idle, "timeout"_a = -1.0, nb::call_guard<nb::gil_scoped_release>())

@@ -10,7 +10,7 @@ namespace {
 // come and go (errors are ignored: at process exit the driver may be gone first).
 struct ThreadStreams {
   std::unordered_map<int, cuda::CUstream> streams;
-  std::unordered_map<int, cuda::CUevent> events;
+  std::unordered_map<int, cuda::CUevent> events;  // by device * kEventSlots + slot
   ~ThreadStreams() {
     const cuda::Api* a = cuda::api();
     if (!a) return;
@@ -33,18 +33,21 @@ cuda::CUstream thread_stream(int device, Error* err) {
   return s;
 }
 
-// This thread's event for `device`, to wait for its stream with: a blocking-sync event puts the waiting
-// thread to sleep, where cuStreamSynchronize would spin and contend with the training thread for the
-// driver while the copies overlap the next forward and backward passes.
-cuda::CUevent thread_event(int device, Error* err) {
+// This thread's event `slot` for `device`, to wait for its stream with: a blocking-sync event puts the
+// waiting thread to sleep, where cuStreamSynchronize would spin and contend with the training thread for the
+// driver while the copies overlap the next forward and backward passes. Slot 0 is InFlight's; an uploader
+// takes 1 + its own slot.
+constexpr int kEventSlots = 1 + DeviceUploader::kSlots;
+cuda::CUevent thread_event(int device, int slot, Error* err) {
   auto& events = t_streams.events;
-  auto it = events.find(device);
+  const int key = device * kEventSlots + slot;
+  auto it = events.find(key);
   if (it != events.end()) return it->second;
   cuda::CUevent ev = nullptr;
   *err = cuda::check(cuda::api()->cuEventCreate(&ev, cuda::kEventBlockingSync | cuda::kEventDisableTiming),
                      "cuEventCreate");
   if (*err) return nullptr;
-  events.emplace(device, ev);
+  events.emplace(key, ev);
   return ev;
 }
 
@@ -98,7 +101,7 @@ Error InFlight::sync() {
   Error first;
   for (auto& [device, s] : pending_) {
     Error e = cuda::make_current(device);
-    cuda::CUevent ev = e ? nullptr : thread_event(device, &e);
+    cuda::CUevent ev = e ? nullptr : thread_event(device, 0, &e);
     if (!e) e = cuda::check(cuda::api()->cuEventRecord(ev, s), "cuEventRecord");
     if (!e) e = cuda::check(cuda::api()->cuEventSynchronize(ev), "cuEventSynchronize");
     if (e && !first) first = e;
@@ -152,12 +155,43 @@ Error PieceCopier::issue() {
 }
 
 Error DeviceUploader::copy(int device, char* dst_device, const char* src, std::size_t n) {
-  cuda::CUstream s = nullptr;
-  bool fresh = false;
-  if (Error e = in_flight_.stream(device, &s, &fresh)) return e;
+  if (Error e = cuda::make_current(device)) return e;
+  Error err;
+  cuda::CUstream s = thread_stream(device, &err);
+  if (err) return err;
+  if (std::none_of(pending_.begin(), pending_.end(), [&](auto& p) { return p.first == device; }))
+    pending_.emplace_back(device, s);
   return cuda::check(
       cuda::api()->cuMemcpyHtoDAsync(reinterpret_cast<cuda::CUdeviceptr>(dst_device), src, n, s),
       "cuMemcpyHtoDAsync");
+}
+
+Error DeviceUploader::mark() {
+  Error first;
+  for (auto& [device, s] : pending_) {
+    Error e = cuda::make_current(device);
+    cuda::CUevent ev = e ? nullptr : thread_event(device, 1 + slot_, &e);
+    if (!e) e = cuda::check(cuda::api()->cuEventRecord(ev, s), "cuEventRecord");
+    if (!e && std::none_of(marked_.begin(), marked_.end(), [&](auto& m) { return m.first == device; }))
+      marked_.emplace_back(device, ev);
+    if (e) {
+      cuda::api()->cuStreamSynchronize(s);  // nothing to wait on later: the source must not be reused early
+      if (!first) first = e;
+    }
+  }
+  pending_.clear();
+  return first;
+}
+
+Error DeviceUploader::wait() {
+  Error first;
+  for (auto& [device, ev] : marked_) {
+    Error e = cuda::make_current(device);
+    if (!e) e = cuda::check(cuda::api()->cuEventSynchronize(ev), "cuEventSynchronize");
+    if (e && !first) first = e;
+  }
+  marked_.clear();
+  return first;
 }
 
 }  // namespace ds

@@ -58,15 +58,28 @@ class PieceCopier {
   Run run_;
 };
 
-// Restore's host-to-device copies from (pinned) chunks, on this thread's stream per device.
+// Restore's host-to-device copies from (pinned) chunks, on this thread's stream per device. Uploaders of one
+// thread with different slots are waited for apart: a thread fills one buffer while the other's copies run.
 class DeviceUploader {
  public:
+  static constexpr int kSlots = 2;
+  explicit DeviceUploader(int slot = 0) : slot_(slot) {}
   Error copy(int device, char* dst_device, const char* src, std::size_t n);
-  // Waits for the copies issued since the last finish(): the source chunk may then be reused.
-  Error finish() { return in_flight_.sync(); }
+  // Marks the copies issued since the last mark(): wait() waits for those, not for copies issued after.
+  Error mark();
+  // Waits for the marked copies: their source may then be reused.
+  Error wait();
+  // Waits for every copy issued so far.
+  Error finish() {
+    Error e = mark();
+    Error w = wait();
+    return e ? e : w;
+  }
 
  private:
-  InFlight in_flight_;
+  int slot_;
+  std::vector<std::pair<int, cuda::CUstream>> pending_;  // streams with copies issued, not yet marked
+  std::vector<std::pair<int, cuda::CUevent>> marked_;    // events recorded, not yet waited for
 };
 
 // Strided gather of bytes [begin, end) of a host tensor's row-major image.

@@ -1,5 +1,6 @@
 #include "crc32c.hpp"
 
+#include <algorithm>
 #include <cstring>
 
 namespace ds {
@@ -106,7 +107,14 @@ __attribute__((target("sse4.2"))) std::uint32_t hw_crc3(std::uint32_t crc, const
   }
   std::uint32_t ca = ~static_cast<std::uint32_t>(a), cb = ~static_cast<std::uint32_t>(b),
                 cc = ~static_cast<std::uint32_t>(c);
-  const std::uint32_t shift = x2nmodp(lane, 3);
+  // The shift for this lane length, kept per thread: sums of equal lengths (blocks, chunks) repeat it.
+  thread_local std::size_t last_lane = 0;
+  thread_local std::uint32_t last_shift = 0;
+  if (lane != last_lane) {
+    last_shift = x2nmodp(lane, 3);
+    last_lane = lane;
+  }
+  const std::uint32_t shift = last_shift;
   std::uint32_t r = multmodp(shift, multmodp(shift, ca) ^ cb) ^ cc;
   return ~hw_update(~r, p + 3 * lane, n - 3 * lane);
 }
@@ -128,6 +136,18 @@ std::uint32_t crc32c(std::uint32_t crc, const void* data, std::size_t n) {
   }
 #endif
   return ~sw_update(~crc, p, n);
+}
+
+std::uint32_t crc32c_copy(std::uint32_t crc, void* dst, const void* src, std::size_t n) {
+  constexpr std::size_t kBlock = 96 << 10;  // within a core's L2, large enough for three CRC lanes
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+  for (std::size_t o = 0; o < n; o += kBlock) {
+    const std::size_t len = std::min(kBlock, n - o);
+    std::memcpy(d + o, s + o, len);
+    crc = crc32c(crc, d + o, len);
+  }
+  return crc;
 }
 
 std::uint32_t crc32c_combine(std::uint32_t crc_a, std::uint32_t crc_b, std::size_t len_b) {

@@ -125,6 +125,7 @@ RestoreResult Engine::restore(const std::string& path, std::uint64_t data_start,
   ro.direct_io = opts_.save.direct_io;
   ro.depth = opts_.queue_depth;
   ro.read_bytes = opts_.read_bytes;
+  ro.map_memory_files = opts_.map_memory_files;
   ro.verify = verify;
   return restore_file(path, data_start, data_len, spans, to_device, ro, parsers_, *cache_, fd);
 }

@@ -32,6 +32,7 @@ struct EngineOptions {
   unsigned flush_threads = 2;
   unsigned queue_depth = 16;
   std::size_t read_bytes = std::size_t{16} << 20;
+  bool map_memory_files = true;     // restores to a GPU from tmpfs go through a mapping
   std::string io_backend = "auto";  // auto | io_uring | pwrite
   SaveOptions save;
 };

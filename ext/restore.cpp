@@ -1,7 +1,10 @@
 #include "restore.hpp"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,9 +24,10 @@ namespace ds {
 #define MADV_POPULATE_READ 22  // Linux 5.14
 #endif
 
-FileMapping::FileMapping(int fd, std::size_t bytes, const std::string& path) : size_(bytes) {
+FileMapping::FileMapping(int fd, std::size_t bytes, const std::string& path, bool read_only) : size_(bytes) {
   if (bytes == 0) return;
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+  void* p = read_only ? mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0)
+                      : mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
   if (p == MAP_FAILED) throw ErrorException(Error::os(errno, "mapping for restore", path));
   data_ = static_cast<char*>(p);
 }
@@ -57,14 +61,14 @@ void read_ahead(int fd, std::uint64_t offset, std::size_t n) {
 
 struct Restore {
   Restore(const std::string& path_, std::uint64_t data_start_, std::uint64_t data_len_,
-          const std::vector<RestoreSpan>& spans_, bool to_device_, const RestoreOptions& opts_,
-          HostCache& cache_)
+          const std::vector<RestoreSpan>& spans_, bool to_device_, std::size_t piece_,
+          const RestoreOptions& opts_, HostCache& cache_)
       : path(path_),
         data_start(data_start_),
         data_len(data_len_),
         base(align_down(data_start_, kPage)),
         file_end(data_start_ + data_len_),
-        piece(to_device_ ? cache_.chunk_bytes() : std::max(kPage, align_up(opts_.read_bytes, kPage))),
+        piece(piece_),
         spans(spans_),
         opts(opts_),
         to_device(to_device_),
@@ -114,6 +118,7 @@ struct Restore {
   const RestoreOptions& opts;
   const bool to_device;
   char* host = nullptr;       // host mode: the file mapping (file offset x at host + x)
+  char* memory = nullptr;     // device mode, from a file in memory: its read-only shared mapping
   bool part_of_file = false;  // some pieces are not read
   HostCache& cache;
 
@@ -177,15 +182,28 @@ struct Restore {
     return Error::os(err, "reading", path);
   }
 
-  // Sums (and, to a device, uploads) every span's bytes in piece i, whose file bytes are at `mem`.
-  Error scatter(std::size_t i, const char* mem, DeviceUploader* up) {
+  // Sums (and, to a device, delivers) every span's bytes in piece i, whose file bytes are at `mem`. With a
+  // `stage` (pinned, a piece long), the bytes are copied there first and summed and uploaded from there:
+  // what is summed is what is uploaded.
+  Error scatter(std::size_t i, const char* mem, char* stage, DeviceUploader* up) {
     const std::uint64_t lo = piece_lo(i), hi = lo + piece;
     for (auto it = first_span_after(lo); it != order.end() && data_start + spans[*it].begin < hi; ++it) {
       const RestoreSpan& sp = spans[*it];
       const std::uint64_t b = std::max(lo, data_start + sp.begin), e = std::min(hi, data_start + sp.end);
       if (e <= b) continue;
       const char* src = mem + (b - lo);
-      if (opts.verify) parts[*it][i - first_piece[*it]] = crc32c(0, src, e - b);
+      std::uint32_t& sum = parts[*it][i - first_piece[*it]];
+      if (stage) {
+        char* st = stage + (b - lo);
+        if (opts.verify) {
+          sum = crc32c_copy(0, st, src, e - b);
+        } else {
+          std::memcpy(st, src, e - b);
+        }
+        src = st;
+      } else if (opts.verify) {
+        sum = crc32c(0, src, e - b);
+      }
       if (!up) continue;
       char* dst = sp.dst + (b - data_start - sp.begin);
       if (sp.device < 0) {
@@ -207,10 +225,11 @@ struct Restore {
           if (part_of_file || r.len < piece) read_ahead(fd, r.offset, r.need);
           if (int err = populate(r.dst, r.need)) return fail(io_error(err));
         }
-        scatter(j, host + piece_lo(j), nullptr);
+        scatter(j, host + piece_lo(j), nullptr, nullptr);
       }
       return;
     }
+    if (memory) return run_group_from_memory(todo, pb, pe);
     DeviceUploader up;
     for (std::size_t k = pb; k < pe && !failed(); ++k) {
       const std::size_t i = todo[k];
@@ -230,13 +249,48 @@ struct Restore {
       }
       Error err;
       if (int e = read_ranges(fd, parts_of_piece, opts.use_uring, opts.depth)) err = io_error(e);
-      if (!err) err = scatter(i, chunk, &up);
+      if (!err) err = scatter(i, chunk, nullptr, &up);
       if (Error e = up.finish(); e && !err) err = e;
       cache.release(chunk);
       if (err) return fail(err);
     }
   }
+
+  // Device mode, from a file in memory (the memory tier): no read(2). Each piece's pages are mapped in, its
+  // bytes copied (and summed) into one half of a pinned chunk and uploaded from there while the next piece
+  // fills the other half. Pieces are half a chunk.
+  void run_group_from_memory(const std::vector<std::size_t>& todo, std::size_t pb, std::size_t pe) {
+    char* chunk = cache.acquire();
+    const int halves = cache.chunk_bytes() >= 2 * piece ? 2 : 1;
+    DeviceUploader up[2] = {DeviceUploader(0), DeviceUploader(1)};
+    Error err;
+    for (std::size_t k = pb; k < pe && !err && !failed(); ++k) {
+      const std::size_t i = todo[k];
+      const int h = static_cast<int>(k % halves);
+      if ((err = up[h].wait())) break;  // that half's previous upload is done: it may be overwritten
+      for (const ReadRange& r : runs(i, memory + piece_lo(i))) {
+        if (int e = populate(r.dst, r.need)) {
+          err = io_error(e);
+          break;
+        }
+      }
+      if (!err) err = scatter(i, memory + piece_lo(i), chunk + h * piece, &up[h]);
+      if (Error e = up[h].mark(); e && !err) err = e;
+    }
+    for (DeviceUploader& u : up) {
+      if (Error e = u.finish(); e && !err) err = e;  // always, before the chunk goes back
+    }
+    cache.release(chunk);
+    if (err) fail(err);
+  }
 };
+
+// Whether the file lives in memory (tmpfs, ramfs), where a mapping reaches its bytes with no copy by the
+// kernel and O_DIRECT means nothing.
+bool in_memory(int fd) {
+  struct statfs s {};
+  return fstatfs(fd, &s) == 0 && (s.f_type == TMPFS_MAGIC || s.f_type == RAMFS_MAGIC);
+}
 
 int open_for_read(const std::string& path, bool direct) {
   if (direct) {
@@ -263,19 +317,38 @@ int reopen_for_read(int fd, bool direct) {
 RestoreResult restore_file(const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
                            const std::vector<RestoreSpan>& spans, bool to_device, const RestoreOptions& opts,
                            TaskPool& pool, HostCache& cache, int fd) {
-  Restore r(path, data_start, data_len, spans, to_device, opts, cache);
-  RestoreResult out;
   const bool direct = to_device && opts.direct_io;
-  r.fd = fd >= 0 ? reopen_for_read(fd, direct) : open_for_read(path, direct);
-  if (r.fd < 0) throw ErrorException(Error::os(errno, "opening for restore", path));
-  if (!to_device) {
+  const int own = fd >= 0 ? reopen_for_read(fd, direct) : open_for_read(path, direct);
+  if (own < 0) throw ErrorException(Error::os(errno, "opening for restore", path));
+  const bool from_memory = to_device && opts.map_memory_files && in_memory(own);
+  if (from_memory) {
+    // Touching a mapping past the end of its file is SIGBUS, not an error: a short file is refused here.
+    struct stat st {};
+    const bool ok = fstat(own, &st) == 0;
+    const int err = errno;
+    if (!ok || static_cast<std::uint64_t>(st.st_size) < data_start + data_len) {
+      close(own);
+      throw ErrorException(
+          ok ? Error::value("file ended before the end of its data section (truncated?)", path)
+             : Error::os(err, "stat for restore", path));
+    }
+  }
+  std::size_t piece = std::max(kPage, align_up(opts.read_bytes, kPage));
+  if (to_device)
+    piece = from_memory ? std::max(kPage, align_down(cache.chunk_bytes() / 2, kPage)) : cache.chunk_bytes();
+  Restore r(path, data_start, data_len, spans, to_device, piece, opts, cache);
+  r.fd = own;
+  RestoreResult out;
+  std::unique_ptr<FileMapping> memory;  // from_memory: the shared mapping, unmapped when done
+  if (!to_device || from_memory) {
     try {
-      out.mapping = std::make_unique<FileMapping>(r.fd, r.file_end, path);
+      auto mapping = std::make_unique<FileMapping>(r.fd, r.file_end, path, from_memory);
+      (from_memory ? memory : out.mapping) = std::move(mapping);
     } catch (...) {
       close(r.fd);
       throw;
     }
-    r.host = out.mapping->data();
+    (from_memory ? r.memory : r.host) = (from_memory ? memory : out.mapping)->data();
   }
   std::vector<std::size_t> todo;  // the pieces some span reaches into
   for (std::size_t i = 0; i < r.num_pieces(); ++i) {

@@ -7,7 +7,10 @@
 //     memory instead (O_DIRECT) makes the kernel zero every page first, which measured slower and erratic
 //     (benchmarks/NOTES.md);
 //   - to a GPU: O_DIRECT reads (io_uring, several in flight) into pinned cache chunks, then host-to-device
-//   copies.
+//   copies;
+//   - to a GPU from a file in memory (tmpfs: the memory tier): the file is mapped shared and read-only, each
+//     piece copied into half a pinned chunk, summed there and uploaded while the next piece fills the other
+//     half. read(2) would make the kernel copy each byte and the sum read it again.
 // Each piece is summed (CRC-32C per tensor range) where it lands; the sums are combined per tensor at the
 // end.
 #pragma once
@@ -35,12 +38,14 @@ struct RestoreOptions {
   bool verify = true;
   unsigned depth = 16;
   std::size_t read_bytes = 16 << 20;
+  bool map_memory_files = true;  // to a device from tmpfs: through a mapping, not read(2) into chunks
 };
 
-// A private, writable (copy-on-write) mapping of a whole file; unmapped on destruction.
+// A mapping of a whole file, private and writable (copy on write) or shared and read-only; unmapped on
+// destruction.
 class FileMapping {
  public:
-  FileMapping(int fd, std::size_t bytes, const std::string& path);
+  FileMapping(int fd, std::size_t bytes, const std::string& path, bool read_only = false);
   ~FileMapping();
   FileMapping(const FileMapping&) = delete;
   FileMapping& operator=(const FileMapping&) = delete;

@@ -122,6 +122,10 @@ class DataStatesConfig(Settings):
     """Store a CRC-32C per tensor in the header."""
     verify_checksums: bool = True
     """Verify stored checksums on load."""
+    map_memory_files: bool = True
+    """Read a file in memory (tmpfs: the memory tier) to a GPU through a mapping: each byte is copied once
+    into pinned memory, summed there and uploaded while the next piece is copied. Off: read(2) into the
+    cache's chunks, as any other file."""
     io_backend: str = "auto"
     """'auto' (io_uring, else pwrite with a warning), 'io_uring' (error if refused) or 'pwrite'."""
     telemetry_path: str = ""

@@ -29,6 +29,7 @@ BAD = {
     "fsync": [1],
     "checksums": [None],
     "verify_checksums": [0],
+    "map_memory_files": ["no", 1],
     "io_backend": ["aio", 3],
     "telemetry_path": [3, None],
     "keep_last_n": [-1, 1.0, "3", True],
