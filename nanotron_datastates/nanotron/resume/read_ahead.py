@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ... import restore
 from ...engine import DataStatesEngine
 from ..checkpoint import layout
 
@@ -139,6 +140,7 @@ class Prefetch:
         self._t0 = time.perf_counter()
         self.timings: dict[str, float] = {}  # seconds after the start: each read's end, each wait
         self._optimizer_rate = 0.0  # bytes per second of the optimizer file's own read
+        self._optimizer_read: restore.DeviceRead | None = None  # its read to the GPU, within that
         self.nbytes = sum(_size(p) for p in [*weights, *([optimizer] if optimizer is not None else [])])
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datastates-prefetch")
         # One thread, so the weights (needed first, once the model is built) are read before the optimizer.
@@ -194,6 +196,7 @@ class Prefetch:
         t = time.perf_counter()
         state = self._engine.load(path, self._device)
         self._optimizer_rate = _size(path) / max(time.perf_counter() - t, 1e-9)
+        self._optimizer_read = restore.last_device_read()
         self._synchronize()
         self.timings["optimizer_read"] = time.perf_counter() - self._t0
         return path, state
@@ -207,7 +210,15 @@ class Prefetch:
         if ends and max(ends) > 0:
             text += f"; {self.nbytes / 1e9:.2f} GB at {self.nbytes / max(ends) / 1e9:.2f} GB/s"
         if self._optimizer_rate:  # the one large file, read alone: the engine's own rate
-            text += f" (the optimizer state's file at {self._optimizer_rate / 1e9:.2f} GB/s)"
+            text += f" (the optimizer state's file at {self._optimizer_rate / 1e9:.2f} GB/s"
+            r = self._optimizer_read
+            if r is not None and r.read_s > 0:
+                text += (
+                    f"; its tensors' {r.nbytes / 1e9:.2f} GB read into GPU memory in {r.read_s:.2f} s, "
+                    f"{r.nbytes / r.read_s / 1e9:.2f} GB/s, after {r.stream_wait_s:.2f} s waiting for the "
+                    "GPU's queued work"
+                )
+            text += ")"
         return text
 
     def _on_device(self) -> None:
