@@ -16,6 +16,11 @@ scratch (Nanotron main's collect_env report and the restart's comparison left ou
   is committed; torchrun starts it again, it resumes from the memory tier, clones its whole restored state on
   the GPU (the clone's time left out), trains on, and then compares the clone with that copy, bit for bit.
 
+With `--repeats R`, `restart-memory` and `datastates` run R times, in turns (`restart-memory.2`,
+`datastates.2` ...): `repeats` in the result gives each restart over the start from scratch next to it and
+over its own first incarnation (a start from scratch in the same torchrun, with the tier on), with their
+median and spread; a start's time varies by a second or more from run to run.
+
 With `--dp N`, every run is N data-parallel workers (`--zero 1`: optimizer shards per rank); each compares its
 own state with its own copy, and all must resume from memory for `restart-memory` to count as from memory.
 
@@ -163,24 +168,34 @@ def run_all(args: argparse.Namespace) -> int:
                             steps=steps, model=MODELS[args.model], run=name, datastates=ds,
                             parallelism={"dp": args.dp}, zero=args.zero)  # fmt: skip
 
-    ckpt = {m: str(work / f"ckpt_{m}") for m in ("torch", "datastates", "restart-memory")}
+    def ckpt(name: str) -> str:
+        return str(work / f"ckpt_{name}")
+
+    def repeated(base: str, r: int) -> str:  # the r-th run of `base` (from 0): base, base.2, base.3 ...
+        return base if r == 0 else f"{base}.{r + 1}"
+
     runs = [  # (name, config, stock Nanotron, extra torchrun flags, kills itself)
         ("none", config("none", "torch", n + 2, None), True, [], False),
-        ("restart-memory", config("restart-memory", "datastates", n + 2, ckpt["restart-memory"], tier=True),
-         False, ["--max-restarts", "1"], True),
-        ("datastates", config("datastates", "datastates", n, None), False, [], False),
-        ("restore-datastates", config("restore-datastates", "datastates", n + 2, ckpt["datastates"]),
+    ]
+    for r in range(args.repeats):  # each restart from memory next to a start from scratch of the same engine
+        rm, ds = repeated("restart-memory", r), repeated("datastates", r)
+        runs += [
+            (rm, config(rm, "datastates", n + 2, ckpt(rm), tier=True), False, ["--max-restarts", "1"], True),
+            (ds, config(ds, "datastates", n, None), False, [], False),
+        ]
+    runs += [
+        ("restore-datastates", config("restore-datastates", "datastates", n + 2, ckpt("datastates")),
          False, [], False),
         ("torch", config("torch", "torch", n, None), True, [], False),
-        ("restore-torch", config("restore-torch", "torch", n + 2, ckpt["torch"]), True, [], False),
+        ("restore-torch", config("restore-torch", "torch", n + 2, ckpt("torch")), True, [], False),
     ]  # fmt: skip
     only = set(args.only.split(",")) if args.only else None
     records: dict[str, Any] = {}
     for name, cfg, stock, flags, kill in runs:
-        if only is not None and name not in only:
+        if only is not None and name.split(".")[0] not in only:
             continue
         if name.startswith("restore-"):
-            records[f"{name}-cold"] = make_cold(Path(ckpt[name.split("-", 1)[1]]), "checkpoint")
+            records[f"{name}-cold"] = make_cold(Path(ckpt(name.split("-", 1)[1])), "checkpoint")
         record = work / f"{name}.record"
         # --standalone: a rendezvous per restart; the static one keeps its store's keys across restarts, and
         # NCCL's second incarnation then reads the first one's ids (connection refused)
@@ -195,10 +210,11 @@ def run_all(args: argparse.Namespace) -> int:
         incarnations = [json.loads(p.read_text()) for p in sorted(work.glob(f"{name}.record.*.json"))]
         records[name] = {"rc": rc, "seconds": time.perf_counter() - t0, "runs": incarnations}
         print(f"{name:20s} rc={rc} {records[name]['seconds']:6.1f} s", flush=True)
-        # What no later run reads goes at once: a whole 1.1B call then fits a 64 GiB disk.
-        done = name.split("-", 1)[1] if name.startswith("restore-") else name if kill else None
+        # What no later run reads goes at once: a whole 1.1B call then fits a 64 GiB disk (restores read
+        # the first run of each engine; its repeats and the restarts' own checkpoints are read by none).
+        done = name.split("-", 1)[1] if name.startswith("restore-") else name if kill or "." in name else None
         if done is not None:
-            shutil.rmtree(ckpt[done], ignore_errors=True)
+            shutil.rmtree(ckpt(done), ignore_errors=True)
         if kill:
             shutil.rmtree(tier_path, ignore_errors=True)
         result = summarize(args, records)  # after each run: what ran is kept if the rest is cut short
@@ -228,8 +244,10 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         for k, v in restore.items()
         if k != "restore-torch" and native and v and v > 0
     }
+    repeats = [k for k in records if k.split(".")[0] == "restart-memory" and "runs" in records[k]]
     compared = last("restart-memory").get("compared", {})
-    bitwise = bool(compared) and all(c["differences"] == 0 for c in compared.values())
+    each = [records[k]["runs"][-1].get("compared", {}) for k in repeats]
+    bitwise = bool(each) and all(c and all(p["differences"] == 0 for p in c.values()) for c in each)
     return {
         "command": " ".join(sys.argv),
         "model": args.model,
@@ -239,6 +257,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         "first_step_end_s": {k: first_step(last(k)) for k in records if "runs" in records[k]},
         "restore_over_scratch_s": restore,
         "ratios": ratios,
+        "repeats": repeated_restarts(records, repeats),
         "resumed_from_memory": last("restart-memory").get("resumed_from_memory"),
         "ranks_from_memory": last("restart-memory").get("ranks_from_memory"),
         "compared": {
@@ -249,6 +268,32 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         # Each run's peaks over its incarnations (the restart's first trains and saves, its second restores).
         "memory": {k: peaks(records[k]["runs"]) for k in records if "runs" in records[k]},
         "records": records,
+    }
+
+
+def repeated_restarts(records: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """Each restart from memory over the start from scratch that ran next to it (`datastates`, `.2` ...), and
+    over its own first incarnation (a start from scratch in the same torchrun): values, median, spread."""
+
+    def stats(values: list[float | None]) -> dict[str, Any]:
+        got = sorted(v for v in values if v is not None)
+        median = (got[(len(got) - 1) // 2] + got[len(got) // 2]) / 2 if got else None
+        return {"values": values, "median": median, "min": got[0] if got else None,
+                "max": got[-1] if got else None}  # fmt: skip
+
+    over_scratch, over_own_start = [], []
+    for name in names:
+        runs = records[name]["runs"]
+        scratch = records.get(name.replace("restart-memory", "datastates"), {}).get("runs", [])
+        t = first_step(runs[-1]) if runs else None
+        s = first_step(scratch[-1]) if scratch else None
+        own = first_step(runs[0]) if len(runs) > 1 else None
+        over_scratch.append(None if t is None or s is None else t - s)
+        over_own_start.append(None if t is None or own is None else t - own)
+    return {
+        "runs": names,
+        "over_scratch_s": stats(over_scratch),
+        "over_own_first_start_s": stats(over_own_start),
     }
 
 
@@ -272,6 +317,7 @@ def main() -> int:
     a.add_argument("--work", default="/tmp/ds_restart")
     a.add_argument("--tier-path", default="/dev/shm/nanotron-datastates-{uid}", help="(default %(default)s)")
     a.add_argument("--only", default="", help="these runs only, comma-separated (restores need their save)")
+    a.add_argument("--repeats", type=int, default=1, help="restart-memory and datastates runs (default 1)")
     sm = sub.add_parser("summarize", help="recompute a result file's summary from its records")
     sm.add_argument("file")
     ph = sub.add_parser("phase")
@@ -287,6 +333,7 @@ def main() -> int:
         old = json.loads(path.read_text())
         args.model, args.step = old["model"], old["step"]
         args.dp, args.zero = old.get("dp", 1), old.get("zero_stage", 0)
+        args.repeats = sum(1 for k in old["records"] if k.split(".")[0] == "restart-memory")
         result = {**summarize(args, old["records"]), "command": old["command"]}
         path.write_text(json.dumps(result, indent=1))
         return 0

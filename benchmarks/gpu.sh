@@ -72,12 +72,14 @@ run_step() {
     restart-180m) # a worker SIGKILLed after a checkpoint and restarted by torchrun: from memory, against
       # native's resume and the engine's from storage; the restored state compared bit for bit
       (cd $B && python3 bench_restart.py all --model 180m --step 20 --work "$WORK/rs180" --out "$OUT/restart-180m" \
-        ${RESTART_ONLY:+--only $RESTART_ONLY} ${TIER_COPIES:+--tier-copies $TIER_COPIES}) ;;
+        ${RESTART_ONLY:+--only $RESTART_ONLY} ${TIER_COPIES:+--tier-copies $TIER_COPIES} \
+        ${RESTART_REPEATS:+--repeats $RESTART_REPEATS}) ;;
     restart-180m-dp2) # the same on two data-parallel GPUs: every rank restarts from memory
       (cd $B && python3 bench_restart.py all --model 180m --step 20 --dp 2 --work "$WORK/rs180d" \
         --out "$OUT/restart-180m-dp2" ${RESTART_ONLY:+--only $RESTART_ONLY}) ;;
     restart-1b) (cd $B && python3 bench_restart.py all --model 1b --step 10 --cache-gib 16 --work "$WORK/rs1b" \
-      --out "$OUT/restart-1b" ${RESTART_ONLY:+--only $RESTART_ONLY} ${TIER_COPIES:+--tier-copies $TIER_COPIES}) ;;
+      --out "$OUT/restart-1b" ${RESTART_ONLY:+--only $RESTART_ONLY} ${TIER_COPIES:+--tier-copies $TIER_COPIES} \
+      ${RESTART_REPEATS:+--repeats $RESTART_REPEATS}) ;;
     tier-stall-180m) # the training stall with the memory tier on and off, one call
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 400 --interval 40 --modes datastates \
         --variant tier:memory_tier=true --work "$WORK/ts180" --out "$OUT/tier-stall-180m") ;;

@@ -316,6 +316,15 @@ NB_MODULE(_core, m) {
       "data"_a, "crc"_a = 0, "CRC-32C of `data`, continuing from `crc`");
   m.def("crc32c_combine", &ds::crc32c_combine, "crc_a"_a, "crc_b"_a, "len_b"_a);
   m.def(
+      "crc32c_copy",
+      [](nb::bytes data, std::size_t offset) {
+        std::string dst(offset + data.size(), '\0');
+        const std::uint32_t crc = ds::crc32c_copy(0, dst.data() + offset, data.c_str(), data.size());
+        return nb::make_tuple(crc, nb::bytes(dst.data() + offset, data.size()));
+      },
+      "data"_a, "offset"_a = 0,
+      "(CRC-32C, the bytes) of `data` copied `offset` bytes into a new buffer, summed as they are stored");
+  m.def(
       "encode_header",
       [](const std::vector<std::string>& names, const std::vector<std::string>& dtypes,
          const std::vector<std::vector<std::int64_t>>& shapes, const std::vector<std::size_t>& itemsizes,

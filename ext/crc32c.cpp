@@ -1,7 +1,10 @@
 #include "crc32c.hpp"
 
-#include <algorithm>
 #include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace ds {
 namespace {
@@ -90,33 +93,63 @@ __attribute__((target("sse4.2"))) std::uint32_t hw_update(std::uint32_t c, const
   return c;
 }
 
-// Three independent streams hide the instruction's 3-cycle latency; the results are joined with combine.
-__attribute__((target("sse4.2"))) std::uint32_t hw_crc3(std::uint32_t crc, const unsigned char* p,
-                                                        std::size_t n) {
-  const std::size_t lane = n / 24 * 8;  // bytes per lane, a multiple of 8
-  std::uint64_t a = ~crc & 0xffffffffu, b = 0xffffffffu, c = 0xffffffffu;
-  const unsigned char *pa = p, *pb = p + lane, *pc = p + 2 * lane;
-  for (std::size_t i = 0; i < lane; i += 8) {
-    std::uint64_t wa, wb, wc;
-    std::memcpy(&wa, pa + i, 8);
-    std::memcpy(&wb, pb + i, 8);
-    std::memcpy(&wc, pc + i, 8);
-    a = __builtin_ia32_crc32di(a, wa);
-    b = __builtin_ia32_crc32di(b, wb);
-    c = __builtin_ia32_crc32di(c, wc);
-  }
-  std::uint32_t ca = ~static_cast<std::uint32_t>(a), cb = ~static_cast<std::uint32_t>(b),
-                cc = ~static_cast<std::uint32_t>(c);
-  // The shift for this lane length, kept per thread: sums of equal lengths (blocks, chunks) repeat it.
+// The combine constant for lanes of `lane` bytes, kept per thread: sums of equal lengths (blocks, chunks)
+// repeat it.
+std::uint32_t lane_shift(std::size_t lane) {
   thread_local std::size_t last_lane = 0;
   thread_local std::uint32_t last_shift = 0;
   if (lane != last_lane) {
     last_shift = x2nmodp(lane, 3);
     last_lane = lane;
   }
-  const std::uint32_t shift = last_shift;
+  return last_shift;
+}
+
+// Three independent streams hide the instruction's 3-cycle latency; the results are joined with combine.
+// With `dst`, each 8-byte word summed is also stored there, non-temporally: the copy costs no read of dst's
+// lines, and what is summed is exactly what is stored, whatever happens to src meanwhile.
+__attribute__((target("sse4.2"))) std::uint32_t hw_crc3(std::uint32_t crc, const unsigned char* p,
+                                                        std::size_t n, unsigned char* dst = nullptr) {
+  const std::size_t lane = n / 24 * 8;  // bytes per lane, a multiple of 8
+  std::uint64_t a = ~crc & 0xffffffffu, b = 0xffffffffu, c = 0xffffffffu;
+  const unsigned char *pa = p, *pb = p + lane, *pc = p + 2 * lane;
+  if (dst) {
+    auto* da = reinterpret_cast<long long*>(dst);
+    auto* db = reinterpret_cast<long long*>(dst + lane);
+    auto* dc = reinterpret_cast<long long*>(dst + 2 * lane);
+    for (std::size_t i = 0, w = 0; i < lane; i += 8, ++w) {
+      std::uint64_t wa, wb, wc;
+      std::memcpy(&wa, pa + i, 8);
+      std::memcpy(&wb, pb + i, 8);
+      std::memcpy(&wc, pc + i, 8);
+      a = __builtin_ia32_crc32di(a, wa);
+      b = __builtin_ia32_crc32di(b, wb);
+      c = __builtin_ia32_crc32di(c, wc);
+      _mm_stream_si64(da + w, static_cast<long long>(wa));
+      _mm_stream_si64(db + w, static_cast<long long>(wb));
+      _mm_stream_si64(dc + w, static_cast<long long>(wc));
+    }
+  } else {
+    for (std::size_t i = 0; i < lane; i += 8) {
+      std::uint64_t wa, wb, wc;
+      std::memcpy(&wa, pa + i, 8);
+      std::memcpy(&wb, pb + i, 8);
+      std::memcpy(&wc, pc + i, 8);
+      a = __builtin_ia32_crc32di(a, wa);
+      b = __builtin_ia32_crc32di(b, wb);
+      c = __builtin_ia32_crc32di(c, wc);
+    }
+  }
+  std::uint32_t ca = ~static_cast<std::uint32_t>(a), cb = ~static_cast<std::uint32_t>(b),
+                cc = ~static_cast<std::uint32_t>(c);
+  const std::uint32_t shift = lane_shift(lane);
   std::uint32_t r = multmodp(shift, multmodp(shift, ca) ^ cb) ^ cc;
-  return ~hw_update(~r, p + 3 * lane, n - 3 * lane);
+  const std::size_t done = 3 * lane;
+  if (dst) {
+    std::memcpy(dst + done, p + done, n - done);  // the tail, summed from dst
+    return ~hw_update(~r, dst + done, n - done);
+  }
+  return ~hw_update(~r, p + done, n - done);
 }
 
 bool have_sse42() {
@@ -139,15 +172,20 @@ std::uint32_t crc32c(std::uint32_t crc, const void* data, std::size_t n) {
 }
 
 std::uint32_t crc32c_copy(std::uint32_t crc, void* dst, const void* src, std::size_t n) {
-  constexpr std::size_t kBlock = 96 << 10;  // within a core's L2, large enough for three CRC lanes
-  auto* d = static_cast<char*>(dst);
-  const auto* s = static_cast<const char*>(src);
-  for (std::size_t o = 0; o < n; o += kBlock) {
-    const std::size_t len = std::min(kBlock, n - o);
-    std::memcpy(d + o, s + o, len);
-    crc = crc32c(crc, d + o, len);
+  auto* d = static_cast<unsigned char*>(dst);
+  const auto* s = static_cast<const unsigned char*>(src);
+#if defined(__x86_64__)
+  if (have_sse42() && n >= 4096) {
+    const std::size_t head = (8 - reinterpret_cast<std::uintptr_t>(d) % 8) % 8;  // to an aligned dst
+    std::memcpy(d, s, head);
+    crc = crc32c(crc, d, head);
+    crc = hw_crc3(crc, s + head, n - head, d + head);
+    _mm_sfence();  // the streamed stores are visible before anyone (a DMA engine) reads dst
+    return crc;
   }
-  return crc;
+#endif
+  std::memcpy(d, s, n);
+  return crc32c(crc, d, n);
 }
 
 std::uint32_t crc32c_combine(std::uint32_t crc_a, std::uint32_t crc_b, std::size_t len_b) {

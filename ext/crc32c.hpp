@@ -9,9 +9,9 @@ namespace ds {
 // Standard CRC-32C: crc32c(0, "123456789", 9) == 0xE3069283; pass the previous value to continue.
 std::uint32_t crc32c(std::uint32_t crc, const void* data, std::size_t n);
 
-// Copies n bytes from src to dst and returns the CRC-32C of the bytes copied (continuing `crc`), block by
-// block, each summed from dst while it is still in cache: the source is read from memory once, and the sum
-// is of the bytes that dst holds even if src changes meanwhile.
+// Copies n bytes from src to dst and returns the CRC-32C of the bytes copied (continuing `crc`): each word is
+// summed as it is stored, with non-temporal stores where the CPU sums in hardware, so the copy and the sum
+// together read src once and never read dst; the sum is of the bytes dst holds even if src changes meanwhile.
 std::uint32_t crc32c_copy(std::uint32_t crc, void* dst, const void* src, std::size_t n);
 
 // The CRC of A||B from crc(A), crc(B) and len(B): lets pieces of one tensor be summed in any order.

@@ -45,3 +45,14 @@ def test_sums_of_equal_lengths_in_a_row_each_match_the_reference():
     for b in blocks + blocks[::-1]:
         assert _core.crc32c(b) == crc32c_reference(b)
     assert _core.crc32c(blocks[1], _core.crc32c(blocks[0])) == crc32c_reference(blocks[0] + blocks[1])
+
+
+def test_a_copy_sums_exactly_the_bytes_it_stores_at_every_alignment():
+    rng = random.Random(4)
+    blob = bytes(rng.randrange(256) for _ in range(70000))
+    for n in (0, 5, 4095, 4096, 4100, 24577, 70000 - 3):
+        for start in (0, 3):
+            for offset in (0, 1, 7, 8, 13):
+                piece = blob[start : start + n]
+                crc, copied = _core.crc32c_copy(piece, offset)
+                assert copied == piece and crc == _core.crc32c(piece), (n, start, offset)
