@@ -590,10 +590,49 @@ def run_rounds(args: argparse.Namespace) -> int:
         summary = aggregate_rounds(per_round)
         (Path(args.out) / "rounds_summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary["modes"], indent=1))
+    print(overhead_table(summary))
+    (Path(args.out) / "rounds_summary.md").write_text(overhead_table(summary) + "\n")
     return rc
 
 
-ROUND_FIGURES = ("stall_median_s", "stall_share_of_interval", "throughput_loss", "mean_iteration_s")
+def overhead_table(summary: dict[str, Any]) -> str:
+    """The headline: each mode's training time over the run without checkpoints, median [min, max] over the
+    rounds, and the same by the iterations' place after a checkpoint; its median stall."""
+
+    def pct(figures: dict[str, Any], key: str) -> str:
+        f = figures.get(key)
+        if f is None:
+            return "-"
+        return f"{100 * f['median']:+.1f}% [{100 * f['min']:+.1f}, {100 * f['max']:+.1f}]"
+
+    lines = [
+        f"{summary['rounds']} rounds; training time over the run without checkpoints in the same round, "
+        "median [min, max]",
+        "",
+        "| mode | whole run | stall iterations | while persisting | far from a checkpoint | median stall "
+        "ms |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, m in summary["modes"].items():
+        if name == "none":
+            continue
+        stall = m.get("stall_median_s")
+        cells = [name] + [pct(m, f"overhead_{k}") for k in ("total", "stall", "flush", "far")]
+        cells.append("-" if stall is None else f"{1e3 * stall['median']:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+ROUND_FIGURES = (
+    "stall_median_s",
+    "stall_share_of_interval",
+    "throughput_loss",
+    "mean_iteration_s",
+    "overhead_total",
+    "overhead_stall",
+    "overhead_flush",
+    "overhead_far",
+)
 
 
 def aggregate_rounds(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -612,7 +651,10 @@ def aggregate_rounds(results: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "command": " ".join(sys.argv),
         "rounds": len(results),
-        "modes": {n: {k: {"rounds": v, "median": med(v)} for k, v in m.items()} for n, m in modes.items()},
+        "modes": {
+            n: {k: {"rounds": v, "median": med(v), "min": min(v), "max": max(v)} for k, v in m.items()}
+            for n, m in modes.items()
+        },
         "ratios": {k: {"rounds": v, "median": med(v)} for k, v in ratios.items()},
     }
 
@@ -669,6 +711,41 @@ def flush_phase_slowdown(rec: dict[str, Any], interval: int) -> float | None:
     if not early or not late:
         return None
     return statistics.median(early) / statistics.median(late) - 1
+
+
+def overhead_vs_none(rec: dict[str, Any], none: dict[str, Any], interval: int) -> dict[str, Any] | None:
+    """What checkpointing cost the whole run against the run without checkpoints (the same steps, the same
+    data), and where: `total`, the training time of every measured iteration over none's, minus 1; then the
+    iterations apart, by their place after the last checkpoint, each set's median over none's median of the
+    same steps, minus 1: `stall` (the WINDOW iterations after a checkpoint; `stall_s`, their summed excess
+    per checkpoint), `flush` (from there to half the interval, while the checkpoint is persisted) and `far`
+    (the second half, the engine idle)."""
+    mine, base = iteration_times(rec), iteration_times(none)
+    steps = [s for s in mine if s > WARMUP and s in base]
+    if not steps:
+        return None
+    med = statistics.median
+    out: dict[str, Any] = {"total": sum(mine[s] for s in steps) / sum(base[s] for s in steps) - 1}
+    saves = {x["step"] for x in rec.get("saves", [])}
+    if not saves or interval < 2 * (WINDOW + 1):
+        return out
+    since: dict[int, int] = {}
+    for s in steps:  # iterations since the newest checkpoint at or before the step before
+        last = max((c for c in saves if c < s), default=None)
+        if last is not None:
+            since[s] = s - last
+    parts = {
+        "stall": [s for s, k in since.items() if k <= WINDOW],
+        "flush": [s for s, k in since.items() if WINDOW < k <= interval // 2],
+        "far": [s for s, k in since.items() if k > interval // 2],
+    }
+    for name, part in parts.items():
+        if part:
+            out[name] = med(mine[s] for s in part) / med(base[s] for s in part) - 1
+    stalled = [c for c in saves if all(c + j in mine and c + j in base for j in range(1, WINDOW + 1))]
+    if stalled:
+        out["stall_s"] = med(sum(mine[c + j] - base[c + j] for j in range(1, WINDOW + 1)) for c in stalled)
+    return out
 
 
 def queue_split(rec: dict[str, Any]) -> dict[str, float] | None:
@@ -732,6 +809,11 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
             interval_s = args.interval * m["median_quiet_iteration_s"]
             m["stall_share_of_interval"] = m["stall_median_s"] / interval_s
         m["flush_phase_slowdown"] = flush_phase_slowdown(rec, args.interval)
+        overhead = overhead_vs_none(rec, records["none"], args.interval) if name != "none" else None
+        m["overhead_vs_none"] = overhead
+        for part in ("total", "stall", "flush", "far"):
+            if overhead is not None and part in overhead:
+                m[f"overhead_{part}"] = overhead[part]
         if modes["none"]["mean_iteration_s"] and modes[name]["mean_iteration_s"]:
             modes[name]["throughput_loss"] = (
                 modes[name]["mean_iteration_s"] / modes["none"]["mean_iteration_s"] - 1

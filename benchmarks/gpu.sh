@@ -60,6 +60,11 @@ run_step() {
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 400 --interval 80 --cache-gib 2 \
         --modes torch,dcp,dcp-zo,datastates --variant cache8:host_cache_size=8 --work "$WORK/r180d" \
         --out "$OUT/round-180m-dcp") ;;
+    overhead-180m) # what checkpointing costs the whole run: none, DCP zero-overhead, datastates with a 2 GiB
+      # host cache (below a checkpoint) and with 8 GiB, in turns, OVERHEAD_ROUNDS rounds (default 2)
+      (cd $B && python3 bench_nanotron.py all --model 180m --steps 400 --interval 80 --cache-gib 2 \
+        --modes dcp-zo,datastates --variant cache8:host_cache_size=8 --rounds "${OVERHEAD_ROUNDS:-2}" \
+        --work "$WORK/o180" --out "$OUT/overhead-180m") ;;
     round-1b) # the 1.1B model, every mode once, a checkpoint every 60 steps (above its time to persist)
       (cd $B && python3 bench_nanotron.py all --model 1b --steps 125 --interval 60 --cache-gib 16 \
         --modes torch,dcp,dcp-zo,datastates,restore-torch,restore-datastates --work "$WORK/r1b" \

@@ -105,40 +105,40 @@ std::uint32_t lane_shift(std::size_t lane) {
   return last_shift;
 }
 
+// Three lanes of `lane` bytes summed side by side (a, b, c: their raw registers). kStore: each 8-byte word
+// summed is also stored at dst, non-temporally: the copy costs no read of dst's lines, and what is summed
+// is exactly what is stored, whatever happens to src meanwhile.
+template <bool kStore>
+__attribute__((target("sse4.2"))) void crc_lanes(std::uint64_t& a, std::uint64_t& b, std::uint64_t& c,
+                                                 const unsigned char* p, std::size_t lane,
+                                                 unsigned char* dst) {
+  const unsigned char *pa = p, *pb = p + lane, *pc = p + 2 * lane;
+  for (std::size_t i = 0; i < lane; i += 8) {
+    std::uint64_t wa, wb, wc;
+    std::memcpy(&wa, pa + i, 8);
+    std::memcpy(&wb, pb + i, 8);
+    std::memcpy(&wc, pc + i, 8);
+    a = __builtin_ia32_crc32di(a, wa);
+    b = __builtin_ia32_crc32di(b, wb);
+    c = __builtin_ia32_crc32di(c, wc);
+    if constexpr (kStore) {
+      _mm_stream_si64(reinterpret_cast<long long*>(dst + i), static_cast<long long>(wa));
+      _mm_stream_si64(reinterpret_cast<long long*>(dst + lane + i), static_cast<long long>(wb));
+      _mm_stream_si64(reinterpret_cast<long long*>(dst + 2 * lane + i), static_cast<long long>(wc));
+    }
+  }
+}
+
 // Three independent streams hide the instruction's 3-cycle latency; the results are joined with combine.
-// With `dst`, each 8-byte word summed is also stored there, non-temporally: the copy costs no read of dst's
-// lines, and what is summed is exactly what is stored, whatever happens to src meanwhile.
+// With `dst`, the bytes are also copied there (crc_lanes<true>, then the tail), and the tail summed from dst.
 __attribute__((target("sse4.2"))) std::uint32_t hw_crc3(std::uint32_t crc, const unsigned char* p,
                                                         std::size_t n, unsigned char* dst = nullptr) {
   const std::size_t lane = n / 24 * 8;  // bytes per lane, a multiple of 8
   std::uint64_t a = ~crc & 0xffffffffu, b = 0xffffffffu, c = 0xffffffffu;
-  const unsigned char *pa = p, *pb = p + lane, *pc = p + 2 * lane;
   if (dst) {
-    auto* da = reinterpret_cast<long long*>(dst);
-    auto* db = reinterpret_cast<long long*>(dst + lane);
-    auto* dc = reinterpret_cast<long long*>(dst + 2 * lane);
-    for (std::size_t i = 0, w = 0; i < lane; i += 8, ++w) {
-      std::uint64_t wa, wb, wc;
-      std::memcpy(&wa, pa + i, 8);
-      std::memcpy(&wb, pb + i, 8);
-      std::memcpy(&wc, pc + i, 8);
-      a = __builtin_ia32_crc32di(a, wa);
-      b = __builtin_ia32_crc32di(b, wb);
-      c = __builtin_ia32_crc32di(c, wc);
-      _mm_stream_si64(da + w, static_cast<long long>(wa));
-      _mm_stream_si64(db + w, static_cast<long long>(wb));
-      _mm_stream_si64(dc + w, static_cast<long long>(wc));
-    }
+    crc_lanes<true>(a, b, c, p, lane, dst);
   } else {
-    for (std::size_t i = 0; i < lane; i += 8) {
-      std::uint64_t wa, wb, wc;
-      std::memcpy(&wa, pa + i, 8);
-      std::memcpy(&wb, pb + i, 8);
-      std::memcpy(&wc, pc + i, 8);
-      a = __builtin_ia32_crc32di(a, wa);
-      b = __builtin_ia32_crc32di(b, wb);
-      c = __builtin_ia32_crc32di(c, wc);
-    }
+    crc_lanes<false>(a, b, c, p, lane, nullptr);
   }
   std::uint32_t ca = ~static_cast<std::uint32_t>(a), cb = ~static_cast<std::uint32_t>(b),
                 cc = ~static_cast<std::uint32_t>(c);
