@@ -24,6 +24,11 @@ Each mode trains the same model for the same steps in its own torchrun, on the s
   `restore-datastates-2`, ...), keeping both checkpoints on the disk: the disk's read speed drifts between
   minutes by more than the ratio's margin, so each pair is taken side by side and the speedup is their median.
 
+The whole run's cost (`overhead_vs_none` of each mode): its training time over that of `none` over the same
+steps, minus 1, and the same by the iterations' place after a checkpoint: the stall's iterations, those
+while it is persisted (to half the interval), those far from it. `--rounds N` runs the set N times in turn
+and writes `rounds_summary.md`, the median and spread of each over the rounds: the headline figure.
+
 An iteration is timed from the end of one step to the end of the next, after `torch.cuda.synchronize()`, so a
 checkpoint's cost lands in the iterations after it. Stall of a checkpoint = the sum, over the 3 iterations
 after it, of their excess over the median iteration of `none`. Each run also samples its peak host memory
