@@ -511,6 +511,10 @@ def run_all(args: argparse.Namespace) -> int:
         runs = [r for r in runs if not r[0].startswith("restore-")]
         for k in range(args.restore_repeats):
             runs += [(name if k == 0 else f"{name}-{k + 1}", cfg, stock) for name, cfg, stock in restores]
+    if getattr(args, "rotation", 0):  # round k of --rounds: training runs start k further on, restores last
+        plain = [r for r in runs if not r[0].startswith("restore-")]
+        k = args.rotation % len(plain)
+        runs = plain[k:] + plain[:k] + [r for r in runs if r[0].startswith("restore-")]
     records: dict[str, Any] = {}
     cold: dict[str, Any] = {}
     for i, (name, cfg, stock) in enumerate(runs):
@@ -586,10 +590,11 @@ def run_rounds(args: argparse.Namespace) -> int:
     """`--rounds N`: the whole set of runs N times in turn (none, datastates, none, datastates, ...), each
     round in `out/round<k>/`, then `rounds_summary.json`: per mode, every round's figures and their median.
     The machine's iteration time drifts between runs by more than the 2% being measured; interleaving puts
-    each run next to its own reference."""
+    each run next to its own reference. Round k starts k runs further along the list (restores stay last), so
+    that no mode always runs in the same place."""
     rc, per_round = 0, []
     for k in range(args.rounds):
-        one = argparse.Namespace(**{**vars(args), "out": str(Path(args.out) / f"round{k}")})
+        one = argparse.Namespace(**{**vars(args), "out": str(Path(args.out) / f"round{k}"), "rotation": k})
         rc |= run_all(one)
         per_round.append(json.loads((Path(one.out) / f"bench_nanotron_{args.model}.json").read_text()))
         summary = aggregate_rounds(per_round)
