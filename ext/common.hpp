@@ -1,6 +1,8 @@
 // Shared vocabulary of the core: alignment helpers, the Error value carried to Python, monotonic time.
 #pragma once
 
+#include <pthread.h>
+
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -18,6 +20,12 @@ inline std::size_t align_up(std::size_t x, std::size_t a) {
 }
 inline std::size_t align_down(std::size_t x, std::size_t a) {
   return x / a * a;
+}
+
+// Names the calling thread (at most 15 characters) as top, ps and /proc show it: "ds-<role>" for the
+// engine's threads, whose CPU time nanotron_datastates.cpu_use adds up by role.
+inline void name_this_thread(const char* name) {
+  pthread_setname_np(pthread_self(), name);
 }
 
 inline std::uint64_t now_ns() {

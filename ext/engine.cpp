@@ -9,10 +9,10 @@ Engine::Engine(const EngineOptions& opts)
     : opts_(opts),
       cache_(
           std::make_unique<HostCache>(opts.cache_bytes, opts.chunk_bytes, opts.pin_device, opts.huge_pages)),
-      parsers_(opts.parser_threads),
-      copiers_(opts.copy_threads),
-      host_copiers_(opts.host_copy_threads),
-      pinners_(std::max(1u, std::min(4u, std::thread::hardware_concurrency() / 2))) {
+      parsers_(opts.parser_threads, "ds-parse"),
+      copiers_(opts.copy_threads, "ds-copy"),
+      host_copiers_(opts.host_copy_threads, "ds-copy-host"),
+      pinners_(std::max(1u, std::min(4u, std::thread::hardware_concurrency() / 2)), "ds-pin") {
   mirrors_.set_pool(&pinners_);
   pinned_ = cache_->pinned();
   pin_error_ = cache_->pin_error();

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "common.hpp"
 #include "fault.hpp"
 #include "flush.hpp"
 
@@ -65,6 +66,7 @@ class PwriteWorker final : public FlushWorker {
 
  private:
   void run() {
+    name_this_thread("ds-flush");
     for (;;) {
       IoOp* op;
       {

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <thread>
 
+#include "common.hpp"
 #include "fault.hpp"
 #include "flush.hpp"
 
@@ -138,6 +139,7 @@ class UringWorker final : public FlushWorker {
   }
 
   void run(std::promise<int>& ready) {
+    name_this_thread("ds-flush");
     int r = init_ring();
     ready.set_value(r);
     if (r < 0) return;

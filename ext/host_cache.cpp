@@ -63,7 +63,10 @@ void HostCache::start_background(std::size_t count) {
   if (preparer_started_) return;
   preparer_started_ = true;
   try {
-    preparer_ = std::thread([this] { prepare_until([this] { return target_.load(); }); });
+    preparer_ = std::thread([this] {
+      name_this_thread("ds-cache-prep");
+      prepare_until([this] { return target_.load(); });
+    });
   } catch (const std::system_error&) {
     // No thread: every chunk is then prepared by its first acquirer.
   }

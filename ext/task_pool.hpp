@@ -10,12 +10,19 @@
 #include <thread>
 #include <vector>
 
+#include "common.hpp"
+
 namespace ds {
 
 class TaskPool {
  public:
-  explicit TaskPool(unsigned threads) {
-    for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
+  // `name`: each thread's, as name_this_thread takes it.
+  TaskPool(unsigned threads, const char* name) {
+    for (unsigned i = 0; i < threads; ++i)
+      threads_.emplace_back([this, name] {
+        name_this_thread(name);
+        run();
+      });
   }
   ~TaskPool() { stop(); }
   TaskPool(const TaskPool&) = delete;

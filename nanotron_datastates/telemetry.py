@@ -29,8 +29,10 @@ def record(
     cache: dict[str, Any],
     queued_s: float = 0.0,
     removed: list[str] | None = None,
+    engine_cpu_s: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """One line. `cache`: the engine's `cache_stats` since the previous line."""
+    """One line. `cache`: the engine's `cache_stats` since the previous line; `engine_cpu_s`: the CPU seconds
+    the engine's threads used for it, by role (`cpu_use`)."""
     return {
         "time": time.time(),
         "step": step,
@@ -49,6 +51,7 @@ def record(
         "cache_high_water_bytes": cache.get("high_water", 0) * cache.get("chunk_bytes", 0),
         "cache_wait_s": cache.get("wait_ns", 0) / 1e9,
         "removed": removed or [],
+        "engine_cpu_s": engine_cpu_s or {},
     }
 
 

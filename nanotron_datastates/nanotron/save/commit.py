@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from ... import cpu_use
 from ...save_handle import wait_handles
 from ..checkpoint import layout
 
@@ -46,6 +47,7 @@ class PendingCheckpoint:
     stall_s: float = 0.0  # caller's time in save plus waits for the snapshot, filled in by the trainer
     queued_s: float = 0.0  # the trainer's time queuing the files at the next step (when deferred there)
     errors: list[str] = dataclasses.field(default_factory=list)  # this rank's, before any file was queued
+    cpu_before: dict[str, float] = dataclasses.field(default_factory=cpu_use.thread_cpu_seconds)
 
 
 @dataclasses.dataclass
@@ -64,6 +66,7 @@ class CommitResult:
     mirrored: dict[str, dict[str, Any]] = dataclasses.field(
         default_factory=dict
     )  # this rank's, as in the manifest
+    engine_cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)  # this rank's threads, by role
 
     @property
     def gbps(self) -> float:
@@ -186,6 +189,7 @@ class Committer:
             committed_s=time.monotonic() - p.t_start,
             queued_s=p.queued_s,
             mirrored=mirrored,
+            engine_cpu_s=cpu_use.since(p.cpu_before),
         )
 
     def _gather(self, obj: Any) -> list[Any]:

@@ -69,10 +69,15 @@ def after_commit(result: Any, root: Path, settings: Any, cache: dict[str, Any]) 
 def describe(r: Any) -> str:
     """The log line of a committed checkpoint (`r`, a CommitResult)."""
     queued = f" (queued at the next step in {1e3 * r.queued_s:.1f} ms)" if r.queued_s else ""
+    cpu = r.engine_cpu_s
+    used = ""
+    if cpu:
+        roles = ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+        used = f"; the engine's threads used {sum(cpu.values()):.2f} s of CPU ({roles})"
     return (
         f"checkpoint {r.step}: {r.bytes / 1e9:.2f} GB in {r.files} files, "
         f"training stall {1e3 * r.stall_s:.1f} ms{queued}, snapshot {1e3 * r.snapshot_s:.1f} ms, "
-        f"persisted {r.persisted_s:.2f} s, committed {r.committed_s:.2f} s ({r.gbps:.2f} GB/s)"
+        f"persisted {r.persisted_s:.2f} s, committed {r.committed_s:.2f} s ({r.gbps:.2f} GB/s){used}"
     )
 
 
@@ -104,6 +109,7 @@ def telemetry_record(result: Any, cache: dict[str, Any], removed: list[Path]) ->
         snapshot_s=result.snapshot_s,
         persisted_s=result.persisted_s,
         committed_s=result.committed_s,
+        engine_cpu_s=result.engine_cpu_s,
         cache=cache,
         removed=[str(p) for p in removed],
     )

@@ -1,0 +1,34 @@
+"""The engine's threads carry their role in their name (`ds-<role>`), and cpu_use adds up their CPU time by
+role from /proc: what a checkpoint's work takes from the machine's cores."""
+
+from pathlib import Path
+
+import torch
+
+from nanotron_datastates import DataStatesEngine, cpu_use
+
+from helpers import small_config
+
+
+def thread_names() -> set[str]:
+    return {(t / "comm").read_text().strip() for t in Path("/proc/self/task").iterdir()}
+
+
+def test_the_engines_threads_are_named_for_their_role_and_go_with_it(tmp_path):
+    with DataStatesEngine(small_config()):
+        names = thread_names()
+        assert {"ds-parse", "ds-copy", "ds-copy-host", "ds-flush", "ds-pin"} <= names, names
+    assert not {n for n in thread_names() if n.startswith("ds-")}
+
+
+def test_the_cpu_of_a_save_is_counted_by_role(tmp_path):
+    state = {"x": torch.randn(16 << 20)}  # 64 MiB of host tensors: copied and summed by the copy threads
+    before = cpu_use.thread_cpu_seconds()
+    with DataStatesEngine(small_config()) as engine:
+        for i in range(4):
+            engine.save(state, tmp_path / f"f{i}.safetensors").wait_persisted()
+        used = cpu_use.since(before)
+        now = cpu_use.thread_cpu_seconds()
+    assert used.get("copy-host", 0.0) > 0.0, used
+    assert set(used) <= set(now) and all(v > 0 for v in used.values())
+    assert all(now[k] >= before.get(k, 0.0) for k in now)
