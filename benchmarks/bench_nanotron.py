@@ -279,7 +279,7 @@ def run_phase(args: argparse.Namespace) -> None:
                 if r.committed:
                     prune_before(Path(self.config.checkpoints.checkpoints_path), r.step)
                 keys = ("step", "bytes", "stall_s", "queued_s", "snapshot_s", "persisted_s", "committed_s")
-                rec["commits"].append({k: getattr(r, k) for k in keys})
+                rec["commits"].append({**{k: getattr(r, k) for k in keys}, "engine_cpu_s": r.engine_cpu_s})
 
     restoring = args.profile and args.mode.startswith("restore")
     with Profiled(Path(args.record).with_suffix(".init.prof.txt") if restoring else None):
@@ -809,6 +809,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
             "committed_s": [c["committed_s"] for c in rec.get("commits", [])],
             "engine_stall_s": [c["stall_s"] for c in rec.get("commits", [])],
             "engine_queued_at_step_s": [c["queued_s"] for c in rec.get("commits", []) if "queued_s" in c],
+            "engine_cpu_s": [c.get("engine_cpu_s", {}) for c in rec.get("commits", [])],
             "queue_split_median_s": queue_split(rec),
             "checkpoint_bytes": max((c["bytes"] for c in rec.get("commits", [])), default=None),
             "memory": rec.get("memory"),
