@@ -322,7 +322,8 @@ RestoreResult restore_file(const std::string& path, std::uint64_t data_start, st
   if (own < 0) throw ErrorException(Error::os(errno, "opening for restore", path));
   const bool from_memory = to_device && opts.map_memory_files && in_memory(own);
   if (from_memory) {
-    // Touching a mapping past the end of its file is SIGBUS, not an error: a short file is refused here.
+    // Touching a mapping past the end of its file is SIGBUS, not an error: a short file is refused here (the
+    // tier's folder is private, so only its own user could shorten a file while it is read).
     struct stat st {};
     const bool ok = fstat(own, &st) == 0;
     const int err = errno;
@@ -340,15 +341,17 @@ RestoreResult restore_file(const std::string& path, std::uint64_t data_start, st
   r.fd = own;
   RestoreResult out;
   std::unique_ptr<FileMapping> memory;  // from_memory: the shared mapping, unmapped when done
-  if (!to_device || from_memory) {
-    try {
-      auto mapping = std::make_unique<FileMapping>(r.fd, r.file_end, path, from_memory);
-      (from_memory ? memory : out.mapping) = std::move(mapping);
-    } catch (...) {
-      close(r.fd);
-      throw;
+  try {
+    if (from_memory) {
+      memory = std::make_unique<FileMapping>(r.fd, r.file_end, path, /*read_only=*/true);
+      r.memory = memory->data();
+    } else if (!to_device) {
+      out.mapping = std::make_unique<FileMapping>(r.fd, r.file_end, path);
+      r.host = out.mapping->data();
     }
-    (from_memory ? r.memory : r.host) = (from_memory ? memory : out.mapping)->data();
+  } catch (...) {
+    close(r.fd);
+    throw;
   }
   std::vector<std::size_t> todo;  // the pieces some span reaches into
   for (std::size_t i = 0; i < r.num_pieces(); ++i) {
