@@ -14,6 +14,7 @@ Each mode trains the same model for the same steps in its own torchrun, on the s
   `staging_completion` awaited before the next optimizer step;
 * `datastates`: `checkpointing_engine: datastates`;
 * `stress`: datastates at every step, where backpressure must bound the stall;
+* `datastates-idle`: datastates set up and never asked for a checkpoint (what its presence alone costs);
 * `datastates-NAME` (`--variant NAME:key=value,...`): datastates with other `datastates:` settings, for
   ablations (e.g. `p1:parser_threads=1`);
 * `restore-torch`, `restore-datastates`: new runs that resume from the last checkpoint of `torch` /
@@ -500,6 +501,8 @@ def run_all(args: argparse.Namespace) -> int:
             False,
         ),
         ("stress", config("stress", "datastates", args.stress_steps, 1), False),
+        # the engine on and never asked for a checkpoint: what its presence alone costs
+        ("datastates-idle", config("datastates-idle", "datastates", args.steps, never), False),
     ]
     for name, settings in variants(args.variant):
         runs.append((name, config(name, "datastates", args.steps, args.interval, datastates=settings), False))
