@@ -35,8 +35,8 @@ cuda::CUstream thread_stream(int device, Error* err) {
 
 // This thread's event `slot` for `device`, to wait for its stream with: a blocking-sync event puts the
 // waiting thread to sleep, where cuStreamSynchronize would spin and contend with the training thread for the
-// driver while the copies overlap the next forward and backward passes. Slot 0 is InFlight's; an uploader
-// takes 1 + its own slot.
+// driver while the copies overlap the next forward and backward passes. Slot 0 is the copiers' InFlight's;
+// an uploader takes 1 + its own slot.
 constexpr int kEventSlots = 1 + DeviceUploader::kSlots;
 cuda::CUevent thread_event(int device, int slot, Error* err) {
   auto& events = t_streams.events;
@@ -97,16 +97,31 @@ Error InFlight::stream(int device, cuda::CUstream* s, bool* fresh) {
   return {};
 }
 
-Error InFlight::sync() {
+Error InFlight::mark() {
   Error first;
   for (auto& [device, s] : pending_) {
     Error e = cuda::make_current(device);
-    cuda::CUevent ev = e ? nullptr : thread_event(device, 0, &e);
+    cuda::CUevent ev = e ? nullptr : thread_event(device, slot_, &e);
     if (!e) e = cuda::check(cuda::api()->cuEventRecord(ev, s), "cuEventRecord");
+    if (!e && std::none_of(marked_.begin(), marked_.end(), [&](auto& m) { return m.first == device; }))
+      marked_.emplace_back(device, ev);
+    if (e) {
+      cuda::api()->cuStreamSynchronize(s);  // nothing to wait on later: the memory must not be reused early
+      if (!first) first = e;
+    }
+  }
+  pending_.clear();
+  return first;
+}
+
+Error InFlight::wait() {
+  Error first;
+  for (auto& [device, ev] : marked_) {
+    Error e = cuda::make_current(device);
     if (!e) e = cuda::check(cuda::api()->cuEventSynchronize(ev), "cuEventSynchronize");
     if (e && !first) first = e;
   }
-  pending_.clear();
+  marked_.clear();
   return first;
 }
 
@@ -155,43 +170,12 @@ Error PieceCopier::issue() {
 }
 
 Error DeviceUploader::copy(int device, char* dst_device, const char* src, std::size_t n) {
-  if (Error e = cuda::make_current(device)) return e;
-  Error err;
-  cuda::CUstream s = thread_stream(device, &err);
-  if (err) return err;
-  if (std::none_of(pending_.begin(), pending_.end(), [&](auto& p) { return p.first == device; }))
-    pending_.emplace_back(device, s);
+  cuda::CUstream s = nullptr;
+  bool fresh = false;
+  if (Error e = in_flight_.stream(device, &s, &fresh)) return e;
   return cuda::check(
       cuda::api()->cuMemcpyHtoDAsync(reinterpret_cast<cuda::CUdeviceptr>(dst_device), src, n, s),
       "cuMemcpyHtoDAsync");
-}
-
-Error DeviceUploader::mark() {
-  Error first;
-  for (auto& [device, s] : pending_) {
-    Error e = cuda::make_current(device);
-    cuda::CUevent ev = e ? nullptr : thread_event(device, 1 + slot_, &e);
-    if (!e) e = cuda::check(cuda::api()->cuEventRecord(ev, s), "cuEventRecord");
-    if (!e && std::none_of(marked_.begin(), marked_.end(), [&](auto& m) { return m.first == device; }))
-      marked_.emplace_back(device, ev);
-    if (e) {
-      cuda::api()->cuStreamSynchronize(s);  // nothing to wait on later: the source must not be reused early
-      if (!first) first = e;
-    }
-  }
-  pending_.clear();
-  return first;
-}
-
-Error DeviceUploader::wait() {
-  Error first;
-  for (auto& [device, ev] : marked_) {
-    Error e = cuda::make_current(device);
-    if (!e) e = cuda::check(cuda::api()->cuEventSynchronize(ev), "cuEventSynchronize");
-    if (e && !first) first = e;
-  }
-  marked_.clear();
-  return first;
 }
 
 }  // namespace ds

@@ -16,17 +16,30 @@
 
 namespace ds {
 
-// This thread's streams with copies in flight since the last sync(): one non-blocking stream per device per
-// thread, so several chunks are in flight on the copy engines at once.
+// This thread's streams with copies in flight: one non-blocking stream per device per thread, so several
+// chunks are in flight on the copy engines at once. Copies are marked with this thread's event `slot`:
+// InFlights of one thread with different slots are waited for apart.
 class InFlight {
  public:
-  // This thread's stream for `device`, its primary context made current; `fresh`: none of its copies yet.
+  explicit InFlight(int slot = 0) : slot_(slot) {}
+  // This thread's stream for `device`, its primary context made current; `fresh`: none of its copies since
+  // the last mark().
   Error stream(int device, cuda::CUstream* s, bool* fresh);
-  // Waits for every copy issued since the last sync().
-  Error sync();
+  // Marks the copies issued since the last mark(): wait() waits for those, not for copies issued after.
+  Error mark();
+  // Waits for the marked copies: their memory may then be reused.
+  Error wait();
+  // Waits for every copy issued so far.
+  Error sync() {
+    Error e = mark();
+    Error w = wait();
+    return e ? e : w;
+  }
 
  private:
-  std::vector<std::pair<int, cuda::CUstream>> pending_;
+  int slot_;
+  std::vector<std::pair<int, cuda::CUstream>> pending_;  // streams with copies issued, not yet marked
+  std::vector<std::pair<int, cuda::CUevent>> marked_;    // events recorded, not yet waited for
 };
 
 class PieceCopier {
@@ -63,23 +76,14 @@ class PieceCopier {
 class DeviceUploader {
  public:
   static constexpr int kSlots = 2;
-  explicit DeviceUploader(int slot = 0) : slot_(slot) {}
+  explicit DeviceUploader(int slot = 0) : in_flight_(1 + slot) {}  // slot 0 of the thread is the copiers'
   Error copy(int device, char* dst_device, const char* src, std::size_t n);
-  // Marks the copies issued since the last mark(): wait() waits for those, not for copies issued after.
-  Error mark();
-  // Waits for the marked copies: their source may then be reused.
-  Error wait();
-  // Waits for every copy issued so far.
-  Error finish() {
-    Error e = mark();
-    Error w = wait();
-    return e ? e : w;
-  }
+  Error mark() { return in_flight_.mark(); }
+  Error wait() { return in_flight_.wait(); }  // the source may then be reused
+  Error finish() { return in_flight_.sync(); }
 
  private:
-  int slot_;
-  std::vector<std::pair<int, cuda::CUstream>> pending_;  // streams with copies issued, not yet marked
-  std::vector<std::pair<int, cuda::CUevent>> marked_;    // events recorded, not yet waited for
+  InFlight in_flight_;
 };
 
 // Strided gather of bytes [begin, end) of a host tensor's row-major image.
