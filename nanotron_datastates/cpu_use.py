@@ -42,7 +42,8 @@ def thread_cpu_seconds() -> dict[str, float]:
     return out
 
 
-def since(before: dict[str, float]) -> dict[str, float]:
-    """CPU seconds by role used since `before` (a :func:`thread_cpu_seconds`), the roles that used any."""
-    now = thread_cpu_seconds()
+def since(before: dict[str, float], now: dict[str, float] | None = None) -> dict[str, float]:
+    """CPU seconds by role used from `before` to `now` (both :func:`thread_cpu_seconds`; `now` read here where
+    not given), the roles that used any."""
+    now = thread_cpu_seconds() if now is None else now
     return {k: v - before.get(k, 0.0) for k, v in sorted(now.items()) if v - before.get(k, 0.0) > 0}

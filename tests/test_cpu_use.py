@@ -32,3 +32,16 @@ def test_the_cpu_of_a_save_is_counted_by_role(tmp_path):
     assert used.get("copy-host", 0.0) > 0.0, used
     assert set(used) <= set(now) and all(v > 0 for v in used.values())
     assert all(now[k] >= before.get(k, 0.0) for k in now)
+
+
+def test_each_checkpoints_outcome_carries_the_cpu_its_saves_took(tmp_path):
+    from nanotron_datastates.nanotron.save.commit import Committer, PendingCheckpoint
+
+    state = {"x": torch.randn(16 << 20)}
+    with DataStatesEngine(small_config()) as engine:
+        committer = Committer(None)
+        handles = [engine.save(state, tmp_path / "1" / f"f{i}.safetensors") for i in range(4)]
+        committer.submit(PendingCheckpoint(1, tmp_path / "1", handles))
+        (result,) = committer.take(1)
+        committer.close()
+    assert result.committed and result.engine_cpu_s.get("copy-host", 0.0) > 0.0, result.engine_cpu_s

@@ -47,7 +47,6 @@ class PendingCheckpoint:
     stall_s: float = 0.0  # caller's time in save plus waits for the snapshot, filled in by the trainer
     queued_s: float = 0.0  # the trainer's time queuing the files at the next step (when deferred there)
     errors: list[str] = dataclasses.field(default_factory=list)  # this rank's, before any file was queued
-    cpu_before: dict[str, float] = dataclasses.field(default_factory=cpu_use.thread_cpu_seconds)
 
 
 @dataclasses.dataclass
@@ -66,7 +65,9 @@ class CommitResult:
     mirrored: dict[str, dict[str, Any]] = dataclasses.field(
         default_factory=dict
     )  # this rank's, as in the manifest
-    engine_cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)  # this rank's threads, by role
+    # CPU seconds of this rank's engine threads, by role, since the previous checkpoint's outcome (the
+    # threads are idle between checkpoints; two in flight at once share theirs)
+    engine_cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def gbps(self) -> float:
@@ -125,6 +126,9 @@ class Committer:
             self._thread.join()
 
     def _run(self) -> None:
+        # Read here, on this thread: reading /proc for every thread takes about a millisecond, which the
+        # training thread would add to its stall.
+        cpu_mark = cpu_use.thread_cpu_seconds()
         while True:
             pending = self._queue.get()
             if pending is None:
@@ -137,6 +141,8 @@ class Committer:
                 result = CommitResult(
                     pending.step, pending.folder, False, errors, 0, 0, pending.stall_s, 0, 0, elapsed
                 )
+            now = cpu_use.thread_cpu_seconds()
+            result.engine_cpu_s, cpu_mark = cpu_use.since(cpu_mark, now), now
             if self._on_result is not None:  # first: a checkpoint taken is one whose report is done
                 with contextlib.suppress(Exception):  # a logging failure must not stop later commits
                     self._on_result(result)
@@ -189,7 +195,6 @@ class Committer:
             committed_s=time.monotonic() - p.t_start,
             queued_s=p.queued_s,
             mirrored=mirrored,
-            engine_cpu_s=cpu_use.since(p.cpu_before),
         )
 
     def _gather(self, obj: Any) -> list[Any]:
