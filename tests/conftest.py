@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -22,6 +24,16 @@ collect_ignore = [] if os.environ.get("NANOTRON_SRC") else ["adapter"]
 def engine(request) -> Iterator[DataStatesEngine]:
     with DataStatesEngine(small_config(io_backend=request.param)) as e:
         yield e
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A fresh folder in /dev/shm (tmpfs, where the memory tier lives), removed after the test."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.fail("/dev/shm (tmpfs) is missing: this test needs a file in memory")
+    d = Path(tempfile.mkdtemp(prefix="ds-test-", dir="/dev/shm"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

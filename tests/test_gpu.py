@@ -261,34 +261,27 @@ def test_a_cuda_save_into_its_mirror_and_a_save_recycling_it(gpu_engine, tmp_pat
 
 
 @pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
-def test_a_file_in_memory_restores_to_the_gpu_through_half_chunks(mapped):
+def test_a_file_in_memory_restores_to_the_gpu_through_half_chunks(shm_dir, mapped):
     """The memory tier's read: the file in /dev/shm mapped, each piece copied into one half of a pinned chunk
     while the other half uploads. Several files at once on four threads, from a small cache (chunks taken in
     turns), checksums verified; every byte equal to the saved state."""
-    import shutil
-    import tempfile
-
-    shm = tempfile.mkdtemp(prefix="ds-test-", dir="/dev/shm")
     config = DataStatesConfig(
         host_cache_size=32 / 1024, chunk_size=4, parser_threads=4, map_memory_files=mapped
     )
-    try:
-        with DataStatesEngine(config) as e:
-            states = {
-                f"{shm}/f{i}.safetensors": {
-                    f"t{j}": random_tensor(torch.float32, (n,), 10 * i + j).cuda()
-                    for j, n in enumerate([0, 1, 3 << 20, 513, (1 << 19) + 7])
-                }
-                for i in range(4)
+    with DataStatesEngine(config) as e:
+        states = {
+            shm_dir / f"f{i}.safetensors": {
+                f"t{j}": random_tensor(torch.float32, (n,), 10 * i + j).cuda()
+                for j, n in enumerate([0, 1, 3 << 20, 513, (1 << 19) + 7])
             }
+            for i in range(4)
+        }
+        for path, state in states.items():
+            e.save(state, path)
+        e.wait_persisted()
+        for _ in range(3):
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                got = dict(zip(states, pool.map(lambda p: e.load(p, "cuda"), states)))
             for path, state in states.items():
-                e.save(state, path)
-            e.wait_persisted()
-            for _ in range(3):
-                with concurrent.futures.ThreadPoolExecutor(4) as pool:
-                    got = dict(zip(states, pool.map(lambda p: e.load(p, "cuda"), states)))
-                for path, state in states.items():
-                    for k, v in state.items():
-                        assert got[path][k].is_cuda and same(got[path][k].cpu(), v.cpu()), (path, k)
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
+                for k, v in state.items():
+                    assert got[path][k].is_cuda and same(got[path][k].cpu(), v.cpu()), (path, k)

@@ -78,6 +78,13 @@ def test_the_mirror_is_the_staging_memory_no_cache_chunk_is_used(tmp_path):
         assert engine.cache_stats()["high_water"] > 0  # without a mirror, the chunks carry the bytes
 
 
+def save_recycling(engine, st, path, mirror, recycle):
+    """`st` saved to `path` with its mirror at `mirror`, taking over the mirror file `recycle`; persisted."""
+    h = engine.save_plans([(engine.plan(st), path)], mirrors=[mirror], recycle=[recycle])[0]
+    h.wait_persisted()
+    return h
+
+
 def later_state(n: int = 700_000):
     return {"w": torch.arange(n, dtype=torch.float32), "b": torch.ones(17), "step": 4}
 
@@ -88,12 +95,13 @@ def test_a_later_save_recycles_the_earlier_mirror_file(tmp_path, n):
     with DataStatesEngine(small_config()) as engine:
         engine.save(state(), tmp_path / "1.safetensors", mirror=mem / "1" / "f.safetensors").wait_persisted()
         inode = os.stat(mem / "1" / "f.safetensors").st_ino
-        h = engine.save_plans(
-            [(engine.plan(later_state(n)), tmp_path / "2.safetensors")],
-            mirrors=[mem / "2" / "f.safetensors"],
-            recycle=[mem / "1" / "f.safetensors"],
-        )[0]
-        h.wait_persisted()
+        h = save_recycling(
+            engine,
+            later_state(n),
+            tmp_path / "2.safetensors",
+            mem / "2" / "f.safetensors",
+            mem / "1" / "f.safetensors",
+        )
         assert h.mirrored() and not (mem / "1" / "f.safetensors").exists()
         assert os.stat(mem / "2" / "f.safetensors").st_ino == inode  # the same file, renamed
         assert (mem / "2" / "f.safetensors").read_bytes() == (tmp_path / "2.safetensors").read_bytes()
@@ -105,12 +113,13 @@ def test_a_later_save_recycles_the_earlier_mirror_file(tmp_path, n):
 
 def test_a_missing_file_to_recycle_gives_a_new_mirror(tmp_path):
     with DataStatesEngine(small_config()) as engine:
-        h = engine.save_plans(
-            [(engine.plan(state()), tmp_path / "f.safetensors")],
-            mirrors=[tmp_path / "mem" / "f.safetensors"],
-            recycle=[tmp_path / "mem" / "gone.safetensors"],
-        )[0]
-        h.wait_persisted()
+        h = save_recycling(
+            engine,
+            state(),
+            tmp_path / "f.safetensors",
+            tmp_path / "mem" / "f.safetensors",
+            tmp_path / "mem" / "gone.safetensors",
+        )
         assert h.mirrored()
         assert (tmp_path / "mem/f.safetensors").read_bytes() == (tmp_path / "f.safetensors").read_bytes()
 
@@ -123,12 +132,13 @@ def test_a_link_planted_as_the_file_to_recycle_is_not_followed(tmp_path):
     (tmp_path / "mem").mkdir()
     (tmp_path / "mem" / "old.safetensors").symlink_to(victim)
     with DataStatesEngine(small_config()) as engine:
-        h = engine.save_plans(
-            [(engine.plan(state()), tmp_path / "f.safetensors")],
-            mirrors=[tmp_path / "mem" / "f.safetensors"],
-            recycle=[tmp_path / "mem" / "old.safetensors"],
-        )[0]
-        h.wait_persisted()
+        h = save_recycling(
+            engine,
+            state(),
+            tmp_path / "f.safetensors",
+            tmp_path / "mem" / "f.safetensors",
+            tmp_path / "mem" / "old.safetensors",
+        )
         assert not h.mirrored() and "f.safetensors" in h.mirror_error()
         assert engine.load(tmp_path / "f.safetensors")["step"] == 3
     assert victim.read_bytes() == b"precious" * 1000

@@ -4,7 +4,6 @@ the chunked path that CUDA restores take (the upload is a memcpy), so it runs wi
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,15 +16,6 @@ from helpers import random_tensor, same, small_config
 
 # Sizes around the piece (half a 1 MiB chunk): inside one, across one and several boundaries, empty.
 SIZES = [0, 1, 7, 4096, (1 << 19) - 3, (1 << 19) + 5, 3 << 20, 123457]
-
-
-@pytest.fixture
-def shm_dir():
-    if not os.path.isdir("/dev/shm"):
-        pytest.fail("/dev/shm (tmpfs) is missing: these tests need a file in memory")
-    d = Path(tempfile.mkdtemp(prefix="ds-test-", dir="/dev/shm"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def state() -> dict[str, torch.Tensor]:
