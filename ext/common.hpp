@@ -2,7 +2,11 @@
 #pragma once
 
 #include <pthread.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -26,6 +30,19 @@ inline std::size_t align_down(std::size_t x, std::size_t a) {
 // engine's threads, whose CPU time nanotron_datastates.cpu_use adds up by role.
 inline void name_this_thread(const char* name) {
   pthread_setname_np(pthread_self(), name);
+}
+
+// Lowers the calling thread's scheduling priority by `nice` steps (Linux gives each thread its own nice
+// value; threads it starts inherit it): background work then yields a core to the threads that feed the
+// GPU whenever they compete for it. Raising nice needs no privilege; where it still fails, the thread runs
+// at its creator's priority, which is only slower for training, never wrong.
+inline void lower_this_thread(int nice) {
+  if (nice <= 0) return;
+  const auto tid = static_cast<id_t>(syscall(SYS_gettid));
+  errno = 0;
+  const int now = getpriority(PRIO_PROCESS, tid);
+  if (now == -1 && errno != 0) return;
+  setpriority(PRIO_PROCESS, tid, now + nice > 19 ? 19 : now + nice);
 }
 
 inline std::uint64_t now_ns() {

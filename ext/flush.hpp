@@ -45,9 +45,10 @@ class FlushWorker {
   virtual void stop() = 0;
 };
 
-// Null (and `why` set) when io_uring is refused here (seccomp, old kernel, limits).
-std::unique_ptr<FlushWorker> make_uring_worker(unsigned queue_depth, std::string* why);
-std::unique_ptr<FlushWorker> make_pwrite_worker(unsigned threads);
+// Null (and `why` set) when io_uring is refused here (seccomp, old kernel, limits). The workers' threads
+// run `nice` steps below their creator's priority (lower_this_thread): writing and summing are background.
+std::unique_ptr<FlushWorker> make_uring_worker(unsigned queue_depth, int nice, std::string* why);
+std::unique_ptr<FlushWorker> make_pwrite_worker(unsigned threads, int nice);
 
 // Runs one op to completion with plain syscalls; returns 0 or a positive errno. Shared by the pwrite pool and
 // by the synchronous reader fallback.

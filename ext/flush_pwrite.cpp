@@ -41,8 +41,8 @@ namespace {
 
 class PwriteWorker final : public FlushWorker {
  public:
-  explicit PwriteWorker(unsigned threads) {
-    for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
+  PwriteWorker(unsigned threads, int nice) {
+    for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this, nice] { run(nice); });
   }
   ~PwriteWorker() override { stop(); }
 
@@ -65,8 +65,9 @@ class PwriteWorker final : public FlushWorker {
   }
 
  private:
-  void run() {
+  void run(int nice) {
     name_this_thread("ds-flush");
+    lower_this_thread(nice);
     for (;;) {
       IoOp* op;
       {
@@ -96,8 +97,8 @@ class PwriteWorker final : public FlushWorker {
 
 }  // namespace
 
-std::unique_ptr<FlushWorker> make_pwrite_worker(unsigned threads) {
-  return std::make_unique<PwriteWorker>(threads);
+std::unique_ptr<FlushWorker> make_pwrite_worker(unsigned threads, int nice) {
+  return std::make_unique<PwriteWorker>(threads, nice);
 }
 
 }  // namespace ds

@@ -23,7 +23,7 @@ namespace {
 
 class UringWorker final : public FlushWorker {
  public:
-  explicit UringWorker(unsigned depth) : depth_(depth) {}
+  UringWorker(unsigned depth, int nice) : depth_(depth), nice_(nice) {}
   ~UringWorker() override { stop(); }
 
   // Starts the thread, which creates the ring itself (single issuer); false with `why` if refused.
@@ -140,6 +140,7 @@ class UringWorker final : public FlushWorker {
 
   void run(std::promise<int>& ready) {
     name_this_thread("ds-flush");
+    lower_this_thread(nice_);
     int r = init_ring();
     ready.set_value(r);
     if (r < 0) return;
@@ -192,6 +193,7 @@ class UringWorker final : public FlushWorker {
   }
 
   const unsigned depth_;
+  const int nice_;
   io_uring ring_{};
   int efd_ = -1;
   std::uint64_t efd_buf_ = 0;
@@ -207,8 +209,8 @@ class UringWorker final : public FlushWorker {
 
 }  // namespace
 
-std::unique_ptr<FlushWorker> make_uring_worker(unsigned queue_depth, std::string* why) {
-  auto w = std::make_unique<UringWorker>(queue_depth);
+std::unique_ptr<FlushWorker> make_uring_worker(unsigned queue_depth, int nice, std::string* why) {
+  auto w = std::make_unique<UringWorker>(queue_depth, nice);
   if (!w->start(why)) return nullptr;
   return w;
 }

@@ -38,6 +38,7 @@ def start_core(config: DataStatesConfig) -> _core.Engine:
         fsync=config.fsync,
         checksums=config.checksums,
         map_memory_files=config.map_memory_files,
+        flush_nice=config.flush_nice,
     )
     if core.fallback_reason:
         _warn_once(f"io_uring is refused here ({core.fallback_reason}); flushing with a pwrite thread pool")

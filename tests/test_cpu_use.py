@@ -1,8 +1,10 @@
 """The engine's threads carry their role in their name (`ds-<role>`), and cpu_use adds up their CPU time by
 role from /proc: what a checkpoint's work takes from the machine's cores."""
 
+import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from nanotron_datastates import DataStatesEngine, cpu_use
@@ -19,6 +21,28 @@ def test_the_engines_threads_are_named_for_their_role_and_go_with_it(tmp_path):
         names = thread_names()
         assert {"ds-parse", "ds-copy", "ds-copy-host", "ds-flush", "ds-pin"} <= names, names
     assert not {n for n in thread_names() if n.startswith("ds-")}
+
+
+def nice_by_name() -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    for t in Path("/proc/self/task").iterdir():
+        stat = (t / "stat").read_text()
+        nice = int(stat[stat.rindex(")") + 2 :].split()[16])  # field 19 of proc(5)
+        out.setdefault((t / "comm").read_text().strip(), set()).add(nice)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "pwrite"])
+def test_the_flush_workers_run_below_the_trainings_priority_and_the_others_do_not(tmp_path, backend):
+    base = os.getpriority(os.PRIO_PROCESS, 0)  # this thread's nice, which the engine's threads start from
+    with DataStatesEngine(small_config(flush_nice=7, io_backend=backend)) as engine:
+        engine.save({"x": torch.randn(1 << 20)}, tmp_path / "f.safetensors").wait_persisted()
+        nice = nice_by_name()
+    assert nice["ds-flush"] == {min(19, base + 7)}, nice
+    for role in ("ds-parse", "ds-copy", "ds-copy-host", "ds-pin"):
+        assert nice[role] == {base}, (role, nice)
+    with DataStatesEngine(small_config(flush_nice=0, io_backend=backend)):
+        assert nice_by_name()["ds-flush"] == {base}
 
 
 def test_the_cpu_of_a_save_is_counted_by_role(tmp_path):
