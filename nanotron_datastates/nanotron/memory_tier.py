@@ -21,7 +21,9 @@ every tensor's checksum as it reads. The tier is removed when training ends
 normally; `nanotron-datastates tier` lists and clears it.
 
 Layout: `<memory_tier_path>/<job>/<step>/<the checkpoint's files>`, `<job>` named after the checkpoints
-folder (its resolved path's hash), so jobs of one node keep apart.
+folder (its resolved path's hash), so jobs of one node keep apart; `<job>/replicas/<step>/...` holds the
+copies this node keeps for ranks of other nodes (`memory_replicas`: replicas.py), marked as the node's own
+are, by the rank they belong to.
 
 The tier lives beside other users (`/dev/shm` is world-writable): its root is private to this user (0700,
 ours, no link: `trust.private_dir`; the default path holds the user's id), markers list file names that
@@ -44,6 +46,7 @@ from .checkpoint import folder as checkpoint_folder
 from .checkpoint import layout
 
 MARKER = ".rank-{rank}.json"
+REPLICAS = "replicas"  # the job folder's area for other nodes' ranks' copies
 MAX_MARKER = 64 << 20  # bytes: a marker lists one rank's files
 
 
@@ -64,18 +67,28 @@ def job_folder(base: str | os.PathLike, checkpoints: str | os.PathLike) -> Path:
 
 
 class MemoryTier:
-    """One rank's view of its job's folder in the tier. Raises trust.UntrustedPath where the tier's root or
-    the job's folder is not private to this user."""
+    """One rank's view of its job's folder in the tier (`area`: of a subfolder of it, REPLICAS for the copies
+    this node keeps for other nodes' ranks, `rank` then the rank they belong to). Raises trust.UntrustedPath
+    where the tier's root, the job's folder or the area is not private to this user."""
 
     def __init__(
-        self, base: str | os.PathLike, checkpoints: str | os.PathLike, rank: int, copies: int = 2
+        self,
+        base: str | os.PathLike,
+        checkpoints: str | os.PathLike,
+        rank: int,
+        copies: int = 2,
+        area: str = "",
     ) -> None:
         root(base)
         self.folder = trust.private_dir(job_folder(base, checkpoints), "memory tier folder")
+        if area:
+            self.folder = trust.private_dir(self.folder / area, "memory tier folder")
+        self.base = str(base)
         self.checkpoints = Path(checkpoints)
         self.rank = rank
         self.copies = copies
         self._spare: tuple[int, list[str]] | None = None  # a step this rank held before, and its files
+        self.busy: set[int] = set()  # steps being read (sent to a peer): never handed to a save to overwrite
 
     def path(self, step: int, rel: str | os.PathLike) -> Path:
         """Where the tier keeps the file `rel` of the checkpoint of `step`."""
@@ -105,12 +118,14 @@ class MemoryTier:
         donor: tuple[int, list[str]] | None = None
         if self.copies == 1:
             donor = self._held_before(step)
+            if donor is not None and donor[0] in self.busy:
+                return [None] * len(rels)
             if donor is not None:
                 try:
                     self._withdraw(donor[0])
                 except OSError:  # still marked: never overwritten
                     return [None] * len(rels)
-        elif self._spare is not None and self._spare[0] < step:
+        elif self._spare is not None and self._spare[0] < step and self._spare[0] not in self.busy:
             donor, self._spare = self._spare, None
         if donor is None:
             return [None] * len(rels)
@@ -172,7 +187,9 @@ class MemoryTier:
     def files(self) -> list[Path]:
         """Every file the job's folder holds now (the engine keeps those of this rank mapped)."""
         out = []
-        for d, _, names in os.walk(self.folder):  # links to folders are not followed
+        for d, dirs, names in os.walk(self.folder):  # links to folders are not followed
+            if d == str(self.folder) and REPLICAS in dirs:
+                dirs.remove(REPLICAS)  # other nodes' copies, which no save of this rank maps
             out += [Path(d) / n for n in names if not n.startswith(".rank-") and n != "job.json"]
         return out
 
@@ -207,6 +224,24 @@ class MemoryTier:
         ranks that wrote its files (on this node), every file present with the manifest's size and the
         checksums its writer recorded."""
         return self.why_not(step, manifest) is None
+
+    def held(self, step: int, manifest: dict[str, Any]) -> dict[str, Path]:
+        """The files of `step` this folder holds whole, by name: marked held by some rank with the manifest's
+        entry, present with its size, each a regular file of this user's reached without a link."""
+        folder = self.folder / str(step)
+        if manifest.get("step") != step or not trust.is_real_dir(folder):
+            return {}
+        files, out = manifest.get("files", {}), {}
+        for name in self._markers(step):
+            try:
+                marked = self._marked(step, int(name[len(".rank-") : -len(".json")]), strict=True) or {}
+            except (OSError, ValueError):
+                continue
+            for rel, entry in marked.items():
+                with contextlib.suppress(OSError):
+                    if files.get(rel) == entry and _regular_size(folder, rel) == entry.get("bytes"):
+                        out[rel] = folder / rel
+        return out
 
     def why_not(self, step: int, manifest: dict[str, Any]) -> str | None:
         """Why the tier does not hold the checkpoint of `step` whole (None: it does; see `holds`). Every

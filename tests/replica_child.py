@@ -1,0 +1,136 @@
+"""The ranks of test_replicas.py's jobs: processes on simulated nodes (each node its own memory tier root, its
+number in GROUP_RANK as torchrun sets it), a gloo group over all. `save` commits checkpoints as the Nanotron
+trainer does (engine files into the tier, the manifest and latest.txt by rank 0) and replicates each to the
+next node, then waits to be killed; `restart` resumes the newest checkpoint through
+`replicas.restart_source` and reports where each rank read from and whether every byte is the saved one.
+Not a test."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+SIZE = 64 << 10  # elements per tensor
+
+
+def tensors(step: int, rank: int) -> dict[str, Any]:
+    import torch
+
+    base = torch.arange(SIZE, dtype=torch.float32)
+    return {"w": base * step + rank, "m": base - step * 100 - rank}
+
+
+def files(rank: int) -> tuple[str, str]:
+    return f"model/w{rank}.safetensors", f"optimizer/optimizer_{rank}.safetensors"
+
+
+def tier_root(work: Path, node: int) -> Path:
+    return work / f"node{node}-shm"
+
+
+def _start(rank: int, world: int, node: int, init: str) -> Any:
+    import torch.distributed as dist
+
+    os.environ["GROUP_RANK"] = str(node)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    return dist
+
+
+def _engine() -> Any:
+    from nanotron_datastates import DataStatesConfig, DataStatesEngine
+
+    return DataStatesEngine(DataStatesConfig(host_cache_size=4 / 1024, chunk_size=1, parser_threads=2))
+
+
+def save(
+    rank: int, world: int, node: int, init: str, work: str, steps: int, replicas: int, gbps: float, chunk: int
+) -> None:
+    from nanotron_datastates.nanotron import replicas as rep
+    from nanotron_datastates.nanotron.checkpoint import layout
+    from nanotron_datastates.nanotron.memory_tier import MemoryTier
+    from nanotron_datastates.nanotron.save.commit import Committer, PendingCheckpoint
+
+    dist = _start(rank, world, node, init)
+    root, out = Path(work) / "ckpt", Path(work)
+    engine = _engine()
+    tier = MemoryTier(tier_root(out, node), root, rank, copies=2)
+    commit_group = dist.new_group(backend="gloo")
+    replicator = None
+    if replicas:
+        nodes: list[Any] = [None] * world
+        dist.all_gather_object(nodes, rep.node_key())
+        group = dist.new_group(backend="gloo")
+        replicator = rep.Replicator(
+            tier, rep.placement(nodes, replicas), group, engine, gbps=gbps, chunk=chunk,
+            on_done=lambda r: (out / f"replicated{rank}-{r.step}.txt").write_text(rep.describe(r)),
+        )  # fmt: skip
+
+    def mark(result: Any) -> None:  # on the committer's thread, as the trainer's Saver reports
+        if result.committed:
+            tier.commit(result.step, result.mirrored)
+            engine.keep_mirrors(tier.files())
+            if replicator is not None:
+                replicator.submit(result.step, result.mirrored)
+
+    committer = Committer(commit_group, on_result=mark)
+    for step in range(1, steps + 1):
+        folder = root / str(step)
+        names = files(rank)
+        t = tensors(step, rank)
+        plans = [
+            engine.plan({"data": t["w"]}, metadata={"step": str(step)}, exact_metadata=True),
+            engine.plan({"step": step, "m": t["m"]}),
+        ]
+        handles = engine.save_plans(
+            [(plan, folder / rel) for plan, rel in zip(plans, names)],
+            mirrors=[tier.path(step, rel) for rel in names],
+            recycle=tier.recycle(step, list(names)),
+        )
+
+        def finalize(all_files: dict[str, Any], folder: Path = folder, step: int = step) -> None:
+            layout.write_atomic(folder / layout.MANIFEST, json.dumps(layout.manifest(step, {}, all_files)))
+            layout.write_atomic(root / layout.LATEST, str(step))
+
+        committer.submit(PendingCheckpoint(step, folder, handles, finalize if rank == 0 else None))
+        (result,) = committer.take(1)
+        assert result.committed, result.errors
+    if replicator is not None:
+        replicator.close()
+    (out / f"done{rank}").write_text("")
+    time.sleep(3600)  # training goes on until the node is lost
+
+
+def restart(rank: int, world: int, node: int, init: str, work: str, replicas: int) -> None:
+    from nanotron_datastates.nanotron import replicas as rep
+    from nanotron_datastates.nanotron.checkpoint import layout
+    from nanotron_datastates.nanotron.memory_tier import MemoryTier
+
+    dist = _start(rank, world, node, init)
+    root, out = Path(work) / "ckpt", Path(work)
+    step = int((root / layout.LATEST).read_text())
+    folder = root / str(step)
+    manifest = layout.read_manifest(folder)
+    engine = _engine()
+    tier = MemoryTier(tier_root(out, node), root, rank, copies=2)
+    group = dist.new_group(backend="gloo")
+    source, why = rep.restart_source(tier, manifest, set(files(rank)), group, engine)
+    if replicas:
+        nodes: list[Any] = [None] * world
+        dist.all_gather_object(nodes, rep.node_key())
+        holders = rep.placement(nodes, replicas)
+        rep.prune(tier, [s for s, hs in enumerate(holders) if rank in hs], step)
+    want = tensors(step, rank)
+    equal = []
+    for rel, key in zip(files(rank), ("data", "m")):
+        path = (source or folder) / rel
+        sums = layout.file_checksums(manifest, folder, folder / rel)
+        got = engine.load(path, checksums=sums)[key]
+        equal.append(bool(got.equal(want["w" if key == "data" else "m"])))
+    leftovers = [str(p) for p in tier.folder.parent.rglob("*.dstmp.*")]
+    report = {"source": str(source) if source else None, "why": why, "equal": equal, "step": step}
+    (out / f"restart{rank}.json").write_text(json.dumps({**report, "leftovers": leftovers}))
+    engine.close()
+    dist.destroy_process_group()
