@@ -484,8 +484,13 @@ def test_tier_lists_and_clears_what_jobs_keep_in_memory(tmp_path, capsys):
         (tier.path(40, "model/w.safetensors")).parent.mkdir(parents=True)
         tier.path(40, "model/w.safetensors").write_bytes(b"x" * 1500)
         tier.commit(40, {"model/w.safetensors": {"bytes": 1500, "crc32c": {}}})
+    replicas = MemoryTier(base, tmp_path / "b", 3, copies=1, area="replicas")  # kept for rank 3's node
+    replicas.path(40, "model/w3.safetensors").parent.mkdir(parents=True)
+    replicas.path(40, "model/w3.safetensors").write_bytes(b"y" * 2000)
+    replicas.commit(40, {"model/w3.safetensors": {"bytes": 2000, "crc32c": {}}})
     rc, out, _ = run(capsys, "tier", "list", "--path", str(base))
     assert rc == 0 and out.count("1 step (40)") == 2 and str(tmp_path / "a") in out and " kB" in out
+    assert out.count("replicas of step 40 for rank(s) 3 of other nodes (2.00 kB in all replicas)") == 1, out
     rc, out, _ = run(capsys, "tier", "clear", str(tmp_path / "a"), "--path", str(base))
     assert rc == 0 and "removed 1 job folder" in out
     rc, out, _ = run(capsys, "tier", "list", "--path", str(base), "--json")

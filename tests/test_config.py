@@ -40,6 +40,8 @@ BAD = {
     "memory_tier": ["on", 1],
     "memory_tier_copies": [0, 3, 1.5, "2"],
     "memory_tier_path": ["", 3, None],
+    "memory_replicas": [-1, 65, 1.0, "1", 1],
+    "memory_replica_gbps": [-1, "2", None],
 }
 ACCEPTS = {
     "host_cache_size": "[1/1024, 2**20]",
@@ -56,6 +58,8 @@ ACCEPTS = {
     "telemetry": "true or false",
     "memory_tier_copies": "1 or 2",
     "memory_tier_path": "a path",
+    "memory_replicas": "[0, 64]",
+    "memory_replica_gbps": "[0, 10000]",
     "telemetry_path": 'a path (or "" for none)',
 }
 

@@ -26,6 +26,11 @@ def cmd_tier(args: argparse.Namespace) -> int:
                 f"{j['folder']}: {j['checkpoints'] or '(checkpoints folder unknown)'}, "
                 f"{plural(len(j['steps']), 'step')} ({steps}), {human_bytes(j['bytes'])}"
             )
+            for step, ranks in j["replicas"].items():
+                print(
+                    f"  replicas of step {step} for rank(s) {', '.join(map(str, ranks)) or '(none marked)'} "
+                    f"of other nodes ({human_bytes(j['replica_bytes'])} in all replicas)"
+                )
         return 0
     folders = [tier.job_folder(args.path, args.checkpoints)] if args.checkpoints else None
     removed = tier.clear_jobs(args.path, folders)

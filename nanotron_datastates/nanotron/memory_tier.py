@@ -94,18 +94,21 @@ class MemoryTier:
         """Where the tier keeps the file `rel` of the checkpoint of `step`."""
         return self.folder / str(step) / rel
 
-    def check_room(self, node_bytes: int) -> None:
+    def check_room(self, node_bytes: int, replicas: int = 0) -> None:
         """Raises TierError unless the tier's file system has room for `copies` checkpoints of this node's
-        ranks besides what this job already holds there."""
+        ranks, and two of each of the `replicas` copies it keeps for other nodes (the one held and the one
+        arriving), besides what this job already holds there."""
         st = os.statvfs(self.folder)
         free = st.f_bavail * st.f_frsize + _size(self.folder)
-        need = self.copies * node_bytes
+        need = (self.copies + 2 * replicas) * node_bytes
         if free < need:
+            also = f" and 2 x {replicas} of other nodes' (memory_replicas)" if replicas else ""
             raise TierError(
                 f"datastates.memory_tier needs {need / 1e9:.2f} GB in {self.folder.parent} ("
-                f"{self.copies} checkpoint(s) of this node's ranks: memory_tier_copies), and "
-                f"{free / 1e9:.2f} GB is free there: turn the memory tier off, set memory_tier_copies to 1, "
-                "or give the tmpfs more room (mount -o remount,size=...)"
+                f"{self.copies} checkpoint(s) of this node's ranks: memory_tier_copies{also}), and "
+                f"{free / 1e9:.2f} GB is free there: turn the memory tier off, set memory_tier_copies to 1"
+                f"{', lower memory_replicas' if replicas else ''}, or give the tmpfs more room (mount -o "
+                "remount,size=...)"
             )
         layout.write_atomic(
             self.folder / "job.json", json.dumps({"checkpoints": str(self.checkpoints.resolve())})
@@ -402,8 +405,9 @@ def clear_jobs(base: str | os.PathLike, folders: list[Path] | None = None) -> li
 
 
 def jobs(base: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every job's folder in the tier: its checkpoints folder, the steps it holds, their bytes. The tier's
-    root must be private to this user (nothing is created where it is missing)."""
+    """Every job's folder in the tier: its checkpoints folder, the steps it holds, their bytes (all, and the
+    replicas'), and the replicas it keeps for other nodes' ranks ({step: those ranks}). The tier's root must
+    be private to this user (nothing is created where it is missing)."""
     path = Path(str(base).replace("{uid}", str(os.geteuid())))
     if not os.path.lexists(path):
         return []
@@ -418,12 +422,27 @@ def jobs(base: str | os.PathLike) -> list[dict[str, Any]]:
         except (OSError, ValueError):
             doc = {}
         checkpoints = doc.get("checkpoints") if isinstance(doc, dict) else None
+        area = folder / REPLICAS
+        real = trust.is_real_dir(area)
         out.append(
             {
                 "folder": str(folder),
                 "checkpoints": checkpoints if isinstance(checkpoints, str) else None,
                 "steps": _steps(folder),
                 "bytes": _size(folder),
+                "replicas": {str(s): _marked_ranks(area / str(s)) for s in _steps(area)} if real else {},
+                "replica_bytes": _size(area) if real else 0,
             }
         )
     return out
+
+
+def _marked_ranks(folder: Path) -> list[int]:
+    """The ranks whose markers a step's folder holds."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    marked = [n for n in names if n.startswith(".rank-") and n.endswith(".json")]
+    ranks = [n[len(".rank-") : -len(".json")] for n in marked]
+    return sorted(int(r) for r in ranks if r.isdigit())

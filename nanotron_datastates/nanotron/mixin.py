@@ -137,6 +137,7 @@ class DataStatesTrainerMixin(_Trainer):
                 model_config=self.model_config,
                 optimizer=self.optimizer,
                 metadata=self.metadata,
+                replicas=saver.placement,
             )
         saver.request(step, self.lr_scheduler, self.random_states, finalize, since=t0)
         return folder

@@ -19,6 +19,8 @@ class TrainerSettings(Settings):
     RANGES = {
         "keep_last_n": (0, 1 << 20, "expected an integer >= 0 (0 keeps every checkpoint)"),
         "memory_tier_copies": (1, 2, "expected 1 or 2"),
+        "memory_replicas": (0, 64, "expected an integer in [0, 64] (0: none)"),
+        "memory_replica_gbps": (0, 1e4, "expected GB/s in [0, 10000] (0: no limit)"),
     }
     CHOICES = {"device_snapshot": ("auto", "always", "never")}
 
@@ -53,6 +55,22 @@ class TrainerSettings(Settings):
     memory_tier_path: str = "/dev/shm/nanotron-datastates-{uid}"
     """Where the memory tier keeps its files: a tmpfs folder private to this user (`{uid}` is replaced by
     the user's id; created 0700, refused if another user owns it or others may write to it)."""
+    memory_replicas: int = 0
+    """With the memory tier: the ranks of other nodes that keep a copy of each rank's newest committed
+    checkpoint in their memory too (a ring over nodes), sent over gloo after each commit; a job that loses a
+    node then restarts from memory, the lost ranks' state pulled from their peers. Each node then needs room
+    for two replicas per copy it holds besides its own (checked after the first step). 0: none."""
+    memory_replica_gbps: float = 2.0
+    """GB/s each rank sends its replicas at, at most, so that training's own traffic keeps the network
+    (0: no limit)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.memory_replicas and not self.memory_tier:
+            raise ValueError(
+                f"datastates.memory_replicas={self.memory_replicas} is invalid: expected an integer in "
+                "[0, 64], and 0 where datastates.memory_tier is false (replicas copy the memory tier's)"
+            )
 
 
 @dataclass(frozen=True)

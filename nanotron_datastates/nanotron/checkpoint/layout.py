@@ -197,14 +197,22 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {}
 
 
-def manifest(step: int, topology: dict[str, int], files: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return {
+def manifest(
+    step: int,
+    topology: dict[str, int],
+    files: dict[str, dict[str, Any]],
+    replicas: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A manifest; `replicas`: where each rank's memory copy is replicated (`nodes`: each rank's node;
+    `holders`: the ranks keeping each rank's replicas), where it is."""
+    doc = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
         "step": step,
         "topology": topology,
         "files": dict(sorted(files.items())),
     }
+    return {**doc, "replicas": replicas} if replicas else doc
 
 
 MAX_MANIFEST = 256 << 20  # bytes a manifest may hold (about 1 KB per file; a million files)

@@ -1,12 +1,15 @@
 """Where a resume reads from, and what it falls back to.
 
 A restart reads the memory tier's copy of the checkpoint where every rank finds it whole there
-(`memory_copy`), else storage, and says why. It never dies on a damaged newest checkpoint while an older
-one is whole: after a Resume has loaded everything (reading every tensor against its checksum), the ranks
-agree that each read it whole (`confirm`); where any could not (a file missing, truncated, a flipped byte;
-the memory tier's copy as much as storage's), every rank falls back together to the next candidate: the
-same step from storage where it came from memory, then each older committed checkpoint of the folder,
-newest first. The log says which, and why.
+(`memory_copy`), else storage, and says why; with memory replicas, where every file each rank reads is in
+some node's memory, what its node lacks pulled from another's (replicas.py).
+
+It never dies on a damaged newest checkpoint while an older one is whole: after a Resume has loaded
+everything (reading every tensor against its checksum), the ranks agree that each read it whole
+(`confirm`); where any could not (a file missing, truncated, a flipped byte; the memory tier's copy as much
+as storage's), every rank falls back together to the next candidate: the same step from storage where it
+came from memory, then each older committed checkpoint of the folder, newest first. The log says which,
+and why.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .. import groups
+from .. import groups, replicas
 from .. import log as say
 from .. import memory_tier as tier
 from ..checkpoint import folder as checkpoint
@@ -25,6 +28,8 @@ from ..save.commit import CheckpointError
 def memory_copy(resume: Any, settings: Any) -> Path | None:
     """The memory tier's copy of `resume`'s checkpoint where every rank finds it whole there, else None (the
     log says which rank lacks it, and why). Collective."""
+    if settings.memory_replicas:
+        return _memory_of_any_node(resume, settings)
     rank = groups.rank(resume.pc.world_pg)
     reason = tier.why_not(settings, resume.folder, resume.manifest, rank)
     reasons = groups.gather(reason, resume.pc)
@@ -36,6 +41,33 @@ def memory_copy(resume: Any, settings: Any) -> Path | None:
     r, why = next((r, why) for r, why in enumerate(reasons) if why)
     say.note(f"resuming step {step} from storage: the memory tier cannot serve it (rank {r}: {why})")
     return None
+
+
+def _memory_of_any_node(resume: Any, settings: Any) -> Path | None:
+    """`memory_copy` with memory replicas: this rank's node's tier folder of the step once every file each
+    rank reads is there (`replicas.restart_source` pulls what a node lacks), else None. Collective."""
+    import torch.distributed as tdist
+
+    step = resume.manifest.get("step")
+    problem, own = None, None
+    try:
+        rank = groups.rank(resume.pc.world_pg)
+        copies = settings.memory_tier_copies
+        own = tier.MemoryTier(settings.memory_tier_path, resume.folder.parent, rank, copies)
+    except OSError as e:
+        problem = str(e)
+    if not isinstance(step, int) or not tdist.is_initialized():
+        problem = problem or "no process group, or the manifest names no step"
+    problems = [p for p in groups.gather(problem, resume.pc) if p]
+    if problems or own is None:
+        say.note(f"resuming step {step} from storage: the memory tier cannot serve it ({problems[0]})")
+        return None
+    group = tdist.new_group(backend="gloo")  # point-to-point from host memory
+    engine, gbps = resume.get_engine(), settings.memory_replica_gbps
+    source, why = replicas.restart_source(own, resume.manifest, resume.needs(), group, engine, gbps)
+    where = f"memory ({source}; {why})" if source else f"storage: no memory copy serves it ({why})"
+    say.note(f"resuming step {step} from {where}")
+    return source
 
 
 def confirm(resume: Any) -> Any | None:

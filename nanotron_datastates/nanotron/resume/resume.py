@@ -206,6 +206,20 @@ class Resume:
             self.manifest, self._src(), here, place, **loads(self._config, self._flags)
         )
 
+    def needs(self) -> set[str]:
+        """The manifest's files this rank reads: all where the layout changed; every weight file where ranks
+        hold parts of the model (the model says which, later), with the rest `files()` lists; else those."""
+        names = set(self.manifest.get("files", {}))
+        reads = self.files() if not self._failures else None
+        if reads is None:
+            return names
+        root = self._root()
+        listed = [*reads.weights, reads.optimizer, *reads.small]
+        out = {Path(os.path.relpath(p, root)).as_posix() for p in listed if p is not None}
+        if not reads.weights:
+            out |= {n for n in names if n.startswith("model/")}
+        return out & names
+
     def topology_changes(self) -> dict[str, tuple[Any, int]]:
         here = groups.layout_of(self._pc, int(self._config.optimizer.zero_stage))
         return layout.topology_changes(self.manifest.get("topology", {}), here)

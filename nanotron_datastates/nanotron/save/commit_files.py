@@ -33,9 +33,10 @@ def finalizer(
     model_config: Any,
     optimizer: Any,
     metadata: Any,
+    replicas: dict[str, Any] | None = None,
 ) -> Callable[[dict[str, Any]], None]:
     """The commit of the checkpoint of `step` under `checkpoints`, given every rank's files (the manifest's
-    entries, gathered by the committers)."""
+    entries, gathered by the committers); `replicas`: the memory replicas' placement, recorded."""
     folder = checkpoints / str(step)
     meta_text = shards.checkpoint_metadata_text(pc, metadata)
     config_doc = copy.deepcopy(serialize(config))  # dumping it (ms) is left to the committer
@@ -52,7 +53,7 @@ def finalizer(
         layout.write_atomic(folder / "optimizer" / "optimizer_config.json", optimizer_text)
         layout.write_atomic(folder / CHECKPOINT_FILE_NAME, meta_text)
         layout.write_atomic(
-            folder / layout.MANIFEST, json.dumps(layout.manifest(step, topology, files), indent=1)
+            folder / layout.MANIFEST, json.dumps(layout.manifest(step, topology, files, replicas), indent=1)
         )
         # Several jobs (or a pruning tool) may share the folder: latest.txt only moves under the lock.
         with fasteners.InterProcessLock(str(checkpoints / housekeeping.LOCK)):

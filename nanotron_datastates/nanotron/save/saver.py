@@ -16,7 +16,8 @@
 
 With `memory_tier`, each file's copy in node-local shared memory is the save's host memory (the engine copies
 into it and flushes from it, in place of host cache chunks), and each rank marks a step as held there once it
-is committed (memory_tier.py).
+is committed (memory_tier.py); with `memory_replicas`, the step then goes to ranks of other nodes too
+(replicas.py), in the background.
 
 `observers` are told of each queuing and commit (`observer(event, fields)`), for benchmarks and logs.
 """
@@ -32,7 +33,7 @@ from typing import Any, Callable
 
 from ...engine import DataStatesEngine
 from ...plan import SavePlan
-from .. import groups, shards
+from .. import groups, replicas, shards
 from .. import log as say
 from .. import rng_states as states
 from ..checkpoint import folder as checkpoint
@@ -95,6 +96,24 @@ class Saver:
             except (OSError, ValueError):
                 keep = None
             self.tier.prune(keep)  # what a killed process left besides the newest committed step
+        self.replicator: replicas.Replicator | None = None
+        self.placement: dict[str, Any] | None = None  # recorded in each manifest
+        self._sources: list[int] = []  # the ranks whose replicas this rank keeps
+        if self.tier is not None and settings.memory_replicas and tdist.is_initialized():
+            nodes = groups.gather(replicas.node_key(), pc)
+            holders = replicas.placement(nodes, settings.memory_replicas)
+            self.placement = {"nodes": nodes, "holders": holders}
+            me = groups.rank(pc.world_pg)
+            self._sources = [s for s, hs in enumerate(holders) if me in hs]
+            replicas.prune(self.tier, self._sources, keep)
+            self.replicator = replicas.Replicator(
+                self.tier,
+                holders,
+                tdist.new_group(backend="gloo"),
+                engine,
+                settings.memory_replica_gbps,
+                on_done=self._replicated,
+            )
         self.committer = Committer(group, on_result=self._report)
 
     # -- 1. after the first step ----------------------------------------------------------------------------
@@ -111,7 +130,8 @@ class Saver:
             chunks = sum(-(-p.nbytes // chunk) for p in plans) + 2  # + the scheduler's and random states'
             self.engine.prepare_cache(wait=False, nbytes=chunks * chunk)
         else:  # this rank's checkpoint, as many times as the node has ranks
-            self.tier.check_room(self._nbytes * int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            node_bytes = self._nbytes * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            self.tier.check_room(node_bytes, self.settings.memory_replicas)
         if self._decide()[0]:
             staging.warm(plans)
 
@@ -261,7 +281,11 @@ class Saver:
         t0 = time.perf_counter()
         self.take(self.outstanding, on_committed)
         say.info(f"all checkpoints committed ({time.perf_counter() - t0:.2f} s waiting at the end)")
+        if self.replicator is not None:
+            self.replicator.close()
         if self.tier is not None:
+            for source in self._sources:
+                replicas.replica_area(self.tier, source).release()
             self.tier.release()
 
     def close(self) -> None:
@@ -273,6 +297,8 @@ class Saver:
             say.error(f"{e}; exiting anyway")
         self.outstanding = 0
         self.committer.close()
+        if self.replicator is not None:
+            self.replicator.close(timeout=60)
         if self.writer is not None:
             self.writer.release()
 
@@ -280,11 +306,15 @@ class Saver:
         """On the committer thread, for every checkpoint: rank 0's housekeeping and telemetry, the log line,
         the observers."""
         if self.tier is not None and r.committed:
+            held = r.mirrored
             try:
                 self.tier.commit(r.step, r.mirrored)
                 self.engine.keep_mirrors(self.tier.files())  # the dropped files' memory goes back
             except OSError as e:  # a restart then reads storage
+                held = {}
                 say.error(f"memory tier, after checkpoint {r.step}: {e!r}", every_rank=True)
+            if self.replicator is not None:  # every rank, every committed step: the replication is collective
+                self.replicator.submit(r.step, held)
         if groups.rank(self.pc.world_pg) == 0:
             try:
                 cache = self.engine.cache_stats(reset=True) if self.settings.telemetry else {}
@@ -297,6 +327,14 @@ class Saver:
             listed = "".join(f"\n  {e}" for e in r.errors)
             say.error(f"checkpoint {r.step} NOT committed, {len(r.errors)} error(s):{listed}")
         self._notify("committed", result=r)
+
+    def _replicated(self, r: replicas.Replicated) -> None:
+        """On the replicator's thread, per checkpoint replicated (or not): the log line, the observers."""
+        if r.error:
+            say.error(replicas.describe(r), every_rank=True)
+        else:
+            say.info(replicas.describe(r))
+        self._notify("replicated", result=r)
 
     def _notify(self, event: str, **fields: Any) -> None:
         for observe in self.observers:
