@@ -178,18 +178,33 @@ def count_tensors(x: Any) -> int:
 
 def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     """Saves this rank's state with the Saver (rank 0 commits), steps on, then resumes it with Resume into a
-    state built afresh from another seed; returns what differs from the state captured at the save."""
+    state built afresh from another seed; returns what differs from the state captured at the save.
+
+    With CPU_RANKS_REPLICAS=N, the ranks are on two simulated nodes (the first half and the second, each with
+    its own memory tier root), the tier on with N memory replicas; the job then ends as a crash does (no
+    release of the tier) and the second node's tier is wiped before the resume: a lost node."""
     from nanotron_datastates import DataStatesEngine
     from nanotron_datastates.nanotron.resume.resume import Resume
     from nanotron_datastates.nanotron.save.commit_files import finalizer
     from nanotron_datastates.nanotron.save.saver import Saver
-    from nanotron_datastates.nanotron.trainer_settings import TrainerSettings
+    from nanotron_datastates.nanotron.trainer_settings import Section
+    from nanotron_datastates.nanotron.yaml_config import section
 
+    replicas = int(os.environ.get("CPU_RANKS_REPLICAS", "0"))
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    node = rank // max(1, world // 2)
+    if replicas:
+        os.environ["GROUP_RANK"] = str(node)
+        c._datastates_section = Section.from_dict(
+            {"memory_tier": True, "memory_tier_path": str(work / f"node{node}-shm"),
+             "memory_replicas": replicas, "memory_replica_gbps": 0},
+            env=False,
+        )  # fmt: skip
     state = training_state(pc, c)
     model, optimizer, lr_scheduler, random_states = state
     ckpt = work / "ckpt"
     engine = DataStatesEngine(host_cache_size=1 / 64, chunk_size=1)
-    saver = Saver(engine, TrainerSettings(), pc, model, optimizer, ckpt)
+    saver = Saver(engine, section(c).trainer, pc, model, optimizer, ckpt)
     events: list[str] = []
     saver.observers.append(lambda event, fields: events.append(event))
     saver.after_first_step()
@@ -204,13 +219,22 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
             model_config=c.model.model_config,
             optimizer=optimizer,
             metadata=training_metadata(7),
+            replicas=saver.placement,  # as the trainer mixin asks
         )
     saver.request(7, lr_scheduler, random_states, finalize)
     saver.before_step()
     step(model, optimizer, 2)  # the checkpoint holds the state asked for, not this one
-    saver.drain(lambda s: None)
+    if not replicas:
+        saver.drain(lambda s: None)
     saver.close()
     engine.close()
+    if replicas:
+        import shutil
+
+        torch.distributed.barrier()
+        if rank == world // 2:  # the second node is lost, its memory with it
+            shutil.rmtree(work / "node1-shm")
+        torch.distributed.barrier()
 
     fresh = training_state(pc, c, seed=1)
     resume = Resume()
@@ -226,6 +250,8 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
         "tensors": count_tensors(saved),
         "last_train_step": metadata.last_train_step,
         "flags": [c.checkpoints.load_optimizer, c.checkpoints.load_lr_scheduler],
+        "source": str(resume.source) if resume.source else None,
+        "node": node,
     }
 
 

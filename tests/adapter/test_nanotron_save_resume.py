@@ -58,6 +58,23 @@ def test_every_rank_resumes_the_state_it_saved_bit_for_bit(key, tmp_path):
     assert layout.read_manifest(tmp_path / "ckpt" / "7")["topology"]["tp"] == tp
 
 
+def test_a_lost_node_resumes_every_rank_from_memory_through_its_peers_replicas(tmp_path, monkeypatch):
+    """tp=2 x dp=2 with ZeRO-1 on two simulated nodes: the second node's ranks hold no weight file of their
+    own (the first node's ranks write them) and lose their memory tier; the resume pulls their optimizer
+    shards from the replicas the first node keeps and the weights from its own copies, and every tensor is
+    the one saved."""
+    monkeypatch.setenv("CPU_RANKS_REPLICAS", "1")
+    out = launch(tmp_path, 4, 2, 2, 1, 1, 1, roundtrip=True)
+    for r in out:
+        assert r["differences"] == [] and r["tensors"] > 20
+        assert r["events"] == ["queue_start", "queued", "committed", "replicated"], r["events"]
+        assert r["source"] and r["source"].startswith(str(tmp_path / f"node{r['node']}-shm")), r
+    doc = layout.read_manifest(tmp_path / "ckpt" / "7")
+    assert doc["replicas"]["holders"] == [[2], [3], [0], [1]]
+    pulled = [p for p in (tmp_path / "node1-shm").rglob("*.safetensors") if "replicas" not in p.parts]
+    assert any("model" in p.parts for p in pulled) and any("optimizer" in p.parts for p in pulled), pulled
+
+
 @pytest.fixture
 def rank0(tmp_path, monkeypatch):
     """A gloo world of one, Nanotron's ParallelContext, config and trained state; an engine."""
