@@ -543,11 +543,13 @@ def run_all(args: argparse.Namespace) -> int:
                 shutil.rmtree(work / f"ckpt_{resumed_from(name)}", ignore_errors=True)
         elif name not in later:  # kept for the restores that come next
             shutil.rmtree(work / f"ckpt_{name}", ignore_errors=True)
+        (out / f"records_{args.model}.json").write_text(json.dumps(records))  # iteration times, for plots
+        stem = out / f"bench_nanotron_{args.model}"
+        if "none" not in records:  # a rotated round runs its reference later: summarized from then on
+            continue
         result = summarize(args, records)  # after every run: a call cut short keeps what it measured
         result["cold_cache"] = cold
-        stem = out / f"bench_nanotron_{args.model}"
         stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-        (out / f"records_{args.model}.json").write_text(json.dumps(records))  # iteration times, for plots
     stem.with_suffix(".md").write_text(table(result))
     plot(records, args, stem.with_suffix(".png"))
     print(table(result))
