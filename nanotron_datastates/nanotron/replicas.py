@@ -188,7 +188,8 @@ def move(
                 assert t.buf is not None
                 requests.append(dist.irecv(t.buf[lo : lo + chunk], src=t.peer, group=group))
         for r in requests:
-            r.wait()
+            if r is not None:  # None: this rank is not in `group` (never here)
+                r.wait()
         if gbps > 0:
             ahead = sent / (gbps * 1e9) - (time.monotonic() - t0)
             if ahead > 0:
