@@ -30,6 +30,7 @@ import mmap
 import os
 import queue
 import socket
+import stat
 import threading
 import time
 import warnings
@@ -41,7 +42,7 @@ import torch.distributed as dist
 
 from .. import trust
 from .checkpoint import layout
-from .memory_tier import REPLICAS, MemoryTier, _regular_size
+from .memory_tier import REPLICAS, MemoryTier
 
 CHUNK = 64 << 20  # bytes a message carries
 _temporaries = itertools.count()
@@ -104,9 +105,10 @@ class Transfer:
 
 
 def _as_tensor(mapping: mmap.mmap | None) -> torch.Tensor:
+    """The mapping's bytes as a tensor (an empty one for an empty file)."""
     if mapping is None:
         return torch.empty(0, dtype=torch.uint8)
-    with warnings.catch_warnings():  # a read-only mapping: gloo only reads what it sends
+    with warnings.catch_warnings():  # a read-only mapping warns: gloo only reads what it sends
         warnings.simplefilter("ignore")
         return torch.frombuffer(mapping, dtype=torch.uint8)
 
@@ -116,9 +118,13 @@ def _mapped_file(folder: Path, t: Transfer) -> Iterator[None]:
     """`t.buf`: the file `folder/t.rel` (a regular file of ours, no link), mapped read-only."""
     parts = trust.relative_name(t.rel, str(folder)).parts
     with trust.walk_dir(folder, parts[:-1]) as dir_fd:
-        fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        fd = os.open(parts[-1], flags, dir_fd=dir_fd)
     try:
-        if _regular_size(folder, t.rel) != t.nbytes or os.fstat(fd).st_size != t.nbytes:
+        st = os.fstat(fd)  # the file opened is the one checked: no second walk to it
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise trust.UntrustedPath(0, f"{folder / t.rel}: not a regular file of this user's")
+        if st.st_size != t.nbytes:
             raise ReplicaError(f"{folder / t.rel} is not of the {t.nbytes} bytes its manifest entry says")
         mapping = mmap.mmap(fd, t.nbytes, prot=mmap.PROT_READ) if t.nbytes else None
     finally:
@@ -150,11 +156,7 @@ def _temporary(folder: Path, t: Transfer) -> Iterator[None]:
         os.unlink(tmp)
         raise
     os.close(fd)
-    t.buf, t.temporary, t.final = (
-        torch.frombuffer(mapping, dtype=torch.uint8) if mapping else _as_tensor(None),
-        tmp,
-        final,
-    )
+    t.buf, t.temporary, t.final = _as_tensor(mapping), tmp, final
     try:
         yield
     finally:
