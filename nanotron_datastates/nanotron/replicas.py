@@ -210,6 +210,28 @@ def check_and_place(engine: Any, t: Transfer, entry: dict[str, Any]) -> None:
     t.temporary = None
 
 
+def _open_all(
+    stack: contextlib.ExitStack,
+    group: Any,
+    sends: list[Transfer],
+    folder_of: Callable[[Transfer], Path],
+    recvs: list[Transfer],
+    into: Path,
+) -> list[str]:
+    """Maps every file sent (from `folder_of(t)`) and creates every temporary received into (under `into`),
+    held open by `stack`; then the ranks agree: every rank's problems, the same list on all (empty: go).
+    Everything is opened before any byte moves: a rank that could not would leave the others waiting."""
+    problem = None
+    try:
+        for t in sends:
+            stack.enter_context(_mapped_file(folder_of(t), t))
+        for t in recvs:
+            stack.enter_context(_temporary(into, t))
+    except (OSError, ValueError, ReplicaError) as e:
+        problem = f"rank {dist.get_rank(group)}: {e}"
+    return [p for p in _gather(group, problem) if p]
+
+
 def _gather(group: Any, obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
@@ -293,16 +315,8 @@ class Replicator:
         recvs = [Transfer(s, rel, e["bytes"]) for s in self.sources for rel, e in sorted(everyone[s].items())]
         area = replica_area(self.tier, self.rank).folder / str(step)
         with contextlib.ExitStack() as stack:
-            problem = None
-            # Everything opened and created before any byte moves: a rank that cannot would hang the rest.
-            try:
-                for t in sends:
-                    stack.enter_context(_mapped_file(self.tier.folder / str(step), t))
-                for t in recvs:
-                    stack.enter_context(_temporary(area, t))
-            except (OSError, ValueError, ReplicaError) as e:
-                problem = f"rank {self.rank}: {e}"
-            problems = [p for p in _gather(self.group, problem) if p]
+            own = self.tier.folder / str(step)
+            problems = _open_all(stack, self.group, sends, lambda t: own, recvs, area)
             if problems:
                 raise ReplicaError(f"step {step} not replicated: {'; '.join(problems[:3])}")
             seconds = move(self.group, sends, recvs, self.gbps, self.chunk)
@@ -373,14 +387,7 @@ def restart_source(
     here = tier.folder / str(step)
     problem = None
     with contextlib.ExitStack() as stack:
-        try:
-            for t in sends:
-                stack.enter_context(_mapped_file(have[t.rel], t))
-            for t in recvs:
-                stack.enter_context(_temporary(here, t))
-        except (OSError, ValueError, ReplicaError) as e:
-            problem = f"rank {me}: {e}"
-        problems = [p for p in _gather(group, problem) if p]
+        problems = _open_all(stack, group, sends, lambda t: have[t.rel], recvs, here)
         if problems:
             return None, "; ".join(problems[:3])
         try:
