@@ -16,7 +16,8 @@ Each mode trains the same model for the same steps in its own torchrun, on the s
 * `stress`: datastates at every step, where backpressure must bound the stall;
 * `datastates-idle`: datastates set up and never asked for a checkpoint (what its presence alone costs);
 * `datastates-NAME` (`--variant NAME:key=value,...`): datastates with other `datastates:` settings, for
-  ablations (e.g. `p1:parser_threads=1`);
+  ablations (e.g. `p1:parser_threads=1`); a NAME that starts with `idle` asks for no checkpoint, as
+  `datastates-idle` (e.g. `idle-nopin:pin_host_cache=false`);
 * `restore-torch`, `restore-datastates`: new runs that resume from the last checkpoint of `torch` /
   `datastates` with the checkpoint's files evicted from the page cache (`--cold system`: the whole page
   cache, libraries included); restore cost = their time from constructing the trainer to the end
@@ -32,9 +33,11 @@ and writes `rounds_summary.md`, the median and spread of each over the rounds: t
 
 An iteration is timed from the end of one step to the end of the next, after `torch.cuda.synchronize()`, so a
 checkpoint's cost lands in the iterations after it. Stall of a checkpoint = the sum, over the 3 iterations
-after it, of their excess over the median iteration of `none`. Each run also samples its peak host memory
-(the proportional set size of the process and of those it starts, such as DCP's checkpoint process, and
-what `/dev/shm` gained: DCP's shared-memory staging) and records its peak GPU memory. Writes
+after it, of their excess over the median iteration of `none`. Each run also records its host memory (its
+peak resident set; at its last step, the proportional set size of the process and of those it starts, such
+as DCP's checkpoint process; the peak of what `/dev/shm` gained: DCP's shared-memory staging, the memory
+tier) and its peak GPU memory; `--pss-every S` also reads the PSS every S seconds in the background (a load
+on the run: see `MemorySampler`). Writes
 DIR/bench_nanotron_<model>.json, a markdown table (.md) and a plot of the iteration times around
 checkpoints (.png).
 
@@ -90,7 +93,7 @@ def run_phase(args: argparse.Namespace) -> None:
     rec: dict[str, Any] = {"mode": args.mode, "trainer": DistributedTrainer.__name__, "ends": [], "saves": []}
     rec["commits"], rec["dcp"], rec["losses"], rec["queues"] = [], [], [], []
     rec["marks"] = {}  # seconds after t_start at which the set-up's phases ended
-    memory = MemorySampler()
+    memory = MemorySampler(pss_every=args.pss_every)
     time_library_report(rec["marks"])
 
     engine_time = [0.0]  # seconds in the engine's plan, save and save_plan (planning + queuing), summed
@@ -186,6 +189,8 @@ def run_phase(args: argparse.Namespace) -> None:
             out = super().training_step(dataloader)
             torch.cuda.synchronize()
             rec["ends"].append([self.iteration_step, time.perf_counter() - t_start])
+            if self.iteration_step == self.config.tokens.train_steps:  # no iteration after it to slow down
+                memory.sample_pss()
             rec.setdefault("gc2", []).append([self.iteration_step, gc.get_stats()[2]["collections"]])
             loss = out[1] if isinstance(out, tuple) and len(out) > 1 else None
             if isinstance(loss, torch.Tensor):
@@ -331,15 +336,23 @@ def dcp_zero_overhead_stager(pinned: bool = True) -> Any:
 
 
 class MemorySampler:
-    """Peak host memory while a run trains: its resident set, and the proportional set size (PSS: shared
-    pages split among the processes mapping them) summed over it and every process it started (DCP's
-    checkpoint process), which counts pinned and shared-memory staging once; and what `/dev/shm` gained."""
+    """Host memory of a run, measured without loading the run: the peak resident set from the kernel's own
+    high-water mark (`VmHWM`), what `/dev/shm` gained (statvfs every 50 ms, constant time), and the
+    proportional set size (PSS: shared pages split among the processes mapping them) summed over the process
+    and every process it started (DCP's checkpoint process), which counts pinned and shared-memory staging
+    once, read when the caller asks (`sample_pss`) and at `stop` if never.
 
-    def __init__(self, every_s: float = 0.05) -> None:
-        self.peak_rss = self.peak_pss = self.peak_shm = 0
+    PSS is not sampled in the background by default: reading `smaps_rollup` walks every page table entry of
+    the process holding its mmap lock, 10 ms for 1.8 GB in 4 KiB pages and 45 ms for 7.2 GB on a 2-core
+    machine, so a read every 50 ms was a load of its own on the run, and a larger one on the modes that hold
+    more memory. `pss_every` > 0 brings that sampling back (to measure what it costs)."""
+
+    def __init__(self, every_s: float = 0.05, pss_every: float = 0.0) -> None:
+        self.peak_pss = self.peak_shm = 0
+        self.pss_reads: list[float] = []  # seconds each PSS reading of the process tree took
         self._shm0 = self._shm_used()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(every_s, pss_every), daemon=True)
         self._thread.start()
 
     @staticmethod
@@ -372,21 +385,37 @@ class MemorySampler:
             pass
         return 0
 
-    def _run(self, every_s: float) -> None:
-        page = os.sysconf("SC_PAGE_SIZE")
-        me = os.getpid()
-        while not self._stop.wait(every_s):
-            with open("/proc/self/statm") as f:
-                self.peak_rss = max(self.peak_rss, int(f.read().split()[1]) * page)
-            self.peak_pss = max(self.peak_pss, sum(self._pss(p) for p in self._tree(me)))
-            self.peak_shm = max(self.peak_shm, self._shm_used() - self._shm0)
+    @staticmethod
+    def _hwm() -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+        return 0
 
-    def stop(self) -> dict[str, int]:
+    def sample_pss(self) -> None:
+        """Reads the PSS of the process tree now (tens of milliseconds for a process of several GB)."""
+        t = time.perf_counter()
+        self.peak_pss = max(self.peak_pss, sum(self._pss(p) for p in self._tree(os.getpid())))
+        self.pss_reads.append(time.perf_counter() - t)
+
+    def _run(self, every_s: float, pss_every: float) -> None:
+        last_pss = time.perf_counter()
+        while not self._stop.wait(every_s):
+            self.peak_shm = max(self.peak_shm, self._shm_used() - self._shm0)
+            if pss_every > 0 and time.perf_counter() - last_pss >= pss_every:
+                self.sample_pss()
+                last_pss = time.perf_counter()
+
+    def stop(self) -> dict[str, Any]:
         self._stop.set()
         self._thread.join()
+        if not self.pss_reads:
+            self.sample_pss()
         return {
-            "host_peak_rss_bytes": self.peak_rss,
-            "host_peak_pss_tree_bytes": self.peak_pss,
+            "host_peak_rss_bytes": self._hwm(),
+            "host_pss_tree_bytes": self.peak_pss,
+            "pss_reads": len(self.pss_reads),
+            "pss_read_max_s": max(self.pss_reads),
             "shm_peak_bytes": self.peak_shm,
         }
 
@@ -505,7 +534,8 @@ def run_all(args: argparse.Namespace) -> int:
         ("datastates-idle", config("datastates-idle", "datastates", args.steps, never), False),
     ]
     for name, settings in variants(args.variant):
-        runs.append((name, config(name, "datastates", args.steps, args.interval, datastates=settings), False))
+        every = never if name.startswith("datastates-idle") else args.interval
+        runs.append((name, config(name, "datastates", args.steps, every, datastates=settings), False))
     if args.modes:
         wanted = set(args.modes.split(",")) | {"none"} | {n for n, _ in variants(args.variant)}
         runs = [r for r in runs if r[0] in wanted]
@@ -528,6 +558,7 @@ def run_all(args: argparse.Namespace) -> int:
         os.sync()  # no write-back of the previous run's files left to compete with this one
         cmd = ["torchrun", "--nproc_per_node=1", __file__, "phase", "--mode", name, "--config", str(cfg)]
         cmd += ["--record", str(record)] + (["--profile"] if args.profile else [])
+        cmd += ["--pss-every", str(args.pss_every)]
         env = {**os.environ, **({"NANOTRON_DATASTATES_AUTOLOAD": "0"} if stock else {})}
         t0 = time.perf_counter()
         with open(out / f"{name}.log", "w") as f:
@@ -926,7 +957,7 @@ def table(r: dict[str, Any]) -> str:
         f"{ms(r['median_iteration_s'])} ms",
         "",
         "| mode | checkpoints | median stall ms | local stall ms | stall / interval | flushing vs idle | "
-        "mean iteration ms | mean vs none | persisted s | host peak GB: PSS (shm) | GPU peak GB |",
+        "mean iteration ms | mean vs none | persisted s | host GB: PSS (shm peak) | GPU peak GB |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, m in r["modes"].items():
@@ -940,7 +971,9 @@ def table(r: dict[str, Any]) -> str:
         flush_text = "-" if flush is None else f"{100 * flush:+.1f}%"
         local = ms(m.get("stall_local_median_s"))
         mem = m.get("memory") or {}
-        pss = mem.get("host_peak_pss_tree_bytes", mem.get("host_peak_rss_bytes", 0))
+        # results written when PSS was sampled in the background name it by its peak
+        old = mem.get("host_peak_pss_tree_bytes", mem.get("host_peak_rss_bytes", 0))
+        pss = mem.get("host_pss_tree_bytes", old)
         host = f"{pss / 1e9:.1f} ({mem['shm_peak_bytes'] / 1e9:.1f})" if mem else "-"
         gpu = f"{mem['gpu_max_reserved_bytes'] / 1e9:.1f}" if mem else "-"
         cells = [name, m["checkpoints"], stall, local, share_text, flush_text, mean, loss_text, persisted]
@@ -1011,6 +1044,7 @@ def main() -> int:
     a.add_argument("--modes", help="comma-separated subset of the runs (none always runs)")
     a.add_argument("--variant", action="append", help="NAME:key=value,...: one more datastates run")
     a.add_argument("--rounds", type=int, default=1, help="repeat every run this many times, interleaved")
+    a.add_argument("--pss-every", type=float, default=0.0, help="also read PSS every S s (0: never)")
     a.add_argument(
         "--restore-repeats",
         type=int,
@@ -1023,6 +1057,7 @@ def main() -> int:
     for flag in ("--mode", "--config", "--record"):
         ph.add_argument(flag, required=True)
     ph.add_argument("--profile", action="store_true")
+    ph.add_argument("--pss-every", type=float, default=0.0)
     args = p.parse_args()
     if args.what == "phase":
         run_phase(args)

@@ -64,11 +64,11 @@ run_step() {
       # host cache (below a checkpoint) and with 8 GiB, in turns, OVERHEAD_ROUNDS rounds (default 2)
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 400 --interval 80 --cache-gib 2 \
         --modes dcp-zo,datastates --variant cache8:host_cache_size=8 --rounds "${OVERHEAD_ROUNDS:-2}" \
-        --work "$WORK/o180" --out "$OUT/overhead-180m") ;;
+        --work "$WORK/o180" --out "$OUT/overhead-180m" ${BENCH_ARGS:-}) ;;
     idle-180m) # the engine set up and never asked for a checkpoint, against stock Nanotron, in turns,
       # OVERHEAD_ROUNDS rounds (default 3)
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 400 --interval 80 --modes datastates-idle \
-        --rounds "${OVERHEAD_ROUNDS:-3}" --work "$WORK/i180" --out "$OUT/idle-180m") ;;
+        --rounds "${OVERHEAD_ROUNDS:-3}" --work "$WORK/i180" --out "$OUT/idle-180m" ${BENCH_ARGS:-}) ;;
     overhead-1b) # the 1.1B model, a checkpoint every 60 steps: none and datastates (16 GiB cache) in turns,
       # OVERHEAD_ROUNDS rounds (default 2)
       (cd $B && python3 bench_nanotron.py all --model 1b --steps 300 --interval 60 --cache-gib 16 \
