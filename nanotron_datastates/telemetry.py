@@ -1,7 +1,8 @@
 """Telemetry: one JSON line per checkpoint (the Nanotron trainer's, in its checkpoints folder) or per saved
 file (the engine's, with `DataStatesConfig.telemetry_path`), in one format that `nanotron-datastates plot`
 draws: bytes, the caller's stall, the times to snapshot and to persisted, throughput, and the host cache's
-size, high-water mark and waits since the previous line."""
+size, high-water mark and waits since the previous line. With memory replicas, the trainer's file also has
+one line per checkpoint replicated (`"event": "replicated"`): the bytes sent over the network, the time."""
 
 from __future__ import annotations
 
@@ -52,6 +53,21 @@ def record(
         "cache_wait_s": cache.get("wait_ns", 0) / 1e9,
         "removed": removed or [],
         "engine_cpu_s": engine_cpu_s or {},
+    }
+
+
+def replication(step: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One checkpoint's memory replicas (`"event": "replicated"`): `ranks`, each rank's figures (bytes sent
+    and received, seconds, the ranks sent to, its error or None); `sent_bytes`, what the checkpoint sent over
+    the network in all; `seconds`, the slowest rank's time."""
+    return {
+        "time": time.time(),
+        "event": "replicated",
+        "step": step,
+        "sent_bytes": sum(r["sent_bytes"] for r in ranks),
+        "seconds": max((r["seconds"] for r in ranks), default=0.0),
+        "errors": [f"rank {i}: {r['error']}" for i, r in enumerate(ranks) if r["error"]],
+        "ranks": ranks,
     }
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from nanotron_datastates import format as fmt
+from nanotron_datastates import telemetry
 from nanotron_datastates.cli import main, measure, parser, words
 from nanotron_datastates.nanotron.checkpoint import layout
 from nanotron_datastates.nanotron.save import housekeeping
@@ -223,6 +224,9 @@ def test_plot_draws_the_telemetry(tmp_path, capsys):
         r = CommitResult(step, tmp_path / str(step), ok, errors, 10**9, 5, 0.01, 0.05, 1.0, 1.1)
         cache = {"chunks": 4, "chunk_bytes": 1 << 20, "high_water": 3, "wait_ns": 0}
         housekeeping.append_telemetry(tmp_path, housekeeping.telemetry_record(r, cache, []))
+    # a memory replicas' line is drawn beside its checkpoint, not counted as one
+    ranks = [{"sent_bytes": 10**9, "received_bytes": 10**9, "seconds": 0.4, "to": [1], "error": None}]
+    housekeeping.append_telemetry(tmp_path, telemetry.replication(20, ranks))
     png = tmp_path / "t.png"
     rc, out, _ = run(capsys, "plot", str(tmp_path), "-o", str(png))
     assert rc == 0 and "3 checkpoints" in out

@@ -84,7 +84,9 @@ def telemetry_records(path: str | os.PathLike) -> tuple[Path, list[dict[str, Any
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    file, records = telemetry_records(args.path)
+    file, lines = telemetry_records(args.path)
+    records = [r for r in lines if "event" not in r]  # one per checkpoint
+    replicated = {r.get("step"): r for r in lines if r.get("event") == "replicated"}
     try:
         import matplotlib
 
@@ -106,6 +108,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
     bottom.plot(xs, series("persisted_s"), marker="o", label="persisted")
     bottom.plot(xs, series("committed_s"), marker=".", label="committed")
     bottom.plot(xs, series("cache_wait_s"), marker="x", label="waiting for free cache")
+    if replicated:
+        copies = [replicated.get(r.get("step"), {}).get("seconds", math.nan) for r in records]
+        bottom.plot(xs, copies, marker="^", label="replicated to peers' memory")
     bottom.set_ylabel("s")
     bottom.set_xlabel("step" if have_steps else "checkpoint")
     bottom.legend()

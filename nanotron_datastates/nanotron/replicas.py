@@ -243,7 +243,8 @@ def _gather(group: Any, obj: Any) -> list[Any]:
 
 @dataclasses.dataclass
 class Replicated:
-    """One checkpoint's replication, as this rank saw it."""
+    """One checkpoint's replication, as this rank saw it; `job`: every rank's figures (`figures`), by rank,
+    where the ranks could still agree on them."""
 
     step: int
     sent_bytes: int
@@ -252,6 +253,16 @@ class Replicated:
     to: list[int]
     sources: list[int]
     error: str | None = None
+    job: list[dict[str, Any]] | None = None
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "sent_bytes": self.sent_bytes,
+            "received_bytes": self.received_bytes,
+            "seconds": self.seconds,
+            "to": self.to,
+            "error": self.error,
+        }
 
 
 class Replicator:
@@ -304,6 +315,11 @@ class Replicator:
                     self._broken = str(e)  # the group failed mid-transfer: it cannot be trusted again
             finally:
                 self.tier.busy.discard(step)
+            if self._broken is None:  # every rank is here, whether its part succeeded or not
+                try:
+                    done.job = _gather(self.group, done.figures())
+                except RuntimeError as e:
+                    self._broken = str(e)
             if self.on_done is not None:
                 with contextlib.suppress(Exception):
                     self.on_done(done)

@@ -71,6 +71,12 @@ def test_a_lost_node_resumes_every_rank_from_memory_through_its_peers_replicas(t
         assert r["source"] and r["source"].startswith(str(tmp_path / f"node{r['node']}-shm")), r
     doc = layout.read_manifest(tmp_path / "ckpt" / "7")
     assert doc["replicas"]["holders"] == [[2], [3], [0], [1]]
+    # the bytes the checkpoint sent over the network, and the time, in rank 0's telemetry: every file once
+    (line,) = [r for r in housekeeping.read_telemetry(tmp_path / "ckpt") if r.get("event") == "replicated"]
+    assert line["step"] == 7 and line["errors"] == [] and line["seconds"] > 0, line
+    assert line["sent_bytes"] == sum(e["bytes"] for e in doc["files"].values()), line
+    assert [r["to"] for r in line["ranks"]] == [[2], [3], [0], [1]]
+    assert sum(r["received_bytes"] for r in line["ranks"]) == line["sent_bytes"]
     pulled = [p for p in (tmp_path / "node1-shm").rglob("*.safetensors") if "replicas" not in p.parts]
     assert any("model" in p.parts for p in pulled) and any("optimizer" in p.parts for p in pulled), pulled
 

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ... import telemetry
 from ...engine import DataStatesEngine
 from ...plan import SavePlan
 from .. import groups, replicas, shards
@@ -334,6 +335,11 @@ class Saver:
             say.error(replicas.describe(r), every_rank=True)
         else:
             say.info(replicas.describe(r))
+        if r.job is not None and self.settings.telemetry and groups.rank(self.pc.world_pg) == 0:
+            try:
+                housekeeping.append_telemetry(self.checkpoints, telemetry.replication(r.step, r.job))
+            except OSError as e:
+                say.error(f"telemetry of checkpoint {r.step}'s memory replicas: {e!r}")
         self._notify("replicated", result=r)
 
     def _notify(self, event: str, **fields: Any) -> None:
