@@ -60,15 +60,23 @@ void HostCache::start_background(std::size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   count = std::min(count, num_chunks_);
   if (count > target_.load()) target_.store(count);
-  if (preparer_started_) return;
-  preparer_started_ = true;
+  if (preparer_running_ || stop_.load()) return;  // a running thread reads the target at every chunk
+  if (preparer_.joinable()) preparer_.join();     // it has left its loop: a larger count needs a new one
+  preparer_running_ = true;
   try {
     preparer_ = std::thread([this] {
       name_this_thread("ds-cache-prep");
-      prepare_until([this] { return target_.load(); });
+      for (;;) {
+        const std::size_t reached = prepare_until([this] { return target_.load(); });
+        std::lock_guard<std::mutex> lock(mu_);  // a target raised since is seen here, or starts a thread
+        if (stop_.load() || reached >= target_.load()) {
+          preparer_running_ = false;
+          return;
+        }
+      }
     });
   } catch (const std::system_error&) {
-    // No thread: every chunk is then prepared by its first acquirer.
+    preparer_running_ = false;  // No thread: every chunk is then prepared by its first acquirer.
   }
 }
 
@@ -153,9 +161,10 @@ void HostCache::prepare_rest(std::size_t count) {
   prepare_until([count] { return count; });
 }
 
-void HostCache::prepare_until(const std::function<std::size_t()>& end) {
-  for (std::size_t i = 1; i < end() && !stop_.load(); ++i)
-    std::call_once(prepare_once_[i], [this, i] { prepare(i); });
+std::size_t HostCache::prepare_until(const std::function<std::size_t()>& end) {
+  std::size_t i = 1;
+  for (; i < end() && !stop_.load(); ++i) std::call_once(prepare_once_[i], [this, i] { prepare(i); });
+  return i;
 }
 
 }  // namespace ds

@@ -66,8 +66,8 @@ class HostCache {
   int pin_device() const { return pinned_ ? pin_device_ : -1; }
   CacheStats stats(bool reset);
   // Starts preparing chunks [0, count) (those acquired first) on a background thread; count is capped at the
-  // number of chunks. Repeatable: a larger count extends the work while the thread still runs (after it has
-  // finished, the extra chunks are prepared on first use).
+  // number of chunks. Repeatable: a larger count extends the work of the running thread, or starts another
+  // once it has finished.
   void start_background(std::size_t count);
   // Prepares chunks [0, count) not prepared yet, on this thread too; returns when all are.
   void prepare_rest(std::size_t count);
@@ -75,7 +75,8 @@ class HostCache {
  private:
   void prepare(std::size_t i);
   // Prepares chunks [1, end()) not prepared yet; end() is read at every chunk (the target may grow).
-  void prepare_until(const std::function<std::size_t()>& end);
+  // Returns the end it reached.
+  std::size_t prepare_until(const std::function<std::size_t()>& end);
 
   static constexpr std::size_t kHugePage = std::size_t{2} << 20;
 
@@ -93,7 +94,7 @@ class HostCache {
   std::atomic<std::size_t> prepared_{0};
   std::atomic<bool> stop_{false};
   std::thread preparer_;
-  bool preparer_started_ = false;       // guarded by mu_
+  bool preparer_running_ = false;       // guarded by mu_
   std::atomic<std::size_t> target_{0};  // the background thread prepares chunks [1, target_)
 
   std::mutex mu_;

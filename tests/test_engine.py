@@ -3,6 +3,7 @@ lost, close() drains and is idempotent, the context manager, stats."""
 
 import errno
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,32 @@ def test_a_restore_prepares_only_the_chunks_it_uses(tmp_path):
         assert engine.cache_stats()["prepared"] == 128
         with pytest.raises(ValueError, match="nbytes"):
             engine.prepare_cache(nbytes=-1)
+
+
+def test_the_background_preparation_takes_a_larger_count_after_it_has_finished(tmp_path):
+    # The Nanotron saver asks twice: the weights' chunks at start-up, all of a checkpoint's after the first
+    # step (the optimizer's state exists from then on), when the first batch is long done.
+    with DataStatesEngine(small_config(host_cache_size=0.5, chunk_size=4)) as engine:
+        engine.prepare_cache(wait=False, nbytes=8 << 20)
+        assert wait_until(lambda: engine.cache_stats()["prepared"] == 2)
+        time.sleep(0.05)  # the thread has left its loop
+        engine.prepare_cache(wait=False, nbytes=40 << 20)
+        assert wait_until(lambda: engine.cache_stats()["prepared"] == 10)
+        engine.prepare_cache(wait=False, nbytes=20 << 20)  # smaller: nothing more
+        time.sleep(0.05)
+        assert engine.cache_stats()["prepared"] == 10
+        x = torch.arange(1 << 20, dtype=torch.float32)
+        engine.save({"x": x}, tmp_path / "a.safetensors").wait_persisted()
+        assert torch.equal(engine.load(tmp_path / "a.safetensors")["x"], x)
+
+
+def wait_until(done, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def _anon_huge_kib() -> int:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -112,6 +113,35 @@ def ask(saver: Saver, rank0, at: int) -> None:
         metadata=training_metadata(at),
     )
     saver.request(at, lr_scheduler, random_states, finalize)
+
+
+def test_the_weights_chunks_are_pinned_when_the_trainer_is_built_the_optimizers_after_the_first_step(
+    rank0, tmp_path
+):
+    # Pinning holds the CUDA driver's locks: what is known at start-up is prepared while Nanotron builds its
+    # data loader, the optimizer's part (its state exists from the first step on) after the first step.
+    pc, c, (model, optimizer, _, _), _ = rank0
+    with DataStatesEngine(host_cache_size=1 / 16, chunk_size=1) as engine:  # 64 chunks of 1 MiB
+        saver = Saver(engine, TrainerSettings(), pc, model, optimizer, tmp_path / "ckpt")
+        chunk, chunks = engine.cache_stats()["chunk_bytes"], engine.cache_stats()["chunks"]
+        weights = sum(-(-p.nbytes // chunk) for _, p in saver.files().weights) + 2
+        whole = weights + -(-engine.plan(optimizer.state_dict()).nbytes // chunk)
+        assert 1 < weights < whole < chunks
+        assert engine.cache_stats()["prepared"] == 1  # the first chunk, which decides whether pinning works
+        saver.start()
+        assert wait_for(lambda: engine.cache_stats()["prepared"] == weights), engine.cache_stats()
+        saver.after_first_step()
+        assert wait_for(lambda: engine.cache_stats()["prepared"] == whole), engine.cache_stats()
+        saver.close()
+
+
+def wait_for(done: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def test_commits_rotate_and_write_one_telemetry_line_each(rank0, tmp_path):
