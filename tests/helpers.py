@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -19,6 +20,16 @@ def small_config(**kw) -> DataStatesConfig:
     base = dict(host_cache_size=16 / 1024, chunk_size=1, parser_threads=2, flush_threads=2, queue_depth=4)
     base.update(kw)
     return DataStatesConfig(**base)
+
+
+def wait_until(done: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Polls `done` until it holds (True) or `timeout` seconds have passed (False)."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:

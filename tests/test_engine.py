@@ -12,7 +12,7 @@ import torch
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
 from nanotron_datastates.save_handle import wait_handles
 
-from helpers import injected_fault, same, small_config
+from helpers import injected_fault, same, small_config, wait_until
 
 
 def test_handle_lifecycle_and_stats(engine, tmp_path):
@@ -189,15 +189,6 @@ def test_the_background_preparation_takes_a_larger_count_after_it_has_finished(t
         x = torch.arange(1 << 20, dtype=torch.float32)
         engine.save({"x": x}, tmp_path / "a.safetensors").wait_persisted()
         assert torch.equal(engine.load(tmp_path / "a.safetensors")["x"], x)
-
-
-def wait_until(done, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not done():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def _anon_huge_kib() -> int:

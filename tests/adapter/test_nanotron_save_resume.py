@@ -9,9 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -39,6 +38,8 @@ from nanotron_datastates.nanotron.save.commit import CheckpointError
 from nanotron_datastates.nanotron.save.commit_files import finalizer
 from nanotron_datastates.nanotron.save.saver import Saver
 from nanotron_datastates.nanotron.trainer_settings import Section, TrainerSettings
+
+from helpers import wait_until
 
 HAS_CP = "cp" in {f.name for f in dataclasses.fields(CheckpointMetadata)}
 LAYOUTS = [  # (world size, tp, dp, pp, cp, ZeRO stage)
@@ -129,19 +130,10 @@ def test_the_weights_chunks_are_pinned_when_the_trainer_is_built_the_optimizers_
         assert 1 < weights < whole < chunks
         assert engine.cache_stats()["prepared"] == 1  # the first chunk, which decides whether pinning works
         saver.start()
-        assert wait_for(lambda: engine.cache_stats()["prepared"] == weights), engine.cache_stats()
+        assert wait_until(lambda: engine.cache_stats()["prepared"] == weights), engine.cache_stats()
         saver.after_first_step()
-        assert wait_for(lambda: engine.cache_stats()["prepared"] == whole), engine.cache_stats()
+        assert wait_until(lambda: engine.cache_stats()["prepared"] == whole), engine.cache_stats()
         saver.close()
-
-
-def wait_for(done: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not done():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def test_commits_rotate_and_write_one_telemetry_line_each(rank0, tmp_path):
