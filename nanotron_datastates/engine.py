@@ -103,12 +103,18 @@ class DataStatesEngine:
         metadata: Mapping[str, str] | None = None,
         allow_pickle: bool = False,
         exact_metadata: bool = False,
+        like: SavePlan | None = None,
     ) -> SavePlan:
         """Flattens `state` (arguments as for :meth:`save`) into a plan that :meth:`save_plan` saves, as often
         as wanted: for the same tensors saved again and again (a model's weights at every checkpoint), the
         walk over the state and its checks are done once. The plan holds the tensors, not their values: each
-        save captures them as they are then. Plain values in `state` are those of this call."""
-        return plan_save(state, metadata=metadata, allow_pickle=allow_pickle, exact_metadata=exact_metadata)
+        save captures them as they are then. Plain values in `state` are those of this call.
+
+        `like`: the plan of an earlier state much like this one (an optimizer's state, whose plain values
+        change between checkpoints): the checks of the tensors it still holds are not done again."""
+        return plan_save(
+            state, metadata=metadata, allow_pickle=allow_pickle, exact_metadata=exact_metadata, like=like
+        )
 
     def save_plan(
         self,

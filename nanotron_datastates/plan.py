@@ -52,6 +52,10 @@ class SavePlan:
     # offset, element size, shape): the core takes the few buffers instead of a DLPack export per tensor.
     views: list[tuple[int, int, int, torch.Size]] = field(default_factory=list)
     bases: list[torch.Tensor] = field(default_factory=list)  # one uint8 buffer per device
+    # Each tensor as planned, in `arrays` order: the tensor given, and its data pointer, shape, dtype, CUDA
+    # device (-1: host) and bytes. A later plan `like` this one reuses the checks of those it still holds.
+    sources: list[torch.Tensor] = field(default_factory=list)
+    keys: list[tuple[int, torch.Size, torch.dtype, int, int]] = field(default_factory=list)
 
 
 def prepare(plan: SavePlan, *, stage: bool = False) -> SavePlan:
@@ -173,10 +177,16 @@ def plan_save(
     metadata: Mapping[str, str] | None = None,
     allow_pickle: bool = False,
     exact_metadata: bool = False,
+    like: SavePlan | None = None,
 ) -> SavePlan:
     """Flattens `state`; :func:`prepare` makes a save of it. With `exact_metadata`, `state` must be a flat
     dict of str to tensor and `metadata` becomes the whole `__metadata__` (no skeleton, version or
-    checksums), as strict readers require."""
+    checksums), as strict readers require.
+
+    `like`: an earlier plan of a state much like this one (an optimizer's, checkpoint after checkpoint). Each
+    tensor that is the one `like` planned at the same place, under the same name, with the same data and
+    shape, takes that plan's checks and export instead of doing them again; the walk, the names and the
+    plain values are this call's. The result is the plan `state` alone gives."""
     plan = SavePlan(exact_metadata=exact_metadata)
     if exact_metadata and (
         not isinstance(state, dict)
@@ -186,11 +196,48 @@ def plan_save(
     by_id: dict[int, str] = {}
     taken: set[str] = {"__metadata__"}
     devices: set[int] = set()
+    gathered_before = dict(like.gathered) if like is not None else {}
+
+    def name_of(path: str) -> str:
+        name = path or "tensor"
+        if name in taken:
+            k = 1
+            while f"{name}#{k}" in taken:
+                k += 1
+            name = f"{name}#{k}"
+        taken.add(name)
+        return name
+
+    def reused(t: torch.Tensor, name: str) -> bool:
+        n = len(plan.arrays)
+        if like is None or n >= len(like.sources) or like.sources[n] is not t or like.names[n] != name:
+            return False
+        key = like.keys[n]
+        if t.data_ptr() != key[0] or t.shape != key[1] or t.dtype != key[2]:  # resized, data replaced
+            return False
+        if key[3] >= 0:
+            devices.add(key[3])
+        if n in gathered_before:
+            plan.gathered.append((n, t))
+        plan.names.append(name)
+        plan.dtypes.append(like.dtypes[n])
+        plan.arrays.append(like.arrays[n])
+        plan.sources.append(t)
+        plan.keys.append(key)
+        plan.nbytes += key[4]
+        return True
 
     def on_tensor(t: torch.Tensor, path: str) -> str:
         known = by_id.get(id(t))
         if known is not None:  # the same tensor twice (tied weights): stored once, aliased on load
             return known
+        if like is not None:
+            name = name_of(path)
+            by_id[id(t)] = name
+            if reused(t, name):
+                return name
+            taken.discard(name)  # checked and named below, as without `like`
+            del by_id[id(t)]
         if t.device.type not in ("cpu", "cuda"):
             raise TypeError(f"cannot save the tensor at {path!r}: it is on {t.device} (CPU and CUDA only)")
         if t.is_sparse or t.layout != torch.strided:
@@ -201,21 +248,19 @@ def plan_save(
             raise TypeError(
                 f"cannot save the tensor at {path!r}: {t.dtype} has no safetensors dtype"
             ) from None
-        name = path or "tensor"
-        if name in taken:
-            k = 1
-            while f"{name}#{k}" in taken:
-                k += 1
-            name = f"{name}#{k}"
-        taken.add(name)
+        name = name_of(path)
         by_id[id(t)] = name
+        device = -1
         if t.device.type == "cuda":
-            devices.add(t.device.index)
+            device = t.device.index
+            devices.add(device)
             if not t.is_contiguous():
                 plan.gathered.append((len(plan.arrays), t))
         plan.names.append(name)
         plan.dtypes.append(dt.name)
         plan.arrays.append(export_view(t))
+        plan.sources.append(t)
+        plan.keys.append((t.data_ptr(), t.shape, t.dtype, device, t.numel() * dt.itemsize))
         plan.nbytes += t.numel() * dt.itemsize
         return name
 

@@ -49,3 +49,54 @@ def test_unsupported_tensors_are_refused_by_key():
         plan_save({"s": torch.zeros(2, 2).to_sparse()})
     with pytest.raises(TypeError, match="complex128"):
         plan_save({"c": torch.zeros(2, dtype=torch.complex128)})
+
+
+def _same_plan(a, b) -> bool:
+    fields = ("names", "dtypes", "metadata", "nbytes", "devices", "exact_metadata")
+    return all(getattr(a, f) == getattr(b, f) for f in fields) and [x.data_ptr() for x in a.arrays] == [
+        x.data_ptr() for x in b.arrays
+    ]
+
+
+def test_a_plan_like_the_previous_one_equals_a_fresh_plan_and_reads_plain_values_again():
+    # The Nanotron saver plans the optimizer's state at every checkpoint: the same tensors, a new lr.
+    m, v = torch.zeros(4), torch.ones(4, dtype=torch.bfloat16)
+    state = {"state": {0: {"m": m, "v": v, "tied": m}}, "groups": [{"lr": 1e-3}]}
+    before = plan_save(state)
+    state["groups"][0]["lr"] = 5e-4
+    again = plan_save(state, like=before)
+    assert _same_plan(again, plan_save(state)) and again.names == ["state.0.m", "state.0.v"]
+    assert "0.0005" in dict(again.metadata)["datastates.skeleton"]
+    assert again.arrays[1] is before.arrays[1]  # the checks and the export were not done again
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        *("new tensor", "resized", "data replaced", "dtype changed", "viewed as"),
+        *("reordered", "renamed", "one more", "one less"),
+    ],
+)
+def test_a_plan_like_the_previous_one_sees_every_change_of_its_tensors(change):
+    m, v = torch.zeros(4), torch.ones(4)
+    state = {"m": m, "v": v}
+    before = plan_save(state)
+    if change == "new tensor":
+        state["m"] = torch.zeros(4)
+    elif change == "resized":
+        m.resize_(8)
+    elif change == "data replaced":
+        m.data = torch.zeros(4)
+    elif change == "dtype changed":
+        m.data = torch.zeros(4, dtype=torch.float16)
+    elif change == "viewed as":  # the same bytes, another dtype
+        m.data = m.view(torch.int32)
+    elif change == "reordered":
+        state = {"v": v, "m": m}
+    elif change == "renamed":
+        state = {"m2": m, "v": v}
+    elif change == "one more":
+        state["w"] = torch.zeros(2)
+    else:
+        del state["v"]
+    assert _same_plan(plan_save(state, like=before), plan_save(state))

@@ -3,9 +3,10 @@
 0. `start()`, once, when the trainer is built: the weights' files are planned (once, with Nanotron's names and
    tensor metadata) and the host cache chunks they fill are pinned in the background, while Nanotron builds
    its data loader: pinning holds the CUDA driver's locks, and a training step would wait on them.
-1. `after_first_step()`, once: the optimizer's file is planned (its state exists from the first step on),
-   the rest of the chunks one checkpoint fills are pinned in the background, and where checkpoints will be
-   staged on the GPU, what the first staging would pay once is paid now (`staging.warm`).
+1. `after_first_step()`, once: the optimizer's file is planned (its state exists from the first step on;
+   each checkpoint then plans it like the last, checking its tensors once), the rest of the chunks one
+   checkpoint fills are pinned in the background, and where checkpoints will be staged on the GPU, what the
+   first staging would pay once is paid now (`staging.warm`).
 2. `request(step, folder, finalize)` in `save_checkpoint`: backpressure first (at most MAX_IN_FLIGHT
    checkpoints in flight: a new one waits for the oldest), then what the next forward and backward passes
    change (random states, the schedule's state) is captured now; staging is decided once for the whole
@@ -89,6 +90,7 @@ class Saver:
         self.last_step: int | None = None  # the step of the last checkpoint asked for
         self._files: RankFiles | None = None
         self._nbytes: int | None = None  # this rank's weight and optimizer files, known from the first step
+        self._optimizer_plan: SavePlan | None = None  # the last one, to plan the next checkpoint's like it
         self._staged: bool | None = None  # the last checkpoint's decision, logged when it changes
         self.tier: MemoryTier | None = None
         if settings.memory_tier:
@@ -140,7 +142,13 @@ class Saver:
 
     def after_first_step(self) -> None:
         """Plans the optimizer's file and prepares the cache (and the staging) for the first checkpoint."""
-        plans = [plan for _, plan in self.files().weights] + [self.engine.plan(self.optimizer.state_dict())]
+        first = self.engine.plan(self.optimizer.state_dict())
+        again = self.engine.plan(self.optimizer.state_dict(), like=first)
+        # Kept to plan the next checkpoint like it only where the optimizer hands out its own tensors: a
+        # kept plan of copies would hold on to a copy of the whole state.
+        if any(a is b for a, b in zip(again.arrays, first.arrays)):
+            self._optimizer_plan = again
+        plans = [plan for _, plan in self.files().weights] + [again]
         self._nbytes = sum(p.nbytes for p in plans)
         self._prepare_cache(plans)
         if self.tier is not None:  # this rank's checkpoint, as many times as the node has ranks
@@ -219,8 +227,11 @@ class Saver:
         try:
             files = self.files()
             todo = list(files.weights)
-            if files.optimizer is not None:
-                todo.append((files.optimizer, self.engine.plan(self.optimizer.state_dict())))
+            if files.optimizer is not None:  # the same tensors each time, the learning rate of the time
+                plan = self.engine.plan(self.optimizer.state_dict(), like=self._optimizer_plan)
+                if self._optimizer_plan is not None:
+                    self._optimizer_plan = plan
+                todo.append((files.optimizer, plan))
             targets = [(plan, pending.folder / path) for path, plan in todo + later]
             mirrors = recycle = None
             if self.tier is not None:
