@@ -230,7 +230,7 @@ def resumed(rank0, folder: Path, **settings) -> tuple[Resume, dict, Any]:
 
 
 def test_each_checkpoint_plans_the_optimizer_like_the_last_and_saves_the_values_of_its_time(rank0, tmp_path):
-    # The optimizer's ~600 tensors are checked once, not at every checkpoint (2-4 ms of the stall on the
+    # The optimizer's tensors are checked once, not at every checkpoint (part of 2-4 ms of the stall on the
     # H100); its learning rate, a plain value, is read at each checkpoint.
     pc, c, state, _ = rank0
     optimizer = state[1]
