@@ -11,8 +11,8 @@ resume, the trainer is Nanotron's, unchanged.
       _load_model_...    Resume.load_weights
                          Resume.load_rest (scheduler, metadata, random states; optimizer now or deferred)
                          Resume.confirm: every rank read it whole, or all fall back to an older one
-                         Saver: made, started (the weights' cache chunks pinned meanwhile);
-                         `optimizer.step` wrapped, once
+                         Saver: made; Saver.start (the weights' cache chunks pinned in the
+                         background while Nanotron builds its data loader); `optimizer.step` wrapped, once
     optimizer.step       Resume.before_step (the deferred optimizer load), Saver.before_step (snapshots)
     training_step        after the first: Resume.finish, Saver.after_first_step (plan, pin, warm staging)
     save_checkpoint      Saver.backpressure, Saver.request (capture now, queue now or at the next step)
