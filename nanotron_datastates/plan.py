@@ -231,13 +231,10 @@ def plan_save(
         known = by_id.get(id(t))
         if known is not None:  # the same tensor twice (tied weights): stored once, aliased on load
             return known
-        if like is not None:
-            name = name_of(path)
-            by_id[id(t)] = name
-            if reused(t, name):
-                return name
-            taken.discard(name)  # checked and named below, as without `like`
-            del by_id[id(t)]
+        name = name_of(path)  # a refusal below fails the whole plan: naming first changes nothing
+        by_id[id(t)] = name
+        if reused(t, name):
+            return name
         if t.device.type not in ("cpu", "cuda"):
             raise TypeError(f"cannot save the tensor at {path!r}: it is on {t.device} (CPU and CUDA only)")
         if t.is_sparse or t.layout != torch.strided:
@@ -248,8 +245,6 @@ def plan_save(
             raise TypeError(
                 f"cannot save the tensor at {path!r}: {t.dtype} has no safetensors dtype"
             ) from None
-        name = name_of(path)
-        by_id[id(t)] = name
         device = -1
         if t.device.type == "cuda":
             device = t.device.index

@@ -42,7 +42,7 @@ def optimizer_state(params: int) -> dict[str, Any]:
                 "weight_decay": 0.01,
                 "params": list(range(params)),
             }
-        ],  # fmt: skip
+        ],
         "names": names,
         "gradient_accumulator": {name: torch.zeros(16) for name in names.values()},
     }
