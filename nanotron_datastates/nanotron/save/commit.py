@@ -101,6 +101,9 @@ class Committer:
         self._done = 0
         self._taken = 0
         self._cv = threading.Condition()
+        # Read once here, before any save it will count; then on its thread, one read per outcome: reading
+        # /proc for every thread takes about a millisecond, which the training thread would add to its stall.
+        self._cpu_mark = cpu_use.thread_cpu_seconds()
         self._thread = threading.Thread(target=self._run, name="datastates-committer", daemon=True)
         self._thread.start()
 
@@ -126,9 +129,7 @@ class Committer:
             self._thread.join()
 
     def _run(self) -> None:
-        # Read here, on this thread: reading /proc for every thread takes about a millisecond, which the
-        # training thread would add to its stall.
-        cpu_mark = cpu_use.thread_cpu_seconds()
+        cpu_mark = self._cpu_mark
         while True:
             pending = self._queue.get()
             if pending is None:
