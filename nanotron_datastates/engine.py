@@ -36,6 +36,7 @@ from .restore import (
     verify_file,
 )
 from .save_handle import SaveHandle, wait_handles
+from .stage import Stager
 
 __all__ = ["DataStatesEngine", "SaveHandle", "wait_handles"]
 
@@ -58,6 +59,7 @@ class DataStatesEngine:
         self.config = config
         self._core = start_core(config)
         self._in_flight = InFlight(config.telemetry_path, self._core.cache_stats)
+        self._stager = Stager()  # the last staged layout, for the next save of the same tensors
         self._closed = False
 
     # -- saving -------------------------------------------------------------------------------------------
@@ -149,7 +151,7 @@ class DataStatesEngine:
         paths = [os.path.abspath(os.fspath(path)) for _, path in files]
         copies = _paths_per_file(mirrors, len(files), "mirrors")
         old = [r or "" for r in _paths_per_file(recycle, len(files), "files to recycle")]
-        prepared = prepare_many([plan for plan, _ in files], stage=stage)
+        prepared = prepare_many([plan for plan, _ in files], stage=stage, stager=self._stager)
         # One call to the core for all: one event per device on the caller's streams, and a staged file's
         # tensors as places in the staged buffers rather than a DLPack export each.
         requests = [

@@ -17,6 +17,7 @@ import torch
 
 from . import format as fmt
 from . import skeleton
+from .stage import Stager
 
 # Dtypes every supported torch exports through DLPack; others are exported as a same-size integer view.
 _EXPORTABLE = {
@@ -66,15 +67,18 @@ def prepare(plan: SavePlan, *, stage: bool = False) -> SavePlan:
     return prepare_many([plan], stage=stage)[0]
 
 
-def prepare_many(plans: Sequence[SavePlan], *, stage: bool = False) -> list[SavePlan]:
+def prepare_many(
+    plans: Sequence[SavePlan], *, stage: bool = False, stager: Stager | None = None
+) -> list[SavePlan]:
     """:func:`prepare` for several plans saved together (a checkpoint's files). Staged, their copies share one
     allocation per device, filled by one multi-tensor copy per dtype: a few kernel launches on the caller's
-    thread instead of an allocation and a copy per tensor."""
+    thread instead of an allocation and a copy per tensor (stage.py; `stager` keeps the layout for the next
+    call that stages the same tensors)."""
     arrays = [list(p.arrays) for p in plans]
     views: list[list[Any]] = [[] for _ in plans]
     bases: list[torch.Tensor] = []
     if stage:  # every tensor copied, the non-contiguous ones too
-        bases = _stage(arrays, views)
+        bases = (stager or Stager()).stage(arrays, views)
     else:
         for k, p in enumerate(plans):
             for i, t in p.gathered:  # queued on the caller's stream, before the event the core records
@@ -83,79 +87,6 @@ def prepare_many(plans: Sequence[SavePlan], *, stage: bool = False) -> list[Save
         dataclasses.replace(p, arrays=a, views=v, bases=bases, streams=_streams(p.devices))
         for p, a, v in zip(plans, arrays, views)
     ]
-
-
-_ALIGN = 256  # bytes: each file's staged copy starts where vectorized kernels and DMA like it
-
-
-def _stage(arrays: list[list[torch.Tensor]], views: list[list[Any]]) -> list[torch.Tensor]:
-    """Replaces every tensor of `arrays` (a list per file) by a copy, fills `views` (a list per file: where
-    each copy lies) and returns the buffers that hold the copies.
-
-    The copies go into one byte buffer per device, each file's packed in the order of its data section (the
-    core's layout: by element size, largest first, stable), so that the copies to the host can take a piece
-    of the file in one transfer; each element still sits at a multiple of its size. One multi-tensor copy per
-    dtype fills the buffer."""
-    places: dict[torch.device, list[tuple[int, int, int]]] = {}  # per device: (file, index, byte offset)
-    sizes: dict[torch.device, int] = {}
-    for k, row in enumerate(arrays):
-        views[k] = [None] * len(row)
-        order = sorted(range(len(row)), key=lambda i: -row[i].element_size())  # stable, as the core's layout
-        starts: dict[torch.device, int] = {}  # this file's next byte on each device
-        for i in order:
-            a = row[i]
-            if a.device not in starts:
-                starts[a.device] = -(-sizes.get(a.device, 0) // _ALIGN) * _ALIGN
-            places.setdefault(a.device, []).append((k, i, starts[a.device]))
-            starts[a.device] += a.numel() * a.element_size()
-        for device, end in starts.items():
-            sizes[device] = end
-    bases: list[torch.Tensor] = []
-    for device, where in places.items():
-        size = -(-sizes[device] // 16) * 16  # a whole number of elements of every dtype
-        # empty_strided: Nanotron patches torch.empty (and others) while it builds a model, forcing its dtype
-        flat = torch.empty_strided((size,), (1,), dtype=torch.uint8, device=device)
-        base = len(bases)
-        bases.append(flat)
-        typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer seen as each dtype
-        pairs: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for k, i, at in where:
-            src = arrays[k][i]
-            whole = typed.get(src.dtype)
-            if whole is None:
-                whole = typed[src.dtype] = flat.view(src.dtype)
-            # One view op per tensor (slicing and two views cost three; it adds up over hundreds of tensors).
-            dst = whole.as_strided(src.shape, _contiguous_strides(src.shape), at // src.element_size())
-            views[k][i] = (base, at, src.element_size(), src.shape)
-            dsts, srcs = pairs.setdefault(src.dtype, ([], []))
-            dsts.append(dst)
-            srcs.append(src)
-            arrays[k][i] = dst
-        for dsts, srcs in pairs.values():
-            copy_many(dsts, srcs)
-    return bases
-
-
-def staged_nbytes(plans: Sequence[SavePlan]) -> int:
-    """The most bytes staging these plans together takes on one device (each file's copy starts aligned)."""
-    return sum(-(-p.nbytes // _ALIGN) * _ALIGN for p in plans) + 16
-
-
-def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """Copies each of `srcs` into the tensor of `dsts` beside it (same dtype): one multi-tensor kernel."""
-    if hasattr(torch, "_foreach_copy_"):
-        torch._foreach_copy_(dsts, srcs)
-    else:  # torch before 2.1
-        for d, s in zip(dsts, srcs):
-            d.copy_(s)
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
 
 
 def _streams(devices: list[int]) -> list[tuple[int, int]]:

@@ -87,27 +87,27 @@ def test_a_staged_save_is_copied_in_the_callers_stream_order(gpu_engine, tmp_pat
 
 
 def test_staged_plans_saved_together_are_copied_in_the_callers_stream_order(gpu_engine, tmp_path):
+    """Twice: the second save stages with the layout the first one made (stage.py)."""
     w = torch.zeros(3 << 20, device="cuda", dtype=torch.bfloat16)
     m, cpu = torch.zeros(5 << 20, device="cuda"), torch.zeros(1000)
-    plans = [
-        (gpu_engine.plan({"w": w, "m": m}), tmp_path / "a.safetensors"),
-        (gpu_engine.plan({"m2": m[1:], "cpu": cpu}), tmp_path / "b.safetensors"),
-    ]
-    a = torch.randn(4096, 4096, device="cuda")
-    for _ in range(20):
-        a = a @ a / 64
-    for t in (w, m, cpu):
-        t.add_(1)  # the CUDA ones queued after the matmuls
-    handles = gpu_engine.save_plans(plans, stage=True)
-    staged = [t for h in handles for t in h._keepalive]
-    by_device = {t.device.type: t.untyped_storage().data_ptr() for t in staged}
-    assert all(t.untyped_storage().data_ptr() == by_device[t.device.type] for t in staged)
-    for t in (w, m, cpu):
-        t.add_(1)  # after the copies on the same stream: must not reach the files
-    gpu_engine.wait_persisted()
-    a_back, b_back = (gpu_engine.load(p) for _, p in plans)
-    assert bool((a_back["w"] == 1).all()) and bool((a_back["m"] == 1).all())
-    assert bool((b_back["m2"] == 1).all()) and bool((b_back["cpu"] == 1).all())
+    plans = [gpu_engine.plan({"w": w, "m": m}), gpu_engine.plan({"m2": m[1:], "cpu": cpu})]
+    for r in range(2):
+        a = torch.randn(4096, 4096, device="cuda")
+        for _ in range(20):
+            a = a @ a / 64
+        for t in (w, m, cpu):
+            t.add_(1)  # the CUDA ones queued after the matmuls
+        paths = [tmp_path / str(r) / "a.safetensors", tmp_path / str(r) / "b.safetensors"]
+        handles = gpu_engine.save_plans(list(zip(plans, paths)), stage=True)
+        staged = [t for h in handles for t in h._keepalive]
+        by_device = {t.device.type: t.untyped_storage().data_ptr() for t in staged}
+        assert all(t.untyped_storage().data_ptr() == by_device[t.device.type] for t in staged)
+        for t in (w, m, cpu):
+            t.add_(1)  # after the copies on the same stream: must not reach the files
+        gpu_engine.wait_persisted()
+        a_back, b_back = (gpu_engine.load(p) for p in paths)
+        assert bool((a_back["w"] == 2 * r + 1).all()) and bool((a_back["m"] == 2 * r + 1).all()), r
+        assert bool((b_back["m2"] == 2 * r + 1).all()) and bool((b_back["cpu"] == 2 * r + 1).all()), r
 
 
 def test_views_of_one_buffer_are_copied_right_across_pieces(tmp_path):

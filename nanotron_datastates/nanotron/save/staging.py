@@ -11,7 +11,8 @@ from typing import Sequence
 
 import torch
 
-from ...plan import SavePlan, copy_many, staged_nbytes
+from ...plan import SavePlan
+from ...stage import copy_many, staged_nbytes
 
 GIB = 1 << 30
 

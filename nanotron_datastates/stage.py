@@ -1,0 +1,166 @@
+"""Save, staging (caller's thread): every tensor of the files saved together copied where it is, so that the
+caller may change the originals as soon as the save returns.
+
+The copies go into one byte buffer per device, each file's packed in the order of its data section (the
+core's layout: by element size, largest first, stable), so that the copies to the host can take a piece of
+the file in one transfer; each element still sits at a multiple of its size. One multi-tensor copy per dtype
+fills the buffer.
+
+Where each tensor goes depends only on the files' tensors' shapes, dtypes and devices, and a trainer saves
+the same tensors at every checkpoint: the layout is kept (`Stager`) and reused while the files hold the same
+tensors, unchanged. A checkpoint then costs, on the caller's thread, an allocation per device and, per
+dtype, one call that makes every tensor's view and one multi-tensor copy, instead of the layout's walk and a
+view per tensor (`benchmarks/micro/bench_staging.py`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+ALIGN = 256  # bytes: each file's staged copy starts where vectorized kernels and DMA like it
+
+# What the layout of a tensor depends on, and the tensor itself (by a weak reference: a kept layout keeps no
+# tensor alive).
+_Key = tuple["weakref.ref[torch.Tensor]", torch.Size, torch.dtype, torch.device]
+
+
+@dataclass
+class _Group:
+    """The tensors of one dtype in one buffer, in buffer order."""
+
+    buffer: int
+    dtype: torch.dtype
+    split: list[int]  # the buffer seen as `dtype`, cut in turn: gap, tensor, gap, tensor, ..., the rest
+    shapes: list[torch.Size]
+    places: list[tuple[int, int]]  # (file, index in the file) of each tensor
+    # From the layout's second use on: meta tensors of the gaps' and tensors' shapes, for one call that
+    # makes every view (torch's unflatten_dense_tensors, a C++ loop), and which of them are the tensors.
+    templates: list[torch.Tensor] | None = None
+    picks: list[int] | None = None
+
+    def views(self, typed: torch.Tensor, reused: bool) -> list[torch.Tensor]:
+        """The tensors' places in `typed` (the buffer seen as `dtype`), shaped as the tensors."""
+        if not reused:  # made for one use, perhaps: a view per tensor
+            cut = typed.split_with_sizes(self.split)
+            return [cut[2 * j + 1].view(shape) for j, shape in enumerate(self.shapes)]
+        if self.templates is None or self.picks is None:
+            self.templates, self.picks = [], []
+            for j, shape in enumerate(self.shapes):
+                if self.split[2 * j]:
+                    self.templates.append(torch.empty(self.split[2 * j], device="meta"))
+                self.picks.append(len(self.templates))
+                self.templates.append(torch.empty(shape, device="meta"))
+        every = torch._C._nn.unflatten_dense_tensors(typed, self.templates)
+        return [every[j] for j in self.picks]
+
+
+@dataclass
+class Layout:
+    """Where every tensor of a list of files lies in the staged buffers."""
+
+    keys: list[list[_Key]]  # per file, per tensor
+    devices: list[torch.device]  # per buffer
+    sizes: list[int]  # bytes, per buffer
+    groups: list[_Group]
+    views: list[list[tuple[int, int, int, torch.Size]]]  # per file, per tensor: (buffer, offset, size, shape)
+
+    def fits(self, arrays: Sequence[Sequence[torch.Tensor]]) -> bool:
+        """Whether `arrays` are the very tensors this layout was made for, with their shapes and dtypes."""
+        if len(arrays) != len(self.keys):
+            return False
+        for row, keys in zip(arrays, self.keys):
+            if len(row) != len(keys):
+                return False
+            for a, (ref, shape, dtype, device) in zip(row, keys):
+                if ref() is not a or a.shape != shape or a.dtype != dtype or a.device != device:
+                    return False
+        return True
+
+
+def layout_of(arrays: Sequence[Sequence[torch.Tensor]]) -> Layout:
+    """The layout of `arrays` (a list of tensors per file), files one after the other on each device."""
+    places: dict[torch.device, list[tuple[int, int, int]]] = {}  # per device: (file, index, byte offset)
+    sizes: dict[torch.device, int] = {}
+    views: list[list[Any]] = []
+    for k, row in enumerate(arrays):
+        views.append([None] * len(row))
+        order = sorted(range(len(row)), key=lambda i: -row[i].element_size())  # stable, as the core's layout
+        starts: dict[torch.device, int] = {}  # this file's next byte on each device
+        for i in order:
+            a = row[i]
+            if a.device not in starts:
+                starts[a.device] = -(-sizes.get(a.device, 0) // ALIGN) * ALIGN
+            places.setdefault(a.device, []).append((k, i, starts[a.device]))
+            starts[a.device] += a.numel() * a.element_size()
+        sizes.update(starts)
+    devices = list(places)
+    groups: list[_Group] = []
+    for b, device in enumerate(devices):
+        size = sizes[device] = -(-sizes[device] // 16) * 16  # a whole number of elements of every dtype
+        by_dtype: dict[torch.dtype, list[tuple[int, int, int]]] = {}
+        for k, i, at in places[device]:
+            a = arrays[k][i]
+            views[k][i] = (b, at, a.element_size(), a.shape)
+            by_dtype.setdefault(a.dtype, []).append((k, i, at))
+        for dtype, where in by_dtype.items():
+            where = sorted((w for w in where if arrays[w[0]][w[1]].numel()), key=lambda w: w[2])
+            if not where:  # empty tensors: nothing to copy, the core reads none of their bytes
+                continue
+            itemsize = arrays[where[0][0]][where[0][1]].element_size()
+            split, end = [], 0  # in elements of `dtype`
+            for k, i, at in where:
+                n = arrays[k][i].numel()
+                split += [at // itemsize - end, n]
+                end = at // itemsize + n
+            split.append(size // itemsize - end)
+            shapes = [arrays[k][i].shape for k, i, _ in where]
+            groups.append(_Group(b, dtype, split, shapes, [(k, i) for k, i, _ in where]))
+    keys = [[(weakref.ref(a), a.shape, a.dtype, a.device) for a in row] for row in arrays]
+    return Layout(keys, devices, [sizes[d] for d in devices], groups, views)
+
+
+class Stager:
+    """Stages files, keeping the last layout for the next files that hold the same tensors."""
+
+    def __init__(self) -> None:
+        self._last: Layout | None = None
+
+    def stage(self, arrays: list[list[torch.Tensor]], views: list[list[Any]]) -> list[torch.Tensor]:
+        """Replaces every tensor of `arrays` (a list per file) by its copy, fills `views` (a list per file:
+        where each copy lies) and returns the buffers that hold the copies."""
+        layout = self._last
+        reused = layout is not None and layout.fits(arrays)
+        if layout is None or not reused:
+            layout = self._last = layout_of(arrays)
+        # empty_strided: Nanotron patches torch.empty (and others) while it builds a model, forcing its dtype
+        bases = [
+            torch.empty_strided((n,), (1,), dtype=torch.uint8, device=d)
+            for d, n in zip(layout.devices, layout.sizes)
+        ]
+        for group in layout.groups:
+            dsts, srcs = group.views(bases[group.buffer].view(group.dtype), reused), []
+            for dst, (k, i) in zip(dsts, group.places):
+                srcs.append(arrays[k][i])
+                arrays[k][i] = dst
+            copy_many(dsts, srcs)
+        for k, row in enumerate(layout.views):
+            views[k] = list(row)
+        return bases
+
+
+def staged_nbytes(plans: Sequence[Any]) -> int:
+    """The most bytes staging these plans (SavePlans) together takes on one device."""
+    return sum(-(-p.nbytes // ALIGN) * ALIGN for p in plans) + 16
+
+
+def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Copies each of `srcs` into the tensor of `dsts` beside it (same dtype): one multi-tensor kernel."""
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(dsts, srcs)
+    else:  # torch before 2.1
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)

@@ -1,0 +1,74 @@
+"""Staging's kept layout (stage.py): reused only for the very tensors it was made for, unchanged, and holding
+none of them alive; every save staged with it holds the values of its own time."""
+
+import gc
+import weakref
+
+import torch
+
+from helpers import same
+
+
+def _files() -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        "a": {"w": torch.randn(333, 7).to(torch.bfloat16), "b": torch.randn(5)},
+        "b": {"m": torch.randn(17, 3), "step": torch.tensor(3.0), "t": torch.randn(40)[::2]},  # a view
+        "c": {"empty": torch.zeros(0, 4), "i": torch.arange(9), "u": torch.ones(3, 5).byte()},
+    }
+
+
+def _places(handles) -> list[list[tuple[int, torch.Size]]]:
+    return [[(t.storage_offset() * t.element_size(), t.shape) for t in h._keepalive] for h in handles]
+
+
+def test_checkpoints_of_the_same_tensors_reuse_the_layout_and_each_holds_its_own_values(engine, tmp_path):
+    files = _files()
+    plans = [engine.plan(state) for state in files.values()]
+    places, layouts = [], []
+    for n in range(3):
+        for state in files.values():
+            for t in state.values():
+                t.fill_(n) if t.numel() else None
+        expect = {k: {name: t.clone() for name, t in v.items()} for k, v in files.items()}
+        handles = engine.save_plans(
+            [(p, tmp_path / str(n) / f"{k}.safetensors") for p, k in zip(plans, files)], stage=True
+        )
+        layouts.append(engine._stager._last)
+        places.append(_places(handles))
+        for state in files.values():  # the caller may change them at once
+            for t in state.values():
+                t.fill_(-1) if t.numel() else None
+        engine.wait_persisted()
+        for k, state in expect.items():
+            back = engine.load(tmp_path / str(n) / f"{k}.safetensors")
+            assert back.keys() == state.keys() and all(same(back[m], t) for m, t in state.items()), (n, k)
+    assert layouts[0] is layouts[1] is layouts[2]
+    assert places[0] == places[1] == places[2]  # the kept layout packs the files as the first did
+
+
+def test_a_tensor_resized_in_place_or_replaced_gets_a_fresh_layout(engine, tmp_path):
+    x, y = torch.arange(12.0), torch.ones(4, 4)
+    engine.save_plans([(engine.plan({"x": x, "y": y}), tmp_path / "0.safetensors")], stage=True)
+    first = engine._stager._last
+    x.resize_(3, 4)  # the same tensor, another shape
+    engine.save_plans([(engine.plan({"x": x, "y": y}), tmp_path / "1.safetensors")], stage=True)
+    resized = engine._stager._last
+    other = torch.full((3, 4), 7.0)  # another tensor of the same shape
+    engine.save_plans([(engine.plan({"x": other, "y": y}), tmp_path / "2.safetensors")], stage=True)
+    assert len({id(first), id(resized), id(engine._stager._last)}) == 3
+    engine.wait_persisted()
+    assert same(engine.load(tmp_path / "1.safetensors")["x"], torch.arange(12.0).view(3, 4))
+    assert same(engine.load(tmp_path / "2.safetensors")["x"], other)
+
+
+def test_the_kept_layout_keeps_no_tensor_alive(engine, tmp_path):
+    x = torch.randn(1000)
+    gone = weakref.ref(x)
+    plan = engine.plan({"x": x})
+    for n in range(2):  # the second save builds the layout's reusable views
+        engine.save_plans([(plan, tmp_path / f"{n}.safetensors")], stage=True)
+    engine.wait_persisted()
+    assert engine._stager._last is not None
+    del x, plan
+    gc.collect()
+    assert gone() is None
