@@ -72,7 +72,7 @@ run_step() {
     profile-180m) # where a checkpoint's time goes on the training thread: the 180M model, datastates with a
       # 2 GiB host cache, a checkpoint every 80 steps; cProfile of the second save and of the step that queues it
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 250 --interval 80 --cache-gib 2 \
-        --modes datastates --profile --work "$WORK/p180" --out "$OUT/profile-180m") ;;
+        --modes datastates --profile --work "$WORK/p180" --out "$OUT/profile-180m" ${BENCH_ARGS:-}) ;;
     overhead-1b) # the 1.1B model, a checkpoint every 60 steps: none and datastates (16 GiB cache) in turns,
       # OVERHEAD_ROUNDS rounds (default 2)
       (cd $B && python3 bench_nanotron.py all --model 1b --steps 300 --interval 60 --cache-gib 16 \

@@ -221,7 +221,12 @@ class Saver:
         self, pending: PendingCheckpoint, later: list[tuple[Path, SavePlan]], stage: bool, *, deferred: bool
     ) -> None:
         """Plans the optimizer state, queues every file of the checkpoint and hands it to the committer, which
-        is told of any failure here: every rank's committer then agrees that the checkpoint failed."""
+        is told of any failure here: every rank's committer then agrees that the checkpoint failed.
+
+        The files of the state (weights, optimizer) are staged together, or gated: the next step waits for
+        their snapshot. Those of `later` (scheduler, random states) hold host values made at the request,
+        which nothing changes: read as they are, queued first (a cache smaller than the checkpoint then
+        takes them before the state's pieces), and never waited for by a step."""
         t0 = time.perf_counter()
         self._notify("queue_start", step=pending.step, deferred=deferred)
         try:
@@ -232,14 +237,20 @@ class Saver:
                 if self._optimizer_plan is not None:
                     self._optimizer_plan = plan
                 todo.append((files.optimizer, plan))
-            targets = [(plan, pending.folder / path) for path, plan in todo + later]
-            mirrors = recycle = None
+            folder = str(pending.folder)
+            queued = [later, todo]
+            mirrors: list[list[Path] | None] = [None, None]
+            recycle: list[list[Path | None] | None] = [None, None]
             if self.tier is not None:
-                names = [path for path, _ in todo + later]
-                mirrors = [self.tier.path(pending.step, path) for path in names]
-                recycle = self.tier.recycle(pending.step, [str(n) for n in names])
-            pending.handles = self._submit(targets, stage, mirrors, recycle)
-            self.gate.add(pending.handles, on_wait=functools.partial(_add_stall, pending))
+                for n, group in enumerate(queued):
+                    names = [path for path, _ in group]
+                    mirrors[n] = [self.tier.path(pending.step, path) for path in names]
+                    recycle[n] = self.tier.recycle(pending.step, [str(path) for path in names])
+            targets = [[(plan, os.path.join(folder, path)) for path, plan in group] for group in queued]
+            pending.handles = self.engine.save_plans(targets[0], mirrors=mirrors[0], recycle=recycle[0])
+            state = self._submit(targets[1], stage, mirrors[1], recycle[1])
+            pending.handles = pending.handles + state
+            self.gate.add(state, on_wait=functools.partial(_add_stall, pending))
         except Exception as e:  # reported at the next checkpoint or the end, as a failed write would be
             pending.errors.append(f"queuing its files failed: {e!r}")
             say.error(f"checkpoint {pending.step}: {pending.errors[-1]}", every_rank=True)
@@ -250,12 +261,12 @@ class Saver:
 
     def _submit(
         self,
-        files: list[tuple[SavePlan, Path]],
+        files: list[tuple[SavePlan, str]],
         stage: bool,
         mirrors: list[Path] | None,
         recycle: list[Path | None] | None,
     ) -> list[Any]:
-        """Queues every file: all staged on the GPU together (so the optimizer step waits for none), or
+        """Queues the state's files: all staged on the GPU together (so the optimizer step waits for none), or
         straight from the state where unstaged or where staging runs out of GPU memory."""
         if stage:
             import torch

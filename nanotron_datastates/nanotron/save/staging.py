@@ -36,8 +36,10 @@ def decide(mode: str, nbytes: int) -> tuple[bool, str]:
         return True, "device_snapshot: always"
     device = torch.cuda.current_device()
     free, total = torch.cuda.mem_get_info(device)
-    stats = torch.cuda.memory_stats(device)  # one call: each builds the allocator's whole table (~0.2 ms)
-    reserved, peak = stats.get("reserved_bytes.all.current", 0), stats.get("allocated_bytes.all.peak", 0)
+    # The allocator's table as it comes (memory_stats flattens it too: 160 more Python calls per checkpoint)
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    reserved = stats.get("reserved_bytes", {}).get("all", {}).get("current", 0)
+    peak = stats.get("allocated_bytes", {}).get("all", {}).get("peak", 0)
     room = free + reserved - peak - spare_bytes(total)
     ok = fits(nbytes, free=free, reserved=reserved, peak=peak, total=total)
     return ok, f"{nbytes / GIB:.2f} GiB to stage, {max(room, 0) / GIB:.2f} GiB of room above the peak"
