@@ -439,8 +439,8 @@ class MemorySampler:
 
 
 class Profiled:
-    """cProfile of a block, written as text (the 60 costliest calls, cumulative, then the 30 costliest by their
-    own time) to `path`; None: no-op."""
+    """cProfile of a block, written as text to `path` (the 60 costliest calls, cumulative, then the 30
+    costliest by their own time); None: no-op."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
