@@ -46,13 +46,17 @@ def encode(state: Any, on_tensor: Callable[[torch.Tensor, str], str], *, allow_p
         if isinstance(x, torch.Tensor) and not in_key:
             return {"t": on_tensor(x, path)}
         if tx in (dict, collections.OrderedDict):
-            tag = "d" if tx is dict else "o"
-            return {
-                tag: [
-                    [k if type(k) in _PLAIN else node(k, f"{path}[key]", True), node(v, _join(path, k))]
-                    for k, v in x.items()
-                ]
-            }
+            items = []
+            for k, v in x.items():
+                key = k if type(k) in _PLAIN else node(k, f"{path}[key]", True)
+                tv = type(v)
+                # Plain values stand for themselves: no call, no path (an optimizer's param groups are mostly
+                # these, and its state dict is planned at every checkpoint).
+                if v is None or tv in _PLAIN or (tv is float and math.isfinite(v)):
+                    items.append([key, v])
+                else:
+                    items.append([key, node(v, _join(path, k))])
+            return {"d" if tx is dict else "o": items}
         if tx is list or tx is tuple:
             # Fast path, e.g. the parameter names of an optimizer's param groups: no per-item paths.
             items = (

@@ -191,6 +191,33 @@ def test_the_snapshot_holds_the_state_asked_for_and_the_step_waits_for_it(rank0,
         assert torch.equal(engine.load(path)["data"], want), path
 
 
+def test_a_step_waits_for_the_states_files_only_and_the_request_files_are_queued_first(rank0, tmp_path):
+    """The scheduler's and random states' files hold host values made at the request, which nothing changes:
+    queued first (a cache smaller than the checkpoint takes them before the state's pieces) and never waited
+    for by a step; so the state's files alone are staged, with the kept layout, on a GPU."""
+    saver = saver_of(rank0, tmp_path / "ckpt")
+    folder = (tmp_path / "ckpt" / "5").resolve()
+    calls, save_plans = [], saver.engine.save_plans
+
+    def recorded(files, **kw):  # the engine's own call, each call's files noted
+        calls.append(sorted({Path(path).relative_to(folder).parts[0] for _, path in files}))
+        return save_plans(files, **kw)
+
+    saver.engine.save_plans = recorded
+    try:
+        ask(saver, rank0, 5)
+        gated = {
+            Path(h.path).relative_to(folder).parts[0] for handles, _ in saver.gate._pending for h in handles
+        }
+        saver.before_step()
+        saver.drain(lambda s: None)
+        saver.close()
+    finally:
+        del saver.engine.save_plans
+    assert calls == [["lr_scheduler", "random"], ["model", "optimizer"]]
+    assert gated == {"model", "optimizer"}
+
+
 def saved_checkpoint(rank0, root: Path, at: int = 7, **settings) -> Path:
     saver = saver_of(rank0, root, **settings)
     ask(saver, rank0, at)
