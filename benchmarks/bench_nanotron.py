@@ -78,6 +78,7 @@ MODELS: dict[str, dict[str, Any]] = {
 WARMUP = 3  # iterations left out of every statistic
 WINDOW = 3  # iterations after a checkpoint that carry its cost
 BEFORE = 10  # iterations before a checkpoint that its local reference is taken over
+AFTER = 8  # iterations after a checkpoint whose excess is also reported one by one
 
 
 # -- one run, under torchrun -------------------------------------------------------------------------------
@@ -621,7 +622,22 @@ def resumed_from(restore: str) -> str:
 
 
 def resummarize(out: Path) -> int:
-    """Recomputes a results folder's figures from its raw records, keeping the command that ran them."""
+    """Recomputes a results folder's figures from its raw records, keeping the command that ran them; a
+    folder of `--rounds` (round0/, round1/ ...): each round's, then the rounds' summary."""
+    rounds = sorted(out.glob("round[0-9]*/"), key=lambda p: int(p.name[len("round") :]))
+    if rounds:
+        for r in rounds:
+            resummarize(r)
+        per_round = [json.loads(next(r.glob("bench_nanotron_*.json")).read_text()) for r in rounds]
+        old = json.loads((out / "rounds_summary.json").read_text())
+        summary = {
+            **aggregate_rounds(per_round),
+            "command": old["command"],
+            "resummarized": " ".join(sys.argv),
+        }
+        (out / "rounds_summary.json").write_text(json.dumps(summary, indent=1))
+        (out / "rounds_summary.md").write_text(overhead_table(summary) + "\n")
+        return 0
     (stem,) = out.glob("bench_nanotron_*.json")
     old = json.loads(stem.read_text())
     records = json.loads((out / f"records_{old['model']}.json").read_text())
@@ -694,6 +710,20 @@ def overhead_table(summary: dict[str, Any]) -> str:
         cells = [name] + [pct(m, f"overhead_{k}") for k in ("total", "stall", "flush", "far")]
         cells.append("-" if stall is None else f"{1e3 * stall['median']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
+    excess = summary.get("excess_after_s", {})
+    if excess:
+        lines += [
+            "",
+            f"Excess of each of the {AFTER} iterations after a checkpoint over the median of the {BEFORE} "
+            "before it, ms (mean over the checkpoints and rounds; none's at the same steps)",
+            "",
+            "| mode | " + " | ".join(f"+{j}" for j in range(1, AFTER + 1)) + f" | first {WINDOW} | all |",
+            "| --- " * (AFTER + 3) + "|",
+        ]
+        for name, row in excess.items():
+            cells = [name] + [f"{1e3 * x:.1f}" for x in row]
+            cells += [f"{1e3 * sum(row[:WINDOW]):.1f}", f"{1e3 * sum(row):.1f}"]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -717,6 +747,12 @@ def aggregate_rounds(results: list[dict[str, Any]]) -> dict[str, Any]:
             for key in ROUND_FIGURES:
                 if m.get(key) is not None:
                     modes.setdefault(name, {}).setdefault(key, []).append(m[key])
+    excess: dict[str, list[float]] = {}  # after a checkpoint, iteration by iteration: the rounds' mean
+    for name in modes:
+        rows = [r["modes"][name].get("excess_after_s") for r in results if name in r["modes"]]
+        rows = [row for row in rows if row]
+        if rows:
+            excess[name] = [statistics.fmean(col) for col in zip(*rows)]
     ratios: dict[str, list[float]] = {}
     for r in results:
         for key, v in r.get("ratios", {}).items():
@@ -730,6 +766,7 @@ def aggregate_rounds(results: list[dict[str, Any]]) -> dict[str, Any]:
             for n, m in modes.items()
         },
         "ratios": {k: {"rounds": v, "median": med(v)} for k, v in ratios.items()},
+        "excess_after_s": excess,
     }
 
 
@@ -769,6 +806,20 @@ def stall_figures(rec: dict[str, Any], fallback_median: float) -> dict[str, Any]
         "stall_local_s": local,
         "stall_local_median_s": statistics.median(local) if local else None,
     }
+
+
+def excess_after(rec: dict[str, Any], interval: int) -> list[float] | None:
+    """Where a checkpoint's cost lands: the mean excess of the i-th iteration after each checkpoint step
+    (every `interval` steps, in every mode: none's is the placebo), i = 1..AFTER, over the median of the
+    BEFORE iterations just before it."""
+    it = iteration_times(rec)
+    rows = []
+    for c in range(interval, max(it, default=0) - AFTER + 1, interval):
+        before = [it[k] for k in range(c - BEFORE + 1, c + 1) if k in it and k > WARMUP]
+        if before and all(c + j in it for j in range(1, AFTER + 1)):
+            ref = statistics.median(before)
+            rows.append([it[c + j] - ref for j in range(1, AFTER + 1)])
+    return [statistics.fmean(col) for col in zip(*rows)] if rows else None
 
 
 def flush_phase_slowdown(rec: dict[str, Any], interval: int) -> float | None:
@@ -889,6 +940,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
             interval_s = args.interval * m["median_quiet_iteration_s"]
             m["stall_share_of_interval"] = m["stall_median_s"] / interval_s
         m["flush_phase_slowdown"] = flush_phase_slowdown(rec, args.interval)
+        m["excess_after_s"] = excess_after(rec, args.interval)
         overhead = overhead_vs_none(rec, records["none"], args.interval) if name != "none" else None
         m["overhead_vs_none"] = overhead
         for part in ("total", "stall", "flush", "far"):
