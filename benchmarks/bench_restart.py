@@ -24,6 +24,16 @@ median and spread; a start's time varies by a second or more from run to run.
 With `--dp N`, every run is N data-parallel workers (`--zero 1`: optimizer shards per rank); each compares its
 own state with its own copy, and all must resume from memory for `restart-memory` to count as from memory.
 
+With `--lose-node` (and `--dp 2`), `restart-replica` runs too: two `torchrun`s on this machine, each a node of
+one GPU (`CUDA_VISIBLE_DEVICES`) with a memory tier of its own, `datastates.memory_replicas: 1`. Once the
+checkpoint at `--step` is committed and replicated, the worker of the second node (GROUP_RANK 1) wipes its
+node's tier and SIGKILLs itself, and the first node's worker is stopped: a node lost. The job is started
+again on both (as a scheduler puts it back on a replacement node; torchrun's own restart reads the first
+incarnation's worker addresses when two agents restart apart), resumes every rank from memory, the lost
+rank's from the replica its peer holds, and compares each state with its copy as `restart-memory` does. Its
+stall with replication on, against `restart-memory`'s (off), is in `stall_s`; the bytes sent and the time in
+`replicated`.
+
 Writes DIR/bench_restart_<model>.json: each run's first step, the restores over scratch and their ratios,
 the comparison, the memory tier's size and each run's peak host memory.
 """
@@ -31,12 +41,15 @@ the comparison, the memory tier's size and each run's peak host memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +57,8 @@ from typing import Any
 from _nanotron import REPO, book_dummy_tokens, load_run_train, time_library_report, write_config
 from bench_nanotron import MODELS, MemorySampler, make_cold
 from nanotron_proof import capture, compare, to_host
+
+from nanotron_datastates import telemetry
 
 EVERYTHING = ("weights", "optimizer", "lr_scheduler", "random", "global_rng", "metadata", "iteration_step")
 
@@ -55,6 +70,10 @@ def run_phase(args: argparse.Namespace) -> None:
     from nanotron.trainer import DistributedTrainer
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if args.incarnation is not None:  # --lose-node: the job started again, not restarted by torchrun
+        restart = args.incarnation
+    killing = (args.kill or args.lose_node) and restart == 0
+    replicated = threading.Event()  # --lose-node: this rank's replication of the checkpoint at --step is done
     t_start = time.perf_counter()
     rec: dict[str, Any] = {"mode": args.mode, "restart": restart, "marks": {}}
     if restart > 0:  # what the memory tier holds as the worker starts again
@@ -74,24 +93,41 @@ def run_phase(args: argparse.Namespace) -> None:
 
         def save_checkpoint(self) -> Path:
             book_dummy_tokens(self.metadata)
-            if args.kill and restart == 0 and self.iteration_step == args.step:
+            if killing and self.iteration_step == args.step:
                 torch.cuda.synchronize()
                 torch.save(capture(self), reference)  # the state this checkpoint must bring back
             return super().save_checkpoint()
 
         def _observe(self, event: str, fields: dict[str, Any]) -> None:
-            if args.kill and restart == 0 and event == "committed" and fields["result"].step == args.step:
-                if rank == 0:  # this incarnation's memory peaks, kept for the summary
-                    rec["memory"] = memory.stop()
-                    Path(f"{args.record}.{restart}.json").write_text(json.dumps(rec))
-                os.kill(os.getpid(), signal.SIGKILL)  # a crash, once the checkpoint is committed
+            r = fields.get("result")
+            if event == "committed" and rank == 0:
+                rec.setdefault("stall_s", []).append(r.stall_s)
+            if event == "replicated" and rank == 0 and r.job is not None:
+                rec.setdefault("replicated", []).append(telemetry.replication(r.step, r.job))
+            if killing and r is not None and r.step == args.step:
+                if args.kill and event == "committed":
+                    keep_record()
+                    os.kill(os.getpid(), signal.SIGKILL)  # a crash, once the checkpoint is committed
+                if args.lose_node and event == "replicated":
+                    replicated.set()
 
         def training_step(self, dataloader: Any) -> Any:
+            if args.lose_node and killing and self.iteration_step > args.step:
+                replicated.wait(timeout=600)  # the node is lost once its checkpoint is in the peer too
+                keep_record()
+                if os.environ.get("GROUP_RANK") == "1":
+                    shutil.rmtree(args.tier_path, ignore_errors=True)  # the node's memory, gone with it
+                    os.kill(os.getpid(), signal.SIGKILL)
             out = super().training_step(dataloader)
             if "first_step_end_s" not in rec["marks"]:
                 torch.cuda.synchronize()
                 rec["marks"]["first_step_end_s"] = time.perf_counter() - t_start
             return out
+
+    def keep_record() -> None:
+        if rank == 0:  # this incarnation's memory peaks, kept for the summary
+            rec["memory"] = memory.stop()
+            Path(f"{args.record}.{restart}.json").write_text(json.dumps(rec))
 
     trainer = Trainer(args.config)
     rec["init_s"] = time.perf_counter() - t_start
@@ -101,8 +137,12 @@ def run_phase(args: argparse.Namespace) -> None:
     torch.distributed.all_gather_object(from_memory, here)
     rec["resumed_from_memory"] = all(from_memory)
     rec["ranks_from_memory"] = sum(from_memory)
+    sources: list[Any] = [None] * torch.distributed.get_world_size()  # where each rank's files were read
+    source = str(resume.source) if resume is not None and resume.source is not None else None
+    torch.distributed.all_gather_object(sources, [os.environ.get("GROUP_RANK"), source])
+    rec["sources"] = sources
     restored = None
-    if args.kill and restart > 0:
+    if (args.kill or args.lose_node) and restart > 0:
         # The restored state cloned on the GPU (left out of the time to the first step, as the report above),
         # compared with the synchronous copy once training is over: the host stays as a restart leaves it.
         t_clone = time.perf_counter()
@@ -159,10 +199,14 @@ def run_all(args: argparse.Namespace) -> int:
     shutil.rmtree(tier_path, ignore_errors=True)
     n = args.step
 
-    def config(name: str, engine: str, steps: int, resume: str | None, tier: bool = False) -> Path:
-        ck = {"checkpoints_path": str(work / f"ckpt_{name}"), "checkpoint_interval": n,
+    def config(name: str, engine: str, steps: int, resume: str | None, tier: bool = False,
+               node: int | None = None) -> Path:  # fmt: skip
+        # `node` k of restart-replica: a tier of its own, replicas on, the run's one checkpoints folder
+        ck = {"checkpoints_path": ckpt(name.split(".node")[0]), "checkpoint_interval": n,
               "resume_checkpoint_path": resume}  # fmt: skip
-        ds = {"memory_tier": True, "memory_tier_path": tier_path, "memory_tier_copies": args.tier_copies}
+        at = tier_path if node is None else f"{tier_path}-node{node}"
+        ds = {"memory_tier": True, "memory_tier_path": at, "memory_tier_copies": args.tier_copies}
+        ds = ds if node is None else {**ds, "memory_replicas": 1}
         ds = ds if tier else None
         return write_config(work / f"{name}.yaml", engine=engine, checkpoints=ck, cache_gib=args.cache_gib,
                             steps=steps, model=MODELS[args.model], run=name, datastates=ds,
@@ -183,6 +227,10 @@ def run_all(args: argparse.Namespace) -> int:
             (rm, config(rm, "datastates", n + 2, ckpt(rm), tier=True), False, ["--max-restarts", "1"], True),
             (ds, config(ds, "datastates", n, None), False, [], False),
         ]
+    if args.lose_node:  # two nodes of one GPU each, a config each (lost_node starts them)
+        for k in range(2):
+            config(f"restart-replica.node{k}", "datastates", n + 2, ckpt("restart-replica"), True, k)
+        runs.append(("restart-replica", Path(), False, [], True))
     runs += [
         ("restore-datastates", config("restore-datastates", "datastates", n + 2, ckpt("datastates")),
          False, [], False),
@@ -197,6 +245,18 @@ def run_all(args: argparse.Namespace) -> int:
         if name.startswith("restore-"):
             records[f"{name}-cold"] = make_cold(Path(ckpt(name.split("-", 1)[1])), "checkpoint")
         record = work / f"{name}.record"
+        if name == "restart-replica":
+            t0 = time.perf_counter()
+            rc = lost_node(args, name, work, tier_path, record, out)
+            incarnations = [json.loads(p.read_text()) for p in sorted(work.glob(f"{name}.record.*.json"))]
+            records[name] = {"rc": rc, "seconds": time.perf_counter() - t0, "runs": incarnations}
+            print(f"{name:20s} rc={rc} {records[name]['seconds']:6.1f} s", flush=True)
+            shutil.rmtree(ckpt(name), ignore_errors=True)
+            for k in range(2):
+                shutil.rmtree(f"{tier_path}-node{k}", ignore_errors=True)
+            result = summarize(args, records)
+            (out / f"bench_restart_{args.model}.json").write_text(json.dumps(result, indent=1))
+            continue
         # --standalone: a rendezvous per restart; the static one keeps its store's keys across restarts, and
         # NCCL's second incarnation then reads the first one's ids (connection refused)
         cmd = ["torchrun", "--standalone", f"--nproc_per_node={args.dp}", *flags, __file__, "phase"]
@@ -223,6 +283,56 @@ def run_all(args: argparse.Namespace) -> int:
     return 0 if all(r.get("rc") == 0 for r in records.values() if "rc" in r) and result["bitwise"] else 1
 
 
+def lost_node(
+    args: argparse.Namespace, name: str, work: Path, tier_path: str, record: Path, out: Path
+) -> int:
+    """`restart-replica`: the job on two simulated nodes (a torchrun of one GPU each), the second node lost
+    once the checkpoint is replicated, then the job started again on both; the worst exit status."""
+    rcs = []
+    for incarnation in range(2):
+        with socket.socket() as sock:  # a free port for this incarnation's rendezvous
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        agents = []
+        for k in range(2):
+            cmd = ["torchrun", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={name}-{incarnation}", "--max-restarts=0",
+                   __file__, "phase", "--mode", name, "--config", str(work / f"{name}.node{k}.yaml"),
+                   "--record", str(record), "--work", str(work), "--step", str(args.step),
+                   "--tier-path", f"{tier_path}-node{k}", "--lose-node",
+                   "--incarnation", str(incarnation)]  # fmt: skip
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(k)}
+            log = open(out / f"{name}.{incarnation}.node{k}.log", "w")  # noqa: SIM115 (closed below)
+            # Its own session, so that the agent and its worker go together; started in node order, so that
+            # the rendezvous (ranks by process id) makes node k GROUP_RANK k in both incarnations.
+            agent = subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+            )
+            agents.append((agent, log))
+            time.sleep(1)
+        if incarnation == 0:  # the lost node's worker kills itself; the other's collectives then fail or hang
+            give_up = time.monotonic() + 400
+            while all(a.poll() is None for a, _ in agents) and time.monotonic() < give_up:
+                time.sleep(0.5)
+            deadline = time.monotonic() + 30
+            while any(a.poll() is None for a, _ in agents) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            for a, _ in agents:
+                for sig in (signal.SIGTERM, signal.SIGKILL):  # the agent and its worker
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(a.pid, sig)
+                    try:
+                        a.wait(timeout=30)
+                        break
+                    except subprocess.TimeoutExpired:
+                        continue
+        else:
+            rcs += [a.wait() for a, _ in agents]
+        for _, log in agents:
+            log.close()
+    return max(rcs)
+
+
 def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, Any]:
     def last(name: str) -> dict[str, Any]:
         runs = records.get(name, {}).get("runs", [])
@@ -235,6 +345,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         ("restore-torch", "torch"),
         ("restore-datastates", "datastates"),
         ("restart-memory", "datastates"),
+        ("restart-replica", "datastates"),
     ):
         t, scratch = first_step(last(name)), first_step(last(scratch_run))
         restore[name] = None if t is None or scratch is None else t - scratch
@@ -247,7 +358,26 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
     repeats = [k for k in records if k.split(".")[0] == "restart-memory" and "runs" in records[k]]
     compared = last("restart-memory").get("compared", {})
     each = [records[k]["runs"][-1].get("compared", {}) for k in repeats]
+    if "restart-replica" in records:
+        each.append(last("restart-replica").get("compared", {}))
     bitwise = bool(each) and all(c and all(p["differences"] == 0 for p in c.values()) for c in each)
+    replica = last("restart-replica")
+    without = (records.get("restart-memory", {}).get("runs") or [{}])[0]  # its first start: replicas off
+    lost_node = None
+    if replica:
+        first = records["restart-replica"]["runs"][0] if records["restart-replica"]["runs"] else {}
+        lost_node = {
+            "resumed_from_memory": replica.get("resumed_from_memory"),
+            "ranks_from_memory": replica.get("ranks_from_memory"),
+            "sources": replica.get("sources"),  # [GROUP_RANK, the folder its files were read from] by rank
+            "compared": {
+                k: {"tensors": v["tensors"], "differences": v["differences"]}
+                for k, v in replica.get("compared", {}).items()
+            },
+            "replicated": first.get("replicated"),
+            "stall_s": first.get("stall_s"),  # replication on; restart-memory's: off
+            "stall_without_replicas_s": without.get("stall_s"),
+        }
     return {
         "command": " ".join(sys.argv),
         "model": args.model,
@@ -265,6 +395,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         },
         "bitwise": bitwise,
         "tier": last("restart-memory").get("tier"),
+        "lost_node": lost_node,
         # Each run's peaks over its incarnations (the restart's first trains and saves, its second restores).
         "memory": {k: peaks(records[k]["runs"]) for k in records if "runs" in records[k]},
         "records": records,
@@ -318,6 +449,7 @@ def main() -> int:
     a.add_argument("--tier-path", default="/dev/shm/nanotron-datastates-{uid}", help="(default %(default)s)")
     a.add_argument("--only", default="", help="these runs only, comma-separated (restores need their save)")
     a.add_argument("--repeats", type=int, default=1, help="restart-memory and datastates runs (default 1)")
+    a.add_argument("--lose-node", action="store_true", help="also restart-replica (--dp 2): a node lost")
     sm = sub.add_parser("summarize", help="recompute a result file's summary from its records")
     sm.add_argument("file")
     ph = sub.add_parser("phase")
@@ -325,6 +457,8 @@ def main() -> int:
         ph.add_argument(flag, required=True)
     ph.add_argument("--step", type=int, required=True)
     ph.add_argument("--kill", action="store_true")
+    ph.add_argument("--lose-node", action="store_true")
+    ph.add_argument("--incarnation", type=int, help="the job's start (default: torchrun's restart count)")
     args = p.parse_args()
     if getattr(args, "tier_path", None):
         args.tier_path = args.tier_path.replace("{uid}", str(os.geteuid()))

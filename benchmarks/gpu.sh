@@ -94,6 +94,10 @@ run_step() {
     restart-180m-dp2) # the same on two data-parallel GPUs: every rank restarts from memory
       (cd $B && python3 bench_restart.py all --model 180m --step 20 --dp 2 --work "$WORK/rs180d" \
         --out "$OUT/restart-180m-dp2" ${RESTART_ONLY:+--only $RESTART_ONLY}) ;;
+    restart-180m-lost-node) # two simulated nodes of one GPU each (dp=2) with memory replicas: the second node lost
+      # after a checkpoint (its tier wiped), the job started again; also each engine's restore from storage
+      (cd $B && python3 bench_restart.py all --model 180m --step 20 --dp 2 --lose-node --work "$WORK/rs180n" \
+        --out "$OUT/restart-180m-lost-node" ${RESTART_ONLY:+--only $RESTART_ONLY}) ;;
     restart-1b) (cd $B && python3 bench_restart.py all --model 1b --step 10 --cache-gib 16 --work "$WORK/rs1b" \
       --out "$OUT/restart-1b" ${RESTART_ONLY:+--only $RESTART_ONLY} ${TIER_COPIES:+--tier-copies $TIER_COPIES} \
       ${RESTART_REPEATS:+--repeats $RESTART_REPEATS}) ;;
