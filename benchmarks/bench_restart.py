@@ -112,7 +112,7 @@ def run_phase(args: argparse.Namespace) -> None:
                     replicated.set()
 
         def training_step(self, dataloader: Any) -> Any:
-            if args.lose_node and killing and self.iteration_step > args.step:
+            if args.lose_node and killing and self.iteration_step == args.step + 1:
                 replicated.wait(timeout=600)  # the node is lost once its checkpoint is in the peer too
                 keep_record()
                 if os.environ.get("GROUP_RANK") == "1":
