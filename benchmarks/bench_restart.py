@@ -25,7 +25,7 @@ With `--dp N`, every run is N data-parallel workers (`--zero 1`: optimizer shard
 own state with its own copy, and all must resume from memory for `restart-memory` to count as from memory.
 
 With `--lose-node` (and `--dp 2`), `restart-replica` runs too: two `torchrun`s on this machine, each a node of
-one GPU (`CUDA_VISIBLE_DEVICES`) with a memory tier of its own, `datastates.memory_replicas: 1`. Once the
+one GPU (the GPU of its rank) with a memory tier of its own, `datastates.memory_replicas: 1`. Once the
 checkpoint at `--step` is committed and replicated, the worker of the second node (GROUP_RANK 1) wipes its
 node's tier and SIGKILLs itself, and the first node's worker is stopped: a node lost. The job is started
 again on both (as a scheduler puts it back on a replacement node; torchrun's own restart reads the first
@@ -72,6 +72,10 @@ def run_phase(args: argparse.Namespace) -> None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if args.incarnation is not None:  # --lose-node: the job started again, not restarted by torchrun
         restart = args.incarnation
+    if args.lose_node:
+        # Nanotron takes a job of 8 GPUs or fewer for one node (its local group is the whole world, and
+        # LOCAL_RANK must be the rank in it); each simulated node's worker then takes the GPU of its rank.
+        os.environ["LOCAL_RANK"] = os.environ["RANK"]
     killing = (args.kill or args.lose_node) and restart == 0
     replicated = threading.Event()  # --lose-node: this rank's replication of the checkpoint at --step is done
     t_start = time.perf_counter()
@@ -301,7 +305,7 @@ def lost_node(
                    "--record", str(record), "--work", str(work), "--step", str(args.step),
                    "--tier-path", f"{tier_path}-node{k}", "--lose-node",
                    "--incarnation", str(incarnation)]  # fmt: skip
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(k)}
+            env = dict(os.environ)
             log = open(out / f"{name}.{incarnation}.node{k}.log", "w")  # noqa: SIM115 (closed below)
             # Its own session, so that the agent and its worker go together; started in node order, so that
             # the rendezvous (ranks by process id) makes node k GROUP_RANK k in both incarnations.
@@ -314,7 +318,7 @@ def lost_node(
             give_up = time.monotonic() + 400
             while all(a.poll() is None for a, _ in agents) and time.monotonic() < give_up:
                 time.sleep(0.5)
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 15
             while any(a.poll() is None for a, _ in agents) and time.monotonic() < deadline:
                 time.sleep(0.5)
             for a, _ in agents:
