@@ -192,30 +192,31 @@ def test_the_snapshot_holds_the_state_asked_for_and_the_step_waits_for_it(rank0,
 
 
 def test_a_step_waits_for_the_states_files_only_and_the_request_files_are_queued_first(rank0, tmp_path):
-    """The scheduler's and random states' files hold host values made at the request, which nothing changes:
-    queued first (a cache smaller than the checkpoint takes them before the state's pieces) and never waited
-    for by a step; so the state's files alone are staged, with the kept layout, on a GPU."""
+    """The scheduler's and random states' files hold copies of the host values of the request, which nothing
+    changes: queued first (a cache smaller than the checkpoint takes them before the state's pieces) and
+    never waited for by a step; so the state's files alone are staged, with the kept layout, on a GPU."""
+    random_states = rank0[2][3]
     saver = saver_of(rank0, tmp_path / "ckpt")
     folder = (tmp_path / "ckpt" / "5").resolve()
     calls, save_plans = [], saver.engine.save_plans
 
     def recorded(files, **kw):  # the engine's own call, each call's files noted
-        calls.append(sorted({Path(path).relative_to(folder).parts[0] for _, path in files}))
+        calls.append({Path(path).relative_to(folder).parts[0]: plan for plan, path in files})
         return save_plans(files, **kw)
 
     saver.engine.save_plans = recorded
     try:
         ask(saver, rank0, 5)
-        gated = {
-            Path(h.path).relative_to(folder).parts[0] for handles, _ in saver.gate._pending for h in handles
-        }
+        gated = {Path(h.path).relative_to(folder).parts[0] for hs, _ in saver.gate._pending for h in hs}
         saver.before_step()
         saver.drain(lambda s: None)
         saver.close()
     finally:
         del saver.engine.save_plans
-    assert calls == [["lr_scheduler", "random"], ["model", "optimizer"]]
+    assert [sorted(c) for c in calls] == [["lr_scheduler", "random"], ["model", "optimizer"]]
     assert gated == {"model", "optimizer"}
+    theirs = {s.torch_cpu.data_ptr() for s in random_states.values()}
+    assert theirs and not theirs & {a.data_ptr() for a in calls[0]["random"].arrays}  # copies
 
 
 def saved_checkpoint(rank0, root: Path, at: int = 7, **settings) -> Path:

@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from ... import telemetry
 from ...engine import DataStatesEngine
 from ...plan import SavePlan
@@ -192,10 +194,10 @@ class Saver:
             "nanotron": {k: states.random_state_to_plain(v) for k, v in random_states.items()},
             "global": states.global_rng_state(),
         }
-        later: list[tuple[Path, SavePlan]] = []
+        later: list[tuple[Path, SavePlan]] = []  # host values of this moment: copies, which nothing changes
         if files.lr_scheduler is not None:
-            later.append((files.lr_scheduler, self.engine.plan(lr_scheduler.state_dict())))
-        later.append((files.random, self.engine.plan(random_state)))
+            later.append((files.lr_scheduler, self.engine.plan(_host_copy(lr_scheduler.state_dict()))))
+        later.append((files.random, self.engine.plan(_host_copy(random_state))))
         pending = PendingCheckpoint(step, folder, [], finalize)
         self.outstanding += 1
         stage = self._decide()[0]
@@ -238,7 +240,10 @@ class Saver:
                     self._optimizer_plan = plan
                 todo.append((files.optimizer, plan))
             folder = str(pending.folder)
-            queued = [later, todo]
+            todo += [
+                (path, plan) for path, plan in later if plan.devices
+            ]  # a GPU tensor there: the state's way
+            queued = [[(path, plan) for path, plan in later if not plan.devices], todo]
             mirrors: list[list[Path] | None] = [None, None]
             recycle: list[list[Path | None] | None] = [None, None]
             if self.tier is not None:
@@ -269,8 +274,6 @@ class Saver:
         """Queues the state's files: all staged on the GPU together (so the optimizer step waits for none), or
         straight from the state where unstaged or where staging runs out of GPU memory."""
         if stage:
-            import torch
-
             try:
                 return self.engine.save_plans(files, stage=True, mirrors=mirrors, recycle=recycle)
             except torch.cuda.OutOfMemoryError:
@@ -384,3 +387,15 @@ class Saver:
 
 def _add_stall(pending: PendingCheckpoint, seconds: float) -> None:
     pending.stall_s += seconds
+
+
+def _host_copy(x: Any) -> Any:
+    """`x` with its containers and host tensors copied (a few kB here: random states, a scheduler's state),
+    so that the files made of it are read as they were at the request, whenever the engine reads them."""
+    if isinstance(x, torch.Tensor):
+        return x.clone() if x.device.type == "cpu" else x
+    if isinstance(x, dict):
+        return type(x)((k, _host_copy(v)) for k, v in x.items())
+    if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+        return type(x)(_host_copy(v) for v in x)
+    return x
