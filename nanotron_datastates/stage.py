@@ -51,9 +51,9 @@ class _Group:
             self.templates, self.picks = [], []
             for j, shape in enumerate(self.shapes):
                 if self.split[2 * j]:
-                    self.templates.append(torch.empty(self.split[2 * j], device="meta"))
+                    self.templates.append(_meta((self.split[2 * j],)))
                 self.picks.append(len(self.templates))
-                self.templates.append(torch.empty(shape, device="meta"))
+                self.templates.append(_meta(shape))
         every = torch._C._nn.unflatten_dense_tensors(typed, self.templates)
         return [every[j] for j in self.picks]
 
@@ -150,6 +150,16 @@ class Stager:
         for k, row in enumerate(layout.views):
             views[k] = list(row)
         return bases
+
+
+def _meta(shape: Sequence[int]) -> torch.Tensor:
+    """A tensor of `shape` without memory. empty_strided: Nanotron patches torch.empty (and others) while it
+    builds a model, forcing its device and dtype."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return torch.empty_strided(tuple(shape), tuple(reversed(strides)), device="meta")
 
 
 def staged_nbytes(plans: Sequence[Any]) -> int:
