@@ -240,9 +240,8 @@ class Saver:
                     self._optimizer_plan = plan
                 todo.append((files.optimizer, plan))
             folder = str(pending.folder)
-            todo += [
-                (path, plan) for path, plan in later if plan.devices
-            ]  # a GPU tensor there: the state's way
+            # The request's files with a GPU tensor (Nanotron's have none) go the state's way.
+            todo += [(path, plan) for path, plan in later if plan.devices]
             queued = [[(path, plan) for path, plan in later if not plan.devices], todo]
             mirrors: list[list[Path] | None] = [None, None]
             recycle: list[list[Path | None] | None] = [None, None]
