@@ -10,7 +10,8 @@ scratch (Nanotron main's collect_env report and the restart's comparison left ou
 * `torch`, then `restore-torch`: Nanotron's own checkpoint at `--step`, resumed by a new run (its files
   evicted from the page cache first);
 * `datastates`, then `restore-datastates`: the engine's, resumed from storage the same way;
-* `restart-memory`: one `torchrun --max-restarts 1` with `datastates.memory_tier: true`: the worker trains,
+* `restart-memory`: one `torchrun --max-restarts 1` with `datastates.memory_tier: true` (with several ranks,
+  two `torchrun`s: the job started again, see `--dp`): the worker trains,
   takes a synchronous copy of its whole state at `--step` (weights, optimizer with fp32 master weights,
   scheduler, random states, metadata) as it asks for that checkpoint, and SIGKILLs itself once the checkpoint
   is committed; torchrun starts it again, it resumes from the memory tier, clones its whole restored state on
@@ -23,6 +24,8 @@ median and spread; a start's time varies by a second or more from run to run.
 
 With `--dp N`, every run is N data-parallel workers (`--zero 1`: optimizer shards per rank); each compares its
 own state with its own copy, and all must resume from memory for `restart-memory` to count as from memory.
+torchrun's in-place restart of several ranks hands the new workers the dead ones' addresses (torch 2.11-2.13,
+pytorch/pytorch#167288; `micro/torchrun_restart_gloo.py`), so there the job is started again instead.
 
 With `--lose-node` (and `--dp 2`), `restart-replica` runs too: two `torchrun`s on this machine, each a node of
 one GPU (the GPU of its rank) with a memory tier of its own, `datastates.memory_replicas: 1`. Once the
@@ -261,16 +264,22 @@ def run_all(args: argparse.Namespace) -> int:
             result = summarize(args, records)
             (out / f"bench_restart_{args.model}.json").write_text(json.dumps(result, indent=1))
             continue
-        # --standalone: a rendezvous per restart; the static one keeps its store's keys across restarts, and
-        # NCCL's second incarnation then reads the first one's ids (connection refused)
-        cmd = ["torchrun", "--standalone", f"--nproc_per_node={args.dp}", *flags, __file__, "phase"]
-        cmd += ["--mode", name]
+        # --standalone: a rendezvous per restart (the static one keeps its store's keys across restarts). With
+        # several ranks, torchrun's in-place restart still hands the workers the dead ones' addresses
+        # (pytorch/pytorch#167288: a gloo group fails to connect): the job is started again instead.
+        again = kill and args.dp > 1
+        cmd = ["torchrun", "--standalone", f"--nproc_per_node={args.dp}", *([] if again else flags)]
+        cmd += [__file__, "phase", "--mode", name]
         cmd += ["--config", str(cfg), "--record", str(record), "--work", str(work), "--step", str(n)]
         cmd += ["--tier-path", tier_path] + (["--kill"] if kill else [])
         env = {**os.environ, **({"NANOTRON_DATASTATES_AUTOLOAD": "0"} if stock else {})}
         t0 = time.perf_counter()
         with open(out / f"{name}.log", "w") as f:
-            rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
+            # Started again: the first start kills itself, the second's status is the run's.
+            starts = [["--incarnation", "0"], ["--incarnation", "1"]] if again else [[]]
+            for more in starts:
+                run = subprocess.run(cmd + more, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+                rc = run.returncode
         incarnations = [json.loads(p.read_text()) for p in sorted(work.glob(f"{name}.record.*.json"))]
         records[name] = {"rc": rc, "seconds": time.perf_counter() - t0, "runs": incarnations}
         print(f"{name:20s} rc={rc} {records[name]['seconds']:6.1f} s", flush=True)

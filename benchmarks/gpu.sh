@@ -91,7 +91,8 @@ run_step() {
       (cd $B && python3 bench_restart.py all --model 180m --step 20 --work "$WORK/rs180" --out "$OUT/restart-180m" \
         ${RESTART_ONLY:+--only $RESTART_ONLY} ${TIER_COPIES:+--tier-copies $TIER_COPIES} \
         ${RESTART_REPEATS:+--repeats $RESTART_REPEATS}) ;;
-    restart-180m-dp2) # the same on two data-parallel GPUs: every rank restarts from memory
+    restart-180m-dp2) # the same on two data-parallel GPUs, the job started again (torchrun's in-place restart of
+      # several ranks reads the dead workers' addresses): every rank restarts from memory
       (cd $B && python3 bench_restart.py all --model 180m --step 20 --dp 2 --work "$WORK/rs180d" \
         --out "$OUT/restart-180m-dp2" ${RESTART_ONLY:+--only $RESTART_ONLY}) ;;
     restart-180m-lost-node) # two simulated nodes of one GPU each (dp=2) with memory replicas: the second node lost
