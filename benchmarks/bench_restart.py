@@ -316,8 +316,8 @@ def lost_node(
                    "--incarnation", str(incarnation)]  # fmt: skip
             env = dict(os.environ)
             log = open(out / f"{name}.{incarnation}.node{k}.log", "w")  # noqa: SIM115 (closed below)
-            # Its own session, so that the agent and its worker go together; started in node order, so that
-            # the rendezvous (ranks by process id) makes node k GROUP_RANK k in both incarnations.
+            # A process group of its own, so that a signal stops the agent and its worker together; started
+            # in node order, so that the rendezvous (ranks by process id) makes node k GROUP_RANK k each time.
             agent = subprocess.Popen(
                 cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
             )

@@ -28,6 +28,7 @@ is committed (memory_tier.py); with `memory_replicas`, the step then goes to ran
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
@@ -239,20 +240,10 @@ class Saver:
                 if self._optimizer_plan is not None:
                     self._optimizer_plan = plan
                 todo.append((files.optimizer, plan))
-            folder = str(pending.folder)
             # The request's files with a GPU tensor (Nanotron's have none) go the state's way.
             todo += [(path, plan) for path, plan in later if plan.devices]
-            queued = [[(path, plan) for path, plan in later if not plan.devices], todo]
-            mirrors: list[list[Path] | None] = [None, None]
-            recycle: list[list[Path | None] | None] = [None, None]
-            if self.tier is not None:
-                for n, group in enumerate(queued):
-                    names = [path for path, _ in group]
-                    mirrors[n] = [self.tier.path(pending.step, path) for path in names]
-                    recycle[n] = self.tier.recycle(pending.step, [str(path) for path in names])
-            targets = [[(plan, os.path.join(folder, path)) for path, plan in group] for group in queued]
-            pending.handles = self.engine.save_plans(targets[0], mirrors=mirrors[0], recycle=recycle[0])
-            state = self._submit(targets[1], stage, mirrors[1], recycle[1])
+            pending.handles = self._save(pending, [(path, plan) for path, plan in later if not plan.devices])
+            state = self._save(pending, todo, stage)
             pending.handles = pending.handles + state
             self.gate.add(state, on_wait=functools.partial(_add_stall, pending))
         except Exception as e:  # reported at the next checkpoint or the end, as a failed write would be
@@ -263,24 +254,26 @@ class Saver:
         self._notify("queued", step=pending.step, deferred=deferred, seconds=time.perf_counter() - t0)
         self.committer.submit(pending)
 
-    def _submit(
-        self,
-        files: list[tuple[SavePlan, str]],
-        stage: bool,
-        mirrors: list[Path] | None,
-        recycle: list[Path | None] | None,
+    def _save(
+        self, pending: PendingCheckpoint, files: list[tuple[Path, SavePlan]], stage: bool = False
     ) -> list[Any]:
-        """Queues the state's files: all staged on the GPU together (so the optimizer step waits for none), or
-        straight from the state where unstaged or where staging runs out of GPU memory."""
+        """Queues `files` (path in the checkpoint, plan) of `pending`'s checkpoint, each with its memory tier
+        copy: all staged on the GPU together (so the optimizer step waits for none), or straight from the
+        tensors where unstaged or where staging runs out of GPU memory."""
+        targets = [(plan, os.path.join(str(pending.folder), path)) for path, plan in files]
+        mirrors = recycle = None
+        if self.tier is not None:
+            mirrors = [self.tier.path(pending.step, path) for path, _ in files]
+            recycle = self.tier.recycle(pending.step, [str(path) for path, _ in files])
         if stage:
             try:
-                return self.engine.save_plans(files, stage=True, mirrors=mirrors, recycle=recycle)
+                return self.engine.save_plans(targets, stage=True, mirrors=mirrors, recycle=recycle)
             except torch.cuda.OutOfMemoryError:
                 self._staged = False
                 say.info(
                     "out of GPU memory copying a checkpoint on the GPU: it is copied from the state itself"
                 )
-        return self.engine.save_plans(files, mirrors=mirrors, recycle=recycle)
+        return self.engine.save_plans(targets, mirrors=mirrors, recycle=recycle)
 
     # -- 3. every optimizer step ----------------------------------------------------------------------------
 
@@ -393,8 +386,8 @@ def _host_copy(x: Any) -> Any:
     so that the files made of it are read as they were at the request, whenever the engine reads them."""
     if isinstance(x, torch.Tensor):
         return x.clone() if x.device.type == "cpu" else x
-    if isinstance(x, dict):
+    if type(x) in (dict, collections.OrderedDict):  # the containers a skeleton holds as data
         return type(x)((k, _host_copy(v)) for k, v in x.items())
-    if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+    if type(x) in (list, tuple):
         return type(x)(_host_copy(v) for v in x)
     return x
