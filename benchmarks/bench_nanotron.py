@@ -15,6 +15,11 @@ Each mode trains the same model for the same steps in its own torchrun, on the s
 * `datastates`: `checkpointing_engine: datastates`;
 * `stress`: datastates at every step, where backpressure must bound the stall;
 * `datastates-idle`: datastates set up and never asked for a checkpoint (what its presence alone costs);
+* `copy-only`, `copy-paced`: stock Nanotron without checkpoints, where the benchmark itself copies as many
+  bytes as a checkpoint holds from the GPU to pinned host memory at the optimizer step after every
+  `--interval` steps (where datastates queues its staged copies): one copy on a side stream, or pieces of 64
+  MiB with GPU sleeps between them that spread it over `--copy-pace-s`. What the copy to the host alone
+  costs the steps it runs beside, and whether spreading it changes that cost;
 * `datastates-NAME` (`--variant NAME:key=value,...`): datastates with other `datastates:` settings, for
   ablations (e.g. `p1:parser_threads=1`); a NAME that starts with `idle` asks for no checkpoint, as
   `datastates-idle` (e.g. `idle-nopin:pin_host_cache=false`);
@@ -160,6 +165,8 @@ def run_phase(args: argparse.Namespace) -> None:
             self._dcp_staging: Any = None  # dcp-zo: the last save's staging, awaited before the next step
             self._gloo = torch.distributed.new_group(backend="gloo") if dcp_mode else None
             self._stager = dcp_zero_overhead_stager() if args.mode == "dcp-zo" else None
+            self._raw_copy: RawCopy | None = None  # copy-*: made after the first step, when the state exists
+            self._raw_copy_due = False
             step = self.optimizer.step  # the first step's phases: forward and backward, then the update
 
             def first_step(*a: Any, **k: Any) -> Any:
@@ -178,11 +185,17 @@ def run_phase(args: argparse.Namespace) -> None:
                 # The second checkpoint's queuing at the step after it (the first's pays one-time costs).
                 queuing = args.profile and saver is not None and saver.gate.deferred
                 queuing = queuing and len(rec["saves"]) == 2
+                if self._raw_copy is not None and self._raw_copy_due:  # copy-*: where datastates queues
+                    self._raw_copy.issue()
+                    self._raw_copy_due = False
                 with Profiled(Path(args.record).with_suffix(".queue.prof.txt") if queuing else None):
                     out = step(*a, **k)
                 if first:
                     torch.cuda.synchronize()
                     rec["marks"]["optimizer_step_end_s"] = time.perf_counter() - t_start
+                    if args.mode.startswith("copy-"):
+                        pace = args.copy_pace_s if args.mode == "copy-paced" else 0.0
+                        self._raw_copy = RawCopy(checkpoint_bytes(self), pace)
                 return out
 
             self.optimizer.step = first_step
@@ -209,6 +222,10 @@ def run_phase(args: argparse.Namespace) -> None:
             if self.iteration_step == self.config.tokens.train_steps:  # no iteration after it to slow down
                 memory.sample_pss()
             rec.setdefault("gc2", []).append([self.iteration_step, gc.get_stats()[2]["collections"]])
+            step, last = self.iteration_step, self.config.tokens.train_steps
+            if self._raw_copy is not None and step % args.interval == 0 and step < last:
+                rec["saves"].append({"step": step, "call_s": 0.0, "bytes": self._raw_copy.host.numel()})
+                self._raw_copy_due = True
             loss = out[1] if isinstance(out, tuple) and len(out) > 1 else None
             if isinstance(loss, torch.Tensor):
                 rec["losses"].append([self.iteration_step, loss.item()])
@@ -313,10 +330,84 @@ def run_phase(args: argparse.Namespace) -> None:
     dataloader = run_train.get_dataloader(trainer)
     rec["marks"]["dataloader_s"] = time.perf_counter() - t_start
     trainer.train(dataloader)
+    if trainer._raw_copy is not None:
+        rec["raw_copy_s"] = trainer._raw_copy.seconds()
     rec["memory"] = {**memory.stop(), "gpu_max_reserved_bytes": torch.cuda.max_memory_reserved(),
                      "gpu_max_allocated_bytes": torch.cuda.max_memory_allocated()}  # fmt: skip
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.record).write_text(json.dumps(rec))
+
+
+class RawCopy:
+    """The `copy-*` modes' copy: `nbytes` from a GPU buffer to pinned host memory on a side stream, in one
+    copy or (`pace_s` > 0) in 64 MiB pieces with GPU sleeps between them, so that it takes about `pace_s`."""
+
+    PIECE = 64 << 20
+
+    def __init__(self, nbytes: int, pace_s: float) -> None:
+        import torch
+
+        self.dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.stream = torch.cuda.Stream()
+        self.pieces = [(lo, min(lo + self.PIECE, nbytes)) for lo in range(0, nbytes, self.PIECE)]
+        self.sleep_cycles = 0
+        self.timed: list[Any] = []  # (begin, end) events of each copy
+        if pace_s > 0:
+            self._issue(paced=False)
+            torch.cuda.synchronize()
+            plain_s = self.seconds()[-1]
+            probe = 10_000_000
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self.stream):
+                begin.record(self.stream)
+                torch.cuda._sleep(probe)
+                end.record(self.stream)
+            torch.cuda.synchronize()
+            gap_s = max(pace_s - plain_s, 0.0) / len(self.pieces)
+            self.sleep_cycles = int(probe * gap_s / (begin.elapsed_time(end) / 1e3))
+            self.timed.clear()
+
+    def _issue(self, paced: bool) -> None:
+        import torch
+
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            begin.record(self.stream)
+            if not paced:
+                self.host.copy_(self.dev, non_blocking=True)
+            else:
+                for lo, hi in self.pieces:
+                    self.host[lo:hi].copy_(self.dev[lo:hi], non_blocking=True)
+                    torch.cuda._sleep(self.sleep_cycles)
+            end.record(self.stream)
+        self.timed.append((begin, end))
+
+    def issue(self) -> None:
+        self._issue(paced=self.sleep_cycles > 0)
+
+    def seconds(self) -> list[float]:
+        """Each copy's time on the GPU (waits for them)."""
+        self.stream.synchronize()
+        return [b.elapsed_time(e) / 1e3 for b, e in self.timed]
+
+
+def checkpoint_bytes(trainer: Any) -> int:
+    """The bytes of a checkpoint's tensors: the model's and the optimizer state's (moments, master
+    weights)."""
+    import torch
+
+    def tensors(x: Any) -> list[Any]:
+        if isinstance(x, torch.Tensor):
+            return [x]
+        if isinstance(x, dict):
+            return [t for v in x.values() for t in tensors(v)]
+        if isinstance(x, (list, tuple)):
+            return [t for v in x for t in tensors(v)]
+        return []
+
+    every = tensors(dict(trainer.unwrapped_model.state_dict())) + tensors(trainer.optimizer.state_dict())
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in every}.values())
 
 
 def dcp_zero_overhead_stager(pinned: bool = True) -> Any:
@@ -552,6 +643,8 @@ def run_all(args: argparse.Namespace) -> int:
         ("restore-torch", config("restore-torch", "torch", last + 2, never, str(work / "ckpt_torch")), True),
         ("dcp", config("dcp", "torch", args.steps, args.interval), True),
         ("dcp-zo", config("dcp-zo", "torch", args.steps, args.interval), True),
+        ("copy-only", config("copy-only", "torch", args.steps, never), True),
+        ("copy-paced", config("copy-paced", "torch", args.steps, never), True),
         ("datastates", config("datastates", "datastates", args.steps, args.interval), False),
         (
             "restore-datastates",
@@ -587,7 +680,7 @@ def run_all(args: argparse.Namespace) -> int:
         os.sync()  # no write-back of the previous run's files left to compete with this one
         cmd = ["torchrun", "--nproc_per_node=1", __file__, "phase", "--mode", name, "--config", str(cfg)]
         cmd += ["--record", str(record)] + (["--profile"] if args.profile else [])
-        cmd += ["--pss-every", str(args.pss_every)]
+        cmd += ["--pss-every", str(args.pss_every), "--copy-pace-s", str(args.copy_pace_s)]
         env = {**os.environ, **({"NANOTRON_DATASTATES_AUTOLOAD": "0"} if stock else {})}
         t0 = time.perf_counter()
         with open(out / f"{name}.log", "w") as f:
@@ -911,7 +1004,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
     median = statistics.median(steady) if steady else float("nan")
     modes: dict[str, Any] = {}
     names = ["none", "torch", "dcp", "dcp-zo", "datastates", "stress"]
-    names += [n for n in records if n.startswith("datastates-")]
+    names += [n for n in records if n.startswith(("datastates-", "copy-"))]
     for name in names:
         rec = records.get(name, {})
         it = iteration_times(rec)
@@ -934,6 +1027,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
             "checkpoint_bytes": max((c["bytes"] for c in rec.get("commits", [])), default=None),
             "memory": rec.get("memory"),
             "dcp_staging_waits_s": rec.get("dcp_staging_waits_s"),
+            "raw_copy_s": rec.get("raw_copy_s"),
         }
         m = modes[name]
         if m["stall_median_s"] is not None and name != "stress":  # share of training time lost to checkpoints
@@ -1134,6 +1228,7 @@ def main() -> int:
     a.add_argument("--variant", action="append", help="NAME:key=value,...: one more datastates run")
     a.add_argument("--rounds", type=int, default=1, help="repeat every run this many times, interleaved")
     a.add_argument("--pss-every", type=float, default=0.0, help="also read PSS every S s (0: never)")
+    a.add_argument("--copy-pace-s", type=float, default=0.3, help="copy-paced: seconds its copy takes")
     a.add_argument(
         "--restore-repeats",
         type=int,
@@ -1147,6 +1242,7 @@ def main() -> int:
         ph.add_argument(flag, required=True)
     ph.add_argument("--profile", action="store_true")
     ph.add_argument("--pss-every", type=float, default=0.0)
+    ph.add_argument("--copy-pace-s", type=float, default=0.3)
     args = p.parse_args()
     if args.what == "phase":
         run_phase(args)

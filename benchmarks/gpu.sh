@@ -65,6 +65,11 @@ run_step() {
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 400 --interval 80 --cache-gib 2 \
         --modes dcp-zo,datastates --variant cache8:host_cache_size=8 --rounds "${OVERHEAD_ROUNDS:-2}" \
         --work "$WORK/o180" --out "$OUT/overhead-180m" ${BENCH_ARGS:-}) ;;
+    copy-cost-180m) # what the copy to the host alone costs the steps beside it: stock Nanotron with the
+      # checkpoint's bytes copied by the benchmark at once or spread over 0.3 s, against datastates (8 GiB)
+      (cd $B && python3 bench_nanotron.py all --model 180m --steps 560 --interval 80 --cache-gib 2 \
+        --modes copy-only,copy-paced --variant cache8:host_cache_size=8 --work "$WORK/cc180" \
+        --out "$OUT/copy-cost-180m" ${BENCH_ARGS:-}) ;;
     idle-180m) # the engine set up and never asked for a checkpoint, against stock Nanotron, in turns,
       # OVERHEAD_ROUNDS rounds (default 3)
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 400 --interval 80 --modes datastates-idle \
@@ -112,6 +117,8 @@ run_step() {
       (cd $B && python3 nanotron_crash.py --trials 3 --out "$OUT/crash" --work "$WORK/crash") ;;
     staging) (cd $B/micro && python3 bench_staging.py --model 180m --out "$OUT/staging") ;;
     interference) (cd $B/micro && python3 bench_interference.py --dir "$WORK/interf" --out "$OUT/interference") ;;
+    copy-interference) # a copy to the host beside launch-bound steps, by the way it is issued (BENCH_ARGS)
+      (cd $B/micro && python3 bench_copy_interference.py --out "$OUT/copy-interference" ${BENCH_ARGS:-}) ;;
     pinning) (cd $B/micro && python3 bench_pinning.py --cache-gib 16 --rounds 2 --out "$OUT/pinning") ;;
     restore-stress) python3 $B/micro/restore_stress.py --work "$WORK/rs" --procs 6 --rounds 8 --out "$OUT/restore-stress" ;;
     *) echo "unknown step $1"; return 2 ;;
