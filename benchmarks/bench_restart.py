@@ -119,13 +119,15 @@ def run_phase(args: argparse.Namespace) -> None:
                     replicated.set()
 
         def training_step(self, dataloader: Any) -> Any:
+            out = super().training_step(dataloader)
+            # After the step that follows the checkpoint: a checkpoint staged on the GPU is queued at that
+            # step's optimizer step, so waiting before it for the replication would wait forever.
             if args.lose_node and killing and self.iteration_step == args.step + 1:
                 replicated.wait(timeout=600)  # the node is lost once its checkpoint is in the peer too
                 keep_record()
                 if os.environ.get("GROUP_RANK") == "1":
                     shutil.rmtree(args.tier_path, ignore_errors=True)  # the node's memory, gone with it
                     os.kill(os.getpid(), signal.SIGKILL)
-            out = super().training_step(dataloader)
             if "first_step_end_s" not in rec["marks"]:
                 torch.cuda.synchronize()
                 rec["marks"]["first_step_end_s"] = time.perf_counter() - t_start

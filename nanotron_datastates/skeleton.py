@@ -43,7 +43,7 @@ def encode(state: Any, on_tensor: Callable[[torch.Tensor, str], str], *, allow_p
             if math.isfinite(x):
                 return x
             return {"f": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
-        if isinstance(x, torch.Tensor) and not in_key:
+        if (tx is torch.Tensor or tx is torch.nn.Parameter) and not in_key:  # without isinstance's cost
             return {"t": on_tensor(x, path)}
         if tx in (dict, collections.OrderedDict):
             items = []
@@ -65,6 +65,8 @@ def encode(state: Any, on_tensor: Callable[[torch.Tensor, str], str], *, allow_p
                 else [node(v, _join(path, i), in_key) for i, v in enumerate(x)]
             )
             return {"l" if tx is list else "u": items}
+        if isinstance(x, torch.Tensor) and not in_key:  # a subclass
+            return {"t": on_tensor(x, path)}
         if tx is torch.Size:
             return {"s": list(x)}
         if tx is bytes:
