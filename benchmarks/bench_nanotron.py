@@ -36,8 +36,14 @@ steps, minus 1, and the same by the iterations' place after a checkpoint: the st
 while it is persisted (to half the interval), those far from it. `--rounds N` runs the set N times in turn
 and writes `rounds_summary.md`, the median and spread of each over the rounds: the headline figure.
 
-An iteration is timed from the end of one step to the end of the next, after `torch.cuda.synchronize()`, so a
-checkpoint's cost lands in the iterations after it. Stall of a checkpoint = the sum, over the 3 iterations
+An iteration is timed from the end of one step to the end of the next, once the GPU has run the step's work,
+so a checkpoint's cost lands in the iterations after it. `--sync stream` (the default) waits for the training
+stream (`torch.cuda.current_stream().synchronize()`), as Nanotron's own iteration timer does (an event on
+that stream); `--sync device` waits for every stream (`torch.cuda.synchronize()`), and so also for copies
+that an engine runs on streams of its own beside the steps, which Nanotron's loop never waits for: with a
+copy of a checkpoint's bytes to the host on a side stream (`copy-only`), the iteration after it took the
+whole copy's 40 ms more that way (`results/h100/copy_cost_device_sync/`). Results before the option were
+timed with `device`. Stall of a checkpoint = the sum, over the 3 iterations
 after it, of their excess over the median iteration of `none`. Each run also records its host memory (its
 peak resident set; at its last step, the proportional set size of the process and of those it starts, such
 as DCP's checkpoint process; the peak of what `/dev/shm` gained: DCP's shared-memory staging, the memory
@@ -217,13 +223,16 @@ def run_phase(args: argparse.Namespace) -> None:
         def training_step(self, dataloader: Any) -> Any:
             rec["marks"].setdefault("first_step_start_s", time.perf_counter() - t_start)
             out = super().training_step(dataloader)
-            torch.cuda.synchronize()
+            if args.sync == "device":
+                torch.cuda.synchronize()
+            else:
+                torch.cuda.current_stream().synchronize()
             rec["ends"].append([self.iteration_step, time.perf_counter() - t_start])
             if self.iteration_step == self.config.tokens.train_steps:  # no iteration after it to slow down
                 memory.sample_pss()
             rec.setdefault("gc2", []).append([self.iteration_step, gc.get_stats()[2]["collections"]])
             step, last = self.iteration_step, self.config.tokens.train_steps
-            if self._raw_copy is not None and step % args.interval == 0 and step < last:
+            if self._raw_copy is not None and args.interval and step % args.interval == 0 and step < last:
                 rec["saves"].append({"step": step, "call_s": 0.0, "bytes": self._raw_copy.host.numel()})
                 self._raw_copy_due = True
             loss = out[1] if isinstance(out, tuple) and len(out) > 1 else None
@@ -681,6 +690,7 @@ def run_all(args: argparse.Namespace) -> int:
         cmd = ["torchrun", "--nproc_per_node=1", __file__, "phase", "--mode", name, "--config", str(cfg)]
         cmd += ["--record", str(record)] + (["--profile"] if args.profile else [])
         cmd += ["--pss-every", str(args.pss_every), "--copy-pace-s", str(args.copy_pace_s)]
+        cmd += ["--interval", str(args.interval), "--sync", args.sync]
         env = {**os.environ, **({"NANOTRON_DATASTATES_AUTOLOAD": "0"} if stock else {})}
         t0 = time.perf_counter()
         with open(out / f"{name}.log", "w") as f:
@@ -1077,6 +1087,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         "model": args.model,
         "steps": args.steps,
         "interval": args.interval,
+        "sync": getattr(args, "sync", "device"),  # results before --sync were timed with device
         "median_iteration_s": median,
         "modes": modes,
         "restore_to_first_step_s": restore,
@@ -1230,6 +1241,12 @@ def main() -> int:
     a.add_argument("--pss-every", type=float, default=0.0, help="also read PSS every S s (0: never)")
     a.add_argument("--copy-pace-s", type=float, default=0.3, help="copy-paced: seconds its copy takes")
     a.add_argument(
+        "--sync",
+        choices=("stream", "device"),
+        default="stream",
+        help="what an iteration's end waits for: the training stream, or every stream",
+    )
+    a.add_argument(
         "--restore-repeats",
         type=int,
         default=1,
@@ -1243,6 +1260,8 @@ def main() -> int:
     ph.add_argument("--profile", action="store_true")
     ph.add_argument("--pss-every", type=float, default=0.0)
     ph.add_argument("--copy-pace-s", type=float, default=0.3)
+    ph.add_argument("--interval", type=int, default=0, help="copy-*: the steps between copies")
+    ph.add_argument("--sync", choices=("stream", "device"), default="stream")
     args = p.parse_args()
     if args.what == "phase":
         run_phase(args)

@@ -70,6 +70,10 @@ run_step() {
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 560 --interval 80 --cache-gib 2 \
         --modes copy-only,copy-paced --variant cache8:host_cache_size=8 --work "$WORK/cc180" \
         --out "$OUT/copy-cost-180m" ${BENCH_ARGS:-}) ;;
+    stall-180m) # one round of none, DCP zero-overhead and datastates with an 8 GiB cache (a whole checkpoint)
+      (cd $B && python3 bench_nanotron.py all --model 180m --steps 400 --interval 80 --cache-gib 2 \
+        --modes dcp-zo --variant cache8:host_cache_size=8 --work "$WORK/s180" --out "$OUT/stall-180m" \
+        ${BENCH_ARGS:-}) ;;
     idle-180m) # the engine set up and never asked for a checkpoint, against stock Nanotron, in turns,
       # OVERHEAD_ROUNDS rounds (default 3)
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 400 --interval 80 --modes datastates-idle \
