@@ -62,7 +62,7 @@ class TrainerSettings(Settings):
     for two replicas per copy it holds besides its own (checked after the first step). 0: none."""
     memory_replica_gbps: float = 2.0
     """GB/s each rank sends its replicas at, at most, so that training's own traffic keeps the network
-    (0: no limit)."""
+    (0: no limit). A restart pulls what its node lacks at full speed: nothing else runs then."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

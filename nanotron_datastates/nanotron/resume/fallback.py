@@ -63,8 +63,9 @@ def _memory_of_any_node(resume: Any, settings: Any) -> Path | None:
         say.note(f"resuming step {step} from storage: the memory tier cannot serve it ({problems[0]})")
         return None
     group = tdist.new_group(backend="gloo")  # point-to-point from host memory
-    engine, gbps = resume.get_engine(), settings.memory_replica_gbps
-    source, why = replicas.restart_source(own, resume.manifest, resume.needs(), group, engine, gbps)
+    # Not paced to memory_replica_gbps, which keeps replication from taking training's network: at a
+    # restart nothing else runs, and every rank waits for the slowest pull.
+    source, why = replicas.restart_source(own, resume.manifest, resume.needs(), group, resume.get_engine())
     where = f"memory ({source}; {why})" if source else f"storage: no memory copy serves it ({why})"
     say.note(f"resuming step {step} from {where}")
     return source
