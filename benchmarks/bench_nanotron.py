@@ -135,7 +135,7 @@ def run_phase(args: argparse.Namespace) -> None:
         for name in ("save", "plan", "save_plan", "save_plans"):
             setattr(DataStatesEngine, name, timed(getattr(DataStatesEngine, name)))
 
-        # Where a checkpoint's queuing goes: planning, staging on the GPU (prepare_many), the core's calls.
+        # Where a checkpoint's queuing goes: planning, staging on the GPU (prepare_all), the core's calls.
         from nanotron_datastates import engine as engine_module
 
         def adds_to(key: str, plain: Any) -> Any:
@@ -149,7 +149,7 @@ def run_phase(args: argparse.Namespace) -> None:
             return call
 
         DataStatesEngine.plan = adds_to("plan", DataStatesEngine.plan)
-        engine_module.prepare_many = adds_to("prepare", engine_module.prepare_many)
+        engine_module.prepare_all = adds_to("prepare", engine_module.prepare_all)
         start_core = engine_module.start_core
 
         class TimedCore:  # the core's queuing call, timed; everything else passed through

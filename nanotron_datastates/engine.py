@@ -25,7 +25,7 @@ from . import format as fmt
 from .core_setup import start_core
 from .engine_settings import DataStatesConfig
 from .in_flight import InFlight
-from .plan import SavePlan, plan_save, prepare_many
+from .plan import SavePlan, plan_save, prepare_all
 from .restore import (
     load_file,
     load_into_tensors,
@@ -151,7 +151,8 @@ class DataStatesEngine:
         paths = [os.path.abspath(os.fspath(path)) for _, path in files]
         copies = _paths_per_file(mirrors, len(files), "mirrors")
         old = [r or "" for r in _paths_per_file(recycle, len(files), "files to recycle")]
-        prepared = prepare_many([plan for plan, _ in files], stage=stage, stager=self._stager)
+        plans = [plan for plan, _ in files]
+        prep = prepare_all(plans, stage=stage, stager=self._stager)
         # One call to the core for all: one event per device on the caller's streams, and a staged file's
         # tensors as places in the staged buffers rather than a DLPack export each.
         requests = [
@@ -159,21 +160,20 @@ class DataStatesEngine:
                 path,
                 p.names,
                 p.dtypes,
-                [] if p.views else p.arrays,
-                p.views,
+                [] if v else a,
+                v,
                 p.metadata,
                 not p.exact_metadata,
                 m or "",
                 r if m else "",
             )
-            for p, path, m, r in zip(prepared, paths, copies, old)
+            for p, a, v, path, m, r in zip(plans, prep.arrays, prep.views, paths, copies, old)
         ]
-        streams = sorted({s for p in prepared for s in p.streams})
-        bases = prepared[0].bases if prepared else []
-        jobs = self._core.save_many(requests, bases, streams)  # all queued, or none (it raises)
+        streams = sorted({s for ss in prep.streams for s in ss})
+        jobs = self._core.save_many(requests, prep.bases, streams)  # all queued, or none (it raises)
         handles = [
-            SaveHandle(job, path, p.arrays, p.nbytes, stage, m, p.exact_metadata)
-            for job, p, path, m in zip(jobs, prepared, paths, copies)
+            SaveHandle(job, path, a, p.nbytes, stage, m, p.exact_metadata)
+            for job, p, a, path, m in zip(jobs, plans, prep.arrays, paths, copies)
         ]
         for h in handles:
             h._stall_s = (time.perf_counter() - t0) / len(handles)

@@ -67,13 +67,21 @@ def prepare(plan: SavePlan, *, stage: bool = False) -> SavePlan:
     return prepare_many([plan], stage=stage)[0]
 
 
-def prepare_many(
-    plans: Sequence[SavePlan], *, stage: bool = False, stager: Stager | None = None
-) -> list[SavePlan]:
-    """:func:`prepare` for several plans saved together (a checkpoint's files). Staged, their copies share one
-    allocation per device, filled by one multi-tensor copy per dtype: a few kernel launches on the caller's
-    thread instead of an allocation and a copy per tensor (stage.py; `stager` keeps the layout for the next
-    call that stages the same tensors)."""
+@dataclass
+class Prepared:
+    """What a save of several plans hands the core now, per file: the arrays to read (staged copies, or
+    the tensors with their non-contiguous CUDA views made contiguous), their places in the staged buffers,
+    and each CUDA device's current stream; and the staged buffers."""
+
+    arrays: list[list[torch.Tensor]]
+    views: list[list[tuple[int, int, int, torch.Size]]]
+    streams: list[list[tuple[int, int]]]
+    bases: list[torch.Tensor]
+
+
+def prepare_all(plans: Sequence[SavePlan], *, stage: bool = False, stager: Stager | None = None) -> Prepared:
+    """:func:`prepare_many`'s work without a copy of each plan (what a save of a checkpoint's many files
+    does on the caller's thread)."""
     arrays = [list(p.arrays) for p in plans]
     views: list[list[Any]] = [[] for _ in plans]
     bases: list[torch.Tensor] = []
@@ -83,14 +91,28 @@ def prepare_many(
         for k, p in enumerate(plans):
             for i, t in p.gathered:  # queued on the caller's stream, before the event the core records
                 arrays[k][i] = export_view(t.contiguous())
+    current: dict[int, tuple[int, int]] = {}  # each device's current stream, asked for once
+    streams = []
+    for p in plans:
+        for d in p.devices:
+            if d not in current:
+                current[d] = (d, torch.cuda.current_stream(d).cuda_stream)
+        streams.append([current[d] for d in p.devices])
+    return Prepared(arrays, views, streams, bases)
+
+
+def prepare_many(
+    plans: Sequence[SavePlan], *, stage: bool = False, stager: Stager | None = None
+) -> list[SavePlan]:
+    """:func:`prepare` for several plans saved together (a checkpoint's files). Staged, their copies share one
+    allocation per device, filled by one multi-tensor copy per dtype: a few kernel launches on the caller's
+    thread instead of an allocation and a copy per tensor (stage.py; `stager` keeps the layout for the next
+    call that stages the same tensors)."""
+    prep = prepare_all(plans, stage=stage, stager=stager)
     return [
-        dataclasses.replace(p, arrays=a, views=v, bases=bases, streams=_streams(p.devices))
-        for p, a, v in zip(plans, arrays, views)
+        dataclasses.replace(p, arrays=a, views=v, bases=prep.bases, streams=s)
+        for p, a, v, s in zip(plans, prep.arrays, prep.views, prep.streams)
     ]
-
-
-def _streams(devices: list[int]) -> list[tuple[int, int]]:
-    return [(d, torch.cuda.current_stream(d).cuda_stream) for d in devices]
 
 
 def export_view(t: torch.Tensor) -> torch.Tensor:
