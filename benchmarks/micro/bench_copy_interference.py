@@ -44,7 +44,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the helpers in benchmarks/
 from _common import command_info  # noqa: E402
-from bench_staging import _tensors, llama_files  # noqa: E402
+from bench_interference import saving_events  # noqa: E402
+from bench_staging import llama_files  # noqa: E402
 
 BEFORE, AFTER = 8, 8
 
@@ -191,29 +192,16 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    from nanotron_datastates import DataStatesConfig, DataStatesEngine
-    from nanotron_datastates.plan import prepare_many
-
     files = llama_files("180m", "cuda")
-    tensors = [t for s in files.values() for t in _tensors(s)]
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    folder = Path(args.dir)
+    settings = {
+        "save": ({"host_cache_size": 8.0}, folder / "save"),
+        "save_256": ({"host_cache_size": 8.0, "chunk_size": 256}, folder / "save_256"),
+    }
+    engine_folders, saves, nbytes = saving_events(files, settings)
+    engines = {name: engine for name, (engine, _) in engine_folders.items()}
     copies = Copies(nbytes, args.piece_mib << 20, args.pace)
     plain_ms = copies.calibrate()
-
-    folder = Path(args.dir)
-    engines = {
-        "save": DataStatesEngine(DataStatesConfig(host_cache_size=8.0)),
-        "save_256": DataStatesEngine(DataStatesConfig(host_cache_size=8.0, chunk_size=256)),
-    }
-    plans: dict[str, list[tuple[Any, Path]]] = {}
-    for name, engine in engines.items():
-        engine.prepare_cache(wait=True, nbytes=nbytes + len(files) * engine.cache_stats()["chunk_bytes"])
-        plans[name] = [(engine.plan(state), folder / name / f) for f, state in files.items()]
-
-    def stage_only() -> None:
-        staged = prepare_many([plan for plan, _ in plans["save"]], stage=True)
-        del staged
-
     events: dict[str, Callable[[], Any]] = {
         "nothing": lambda: None,
         "dma_one": copies.one,
@@ -222,14 +210,8 @@ def main() -> int:
         "dma_polled": lambda: copies.threaded(poll=True),
         "dma_paced": lambda: copies.queued(paced=True),
         "h2d_one": lambda: copies.one(to_host=False),
-        "stage_only": stage_only,
+        **saves,
     }
-
-    def save(engine: Any, files: list[tuple[Any, Path]]) -> Callable[[], Any]:
-        return lambda: engine.save_plans(files, stage=True)
-
-    for name, engine in engines.items():
-        events[name] = save(engine, plans[name])
     if args.events:
         events = {n: events[n] for n in args.events.split(",")}
 
@@ -244,9 +226,9 @@ def main() -> int:
     cpus: dict[int, int] = {}
     for r in range(args.rounds + 1):  # round 0 warms the events up (first allocations, files): left out
         for name, event in events.items():
-            for engine_name in engines:
+            for _, place in engine_folders.values():
                 for sub in ("model", "optimizer"):
-                    (folder / engine_name / sub).mkdir(parents=True, exist_ok=True)
+                    (place / sub).mkdir(parents=True, exist_ok=True)
             before = [step() for _ in range(BEFORE)]
             irq0 = gpu_interrupts()
             t0 = time.perf_counter()

@@ -59,6 +59,38 @@ def make_step(device: str) -> Callable[[], float]:
     return step
 
 
+def saving_events(
+    files: dict[str, Any], settings: dict[str, tuple[dict[str, Any], Path]]
+) -> tuple[dict[str, tuple[Any, Path]], dict[str, Callable[[], Any]], int]:
+    """For each setting (name -> DataStatesConfig's keywords, folder), an engine with its cache prepared for
+    `files`, and the events: `stage_only`, what the first setting's save stages, dropped; and each setting's
+    staged save of `files` into its folder. Returns the engines with their folders, the events and the
+    files' bytes."""
+    from nanotron_datastates import DataStatesConfig, DataStatesEngine
+    from nanotron_datastates.plan import prepare_all
+
+    nbytes = sum(t.numel() * t.element_size() for s in files.values() for t in _tensors(s))
+    engines = {
+        name: (DataStatesEngine(DataStatesConfig(**kw)), folder) for name, (kw, folder) in settings.items()
+    }
+    plans: dict[str, list[tuple[Any, Path]]] = {}
+    for name, (engine, folder) in engines.items():
+        engine.prepare_cache(wait=True, nbytes=nbytes + len(files) * engine.cache_stats()["chunk_bytes"])
+        plans[name] = [(engine.plan(state), folder / f) for f, state in files.items()]
+    first = next(iter(plans.values()))
+
+    def stage_only() -> None:
+        staged = prepare_all([plan for plan, _ in first], stage=True)  # what a save stages
+        del staged
+
+    def save(engine: Any, files: list[tuple[Any, Path]]) -> Callable[[], Any]:
+        return lambda: engine.save_plans(files, stage=True)
+
+    events = {"stage_only": stage_only}
+    events.update({name: save(engine, plans[name]) for name, (engine, _) in engines.items()})
+    return engines, events, nbytes
+
+
 def main() -> int:
     a = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("--out", required=True)
@@ -69,36 +101,18 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    from nanotron_datastates import DataStatesConfig, DataStatesEngine
-    from nanotron_datastates.plan import prepare_many
-
     files = llama_files("180m", "cuda")
-    tensors = [t for s in files.values() for t in _tensors(s)]
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
     disk, shm = Path(args.dir), Path("/dev/shm/ds_interf")
+    cache = {"host_cache_size": args.cache_gib}
     settings = {
-        "save": ({}, disk),
-        "save_nocrc": ({"checksums": False}, disk),
-        "save_shm": ({}, shm),
-        "save_1chunk": ({"chunk_size": 256}, disk),
-        "save_4k": ({"huge_pages": False}, disk),
+        "save": (cache, disk),
+        "save_nocrc": ({**cache, "checksums": False}, disk),
+        "save_shm": (cache, shm),
+        "save_1chunk": ({**cache, "chunk_size": 256}, disk),
+        "save_4k": ({**cache, "huge_pages": False}, disk),
     }
-    engines = {
-        name: (DataStatesEngine(DataStatesConfig(host_cache_size=args.cache_gib, **kw)), folder)
-        for name, (kw, folder) in settings.items()
-    }
-    plans: dict[str, list[tuple[Any, Path]]] = {}
-    for name, (engine, folder) in engines.items():
-        engine.prepare_cache(wait=True, nbytes=nbytes + len(files) * engine.cache_stats()["chunk_bytes"])
-        plans[name] = [(engine.plan(state), folder / f) for f, state in files.items()]
-
-    def stage_only() -> None:
-        staged = prepare_many([plan for plan, _ in plans["save"]], stage=True)  # what a save stages
-        del staged
-
-    events: dict[str, Callable[[], Any]] = {"nothing": lambda: None, "stage_only": stage_only}
-    for name, (engine, _) in engines.items():
-        events[name] = lambda e=engine, p=plans[name]: e.save_plans(p, stage=True)
+    engines, saves, nbytes = saving_events(files, settings)
+    events: dict[str, Callable[[], Any]] = {"nothing": lambda: None, **saves}
 
     step = make_step("cuda")
     for _ in range(20):  # warm-up: kernels chosen, allocator filled
