@@ -44,32 +44,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the helpers in benchmarks/
 from _common import command_info  # noqa: E402
-from bench_interference import saving_events  # noqa: E402
+from bench_interference import make_step, saving_events  # noqa: E402
 from bench_staging import llama_files  # noqa: E402
 
 BEFORE, AFTER = 8, 8
-
-
-def make_step(micro: int, tokens: int) -> Callable[[], float]:
-    """One training step of a Transformer of the 180M model's width (8 layers of 1024), `micro` micro-batches
-    of one sequence of `tokens` tokens: short kernels, the step bound by the thread that launches them."""
-    layer = torch.nn.TransformerEncoderLayer(1024, 16, 4096, batch_first=True, norm_first=True)
-    model = torch.nn.TransformerEncoder(layer, 8, enable_nested_tensor=False).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(1, tokens, 1024, device="cuda")
-
-    def step() -> float:
-        t0 = time.perf_counter()
-        for _ in range(micro):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(x).float().pow(2).mean()
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    return step
 
 
 def gpu_interrupts() -> list[int]:
@@ -215,7 +193,7 @@ def main() -> int:
     if args.events:
         events = {n: events[n] for n in args.events.split(",")}
 
-    step = make_step(args.micro, args.tokens)
+    step = make_step(batch=1, tokens=args.tokens, micro=args.micro, fused=False)
     for _ in range(30):  # warm-up: kernels chosen, allocator filled
         step()
     raw: dict[str, dict[str, list[Any]]] = {

@@ -39,18 +39,23 @@ from bench_staging import _tensors, llama_files  # noqa: E402
 BEFORE, AFTER = 10, 3
 
 
-def make_step(device: str) -> Callable[[], float]:
-    """One training step of a Transformer of about 180M parameters; returns its time (after a sync)."""
+def make_step(
+    device: str = "cuda", batch: int = 4, tokens: int = 1024, micro: int = 1, fused: bool = True
+) -> Callable[[], float]:
+    """One training step of a Transformer of about 180M parameters (8 layers of 1024), `micro` micro-batches
+    of `batch` sequences of `tokens` tokens; returns its time (after a sync). Few short sequences make a
+    step bound by the thread that launches its kernels, as Nanotron's 180M step is."""
     layer = torch.nn.TransformerEncoderLayer(1024, 16, 4096, batch_first=True, norm_first=True)
     model = torch.nn.TransformerEncoder(layer, 8, enable_nested_tensor=False).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    x = torch.randn(4, 1024, 1024, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    x = torch.randn(batch, tokens, 1024, device=device)
 
     def step() -> float:
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(x).float().pow(2).mean()
-        loss.backward()
+        for _ in range(micro):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
