@@ -30,6 +30,7 @@ from .errors import FormatError
 
 _SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _PLAIN = (type(None), bool, int, str)  # JSON stands for them as they are
+_PLAIN_TYPES = frozenset(_PLAIN)
 
 
 def encode(state: Any, on_tensor: Callable[[torch.Tensor, str], str], *, allow_pickle: bool = False) -> str:
@@ -61,7 +62,7 @@ def encode(state: Any, on_tensor: Callable[[torch.Tensor, str], str], *, allow_p
             # Fast path, e.g. the parameter names of an optimizer's param groups: no per-item paths.
             items = (
                 list(x)
-                if all(type(v) in _PLAIN for v in x)
+                if set(map(type, x)) <= _PLAIN_TYPES  # at C speed: a generator's state holds 625 ints
                 else [node(v, _join(path, i), in_key) for i, v in enumerate(x)]
             )
             return {"l" if tx is list else "u": items}

@@ -389,5 +389,10 @@ def _host_copy(x: Any) -> Any:
     if type(x) in (dict, collections.OrderedDict):  # the containers a skeleton holds as data
         return type(x)((k, _host_copy(v)) for k, v in x.items())
     if type(x) in (list, tuple):
+        if set(map(type, x)) <= _PLAIN:  # a generator's state: 625 ints, checked and copied at C speed
+            return x if type(x) is tuple else list(x)
         return type(x)(_host_copy(v) for v in x)
     return x
+
+
+_PLAIN = frozenset((type(None), bool, int, float, str))  # immutable: a tuple of them is its own copy
