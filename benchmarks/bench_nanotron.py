@@ -19,7 +19,9 @@ Each mode trains the same model for the same steps in its own torchrun, on the s
   bytes as a checkpoint holds from the GPU to pinned host memory at the optimizer step after every
   `--interval` steps (where datastates queues its staged copies): one copy on a side stream, or pieces of 64
   MiB with GPU sleeps between them that spread it over `--copy-pace-s`. What the copy to the host alone
-  costs the steps it runs beside, and whether spreading it changes that cost;
+  costs the steps it runs beside, and whether spreading it changes that cost; `copy-h2d`: the same bytes
+  the other way (is it the direction?); `copy-host`: the same bytes copied between two host buffers by a
+  thread on 4 cores, no GPU involved (is it the host memory's traffic?);
 * `datastates-NAME` (`--variant NAME:key=value,...`): datastates with other `datastates:` settings, for
   ablations (e.g. `p1:parser_threads=1`); a NAME that starts with `idle` asks for no checkpoint, as
   `datastates-idle` (e.g. `idle-nopin:pin_host_cache=false`);
@@ -200,8 +202,9 @@ def run_phase(args: argparse.Namespace) -> None:
                     torch.cuda.synchronize()
                     rec["marks"]["optimizer_step_end_s"] = time.perf_counter() - t_start
                     if args.mode.startswith("copy-"):
+                        way = {"copy-h2d": "h2d", "copy-host": "host"}.get(args.mode, "d2h")
                         pace = args.copy_pace_s if args.mode == "copy-paced" else 0.0
-                        self._raw_copy = RawCopy(checkpoint_bytes(self), pace)
+                        self._raw_copy = RawCopy(checkpoint_bytes(self), way, pace)
                 return out
 
             self.optimizer.step = first_step
@@ -348,20 +351,33 @@ def run_phase(args: argparse.Namespace) -> None:
 
 
 class RawCopy:
-    """The `copy-*` modes' copy: `nbytes` from a GPU buffer to pinned host memory on a side stream, in one
-    copy or (`pace_s` > 0) in 64 MiB pieces with GPU sleeps between them, so that it takes about `pace_s`."""
+    """The `copy-*` modes' copy of `nbytes`, started by `issue()`:
+
+    * `d2h`: from a GPU buffer to pinned host memory on a side stream, in one copy or (`pace_s` > 0) in 64 MiB
+      pieces with GPU sleeps between them, so that it takes about `pace_s`;
+    * `h2d`: the other way, in one copy;
+    * `host`: between two host buffers, by a thread of its own (torch's copy on 4 threads: about the rate of
+      the copy engine's writes), the GPU not involved: what the memory traffic alone costs."""
 
     PIECE = 64 << 20
 
-    def __init__(self, nbytes: int, pace_s: float) -> None:
+    def __init__(self, nbytes: int, way: str = "d2h", pace_s: float = 0.0) -> None:
         import torch
 
-        self.dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        self.stream = torch.cuda.Stream()
+        self.way = way
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=way != "host")
+        if way == "host":
+            torch.set_num_threads(4)  # the training runs on the GPU: its own CPU ops are few
+            self.other = torch.empty(nbytes, dtype=torch.uint8)
+            self.host.fill_(1)
+            self.other.fill_(2)
+        else:
+            self.dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            self.stream = torch.cuda.Stream()
         self.pieces = [(lo, min(lo + self.PIECE, nbytes)) for lo in range(0, nbytes, self.PIECE)]
         self.sleep_cycles = 0
-        self.timed: list[Any] = []  # (begin, end) events of each copy
+        self.timed: list[Any] = []  # (begin, end) CUDA events of each copy, or its seconds on the host
+        self.thread: threading.Thread | None = None
         if pace_s > 0:
             self._issue(paced=False)
             torch.cuda.synchronize()
@@ -380,10 +396,23 @@ class RawCopy:
     def _issue(self, paced: bool) -> None:
         import torch
 
+        if self.way == "host":
+            self._join()
+
+            def copy() -> None:
+                t0 = time.perf_counter()
+                self.other.copy_(self.host)  # releases the GIL
+                self.timed.append(time.perf_counter() - t0)
+
+            self.thread = threading.Thread(target=copy, daemon=True)
+            self.thread.start()
+            return
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             begin.record(self.stream)
-            if not paced:
+            if self.way == "h2d":
+                self.dev.copy_(self.host, non_blocking=True)
+            elif not paced:
                 self.host.copy_(self.dev, non_blocking=True)
             else:
                 for lo, hi in self.pieces:
@@ -392,11 +421,19 @@ class RawCopy:
             end.record(self.stream)
         self.timed.append((begin, end))
 
+    def _join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
     def issue(self) -> None:
         self._issue(paced=self.sleep_cycles > 0)
 
     def seconds(self) -> list[float]:
-        """Each copy's time on the GPU (waits for them)."""
+        """Each copy's time (waits for them): on the GPU, or the host thread's."""
+        if self.way == "host":
+            self._join()
+            return list(self.timed)
         self.stream.synchronize()
         return [b.elapsed_time(e) / 1e3 for b, e in self.timed]
 
@@ -654,6 +691,8 @@ def run_all(args: argparse.Namespace) -> int:
         ("dcp-zo", config("dcp-zo", "torch", args.steps, args.interval), True),
         ("copy-only", config("copy-only", "torch", args.steps, never), True),
         ("copy-paced", config("copy-paced", "torch", args.steps, never), True),
+        ("copy-h2d", config("copy-h2d", "torch", args.steps, never), True),
+        ("copy-host", config("copy-host", "torch", args.steps, never), True),
         ("datastates", config("datastates", "datastates", args.steps, args.interval), False),
         (
             "restore-datastates",

@@ -66,10 +66,11 @@ run_step() {
         --modes dcp-zo,datastates --variant cache8:host_cache_size=8 --rounds "${OVERHEAD_ROUNDS:-2}" \
         --work "$WORK/o180" --out "$OUT/overhead-180m" ${BENCH_ARGS:-}) ;;
     copy-cost-180m) # what the copy to the host alone costs the steps beside it: stock Nanotron with the
-      # checkpoint's bytes copied by the benchmark at once or spread over 0.3 s, against datastates (8 GiB)
-      (cd $B && python3 bench_nanotron.py all --model 180m --steps 560 --interval 80 --cache-gib 2 \
-        --modes copy-only,copy-paced --variant cache8:host_cache_size=8 --work "$WORK/cc180" \
-        --out "$OUT/copy-cost-180m" ${BENCH_ARGS:-}) ;;
+      # checkpoint's bytes copied by the benchmark at once or spread over 0.3 s, the other way, or between two
+      # host buffers, against datastates (8 GiB); COPY_MODES picks them, COPY_ROUNDS rounds (default 1)
+      (cd $B && python3 bench_nanotron.py all --model 180m --steps 400 --interval 80 --cache-gib 2 \
+        --modes "${COPY_MODES:-copy-only,copy-paced,copy-h2d,copy-host}" --variant cache8:host_cache_size=8 \
+        --rounds "${COPY_ROUNDS:-1}" --work "$WORK/cc180" --out "$OUT/copy-cost-180m" ${BENCH_ARGS:-}) ;;
     stall-180m) # one round of none, DCP zero-overhead and datastates with an 8 GiB cache (a whole checkpoint)
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 400 --interval 80 --cache-gib 2 \
         --modes dcp-zo --variant cache8:host_cache_size=8 --work "$WORK/s180" --out "$OUT/stall-180m" \
