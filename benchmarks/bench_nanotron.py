@@ -230,11 +230,11 @@ def run_phase(args: argparse.Namespace) -> None:
                 torch.cuda.synchronize()
             else:
                 torch.cuda.current_stream().synchronize()
-            rec["ends"].append([self.iteration_step, time.perf_counter() - t_start])
-            if self.iteration_step == self.config.tokens.train_steps:  # no iteration after it to slow down
-                memory.sample_pss()
-            rec.setdefault("gc2", []).append([self.iteration_step, gc.get_stats()[2]["collections"]])
             step, last = self.iteration_step, self.config.tokens.train_steps
+            rec["ends"].append([step, time.perf_counter() - t_start])
+            if step == last:  # no iteration after it to slow down
+                memory.sample_pss()
+            rec.setdefault("gc2", []).append([step, gc.get_stats()[2]["collections"]])
             if self._raw_copy is not None and args.interval and step % args.interval == 0 and step < last:
                 rec["saves"].append({"step": step, "call_s": 0.0, "bytes": self._raw_copy.host.numel()})
                 self._raw_copy_due = True
