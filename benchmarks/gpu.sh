@@ -75,6 +75,11 @@ run_step() {
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 400 --interval 80 --cache-gib 2 \
         --modes dcp-zo --variant cache8:host_cache_size=8 --work "$WORK/s180" --out "$OUT/stall-180m" \
         ${BENCH_ARGS:-}) ;;
+    stall-180m-copies) # the same, 720 steps (8 checkpoints a run), and datastates with its chunks copied from
+      # the GPU whole (device_copy_size: 0) beside the default 4 MiB copies
+      (cd $B && python3 bench_nanotron.py all --model 180m --steps 720 --interval 80 --cache-gib 2 \
+        --modes dcp-zo --variant cache8:host_cache_size=8 --variant cache8-whole:host_cache_size=8,device_copy_size=0 \
+        --work "$WORK/s180c" --out "$OUT/stall-180m-copies" ${BENCH_ARGS:-}) ;;
     idle-180m) # the engine set up and never asked for a checkpoint, against stock Nanotron, in turns,
       # OVERHEAD_ROUNDS rounds (default 3)
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 400 --interval 80 --modes datastates-idle \
@@ -122,6 +127,9 @@ run_step() {
       (cd $B && python3 nanotron_crash.py --trials 3 --out "$OUT/crash" --work "$WORK/crash") ;;
     staging) (cd $B/micro && python3 bench_staging.py --model 180m --out "$OUT/staging") ;;
     interference) (cd $B/micro && python3 bench_interference.py --dir "$WORK/interf" --out "$OUT/interference") ;;
+    d2h-wait) # how long a small read from the GPU (a step's loss.item()) waits while a checkpoint goes to the
+      # host: a raw copy each way, the engine's save by device_copy_size and with small chunks (BENCH_ARGS)
+      (cd $B/micro && python3 bench_d2h_wait.py --out "$OUT/d2h-wait" ${BENCH_ARGS:-}) ;;
     copy-interference) # a copy to the host beside launch-bound steps, by the way it is issued (BENCH_ARGS)
       (cd $B/micro && python3 bench_copy_interference.py --out "$OUT/copy-interference" ${BENCH_ARGS:-}) ;;
     pinning) (cd $B/micro && python3 bench_pinning.py --cache-gib 16 --rounds 2 --out "$OUT/pinning") ;;

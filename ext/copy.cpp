@@ -36,8 +36,9 @@ cuda::CUstream thread_stream(int device, Error* err) {
 // This thread's event `slot` for `device`, to wait for its stream with: a blocking-sync event puts the
 // waiting thread to sleep, where cuStreamSynchronize would spin and contend with the training thread for the
 // driver while the copies overlap the next forward and backward passes. Slot 0 is the copiers' InFlight's;
-// an uploader takes 1 + its own slot.
-constexpr int kEventSlots = 1 + DeviceUploader::kSlots;
+// an uploader takes 1 + its own slot; a PieceCopier's copies in flight take the slots from kCopySlot on.
+constexpr int kCopySlot = 1 + DeviceUploader::kSlots;
+constexpr int kEventSlots = kCopySlot + PieceCopier::kCopiesInFlight;
 cuda::CUevent thread_event(int device, int slot, Error* err) {
   auto& events = t_streams.events;
   const int key = device * kEventSlots + slot;
@@ -165,8 +166,40 @@ Error PieceCopier::issue() {
       return Error::internal("no CUDA event recorded for device " + std::to_string(r.device));
     if (Error e = cuda::check(a->cuStreamWaitEvent(s, ev->second, 0), "cuStreamWaitEvent")) return e;
   }
-  return cuda::check(a->cuMemcpyDtoHAsync(r.dst, reinterpret_cast<cuda::CUdeviceptr>(r.src), r.len, s),
-                     "cuMemcpyDtoHAsync");
+  const std::size_t step = max_copy_ ? max_copy_ : r.len;
+  for (std::size_t done = 0; done < r.len; done += step) {
+    const std::size_t n = std::min(step, r.len - done);
+    if (max_copy_) {
+      if (Error e = throttle(r.device)) return e;
+    }
+    const auto src = reinterpret_cast<cuda::CUdeviceptr>(r.src + done);
+    if (Error e = cuda::check(a->cuMemcpyDtoHAsync(r.dst + done, src, n, s), "cuMemcpyDtoHAsync")) return e;
+    if (max_copy_) {
+      if (Error e = mark_copy(r.device, s)) return e;
+    }
+  }
+  return {};
+}
+
+Error PieceCopier::throttle(int device) {
+  if (device != copies_device_) {  // another device's events: none of this one's is recorded yet
+    copies_device_ = device;
+    copies_ = 0;
+  }
+  if (copies_ < kCopiesInFlight) return {};
+  Error err;
+  cuda::CUevent ev = thread_event(device, kCopySlot + static_cast<int>(copies_ % kCopiesInFlight), &err);
+  if (err) return err;
+  return cuda::check(cuda::api()->cuEventSynchronize(ev), "cuEventSynchronize");
+}
+
+Error PieceCopier::mark_copy(int device, cuda::CUstream s) {
+  Error err;
+  cuda::CUevent ev = thread_event(device, kCopySlot + static_cast<int>(copies_ % kCopiesInFlight), &err);
+  if (err) return err;
+  if (Error e = cuda::check(cuda::api()->cuEventRecord(ev, s), "cuEventRecord")) return e;
+  ++copies_;
+  return {};
 }
 
 Error DeviceUploader::copy(int device, char* dst_device, const char* src, std::size_t n) {

@@ -44,8 +44,15 @@ class InFlight {
 
 class PieceCopier {
  public:
+  // Device-to-host copies in flight at once from one thread, each of at most `max_copy` bytes.
+  static constexpr int kCopiesInFlight = 2;
   // `events[d]` is the event recorded on the caller's stream for device d (absent: no CUDA tensors).
-  explicit PieceCopier(const std::unordered_map<int, cuda::CUevent>* events) : events_(events) {}
+  // `max_copy`: the largest device-to-host copy (0: a run of bytes, however long, goes as one copy). A
+  // training step's own reads from the GPU (`loss.item()`) queue behind the copies already on the copy
+  // engine, whichever stream issued them: with at most kCopiesInFlight copies of `max_copy` bytes queued,
+  // such a read waits for those, not for a whole chunk.
+  PieceCopier(const std::unordered_map<int, cuda::CUevent>* events, std::size_t max_copy)
+      : events_(events), max_copy_(max_copy) {}
 
   // Copies bytes [begin, end) of `t`'s row-major image to `dst` (device bytes: by finish() at the latest).
   Error copy(const TensorSrc& t, std::size_t begin, std::size_t end, char* dst);
@@ -65,10 +72,17 @@ class PieceCopier {
     std::size_t len = 0;
   };
   Error issue();
+  // Before the next copy on `s`: waits, once kCopiesInFlight copies are queued, for the oldest of them.
+  Error throttle(int device);
+  // After a copy on `s`: marks its end with the next of this thread's copy events.
+  Error mark_copy(int device, cuda::CUstream s);
 
   const std::unordered_map<int, cuda::CUevent>* events_;
+  std::size_t max_copy_;
   InFlight in_flight_;
   Run run_;
+  std::size_t copies_ = 0;  // copies issued and marked by this copier (max_copy_ > 0)
+  int copies_device_ = -1;  // the device of the copies marked
 };
 
 // Restore's host-to-device copies from (pinned) chunks, on this thread's stream per device. Uploaders of one

@@ -109,7 +109,7 @@ void Engine::run_piece(const std::shared_ptr<SaveJob>& job, std::size_t i) {
   }
   char* chunk = job->mirror_piece(i);     // the mirror file is the staging memory, or
   if (!chunk) chunk = cache_->acquire();  // a cache chunk: backpressure, waits for a flush to give one back
-  PieceCopier copier(job->events());
+  PieceCopier copier(job->events(), opts_.device_copy_bytes);
   if (IoOp* op = job->copy_piece(i, chunk, copier)) next_flusher()->submit(op);
 }
 

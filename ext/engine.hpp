@@ -24,6 +24,7 @@ namespace ds {
 struct EngineOptions {
   std::size_t cache_bytes = std::size_t{1} << 30;
   std::size_t chunk_bytes = std::size_t{64} << 20;
+  std::size_t device_copy_bytes = std::size_t{4} << 20;  // largest copy from a GPU (0: a chunk's run in one)
   int pin_device = -1;             // CUDA ordinal whose context pins the cache; -1: do not pin
   bool huge_pages = true;          // back the cache with transparent huge pages where the kernel allows
   unsigned parser_threads = 2;     // restores

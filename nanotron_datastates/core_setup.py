@@ -25,6 +25,7 @@ def start_core(config: DataStatesConfig) -> _core.Engine:
     core = _core.Engine(
         cache_bytes=config.cache_bytes,
         chunk_bytes=config.chunk_bytes,
+        device_copy_bytes=config.device_copy_bytes,
         pin_device=pin_device,
         huge_pages=config.huge_pages,
         parser_threads=config.parser_threads,

@@ -85,6 +85,7 @@ class DataStatesConfig(Settings):
         "flush_nice": (0, 19, "expected an integer in [0, 19]"),
         "queue_depth": (1, 1024, "expected an integer in [1, 1024]"),
         "chunk_size": (1, 4096, "expected MiB in [1, 4096] (an integer)"),
+        "device_copy_size": (0, 4096, "expected MiB in [0, 4096] (an integer; 0: one copy a chunk)"),
         "read_size": (1, 4096, "expected MiB in [1, 4096] (an integer)"),
     }
     CHOICES = {"io_backend": ("auto", "io_uring", "pwrite")}
@@ -117,6 +118,12 @@ class DataStatesConfig(Settings):
     reach their bandwidth only with many requests in flight."""
     chunk_size: int = 64
     """MiB per cache chunk: the unit of copy and of write. Clamped to a quarter of the cache."""
+    device_copy_size: int = 4
+    """MiB per copy from a GPU to the cache: a chunk's bytes go in copies of this size, two in flight. A
+    training step's own reads from the GPU (Nanotron reads the loss and the gradients' norm at every step)
+    wait on the copy engine behind whatever copies to the host are queued there, from any stream: behind two
+    of these, not a whole chunk (a 64 MiB copy takes about 1.2 ms on an H100's link). 0: a chunk's bytes in
+    one copy."""
     read_size: int = 16
     """MiB per read request on restore."""
     direct_io: bool = True
@@ -148,6 +155,10 @@ class DataStatesConfig(Settings):
         # At least two chunks must fit; 4096-aligned for O_DIRECT.
         chunk = min(self.chunk_size << 20, self.cache_bytes // 4)
         return max(4096, chunk // 4096 * 4096)
+
+    @property
+    def device_copy_bytes(self) -> int:
+        return self.device_copy_size << 20
 
     @property
     def read_bytes(self) -> int:

@@ -285,3 +285,20 @@ def test_a_file_in_memory_restores_to_the_gpu_through_half_chunks(shm_dir, mappe
             for path, state in states.items():
                 for k, v in state.items():
                     assert got[path][k].is_cuda and same(got[path][k].cpu(), v.cpu()), (path, k)
+
+
+@pytest.mark.parametrize("copy_mib", [0, 1, 3])
+def test_a_chunks_bytes_go_in_copies_of_device_copy_size(tmp_path, copy_mib):
+    # 16 MiB chunks of 1 or 3 MiB copies (two in flight, the last one short), or one copy each; a staged
+    # save packs many tensors into one run; a tensor that straddles chunks is cut at their edge.
+    config = DataStatesConfig(host_cache_size=0.25, chunk_size=16, device_copy_size=copy_mib)
+    state = {
+        f"t{i}": random_tensor(torch.float32, (n,), seed=i).cuda()
+        for i, n in enumerate([5 << 20, 7, 3 << 18])
+    }
+    with DataStatesEngine(config) as e:
+        for stage in (False, True):
+            path = tmp_path / f"s{int(stage)}.safetensors"
+            e.save_plans([(e.plan(state), path)], stage=stage)[0].wait_persisted()
+            back = e.load(path, "cuda")
+            assert all(same(back[k], v) for k, v in state.items()), (copy_mib, stage)
