@@ -23,7 +23,6 @@ DIR/bench_d2h_wait.json with every value and the medians over the rounds.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -35,8 +34,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the helpers in benchmarks/
-from _common import command_info  # noqa: E402
-from bench_interference import saving_events  # noqa: E402
+from bench_interference import saving_events, write_result  # noqa: E402
 from bench_staging import llama_files  # noqa: E402
 
 QUIET_S = 0.05
@@ -148,19 +146,7 @@ def main() -> int:
                 d["quiet_read_s"].append(quiet)
     for engine, _ in engines.values():
         engine.close()
-    med = {n: {k: statistics.median(v) for k, v in d.items()} for n, d in raw.items()}
-    result = {
-        "command": command_info(),
-        "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "bytes": nbytes,
-        "gap_s": gap,
-        "median": med,
-        "raw": raw,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_d2h_wait.json").write_text(json.dumps(result, indent=1))
+    med = write_result(args.out, "bench_d2h_wait.json", raw, nbytes, gap_s=gap)
     print(f"{'event':10s} {'copy ms':>8s} {'reads':>6s} {'median us':>10s} {'max us':>8s} {'wait ms':>8s}")
     for name, m in med.items():
         print(

@@ -96,6 +96,26 @@ def saving_events(
     return engines, events, nbytes
 
 
+def write_result(
+    out: str, file: str, raw: dict[str, dict[str, list[float]]], nbytes: int, **extra: Any
+) -> dict:
+    """Writes `out/file`: the command, the GPU, `extra`, every event's raw values and their medians; returns
+    the medians by event."""
+    med = {n: {k: statistics.median(v) for k, v in d.items()} for n, d in raw.items()}
+    result = {
+        "command": command_info(),
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "bytes": nbytes,
+        **extra,
+        "median": med,
+        "raw": raw,
+    }
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / file).write_text(json.dumps(result, indent=1))
+    return med
+
+
 def main() -> int:
     a = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("--out", required=True)
@@ -142,18 +162,7 @@ def main() -> int:
                 raw[name]["excess_s"].append(call + sum(after) - AFTER * statistics.median(before))
     for engine, _ in engines.values():
         engine.close()
-    med = {n: {k: statistics.median(v) for k, v in d.items()} for n, d in raw.items()}
-    result = {
-        "command": command_info(),
-        "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "bytes": nbytes,
-        "median": med,
-        "raw": raw,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_interference.json").write_text(json.dumps(result, indent=1))
+    med = write_result(args.out, "bench_interference.json", raw, nbytes)
     for name, m in med.items():
         print(f"{name:12s} call {1e3 * m['call_s']:7.2f} ms   excess {1e3 * m['excess_s']:7.2f} ms")
     return 0
