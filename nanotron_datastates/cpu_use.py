@@ -22,9 +22,13 @@ def _role(comm: str) -> str | None:
     return None
 
 
-def thread_cpu_seconds() -> dict[str, float]:
-    """CPU seconds (user and system) used so far by this process's engine threads, summed by role."""
-    out: dict[str, float] = {}
+Marks = dict[int, tuple[str, float]]
+"""Engine threads by thread id: (role, CPU seconds used so far)."""
+
+
+def thread_cpu() -> Marks:
+    """CPU seconds (user and system) used so far by each of this process's engine threads, with its role."""
+    out: Marks = {}
     try:
         tasks = list(Path("/proc/self/task").iterdir())
     except OSError:  # no /proc: nothing to say
@@ -34,16 +38,46 @@ def thread_cpu_seconds() -> dict[str, float]:
             role = _role((task / "comm").read_text().strip())
             if role is None:
                 continue
-            stat = (task / "stat").read_text()
+            out[int(task.name)] = (role, _seconds(task))
         except OSError:  # the thread has exited
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
-        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
     return out
 
 
-def since(before: dict[str, float], now: dict[str, float] | None = None) -> dict[str, float]:
-    """CPU seconds by role used from `before` to `now` (both :func:`thread_cpu_seconds`; `now` read here where
-    not given), the roles that used any."""
-    now = thread_cpu_seconds() if now is None else now
-    return {k: v - before.get(k, 0.0) for k, v in sorted(now.items()) if v - before.get(k, 0.0) > 0}
+def _seconds(task: Path) -> float:
+    """A thread's time on a CPU: in nanoseconds from `schedstat`, else in clock ticks (10 ms, in which the
+    few milliseconds a thread works between two reads may not show) from `stat`'s utime and stime."""
+    try:
+        return int((task / "schedstat").read_text().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        stat = (task / "stat").read_text()
+        fields = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
+        return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def by_role(marks: Marks) -> dict[str, float]:
+    """CPU seconds summed by role."""
+    out: dict[str, float] = {}
+    for role, seconds in marks.values():
+        out[role] = out.get(role, 0.0) + seconds
+    return out
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user and system) used so far by this process's engine threads, summed by role."""
+    return by_role(thread_cpu())
+
+
+def since(before: Marks, now: Marks | None = None) -> dict[str, float]:
+    """CPU seconds by role used from `before` to `now` (both :func:`thread_cpu`; `now` read here where not
+    given) by the threads alive at `now`, the roles that used any. Thread by thread: a thread that exited in
+    between (an engine closed, an idle io_uring worker) takes its time with it, where a difference of sums
+    by role would subtract its whole past from the others' work."""
+    now = thread_cpu() if now is None else now
+    out: dict[str, float] = {}
+    for tid, (role, seconds) in now.items():
+        prev = before.get(tid)
+        used = seconds - (prev[1] if prev is not None and prev[0] == role else 0.0)
+        if used > 0:
+            out[role] = out.get(role, 0.0) + used
+    return dict(sorted(out.items()))

@@ -47,7 +47,7 @@ def test_the_flush_workers_run_below_the_trainings_priority_and_the_others_do_no
 
 def test_the_cpu_of_a_save_is_counted_by_role(tmp_path):
     state = {"x": torch.randn(16 << 20)}  # 64 MiB of host tensors: copied and summed by the copy threads
-    before = cpu_use.thread_cpu_seconds()
+    before = cpu_use.thread_cpu()
     with DataStatesEngine(small_config()) as engine:
         for i in range(4):
             engine.save(state, tmp_path / f"f{i}.safetensors").wait_persisted()
@@ -55,7 +55,21 @@ def test_the_cpu_of_a_save_is_counted_by_role(tmp_path):
         now = cpu_use.thread_cpu_seconds()
     assert used.get("copy-host", 0.0) > 0.0, used
     assert set(used) <= set(now) and all(v > 0 for v in used.values())
-    assert all(now[k] >= before.get(k, 0.0) for k in now)
+
+
+def test_a_thread_that_exits_between_two_reads_takes_only_its_own_time(tmp_path):
+    # The first engine's copy threads work more than the second's, and exit between the two reads: their
+    # past must not be taken from the second engine's threads of the same role.
+    state = {"x": torch.randn(16 << 20)}
+    first = DataStatesEngine(small_config())
+    for i in range(8):
+        first.save(state, tmp_path / f"a{i}.safetensors").wait_persisted()
+    before = cpu_use.thread_cpu()
+    first.close()
+    with DataStatesEngine(small_config()) as second:
+        second.save(state, tmp_path / "b.safetensors").wait_persisted()
+        used = cpu_use.since(before)
+    assert used.get("copy-host", 0.0) > 0.0, used
 
 
 def test_each_checkpoints_outcome_carries_the_cpu_its_saves_took(tmp_path):

@@ -103,7 +103,7 @@ class Committer:
         self._cv = threading.Condition()
         # Read once here, before any save it will count; then on its thread, one read per outcome: reading
         # /proc for every thread takes about a millisecond, which the training thread would add to its stall.
-        self._cpu_mark = cpu_use.thread_cpu_seconds()
+        self._cpu_mark = cpu_use.thread_cpu()
         self._thread = threading.Thread(target=self._run, name="datastates-committer", daemon=True)
         self._thread.start()
 
@@ -142,7 +142,7 @@ class Committer:
                 result = CommitResult(
                     pending.step, pending.folder, False, errors, 0, 0, pending.stall_s, 0, 0, elapsed
                 )
-            now = cpu_use.thread_cpu_seconds()
+            now = cpu_use.thread_cpu()
             result.engine_cpu_s, cpu_mark = cpu_use.since(cpu_mark, now), now
             if self._on_result is not None:  # first: a checkpoint taken is one whose report is done
                 with contextlib.suppress(Exception):  # a logging failure must not stop later commits
