@@ -72,7 +72,7 @@ class PieceCopier {
     std::size_t len = 0;
   };
   Error issue();
-  // Before the next copy on `s`: waits, once kCopiesInFlight copies are queued, for the oldest of them.
+  // Before the next copy from `device`: waits, once kCopiesInFlight copies are queued, for the oldest.
   Error throttle(int device);
   // After a copy on `s`: marks its end with the next of this thread's copy events.
   Error mark_copy(int device, cuda::CUstream s);
