@@ -55,19 +55,6 @@ def _seconds(task: Path) -> float:
         return (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def by_role(marks: Marks) -> dict[str, float]:
-    """CPU seconds summed by role."""
-    out: dict[str, float] = {}
-    for role, seconds in marks.values():
-        out[role] = out.get(role, 0.0) + seconds
-    return out
-
-
-def thread_cpu_seconds() -> dict[str, float]:
-    """CPU seconds (user and system) used so far by this process's engine threads, summed by role."""
-    return by_role(thread_cpu())
-
-
 def since(before: Marks, now: Marks | None = None) -> dict[str, float]:
     """CPU seconds by role used from `before` to `now` (both :func:`thread_cpu`; `now` read here where not
     given) by the threads alive at `now`, the roles that used any. Thread by thread: a thread that exited in
