@@ -134,8 +134,12 @@ def run_phase(args: argparse.Namespace) -> None:
 
             return call
 
-        for name in ("save", "plan", "save_plan", "save_plans"):
+        for name in ("save", "plan", "save_plan", "save_plans", "stage_plans"):
             setattr(DataStatesEngine, name, timed(getattr(DataStatesEngine, name)))
+        from nanotron_datastates.engine import StagedSave
+
+        # A staged checkpoint's files, queued once the step is launched
+        StagedSave.queue = timed(StagedSave.queue)  # type: ignore[method-assign]
 
         # Where a checkpoint's queuing goes: planning, staging on the GPU (prepare_all), the core's calls.
         from nanotron_datastates import engine as engine_module

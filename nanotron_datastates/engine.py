@@ -25,7 +25,7 @@ from . import format as fmt
 from .core_setup import start_core
 from .engine_settings import DataStatesConfig
 from .in_flight import InFlight
-from .plan import SavePlan, plan_save, prepare_all
+from .plan import Prepared, SavePlan, plan_save, prepare_all
 from .restore import (
     load_file,
     load_into_tensors,
@@ -38,7 +38,7 @@ from .restore import (
 from .save_handle import SaveHandle, wait_handles
 from .stage import Stager
 
-__all__ = ["DataStatesEngine", "SaveHandle", "wait_handles"]
+__all__ = ["DataStatesEngine", "SaveHandle", "StagedSave", "wait_handles"]
 
 log = logging.getLogger("nanotron_datastates")
 
@@ -145,6 +145,29 @@ class DataStatesEngine:
         `recycle`: for each mirror, an earlier save's mirror file (of this user's, in a folder private to it)
         to rename to the new mirror path and overwrite, its mapping and pinned pages reused; None or a missing
         file: a new one."""
+        return self._prepare(files, stage, mirrors, recycle).queue()
+
+    def stage_plans(
+        self,
+        files: Sequence[tuple[SavePlan, str | os.PathLike]],
+        *,
+        mirrors: Sequence[str | os.PathLike | None] | None = None,
+        recycle: Sequence[str | os.PathLike | None] | None = None,
+    ) -> StagedSave:
+        """The first half of ``save_plans(files, stage=True, ...)``: every tensor copied where it is, now (the
+        caller may change the originals as soon as this returns); :meth:`StagedSave.queue` then hands the
+        copies to the engine, when the caller likes. A trainer stages before its optimizer step and queues
+        once the step is launched, so that the queuing's work on its thread overlaps the step on the GPU.
+        Raises as save_plans does (staging out of memory: torch's OutOfMemoryError, nothing staged)."""
+        return self._prepare(files, True, mirrors, recycle)
+
+    def _prepare(
+        self,
+        files: Sequence[tuple[SavePlan, str | os.PathLike]],
+        stage: bool,
+        mirrors: Sequence[str | os.PathLike | None] | None,
+        recycle: Sequence[str | os.PathLike | None] | None,
+    ) -> StagedSave:
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         t0 = time.perf_counter()
@@ -153,32 +176,7 @@ class DataStatesEngine:
         old = [r or "" for r in _paths_per_file(recycle, len(files), "files to recycle")]
         plans = [plan for plan, _ in files]
         prep = prepare_all(plans, stage=stage, stager=self._stager)
-        # One call to the core for all: one event per device on the caller's streams, and a staged file's
-        # tensors as places in the staged buffers rather than a DLPack export each.
-        requests = [
-            (
-                path,
-                p.names,
-                p.dtypes,
-                [] if v else a,
-                v,
-                p.metadata,
-                not p.exact_metadata,
-                m or "",
-                r if m else "",
-            )
-            for p, a, v, path, m, r in zip(plans, prep.arrays, prep.views, paths, copies, old)
-        ]
-        streams = sorted({s for ss in prep.streams for s in ss})
-        jobs = self._core.save_many(requests, prep.bases, streams)  # all queued, or none (it raises)
-        handles = [
-            SaveHandle(job, path, a, p.nbytes, stage, m, p.exact_metadata)
-            for job, p, a, path, m in zip(jobs, plans, prep.arrays, paths, copies)
-        ]
-        for h in handles:
-            h._stall_s = (time.perf_counter() - t0) / len(handles)
-        self._in_flight.add(handles)
-        return handles
+        return StagedSave(self, plans, prep, paths, copies, old, stage, time.perf_counter() - t0)
 
     def keep_mirrors(self, paths: Sequence[str | os.PathLike]) -> int:
         """Keeps the mirror files at `paths` mapped (and pinned) for later saves to recycle, and unmaps every
@@ -369,6 +367,68 @@ class DataStatesEngine:
                 self.close()
         except Exception:
             pass
+
+
+class StagedSave:
+    """A save prepared on the caller's thread (:meth:`DataStatesEngine.stage_plans`): its tensors already
+    copied, not yet handed to the engine. :meth:`queue` does that, once."""
+
+    def __init__(
+        self,
+        engine: DataStatesEngine,
+        plans: list[SavePlan],
+        prep: Prepared,
+        paths: list[str],
+        mirrors: list[str | None],
+        recycle: list[str],
+        staged: bool,
+        seconds: float,
+    ) -> None:
+        self._engine, self._plans, self._prep = engine, plans, prep
+        self._paths, self._mirrors, self._recycle = paths, mirrors, recycle
+        self._staged, self._seconds = staged, seconds
+        self._queued = False
+
+    def queue(self) -> list[SaveHandle]:
+        """Hands every file to the engine: all queued, or none (it raises); a handle per file, in order."""
+        engine, prep = self._engine, self._prep
+        if self._queued:
+            raise ValueError("this staged save is already queued")
+        if engine._closed:
+            raise ValueError("the engine is closed; create a new DataStatesEngine")
+        self._queued = True
+        t0 = time.perf_counter()
+        # One call to the core for all: one event per device on the caller's streams (as they are now: the
+        # copies to the host follow whatever the caller has queued there since staging), and a staged file's
+        # tensors as places in the staged buffers rather than a DLPack export each.
+        requests = [
+            (
+                path,
+                p.names,
+                p.dtypes,
+                [] if v else a,
+                v,
+                p.metadata,
+                not p.exact_metadata,
+                m or "",
+                r if m else "",
+            )
+            for p, a, v, path, m, r in zip(
+                self._plans, prep.arrays, prep.views, self._paths, self._mirrors, self._recycle
+            )
+        ]
+        streams = sorted({s for ss in prep.streams for s in ss})
+        jobs = engine._core.save_many(requests, prep.bases, streams)  # all queued, or none (it raises)
+        handles = [
+            SaveHandle(job, path, a, p.nbytes, self._staged, m, p.exact_metadata)
+            for job, p, a, path, m in zip(jobs, self._plans, prep.arrays, self._paths, self._mirrors)
+        ]
+        seconds = self._seconds + time.perf_counter() - t0
+        for h in handles:
+            h._stall_s = seconds / len(handles)
+        engine._in_flight.add(handles)
+        self._prep = Prepared([], [], [], [])  # the handles keep what the core reads alive
+        return handles
 
 
 def _paths_per_file(paths: Sequence[str | os.PathLike | None] | None, n: int, what: str) -> list[str | None]:

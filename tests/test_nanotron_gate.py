@@ -114,3 +114,20 @@ def test_deferred_work_runs_once_in_order_even_when_one_piece_raises():
     assert ran == ["first", "broken"] and gate.deferred == 1  # the one after the failure is still due
     assert gate.wait() == 0.0  # the step runs it, then has nothing to wait for
     assert ran == ["first", "broken", "third"] and gate.deferred == 0
+
+
+def test_work_for_after_the_step_runs_once_the_step_is_launched_and_with_the_rest_when_no_step_comes():
+    """`defer(work, after=...)`: `work` before the step's wait, `after` only at `run_after` (the trainer's
+    wrapper, once the step is launched); `run_deferred` (no step to come: the next request, the end) runs
+    both, in order."""
+    gate, ran = SnapshotGate(), []
+    gate.defer(lambda: ran.append("capture 1"), after=lambda: ran.append("queue 1"))
+    assert gate.deferred == 2
+    gate.wait()
+    assert ran == ["capture 1"] and gate.deferred == 1
+    ran.append("step")
+    gate.run_after()
+    assert ran == ["capture 1", "step", "queue 1"] and gate.deferred == 0
+    gate.defer(lambda: ran.append("capture 2"), after=lambda: ran.append("queue 2"))
+    gate.run_deferred()
+    assert ran[-2:] == ["capture 2", "queue 2"] and gate.deferred == 0

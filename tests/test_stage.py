@@ -4,7 +4,10 @@ none of them alive; every save staged with it holds the values of its own time."
 import gc
 import weakref
 
+import pytest
 import torch
+
+from nanotron_datastates import DataStatesEngine
 
 from helpers import same
 
@@ -72,3 +75,31 @@ def test_the_kept_layout_keeps_no_tensor_alive(engine, tmp_path):
     del x, plan
     gc.collect()
     assert gone() is None
+
+
+def test_a_staged_save_queued_later_holds_the_values_of_its_staging(tmp_path):
+    """`stage_plans` copies now and `queue` hands the copies to the engine later (a trainer queues once its
+    next optimizer step is launched): changes in between do not reach the file; a staged save is queued
+    once, and not by a closed engine."""
+    files = _files()
+    expect = {k: {name: t.clone() for name, t in v.items()} for k, v in files.items()}
+    with DataStatesEngine(host_cache_size=1 / 64, chunk_size=1) as engine:
+        staged = engine.stage_plans(
+            [(engine.plan(state), tmp_path / f"{k}.safetensors") for k, state in files.items()]
+        )
+        assert not list(tmp_path.iterdir())  # nothing handed to the engine yet
+        for state in files.values():  # the step that follows the staging
+            for t in state.values():
+                t.fill_(-1) if t.numel() else None
+        handles = staged.queue()
+        assert [h.staged for h in handles] == [True] * 3
+        with pytest.raises(ValueError, match="already queued"):
+            staged.queue()
+        engine.wait_persisted()
+        for k, state in expect.items():
+            back = engine.load(tmp_path / f"{k}.safetensors")
+            assert back.keys() == state.keys() and all(same(back[m], t) for m, t in state.items()), k
+        late = engine.stage_plans([(engine.plan({"x": torch.ones(3)}), tmp_path / "late.safetensors")])
+    with pytest.raises(ValueError, match="engine is closed"):
+        late.queue()
+    assert not (tmp_path / "late.safetensors").exists()

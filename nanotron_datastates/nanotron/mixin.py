@@ -13,7 +13,8 @@ resume, the trainer is Nanotron's, unchanged.
                          Resume.confirm: every rank read it whole, or all fall back to an older one
                          Saver: made; Saver.start (the weights' cache chunks pinned in the
                          background while Nanotron builds its data loader); `optimizer.step` wrapped, once
-    optimizer.step       Resume.before_step (the deferred optimizer load), Saver.before_step (snapshots)
+    optimizer.step       Resume.before_step (the deferred optimizer load), Saver.before_step (snapshots);
+                         once the step is launched, Saver.after_step (what was captured before it, queued)
     training_step        after the first: Resume.finish, Saver.after_first_step (plan, pin, warm staging)
     save_checkpoint      Saver.backpressure, Saver.request (capture now, queue now or at the next step)
     post_training        Saver.drain (every commit, post-save hooks), close
@@ -22,6 +23,7 @@ resume, the trainer is Nanotron's, unchanged.
 from __future__ import annotations
 
 import atexit
+import functools
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,9 +98,14 @@ class DataStatesTrainerMixin(_Trainer):
 
         def step(*args: Any, **kwargs: Any) -> Any:
             self._ds_resume.before_step()
-            if self.datastates is not None:
-                self.datastates.before_step()
-            return original(*args, **kwargs)
+            saver = self.datastates
+            if saver is not None:
+                saver.before_step()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if saver is not None:
+                    saver.after_step()
 
         step.__wrapped__ = original  # type: ignore[attr-defined]
         self.optimizer.step = step
@@ -129,9 +136,10 @@ class DataStatesTrainerMixin(_Trainer):
         self.config.general.step = self.metadata.last_train_step
         self.config.general.consumed_train_samples = self.metadata.consumed_train_samples
         say.info(f"saving checkpoint {folder}")
-        finalize = None
-        if groups.rank(self.parallel_context.world_pg) == 0:
-            finalize = finalizer(
+        commit = None
+        if groups.rank(self.parallel_context.world_pg) == 0:  # made when the files are queued
+            commit = functools.partial(
+                finalizer,
                 step=step,
                 checkpoints=saver.checkpoints,
                 pc=self.parallel_context,
@@ -141,7 +149,7 @@ class DataStatesTrainerMixin(_Trainer):
                 metadata=self.metadata,
                 replicas=saver.placement,
             )
-        saver.request(step, self.lr_scheduler, self.random_states, finalize, since=t0)
+        saver.request(step, self.lr_scheduler, self.random_states, commit, since=t0)
         return folder
 
     def _ds_post_save(self, step: int) -> None:

@@ -32,13 +32,15 @@ class TrainerSettings(Settings):
     """Copy each checkpoint on the GPU first (at memory speed, in the training stream's order), so that the
     optimizer step never waits for the copies to the host, which then read from that copy. 'auto' does so
     when the GPU has room for it above the peak memory training has used so far, with the larger of 1 GiB
-    and 5% of the GPU to spare; 'always' whenever the memory can be had; 'never'."""
+    and 5% of the GPU to spare; 'always' whenever the memory can be had (without a GPU: a copy in host
+    memory); 'never'."""
     queue_at_step: bool = True
-    """For checkpoints copied on the GPU first: plan, copy and queue the files at the start of the next
-    optimizer step instead of in `save_checkpoint` (neither the forward nor the backward pass changes them).
-    There the training thread's few milliseconds of work overlap the GPU still running the backward pass; in
-    `save_checkpoint`, just after Nanotron's end-of-step synchronization, the GPU waits for them. Off:
-    everything is queued before `save_checkpoint` returns."""
+    """For checkpoints copied on the GPU first: plan and copy the state's files at the start of the next
+    optimizer step instead of in `save_checkpoint` (neither the forward nor the backward pass changes them),
+    and queue every file once that step is launched. There the training thread's few milliseconds of work
+    overlap the GPU still running the backward pass and the step; in `save_checkpoint`, just after Nanotron's
+    end-of-step synchronization, the GPU waits for them. Off: everything is queued before `save_checkpoint`
+    returns."""
     telemetry: bool = True
     """Append one JSON line per checkpoint to `datastates_telemetry.jsonl` in the checkpoints folder (bytes,
     stall, snapshot, persisted, throughput, cache high-water mark and waits)."""

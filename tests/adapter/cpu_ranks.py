@@ -14,6 +14,7 @@ every tensor that differs from the one captured at the save.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import os
@@ -212,7 +213,8 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     saved = snapshot(*state)
     finalize = None
     if torch.distributed.get_rank() == 0:
-        finalize = finalizer(
+        finalize = functools.partial(
+            finalizer,
             step=7,
             checkpoints=ckpt,
             pc=pc,
@@ -269,7 +271,7 @@ def save_only(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     saver = Saver(engine, TrainerSettings(), pc, model, optimizer, work / "ckpt")
     finalize = None
     if torch.distributed.get_rank() == 0:
-        finalize = finalizer(step=7, checkpoints=work / "ckpt", pc=pc, config=c,
+        finalize = functools.partial(finalizer, step=7, checkpoints=work / "ckpt", pc=pc, config=c,
                              model_config=c.model.model_config, optimizer=optimizer,
                              metadata=training_metadata(7))  # fmt: skip
     first = 5 if os.environ.get("CPU_RANKS_TWO") else 7
@@ -291,8 +293,9 @@ def finalize_at(at: int, pc: Any, c: Any, optimizer: Any, work: Path) -> Any:
 
     if torch.distributed.get_rank() != 0:
         return None
-    return finalizer(step=at, checkpoints=work / "ckpt", pc=pc, config=c, model_config=c.model.model_config,
-                     optimizer=optimizer, metadata=training_metadata(at))  # fmt: skip
+    return functools.partial(finalizer, step=at, checkpoints=work / "ckpt", pc=pc, config=c,
+                             model_config=c.model.model_config, optimizer=optimizer,
+                             metadata=training_metadata(at))  # fmt: skip
 
 
 def resume_other(pc: Any, c: Any, work: Path) -> dict[str, Any]:

@@ -7,6 +7,7 @@ optimizer state read ahead waits for the first step. Runs against each Nanotron 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from pathlib import Path
@@ -104,7 +105,8 @@ def saver_of(rank0, root: Path, **settings) -> Saver:
 
 def ask(saver: Saver, rank0, at: int) -> None:
     pc, c, (_, optimizer, lr_scheduler, random_states), _ = rank0
-    finalize = finalizer(
+    finalize = functools.partial(
+        finalizer,
         step=at,
         checkpoints=saver.checkpoints,
         pc=pc,
@@ -281,6 +283,45 @@ def test_each_checkpoint_plans_the_optimizer_like_the_last_and_saves_the_values_
     want = snapshot(*state)
     got.pop("random"), want.pop("random")
     assert differences(want, got) == []
+
+
+def test_a_staged_checkpoint_is_captured_before_the_step_and_queued_once_the_step_is_launched(
+    rank0, tmp_path
+):
+    """`queue_at_step` with the state staged (`device_snapshot: always`; without a GPU, in host memory): the
+    request only copies the random states; the step's start plans and stages the state; the files are queued
+    and rank 0's commit made only once the step is launched (`after_step`, from the trainer's wrapper), beside
+    the step's work on the GPU. The checkpoint holds the state of the request all the same."""
+    pc, c, state, _ = rank0
+    model, optimizer, lr_scheduler, random_states = state
+    saver = saver_of(rank0, tmp_path / "ckpt", device_snapshot="always")
+    saver.start()
+    saver.after_first_step()
+    made, events = [], []
+    saver.observers.append(lambda event, fields: events.append(event))
+
+    def commit():
+        made.append(len(events))
+        return finalizer(step=5, checkpoints=saver.checkpoints, pc=pc, config=c,
+                         model_config=c.model.model_config, optimizer=optimizer,
+                         metadata=training_metadata(5))  # fmt: skip
+
+    asked = snapshot(*state)
+    saver.request(5, lr_scheduler, random_states, commit)
+    assert saver.gate.deferred == 2 and events == [] and made == []
+    torch.rand(3)  # the next forward pass draws random numbers
+    saver.before_step()
+    assert saver.gate.deferred == 1 and events == ["queue_start"] and made == []
+    assert not (tmp_path / "ckpt" / "5").exists()  # nothing handed to the engine yet
+    step(model, optimizer)  # the step changes the state staged just before it
+    saver.after_step()
+    assert saver.gate.deferred == 0 and events == ["queue_start", "queued"] and made == [1]
+    saver.drain(lambda s: None)
+    saver.close()
+    assert events[-1] == "committed"
+    _, got, metadata = resumed(rank0, tmp_path / "ckpt" / "5")
+    assert metadata.last_train_step == 5
+    assert differences(asked, got) == []
 
 
 def flip_a_byte(path: Path, from_end: int = 12) -> None:

@@ -2,9 +2,11 @@
 captured (the engine's first future), and nothing else waits. Forward and backward passes never mutate the
 parameters or the optimizer state, so the copies overlap them (DataStates-LLM's observation).
 
-For the same reason, a checkpoint's files may be queued as late as the start of the next step (`defer`):
+For the same reason, a checkpoint's state may be captured as late as the start of the next step (`defer`):
 there the GPU still has the backward pass to run, and the work on the training thread overlaps it, where
-just after a step (Nanotron synchronizes there) the GPU would wait for it."""
+just after a step (Nanotron synchronizes there) the GPU would wait for it. What needs no capture (queuing
+copies already made) waits until the step is launched (`defer(..., after=...)`, run by `run_after`), beside
+the step's own work on the GPU."""
 
 from __future__ import annotations
 
@@ -17,19 +19,33 @@ class SnapshotGate:
     def __init__(self) -> None:
         self._pending: list[tuple[list[Any], Callable[[float], None] | None]] = []
         self._deferred: list[Callable[[], None]] = []
+        self._after: list[Callable[[], None]] = []
 
-    def defer(self, work: Callable[[], None]) -> None:
+    def defer(self, work: Callable[[], None], after: Callable[[], None] | None = None) -> None:
         """`work` runs at the start of the next step (or at :meth:`run_deferred`), before the wait: it may
-        `add` handles, which that step then waits for."""
+        `add` handles, which that step then waits for. `after` runs once that step is launched
+        (:meth:`run_after`), or right after `work` where :meth:`run_deferred` runs it."""
         self._deferred.append(work)
+        if after is not None:
+            self._after.append(after)
 
     @property
     def deferred(self) -> int:
-        """How many pieces of work wait for the next step."""
-        return len(self._deferred)
+        """How many pieces of work wait for the next step (before it, and once it is launched)."""
+        return len(self._deferred) + len(self._after)
 
     def run_deferred(self) -> None:
-        """Runs the deferred work now, oldest first; each piece once, even if it raises."""
+        """Runs the deferred work now, oldest first, then the work for after the step; each piece once, even
+        if it raises."""
+        self._run_before()
+        self.run_after()
+
+    def run_after(self) -> None:
+        """Runs the work deferred to after the step, oldest first; each piece once, even if it raises."""
+        while self._after:
+            self._after.pop(0)()
+
+    def _run_before(self) -> None:
         while self._deferred:
             self._deferred.pop(0)()
 
@@ -41,7 +57,7 @@ class SnapshotGate:
     def wait(self) -> float:
         """Runs the deferred work, then waits for every snapshot added since the last wait; returns the
         seconds spent waiting."""
-        self.run_deferred()
+        self._run_before()
         if not self._pending:
             return 0.0
         t0 = time.perf_counter()

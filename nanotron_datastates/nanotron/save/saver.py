@@ -7,14 +7,16 @@
    each checkpoint then plans it like the last, checking its tensors once), the rest of the chunks one
    checkpoint fills are pinned in the background, and where checkpoints will be staged on the GPU, what the
    first staging would pay once is paid now (`staging.warm`).
-2. `request(step, folder, finalize)` in `save_checkpoint`: backpressure first (at most MAX_IN_FLIGHT
-   checkpoints in flight: a new one waits for the oldest), then what the next forward and backward passes
-   change (random states, the schedule's state) is captured now; staging is decided once for the whole
-   checkpoint (`staging.decide`); a staged checkpoint is queued at the start of the next optimizer step
-   (`queue_at_step`: there its few milliseconds on the training thread overlap the GPU's backward pass),
-   any other now (its copies must overlap the forward and backward passes).
-3. `before_step()`, at every optimizer step: the queuing left for it, then the wait for the snapshots of the
-   checkpoints just queued (gate.py). Nothing else ever waits.
+2. `request(step, lr_scheduler, random_states, finalizer)` in `save_checkpoint`: backpressure first (at
+   most MAX_IN_FLIGHT checkpoints in flight: a new one waits for the oldest), then what the next forward and
+   backward passes change (random states, the schedule's state) is copied now; staging is decided once for
+   the whole checkpoint (`staging.decide`). A staged checkpoint's state is planned and staged at the start of
+   the next optimizer step (`queue_at_step`: there its milliseconds on the training thread overlap the GPU's
+   backward pass) and queued once that step is launched (beside the step's own GPU work); any other is
+   queued now (its copies must overlap the forward and backward passes).
+3. `before_step()` at every optimizer step: the capture left for it, then the wait for the snapshots of the
+   checkpoints just queued (gate.py). Nothing else ever waits. `after_step()` once the step is launched:
+   the files captured before it, queued, and the checkpoint handed to the committer.
 4. `take(count)` at the next request and `drain()` at the end: the outcomes (commit.py), in order, the same
    on every rank; post-save hooks run for those committed; a failed one raises CheckpointError.
 
@@ -39,7 +41,7 @@ from typing import Any, Callable
 import torch
 
 from ... import telemetry
-from ...engine import DataStatesEngine
+from ...engine import DataStatesEngine, StagedSave
 from ...plan import SavePlan
 from .. import groups, replicas, shards
 from .. import log as say
@@ -181,33 +183,35 @@ class Saver:
         step: int,
         lr_scheduler: Any,
         random_states: Any,
-        finalize: Callable[[dict], None] | None,
+        finalizer: Callable[[], Callable[[dict], None]] | None,
         since: float | None = None,
     ) -> None:
-        """Captures and queues (now or at the next step) the checkpoint of `step`; `finalize`, rank 0's, runs
-        once every rank's files are persisted. The training stall counted for it starts at `since`
+        """Captures and queues (now or at the next step) the checkpoint of `step`. `finalizer`, rank 0's,
+        makes the commit that runs once every rank's files are persisted: it is called when the files are
+        queued, at the latest just after the next optimizer step is launched (Nanotron moves its counters
+        and its learning rate on only after that). The training stall counted for it starts at `since`
         (`time.perf_counter()`; default: now), and includes the next step's wait for its snapshot."""
         t0 = time.perf_counter() if since is None else since
         folder = self.checkpoints / str(step)
         self.last_step = step
         files = self.files()
-        random_state = {
-            "nanotron": {k: states.random_state_to_plain(v) for k, v in random_states.items()},
-            "global": states.global_rng_state(),
-        }
-        later: list[tuple[Path, SavePlan]] = []  # host values of this moment: copies, which nothing changes
+        # Host values of this moment, copied (the next forward pass draws random numbers): nothing changes
+        # them, so their files are planned and queued later, when the GPU has work queued.
+        later = [(files.random, _host_copy(_random_state(random_states)))]
         if files.lr_scheduler is not None:
-            later.append((files.lr_scheduler, self.engine.plan(_host_copy(lr_scheduler.state_dict()))))
-        later.append((files.random, self.engine.plan(_host_copy(random_state))))
-        pending = PendingCheckpoint(step, folder, [], finalize)
+            later.insert(0, (files.lr_scheduler, _host_copy(lr_scheduler.state_dict())))
+        job = _Request(PendingCheckpoint(step, folder, []), later, finalizer)
         self.outstanding += 1
         stage = self._decide()[0]
-        queue = functools.partial(self._queue, pending, later, stage)
         if stage and self.settings.queue_at_step:
-            self.gate.defer(functools.partial(queue, deferred=True))
+            self.gate.defer(
+                functools.partial(self._capture, job, stage, deferred=True),
+                after=functools.partial(self._queue, job),
+            )
         else:  # unstaged copies must start now, to overlap the forward and backward passes
-            queue(deferred=False)
-        pending.stall_s += time.perf_counter() - t0
+            self._capture(job, stage, deferred=False)
+            self._queue(job)
+        job.pending.stall_s += time.perf_counter() - t0
 
     def _decide(self) -> tuple[bool, str]:
         nbytes = self._nbytes
@@ -220,17 +224,12 @@ class Saver:
             say.info(f"checkpoints {'' if stage else 'not '}copied on the GPU first ({why})")
         return stage, why
 
-    def _queue(
-        self, pending: PendingCheckpoint, later: list[tuple[Path, SavePlan]], stage: bool, *, deferred: bool
-    ) -> None:
-        """Plans the optimizer state, queues every file of the checkpoint and hands it to the committer, which
-        is told of any failure here: every rank's committer then agrees that the checkpoint failed.
-
-        The files of the state (weights, optimizer) are staged together, or gated: the next step waits for
-        their snapshot. Those of `later` (scheduler, random states) hold host values made at the request,
-        which nothing changes: read as they are, queued first (a cache smaller than the checkpoint then
-        takes them before the state's pieces), and never waited for by a step."""
+    def _capture(self, job: _Request, stage: bool, *, deferred: bool) -> None:
+        """The state's files (weights, optimizer), before the step that changes them: planned (the optimizer
+        like the last time), then staged on the GPU together (queued by `_queue`), or, unstaged or where
+        staging runs out of GPU memory, queued now and gated (the next step waits for their snapshot)."""
         t0 = time.perf_counter()
+        pending = job.pending
         self._notify("queue_start", step=pending.step, deferred=deferred)
         try:
             files = self.files()
@@ -240,46 +239,83 @@ class Saver:
                 if self._optimizer_plan is not None:
                     self._optimizer_plan = plan
                 todo.append((files.optimizer, plan))
-            # The request's files with a GPU tensor (Nanotron's have none) go the state's way.
-            todo += [(path, plan) for path, plan in later if plan.devices]
-            pending.handles = self._save(pending, [(path, plan) for path, plan in later if not plan.devices])
-            state = self._save(pending, todo, stage)
-            pending.handles = pending.handles + state
-            self.gate.add(state, on_wait=functools.partial(_add_stall, pending))
+            targets, mirrors, recycle = self._targets(pending, todo)
+            if stage:
+                try:
+                    job.staged = self.engine.stage_plans(targets, mirrors=mirrors, recycle=recycle)
+                except torch.cuda.OutOfMemoryError:
+                    self._staged = False
+                    say.info(
+                        "out of GPU memory copying a checkpoint on the GPU: copied from the state itself"
+                    )
+            if job.staged is None:  # queued now, the request's files first; the next step waits for these
+                self._queue_later(job)
+                state = self.engine.save_plans(targets, mirrors=mirrors, recycle=recycle)
+                job.handles += state
+                self.gate.add(state, on_wait=functools.partial(_add_stall, pending))
         except Exception as e:  # reported at the next checkpoint or the end, as a failed write would be
             pending.errors.append(f"queuing its files failed: {e!r}")
             say.error(f"checkpoint {pending.step}: {pending.errors[-1]}", every_rank=True)
+        job.seconds += time.perf_counter() - t0
         if deferred:
-            pending.queued_s = time.perf_counter() - t0
-        self._notify("queued", step=pending.step, deferred=deferred, seconds=time.perf_counter() - t0)
+            pending.queued_s += time.perf_counter() - t0
+
+    def _queue(self, job: _Request) -> None:
+        """Queues what `_capture` left (the request's files, the staged state), makes rank 0's commit and
+        hands the checkpoint to the committer, which is told of any failure here: every rank's committer then
+        agrees that the checkpoint failed. Where the state was staged, this runs once the next optimizer step
+        is launched, beside the step's own work on the GPU."""
+        t0 = time.perf_counter()
+        pending, deferred = job.pending, job.staged is not None
+        try:
+            self._queue_later(job)
+            if job.staged is not None:
+                state, job.staged = job.staged.queue(), None
+                job.handles += state
+                self.gate.add(state, on_wait=functools.partial(_add_stall, pending))
+            if job.finalizer is not None:
+                pending.finalize = job.finalizer()
+        except Exception as e:
+            pending.errors.append(f"queuing its files failed: {e!r}")
+            say.error(f"checkpoint {pending.step}: {pending.errors[-1]}", every_rank=True)
+        pending.handles = job.handles
+        job.seconds += time.perf_counter() - t0
+        if deferred:
+            pending.queued_s += time.perf_counter() - t0
+        self._notify("queued", step=pending.step, deferred=deferred, seconds=job.seconds)
         self.committer.submit(pending)
 
-    def _save(
-        self, pending: PendingCheckpoint, files: list[tuple[Path, SavePlan]], stage: bool = False
-    ) -> list[Any]:
-        """Queues `files` (path in the checkpoint, plan) of `pending`'s checkpoint, each with its memory tier
-        copy: all staged on the GPU together (so the optimizer step waits for none), or straight from the
-        tensors where unstaged or where staging runs out of GPU memory."""
+    def _queue_later(self, job: _Request) -> None:
+        """The request's host values (scheduler, random states), once: read as they are and never waited for
+        by a step; queued before the state's files, so that a cache smaller than the checkpoint takes them
+        before the state's pieces."""
+        later, job.later = job.later, []
+        if later:
+            plans = [(path, self.engine.plan(value)) for path, value in later]
+            targets, mirrors, recycle = self._targets(job.pending, plans)
+            job.handles += self.engine.save_plans(targets, mirrors=mirrors, recycle=recycle)
+
+    def _targets(
+        self, pending: PendingCheckpoint, files: list[tuple[Path, SavePlan]]
+    ) -> tuple[list[tuple[SavePlan, str]], list[Path] | None, list[Path | None] | None]:
+        """`files` (path in the checkpoint, plan) of `pending`'s checkpoint as the engine takes them: (plan,
+        path) each, with each one's memory tier copy and the earlier copy it recycles."""
         targets = [(plan, os.path.join(str(pending.folder), path)) for path, plan in files]
         mirrors = recycle = None
         if self.tier is not None:
             mirrors = [self.tier.path(pending.step, path) for path, _ in files]
             recycle = self.tier.recycle(pending.step, [str(path) for path, _ in files])
-        if stage:
-            try:
-                return self.engine.save_plans(targets, stage=True, mirrors=mirrors, recycle=recycle)
-            except torch.cuda.OutOfMemoryError:
-                self._staged = False
-                say.info(
-                    "out of GPU memory copying a checkpoint on the GPU: it is copied from the state itself"
-                )
-        return self.engine.save_plans(targets, mirrors=mirrors, recycle=recycle)
+        return targets, mirrors, recycle
 
     # -- 3. every optimizer step ----------------------------------------------------------------------------
 
     def before_step(self) -> float:
-        """Queues what waits for this step, then waits for the snapshots; returns the seconds waited."""
+        """Captures what waits for this step, then waits for the snapshots; returns the seconds waited."""
         return self.gate.wait()
+
+    def after_step(self) -> None:
+        """Once the step is launched: queues what was captured before it."""
+        self.gate.run_after()
 
     # -- 4. outcomes ----------------------------------------------------------------------------------------
 
@@ -377,15 +413,35 @@ class Saver:
             observe(event, fields)
 
 
+@dataclasses.dataclass
+class _Request:
+    """A checkpoint between its request and its hand-over to the committer."""
+
+    pending: PendingCheckpoint
+    later: list[tuple[Path, Any]]  # (path in the checkpoint, host value captured at the request)
+    finalizer: Callable[[], Callable[[dict], None]] | None
+    staged: StagedSave | None = None  # the state's files, staged before the step, queued after it
+    handles: list[Any] = dataclasses.field(default_factory=list)  # every file queued so far
+    seconds: float = 0.0  # on the training thread, capturing and queuing
+
+
+def _random_state(random_states: Any) -> dict[str, Any]:
+    return {
+        "nanotron": {k: states.random_state_to_plain(v) for k, v in random_states.items()},
+        "global": states.global_rng_state(),
+    }
+
+
 def _add_stall(pending: PendingCheckpoint, seconds: float) -> None:
     pending.stall_s += seconds
 
 
 def _host_copy(x: Any) -> Any:
-    """`x` with its containers and host tensors copied (a few kB here: random states, a scheduler's state),
-    so that the files made of it are read as they were at the request, whenever the engine reads them."""
+    """`x` with its containers and tensors copied (a few kB here: random states, a scheduler's state), so
+    that the files made of it are read as they were at the request, whenever the engine reads them (a GPU
+    tensor's copy is made in its stream's order, before any later change)."""
     if isinstance(x, torch.Tensor):
-        return x.clone() if x.device.type == "cpu" else x
+        return x.clone()
     if type(x) in (dict, collections.OrderedDict):  # the containers a skeleton holds as data
         return type(x)((k, _host_copy(v)) for k, v in x.items())
     if type(x) in (list, tuple):

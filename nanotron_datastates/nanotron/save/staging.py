@@ -29,11 +29,12 @@ def fits(nbytes: int, *, free: int, reserved: int, peak: int, total: int) -> boo
 
 
 def decide(mode: str, nbytes: int) -> tuple[bool, str]:
-    """(stage?, why) for a checkpoint of `nbytes` on the current GPU, by `mode` (auto, always, never)."""
-    if mode == "never" or not torch.cuda.is_available():
-        return False, "device_snapshot: never" if mode == "never" else "no GPU"
-    if mode == "always":
-        return True, "device_snapshot: always"
+    """(stage?, why) for a checkpoint of `nbytes` on the current GPU, by `mode` (auto, always, never);
+    'always' without a GPU stages in host memory."""
+    if mode in ("never", "always"):
+        return mode == "always", f"device_snapshot: {mode}"
+    if not torch.cuda.is_available():
+        return False, "no GPU"
     device = torch.cuda.current_device()
     free, total = torch.cuda.mem_get_info(device)
     # The allocator's table as it comes (memory_stats flattens it too: 160 more Python calls per checkpoint)
@@ -50,6 +51,8 @@ def warm(plans: Sequence[SavePlan]) -> None:
     is allocated and freed, so that torch's allocator holds it (a 2.2 GB cudaMalloc took 20 ms on an H100;
     the allocator hands it back to training should training run short), and the staging copy runs once per
     dtype, so that its kernels are loaded (CUDA loads them lazily, at their first launch)."""
+    if not torch.cuda.is_available():  # staged in host memory: nothing to load or hold
+        return
     nbytes = staged_nbytes(plans) + (2 << 20)  # + the scheduler's and random states' files, planned later
     torch.empty_strided((nbytes,), (1,), dtype=torch.uint8, device="cuda")
     for dtype in {a.dtype for p in plans for a in p.arrays if a.is_cuda}:
