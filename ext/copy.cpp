@@ -1,7 +1,9 @@
 #include "copy.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 namespace ds {
 namespace {
@@ -169,6 +171,7 @@ Error PieceCopier::issue() {
   const std::size_t step = max_copy_ ? max_copy_ : r.len;
   for (std::size_t done = 0; done < r.len; done += step) {
     const std::size_t n = std::min(step, r.len - done);
+    if (pacer_ && r.buffer >= 0) pacer_->pace(n);
     if (max_copy_) {
       if (Error e = throttle(r.device)) return e;
     }
@@ -179,6 +182,17 @@ Error PieceCopier::issue() {
     }
   }
   return {};
+}
+
+void CopyPacer::pace(std::size_t n) {
+  if (ns_per_byte_ <= 0) return;
+  const std::uint64_t now = now_ns();
+  const auto cost = static_cast<std::uint64_t>(static_cast<double>(n) * ns_per_byte_);
+  std::uint64_t next = next_ns_.load(std::memory_order_relaxed), start = 0;
+  do {
+    start = std::max(next, now);
+  } while (!next_ns_.compare_exchange_weak(next, start + cost, std::memory_order_relaxed));
+  if (start > now) std::this_thread::sleep_for(std::chrono::nanoseconds(start - now));
 }
 
 Error PieceCopier::throttle(int device) {

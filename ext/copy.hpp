@@ -6,7 +6,9 @@
 // them, so when it returns the chunk holds the bytes and the source may change.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <unordered_map>
 #include <vector>
 
@@ -42,6 +44,21 @@ class InFlight {
   std::vector<std::pair<int, cuda::CUevent>> marked_;    // events recorded, not yet waited for
 };
 
+// Paces the copies from staged buffers (which no training step waits for) to the host, across an engine's
+// copy threads: each piece starts no sooner than the pieces before it, at `bytes_per_s`, allow. A copy that
+// runs at the link's full speed crowds the step's own traffic to the host; spread over the next steps it
+// does not. No credit builds up while idle: a checkpoint's first piece starts at once.
+class CopyPacer {
+ public:
+  explicit CopyPacer(double bytes_per_s) : ns_per_byte_(bytes_per_s > 0 ? 1e9 / bytes_per_s : 0.0) {}
+  // Sleeps until `n` more bytes may start (at once without a rate).
+  void pace(std::size_t n);
+
+ private:
+  double ns_per_byte_;
+  std::atomic<std::uint64_t> next_ns_{0};
+};
+
 class PieceCopier {
  public:
   // Device-to-host copies in flight at once from one thread, each of at most `max_copy` bytes.
@@ -51,8 +68,10 @@ class PieceCopier {
   // training step's own reads from the GPU (`loss.item()`) queue behind the copies already on the copy
   // engine, whichever stream issued them: with at most kCopiesInFlight copies of `max_copy` bytes queued,
   // such a read waits for those, not for a whole chunk.
-  PieceCopier(const std::unordered_map<int, cuda::CUevent>* events, std::size_t max_copy)
-      : events_(events), max_copy_(max_copy) {}
+  // `pacer` (may be null) paces the copies from staged buffers.
+  PieceCopier(const std::unordered_map<int, cuda::CUevent>* events, std::size_t max_copy,
+              CopyPacer* pacer = nullptr)
+      : events_(events), max_copy_(max_copy), pacer_(pacer) {}
 
   // Copies bytes [begin, end) of `t`'s row-major image to `dst` (device bytes: by finish() at the latest).
   Error copy(const TensorSrc& t, std::size_t begin, std::size_t end, char* dst);
@@ -79,6 +98,7 @@ class PieceCopier {
 
   const std::unordered_map<int, cuda::CUevent>* events_;
   std::size_t max_copy_;
+  CopyPacer* pacer_;
   InFlight in_flight_;
   Run run_;
   std::size_t copies_ = 0;  // copies issued and marked by this copier (max_copy_ > 0)

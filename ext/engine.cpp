@@ -7,6 +7,7 @@ namespace ds {
 
 Engine::Engine(const EngineOptions& opts)
     : opts_(opts),
+      pacer_(opts.device_copy_bytes_per_s),
       cache_(
           std::make_unique<HostCache>(opts.cache_bytes, opts.chunk_bytes, opts.pin_device, opts.huge_pages)),
       parsers_(opts.parser_threads, "ds-parse"),
@@ -109,7 +110,7 @@ void Engine::run_piece(const std::shared_ptr<SaveJob>& job, std::size_t i) {
   }
   char* chunk = job->mirror_piece(i);     // the mirror file is the staging memory, or
   if (!chunk) chunk = cache_->acquire();  // a cache chunk: backpressure, waits for a flush to give one back
-  PieceCopier copier(job->events(), opts_.device_copy_bytes);
+  PieceCopier copier(job->events(), opts_.device_copy_bytes, &pacer_);
   if (IoOp* op = job->copy_piece(i, chunk, copier)) next_flusher()->submit(op);
 }
 

@@ -25,11 +25,12 @@ struct EngineOptions {
   std::size_t cache_bytes = std::size_t{1} << 30;
   std::size_t chunk_bytes = std::size_t{64} << 20;
   std::size_t device_copy_bytes = std::size_t{4} << 20;  // largest copy from a GPU (0: a chunk's run in one)
-  int pin_device = -1;             // CUDA ordinal whose context pins the cache; -1: do not pin
-  bool huge_pages = true;          // back the cache with transparent huge pages where the kernel allows
-  unsigned parser_threads = 2;     // restores
-  unsigned copy_threads = 1;       // saves of GPU tensors: plan and issue the copies into the cache
-  unsigned host_copy_threads = 1;  // saves of host tensors: plan and memcpy into the cache
+  double device_copy_bytes_per_s = 0;  // the pace of copies from staged GPU buffers (0: the link's)
+  int pin_device = -1;                 // CUDA ordinal whose context pins the cache; -1: do not pin
+  bool huge_pages = true;              // back the cache with transparent huge pages where the kernel allows
+  unsigned parser_threads = 2;         // restores
+  unsigned copy_threads = 1;           // saves of GPU tensors: plan and issue the copies into the cache
+  unsigned host_copy_threads = 1;      // saves of host tensors: plan and memcpy into the cache
   unsigned flush_threads = 2;
   int flush_nice = 0;  // the flush workers' threads run this many nice steps below the caller's
   unsigned queue_depth = 16;
@@ -107,6 +108,7 @@ class Engine final : public JobObserver {
   TaskPool& copiers_for(const SaveJob& job);
 
   EngineOptions opts_;
+  CopyPacer pacer_;
   std::unique_ptr<HostCache> cache_;
   MirrorFiles mirrors_;  // mirror files kept mapped after their saves
   std::string backend_;

@@ -26,6 +26,7 @@ def start_core(config: DataStatesConfig) -> _core.Engine:
         cache_bytes=config.cache_bytes,
         chunk_bytes=config.chunk_bytes,
         device_copy_bytes=config.device_copy_bytes,
+        device_copy_bytes_per_s=config.device_copy_gbps * 1e9,
         pin_device=pin_device,
         huge_pages=config.huge_pages,
         parser_threads=config.parser_threads,

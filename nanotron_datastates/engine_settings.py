@@ -86,6 +86,7 @@ class DataStatesConfig(Settings):
         "queue_depth": (1, 1024, "expected an integer in [1, 1024]"),
         "chunk_size": (1, 4096, "expected MiB in [1, 4096] (an integer)"),
         "device_copy_size": (0, 4096, "expected MiB in [0, 4096] (an integer; 0: one copy a chunk)"),
+        "device_copy_gbps": (0, 1e4, "expected GB/s in [0, 10000] (0: the link's speed)"),
         "read_size": (1, 4096, "expected MiB in [1, 4096] (an integer)"),
     }
     CHOICES = {"io_backend": ("auto", "io_uring", "pwrite")}
@@ -124,6 +125,11 @@ class DataStatesConfig(Settings):
     wait on the copy engine behind whatever copies to the host are queued there, from any stream: behind two
     of these, not a whole chunk (a 64 MiB copy takes about 1.2 ms on an H100's link). 0: a chunk's bytes in
     one copy."""
+    device_copy_gbps: float = 0.0
+    """GB/s at most for the copies to the host of a save staged on the GPU (`stage=True`; Nanotron's
+    `device_snapshot`), which no step waits for: spread over the steps that follow, they crowd the steps' own
+    copies to the host less. 0: as fast as the link goes. Saves not staged are copied at full speed (the
+    caller waits for them)."""
     read_size: int = 16
     """MiB per read request on restore."""
     direct_io: bool = True
