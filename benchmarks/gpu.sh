@@ -80,6 +80,12 @@ run_step() {
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 720 --interval 80 --cache-gib 2 \
         --modes dcp-zo --variant cache8:host_cache_size=8 --variant cache8-whole:host_cache_size=8,device_copy_size=0 \
         --work "$WORK/s180c" --out "$OUT/stall-180m-copies" ${BENCH_ARGS:-}) ;;
+    stall-180m-paced) # 720 steps (8 checkpoints a run): DCP zero-overhead, datastates with a 2 GiB and an 8 GiB
+      # cache, and the 8 GiB one with its copies from the GPU paced (device_copy_gbps: PACED_GBPS, default 8)
+      (cd $B && python3 bench_nanotron.py all --model 180m --steps 720 --interval 80 --cache-gib 2 \
+        --modes dcp-zo,datastates --variant cache8:host_cache_size=8 \
+        --variant "cache8p${PACED_GBPS:-8}:host_cache_size=8,device_copy_gbps=${PACED_GBPS:-8}" \
+        --work "$WORK/s180p" --out "$OUT/stall-180m-paced" ${BENCH_ARGS:-}) ;;
     idle-180m) # the engine set up and never asked for a checkpoint, against stock Nanotron, in turns,
       # OVERHEAD_ROUNDS rounds (default 3)
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 400 --interval 80 --modes datastates-idle \
