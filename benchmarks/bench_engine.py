@@ -32,7 +32,7 @@ Run (root, for drop_caches; otherwise cold reads fall back to per-file fadvise, 
 
     python3 benchmarks/bench_engine.py                                   # 1 GiB, 3 repeats
     python3 benchmarks/bench_engine.py --size-gib 0.25 --repeat 1        # quick check
-    python3 benchmarks/bench_engine.py --flush-threads 4 --queue-depth 16 --out /tmp/t.json
+    python3 benchmarks/bench_engine.py --flush-threads 4 --flush-depth 16 --out /tmp/t.json
 
 Results go to ``--out`` as JSON (host, versions, config, state, raw values, medians, ratios, verdicts); a
 table is printed at the end. Throughputs are in GB/s (1e9 bytes/s), as dd prints them.
@@ -116,7 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-cache-gib", type=float, default=2.0, help="engine host cache, GiB (default 2)")
     p.add_argument("--parser-threads", type=int, help="engine copy/restore threads (default: the engine's)")
     p.add_argument("--flush-threads", type=int, help="engine flush workers (default: the engine's)")
-    p.add_argument("--queue-depth", type=int, help="I/Os in flight per worker (default: the engine's)")
+    p.add_argument("--flush-depth", type=int, help="writes in flight per flush worker (default: engine)")
+    p.add_argument("--queue-depth", type=int, help="reads in flight per parser thread (default: engine)")
     p.add_argument("--chunk-mib", type=int, help="engine cache chunk, MiB (default: the engine's)")
     p.add_argument("--read-mib", type=int, help="engine restore read size, MiB (default: the engine's)")
     args = p.parse_args(argv)
@@ -760,6 +761,7 @@ def main(argv: list[str] | None = None) -> int:
         "host_cache_size": args.host_cache_gib,
         "parser_threads": args.parser_threads,
         "flush_threads": args.flush_threads,
+        "flush_depth": args.flush_depth,
         "queue_depth": args.queue_depth,
         "chunk_size": args.chunk_mib,
         "read_size": args.read_mib,

@@ -187,7 +187,8 @@ NB_MODULE(_core, m) {
              bool huge_pages, unsigned parser_threads, unsigned copy_threads, unsigned host_copy_threads,
              unsigned flush_threads, unsigned queue_depth, std::size_t read_bytes,
              const std::string& io_backend, bool direct_io, bool fsync, bool checksums, bool map_memory_files,
-             int flush_nice, std::size_t device_copy_bytes, double device_copy_bytes_per_s) {
+             int flush_nice, std::size_t device_copy_bytes, double device_copy_bytes_per_s,
+             unsigned flush_depth) {
             ds::EngineOptions o;
             o.cache_bytes = cache_bytes;
             o.chunk_bytes = chunk_bytes;
@@ -205,6 +206,7 @@ NB_MODULE(_core, m) {
             o.flush_nice = flush_nice;
             o.device_copy_bytes = device_copy_bytes;
             o.device_copy_bytes_per_s = device_copy_bytes_per_s;
+            o.flush_depth = flush_depth;
             nb::gil_scoped_release release;  // allocating and pinning the cache can take seconds
             new (self) ds::Engine(o);
           },
@@ -212,7 +214,7 @@ NB_MODULE(_core, m) {
           "copy_threads"_a, "host_copy_threads"_a, "flush_threads"_a, "queue_depth"_a, "read_bytes"_a,
           "io_backend"_a, "direct_io"_a, "fsync"_a, "checksums"_a, "map_memory_files"_a = true,
           "flush_nice"_a = 0, "device_copy_bytes"_a = ds::EngineOptions{}.device_copy_bytes,
-          "device_copy_bytes_per_s"_a = 0.0)
+          "device_copy_bytes_per_s"_a = 0.0, "flush_depth"_a = ds::EngineOptions{}.flush_depth)
       .def(
           "save_many",
           [](ds::Engine& e, std::vector<FileArg> files, const std::vector<nb::ndarray<>>& bases,

@@ -20,7 +20,7 @@ Engine::Engine(const EngineOptions& opts)
   if (opts_.io_backend != "pwrite") {
     for (unsigned i = 0; i < opts_.flush_threads; ++i) {
       std::string why;
-      auto w = make_uring_worker(opts_.queue_depth, opts_.flush_nice, &why);
+      auto w = make_uring_worker(opts_.flush_depth, opts_.flush_nice, &why);
       if (!w) {
         flushers_.clear();
         if (opts_.io_backend == "io_uring") {
@@ -39,7 +39,7 @@ Engine::Engine(const EngineOptions& opts)
   if (flushers_.empty()) {
     // One pool, as many threads as the io_uring workers would keep writes in flight (bounded).
     flushers_.push_back(make_pwrite_worker(
-        std::min(16u, opts_.flush_threads * std::max(1u, opts_.queue_depth / 2)), opts_.flush_nice));
+        std::min(16u, opts_.flush_threads * std::max(1u, opts_.flush_depth / 2)), opts_.flush_nice));
     backend_ = "pwrite";
   } else {
     backend_ = "io_uring";

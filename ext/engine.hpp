@@ -32,8 +32,9 @@ struct EngineOptions {
   unsigned copy_threads = 1;           // saves of GPU tensors: plan and issue the copies into the cache
   unsigned host_copy_threads = 1;      // saves of host tensors: plan and memcpy into the cache
   unsigned flush_threads = 2;
-  int flush_nice = 0;  // the flush workers' threads run this many nice steps below the caller's
-  unsigned queue_depth = 16;
+  int flush_nice = 0;         // the flush workers' threads run this many nice steps below the caller's
+  unsigned flush_depth = 4;   // writes in flight per flush worker
+  unsigned queue_depth = 16;  // reads in flight per parser thread on restore
   std::size_t read_bytes = std::size_t{16} << 20;
   bool map_memory_files = true;     // restores to a GPU from tmpfs go through a mapping
   std::string io_backend = "auto";  // auto | io_uring | pwrite

@@ -33,6 +33,7 @@ def start_core(config: DataStatesConfig) -> _core.Engine:
         copy_threads=config.copy_threads or 1,
         host_copy_threads=config.copy_threads or min(4, os.cpu_count() or 1),
         flush_threads=config.flush_threads,
+        flush_depth=config.flush_depth,
         queue_depth=config.queue_depth,
         read_bytes=config.read_bytes,
         io_backend=config.io_backend,

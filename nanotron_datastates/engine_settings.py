@@ -83,6 +83,7 @@ class DataStatesConfig(Settings):
         "copy_threads": (0, 256, "expected an integer in [0, 256] (0: automatic)"),
         "flush_threads": (1, 64, "expected an integer in [1, 64]"),
         "flush_nice": (0, 19, "expected an integer in [0, 19]"),
+        "flush_depth": (1, 1024, "expected an integer in [1, 1024]"),
         "queue_depth": (1, 1024, "expected an integer in [1, 1024]"),
         "chunk_size": (1, 4096, "expected MiB in [1, 4096] (an integer)"),
         "device_copy_size": (0, 4096, "expected MiB in [0, 4096] (an integer; 0: one copy a chunk)"),
@@ -108,15 +109,20 @@ class DataStatesConfig(Settings):
     huge_pages: bool = True
     """Back the cache with transparent huge pages where the kernel allows (not set to 'never'): faulting in
     and pinning many GiB then walk 2 MiB pages instead of 4 KiB ones."""
-    flush_threads: int = 2
-    """Flush workers; each owns an io_uring with `queue_depth` writes in flight."""
+    flush_threads: int = 1
+    """Flush workers; each owns an io_uring with `flush_depth` writes in flight (and sums what it writes)."""
     flush_nice: int = 10
     """Nice steps the flush workers' threads, which write and checksum in the background, run below the
     training's threads: where both want a core, the one feeding the GPU gets it (at 10, about 9 in 10 of
     its time), and a checkpoint takes longer to persist. 0 runs them at the training's priority."""
+    flush_depth: int = 4
+    """Writes in flight per flush worker, each a cache chunk's piece (64 MiB by default): four keep a disk
+    busy. A deeper queue hands the disk a whole checkpoint at once: on H100 machines, with two workers 16
+    deep the steps just after a checkpoint lost 2-3 times as much as with one worker 4 deep, and the
+    checkpoint persisted no faster (benchmarks/results/h100/overhead_180m_flush_depth/)."""
     queue_depth: int = 16
-    """I/O requests in flight per flush worker (and per parser thread on restore). Virtual and NVMe disks
-    reach their bandwidth only with many requests in flight."""
+    """Reads in flight per parser thread on restore. Virtual and NVMe disks reach their bandwidth only with
+    many requests in flight."""
     chunk_size: int = 64
     """MiB per cache chunk: the unit of copy and of write. Clamped to a quarter of the cache."""
     device_copy_size: int = 4
