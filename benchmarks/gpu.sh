@@ -86,12 +86,12 @@ run_step() {
         --modes dcp-zo,datastates --variant cache8:host_cache_size=8 \
         --variant "cache8p${PACED_GBPS:-8}:host_cache_size=8,device_copy_gbps=${PACED_GBPS:-8}" \
         --work "$WORK/s180p" --out "$OUT/stall-180m-paced" ${BENCH_ARGS:-}) ;;
-    stall-180m-flush) # 720 steps: DCP zero-overhead, datastates with an 8 GiB cache as it comes and with fewer
-      # writes in flight (one flush worker, 4 or 2 writes deep), against the stall and the steps while flushing
+    stall-180m-flush) # 720 steps: DCP zero-overhead, datastates with an 8 GiB cache and the flush's defaults (one
+      # worker, 4 writes in flight), two workers 16 deep (the defaults before 64ec518), one worker 2 deep
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 720 --interval 80 --cache-gib 2 \
         --modes dcp-zo --variant cache8:host_cache_size=8 \
-        --variant cache8f1q4:host_cache_size=8,flush_threads=1,queue_depth=4 \
-        --variant cache8f1q2:host_cache_size=8,flush_threads=1,queue_depth=2 \
+        --variant cache8f2q16:host_cache_size=8,flush_threads=2,flush_depth=16 \
+        --variant cache8f1q2:host_cache_size=8,flush_threads=1,flush_depth=2 \
         --work "$WORK/s180f" --out "$OUT/stall-180m-flush" ${BENCH_ARGS:-}) ;;
     idle-180m) # the engine set up and never asked for a checkpoint, against stock Nanotron, in turns,
       # OVERHEAD_ROUNDS rounds (default 3)
