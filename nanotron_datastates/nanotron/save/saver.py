@@ -200,16 +200,17 @@ class Saver:
         later = [(files.random, _host_copy(_random_state(random_states)))]
         if files.lr_scheduler is not None:
             later.insert(0, (files.lr_scheduler, _host_copy(lr_scheduler.state_dict())))
-        job = _Request(PendingCheckpoint(step, folder, []), later, finalizer)
         self.outstanding += 1
         stage = self._decide()[0]
-        if stage and self.settings.queue_at_step:
+        job = _Request(
+            PendingCheckpoint(step, folder, []), later, finalizer, stage and self.settings.queue_at_step
+        )
+        if job.deferred:
             self.gate.defer(
-                functools.partial(self._capture, job, stage, deferred=True),
-                after=functools.partial(self._queue, job),
+                functools.partial(self._capture, job, stage), after=functools.partial(self._queue, job)
             )
         else:  # unstaged copies must start now, to overlap the forward and backward passes
-            self._capture(job, stage, deferred=False)
+            self._capture(job, stage)
             self._queue(job)
         job.pending.stall_s += time.perf_counter() - t0
 
@@ -224,13 +225,13 @@ class Saver:
             say.info(f"checkpoints {'' if stage else 'not '}copied on the GPU first ({why})")
         return stage, why
 
-    def _capture(self, job: _Request, stage: bool, *, deferred: bool) -> None:
+    def _capture(self, job: _Request, stage: bool) -> None:
         """The state's files (weights, optimizer), before the step that changes them: planned (the optimizer
         like the last time), then staged on the GPU together (queued by `_queue`), or, unstaged or where
         staging runs out of GPU memory, queued now and gated (the next step waits for their snapshot)."""
         t0 = time.perf_counter()
         pending = job.pending
-        self._notify("queue_start", step=pending.step, deferred=deferred)
+        self._notify("queue_start", step=pending.step, deferred=job.deferred)
         try:
             files = self.files()
             todo = list(files.weights)
@@ -257,8 +258,6 @@ class Saver:
             pending.errors.append(f"queuing its files failed: {e!r}")
             say.error(f"checkpoint {pending.step}: {pending.errors[-1]}", every_rank=True)
         job.seconds += time.perf_counter() - t0
-        if deferred:
-            pending.queued_s += time.perf_counter() - t0
 
     def _queue(self, job: _Request) -> None:
         """Queues what `_capture` left (the request's files, the staged state), makes rank 0's commit and
@@ -266,7 +265,7 @@ class Saver:
         agrees that the checkpoint failed. Where the state was staged, this runs once the next optimizer step
         is launched, beside the step's own work on the GPU."""
         t0 = time.perf_counter()
-        pending, deferred = job.pending, job.staged is not None
+        pending = job.pending
         try:
             self._queue_later(job)
             if job.staged is not None:
@@ -280,9 +279,9 @@ class Saver:
             say.error(f"checkpoint {pending.step}: {pending.errors[-1]}", every_rank=True)
         pending.handles = job.handles
         job.seconds += time.perf_counter() - t0
-        if deferred:
-            pending.queued_s += time.perf_counter() - t0
-        self._notify("queued", step=pending.step, deferred=deferred, seconds=job.seconds)
+        if job.deferred:  # the next step's share of the checkpoint's time on the training thread
+            pending.queued_s = job.seconds
+        self._notify("queued", step=pending.step, deferred=job.deferred, seconds=job.seconds)
         self.committer.submit(pending)
 
     def _queue_later(self, job: _Request) -> None:
@@ -420,6 +419,7 @@ class _Request:
     pending: PendingCheckpoint
     later: list[tuple[Path, Any]]  # (path in the checkpoint, host value captured at the request)
     finalizer: Callable[[], Callable[[dict], None]] | None
+    deferred: bool  # captured at the next step's start and queued once it is launched
     staged: StagedSave | None = None  # the state's files, staged before the step, queued after it
     handles: list[Any] = dataclasses.field(default_factory=list)  # every file queued so far
     seconds: float = 0.0  # on the training thread, capturing and queuing
