@@ -7,6 +7,7 @@ Not a test."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import time
@@ -129,8 +130,17 @@ def restart(rank: int, world: int, node: int, init: str, work: str, replicas: in
         sums = layout.file_checksums(manifest, folder, folder / rel)
         got = engine.load(path, checksums=sums)[key]
         equal.append(bool(got.equal(want["w" if key == "data" else "m"])))
-    leftovers = [str(p) for p in tier.folder.parent.rglob("*.dstmp.*")]
+    leftovers = temporaries(tier.folder.parent)
     report = {"source": str(source) if source else None, "why": why, "equal": equal, "step": step}
     (out / f"restart{rank}.json").write_text(json.dumps({**report, "leftovers": leftovers}))
     engine.close()
     dist.destroy_process_group()
+
+
+def temporaries(root: Path) -> list[str]:
+    """The temporaries under `root`, the node's memory tier. The node's other ranks prune their own areas
+    meanwhile: a folder that vanishes during the walk is skipped (os.walk ignores it), where rglob raises."""
+    found = []
+    for folder, dirs, names in os.walk(root):
+        found += [os.path.join(folder, n) for n in dirs + names if fnmatch.fnmatch(n, "*.dstmp.*")]
+    return found

@@ -112,7 +112,7 @@ def test_a_node_lost_while_its_replica_is_sent_never_uses_the_partial_copy(tmp_p
 
     def receiving_the_newest() -> bool:
         latest = root / "latest.txt"
-        return latest.exists() and latest.read_text() == "2" and any((area / "2").rglob("*.dstmp.*"))
+        return latest.exists() and latest.read_text() == "2" and bool(child.temporaries(area / "2"))
 
     _wait_for(receiving_the_newest, "the newest checkpoint's replication")
     _lose_node(procs, tmp_path, 1)
