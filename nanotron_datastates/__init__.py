@@ -12,7 +12,7 @@ The public names are imported on first use: the post-import hook that every Pyth
 
 TYPE_CHECKING = False  # not typing's: importing typing costs milliseconds at every start
 if TYPE_CHECKING:
-    from .engine import DataStatesEngine
+    from .engine import DataStatesEngine, StagedSave
     from .engine_settings import DataStatesConfig
     from .errors import ChecksumError, FormatError
     from .plan import SavePlan
@@ -25,8 +25,17 @@ _WHERE = {
     "ChecksumError": "errors",
     "FormatError": "errors",
     "SavePlan": "plan",
+    "StagedSave": "engine",
 }
-__all__ = ["ChecksumError", "DataStatesConfig", "DataStatesEngine", "FormatError", "SaveHandle", "SavePlan"]
+__all__ = [
+    "ChecksumError",
+    "DataStatesConfig",
+    "DataStatesEngine",
+    "FormatError",
+    "SaveHandle",
+    "SavePlan",
+    "StagedSave",
+]
 __version__ = "0.1.0"
 
 
