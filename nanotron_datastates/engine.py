@@ -370,8 +370,9 @@ class DataStatesEngine:
 
 
 class StagedSave:
-    """A save prepared on the caller's thread (:meth:`DataStatesEngine.stage_plans`): its tensors already
-    copied, not yet handed to the engine. :meth:`queue` does that, once."""
+    """A save prepared on the caller's thread, not yet handed to the engine; :meth:`queue` does that, once.
+    From :meth:`DataStatesEngine.stage_plans`, its tensors are already copied; `save_plans` makes one,
+    staged or not, and queues it at once."""
 
     def __init__(
         self,

@@ -254,9 +254,8 @@ class Saver:
                 state = self.engine.save_plans(targets, mirrors=mirrors, recycle=recycle)
                 job.handles += state
                 self.gate.add(state, on_wait=functools.partial(_add_stall, pending))
-        except Exception as e:  # reported at the next checkpoint or the end, as a failed write would be
-            pending.errors.append(f"queuing its files failed: {e!r}")
-            say.error(f"checkpoint {pending.step}: {pending.errors[-1]}", every_rank=True)
+        except Exception as e:
+            _queuing_failed(pending, e)
         job.seconds += time.perf_counter() - t0
 
     def _queue(self, job: _Request) -> None:
@@ -275,8 +274,7 @@ class Saver:
             if job.finalizer is not None:
                 pending.finalize = job.finalizer()
         except Exception as e:
-            pending.errors.append(f"queuing its files failed: {e!r}")
-            say.error(f"checkpoint {pending.step}: {pending.errors[-1]}", every_rank=True)
+            _queuing_failed(pending, e)
         pending.handles = job.handles
         job.seconds += time.perf_counter() - t0
         if job.deferred:  # the next step's share of the checkpoint's time on the training thread
@@ -430,6 +428,12 @@ def _random_state(random_states: Any) -> dict[str, Any]:
         "nanotron": {k: states.random_state_to_plain(v) for k, v in random_states.items()},
         "global": states.global_rng_state(),
     }
+
+
+def _queuing_failed(pending: PendingCheckpoint, e: Exception) -> None:
+    """Reported at the next checkpoint or the end, as a failed write would be."""
+    pending.errors.append(f"queuing its files failed: {e!r}")
+    say.error(f"checkpoint {pending.step}: {pending.errors[-1]}", every_rank=True)
 
 
 def _add_stall(pending: PendingCheckpoint, seconds: float) -> None:

@@ -53,7 +53,7 @@ def warm(plans: Sequence[SavePlan]) -> None:
     dtype, so that its kernels are loaded (CUDA loads them lazily, at their first launch)."""
     if not torch.cuda.is_available():  # staged in host memory: nothing to load or hold
         return
-    nbytes = staged_nbytes(plans) + (2 << 20)  # + the scheduler's and random states' files, planned later
+    nbytes = staged_nbytes(plans) + (2 << 20)  # 2 MiB above the state's files (the only ones staged)
     torch.empty_strided((nbytes,), (1,), dtype=torch.uint8, device="cuda")
     for dtype in {a.dtype for p in plans for a in p.arrays if a.is_cuda}:
         src = torch.zeros(2, dtype=dtype, device="cuda")
