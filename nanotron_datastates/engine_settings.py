@@ -118,7 +118,7 @@ class DataStatesConfig(Settings):
     flush_depth: int = 4
     """Writes in flight per flush worker, each a cache chunk's piece (64 MiB by default): four keep a disk
     busy. A deeper queue hands the disk a whole checkpoint at once: on H100 machines, with two workers 16
-    deep the steps just after a checkpoint lost 2-3 times as much as with one worker 4 deep, and the
+    deep the steps just after a checkpoint lost 1.5 to 3 times as much as with one worker 4 deep, and the
     checkpoint persisted no faster (benchmarks/results/h100/overhead_180m_flush_depth/)."""
     queue_depth: int = 16
     """Reads in flight per parser thread on restore. Virtual and NVMe disks reach their bandwidth only with
