@@ -86,6 +86,13 @@ run_step() {
         --modes dcp-zo,datastates --variant cache8:host_cache_size=8 \
         --variant "cache8p${PACED_GBPS:-8}:host_cache_size=8,device_copy_gbps=${PACED_GBPS:-8}" \
         --work "$WORK/s180p" --out "$OUT/stall-180m-paced" ${BENCH_ARGS:-}) ;;
+    stall-180m-pace-rates) # 720 steps: DCP zero-overhead, datastates with an 8 GiB cache, its copies from the GPU at
+      # the link's speed and paced at each of PACE_RATES GB/s (default 4,8,16; device_copy_gbps)
+      pace=(); for g in $(echo "${PACE_RATES:-4,8,16}" | tr , ' '); do
+        pace+=(--variant "cache8p$g:host_cache_size=8,device_copy_gbps=$g"); done
+      (cd $B && python3 bench_nanotron.py all --model 180m --steps 720 --interval 80 --cache-gib 2 \
+        --modes dcp-zo --variant cache8:host_cache_size=8 "${pace[@]}" \
+        --work "$WORK/s180r" --out "$OUT/stall-180m-pace-rates" ${BENCH_ARGS:-}) ;;
     stall-180m-flush) # 720 steps: DCP zero-overhead, datastates with an 8 GiB cache and the flush's defaults (one
       # worker, 4 writes in flight), two workers 16 deep (the defaults before 64ec518), one worker 2 deep
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 720 --interval 80 --cache-gib 2 \
