@@ -214,7 +214,8 @@ NB_MODULE(_core, m) {
           "copy_threads"_a, "host_copy_threads"_a, "flush_threads"_a, "queue_depth"_a, "read_bytes"_a,
           "io_backend"_a, "direct_io"_a, "fsync"_a, "checksums"_a, "map_memory_files"_a = true,
           "flush_nice"_a = 0, "device_copy_bytes"_a = ds::EngineOptions{}.device_copy_bytes,
-          "device_copy_bytes_per_s"_a = 0.0, "flush_depth"_a = ds::EngineOptions{}.flush_depth)
+          "device_copy_bytes_per_s"_a = ds::EngineOptions{}.device_copy_bytes_per_s,
+          "flush_depth"_a = ds::EngineOptions{}.flush_depth)
       .def(
           "save_many",
           [](ds::Engine& e, std::vector<FileArg> files, const std::vector<nb::ndarray<>>& bases,
