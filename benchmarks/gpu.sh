@@ -4,8 +4,8 @@
 # Needs Nanotron importable and NANOTRON_RUN_TRAIN pointing at its run_train.py, or an offline environment in
 # .gpu/ (wheels, liburing, a Nanotron tree: its tools/device-env.sh is sourced). NANOTRON_DIR=<folder with
 # src/ and run_train.py> runs on another Nanotron tree. Each step's output goes to $OUT/<step>.log, its
-# results to $OUT/<step>/; machine paths are scrubbed from them (benchmarks/scrub.py) and everything is also
-# tarred into $OUT/results.tgz.
+# results to $OUT/<step>/; machine paths are scrubbed from them (benchmarks/scrub.py), logs over 100 kB are
+# gzipped, and everything is also tarred into $OUT/results.tgz.
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder for results}
 mkdir -p "$OUT"
@@ -173,5 +173,6 @@ for step in "$@"; do
 done
 kill %1 2>/dev/null
 python3 $B/scrub.py "$OUT" > /dev/null
+find "$OUT" -name '*.log' -size +100k -exec gzip -9 {} +  # the runs' logs: Nanotron's line per step
 tar -C "$OUT" -czf "$OUT/results.tgz" --exclude '*.tgz' . 2>/dev/null
 exit $rc
