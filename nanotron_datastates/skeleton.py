@@ -88,6 +88,30 @@ def encode(state: Any, on_tensor: Callable[[torch.Tensor, str], str], *, allow_p
     return json.dumps(node(state, ""), separators=(",", ":"), allow_nan=False)
 
 
+def freeze(state: Any) -> tuple[Any, list[torch.Tensor]]:
+    """`state` with every container copied (dicts, lists, tuples; tensors and other leaves as they are), and
+    its tensors in the order `encode` meets them, each once. Plain values may be replaced in the state's own
+    containers later (an optimizer's step count); the copy keeps those of now, at a fraction of a plan's
+    cost, for a plan made later (`plan_save(copy, like=...)`)."""
+    tensors: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def node(x: Any) -> Any:
+        tx = type(x)
+        if tx in (dict, collections.OrderedDict):
+            return tx((k, v if type(v) in _PLAIN_TYPES else node(v)) for k, v in x.items())
+        if tx is list or tx is tuple:
+            if set(map(type, x)) <= _PLAIN_TYPES:
+                return x if tx is tuple else list(x)
+            return tx(node(v) for v in x)
+        if isinstance(x, torch.Tensor) and id(x) not in seen:
+            seen.add(id(x))
+            tensors.append(x)
+        return x
+
+    return node(state), tensors
+
+
 def _join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
 

@@ -101,3 +101,27 @@ def test_pickle_only_when_asked():
 def test_malformed_skeletons_are_format_errors(text):
     with pytest.raises(FormatError):
         skeleton.decode(text, {}, path="f")
+
+
+def test_freeze_copies_every_container_and_lists_the_tensors_in_the_plans_order():
+    """`freeze`: a copy whose containers the original's later changes do not reach, and the tensors in the
+    order a plan of it holds them, each once (a tied tensor, an OrderedDict, tuples and plain lists in
+    between): a trainer checks the copy against the plan kept from the last checkpoint by that order."""
+    from nanotron_datastates.plan import plan_save
+
+    w, m, tied = torch.zeros(3), torch.ones(2, 2), torch.arange(4)
+    own = {"step": 3, "m": m}  # an optimizer's own per-parameter state
+    state = {
+        "state": {0: own, 1: {"step": 3, "m": tied}},
+        "groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0, 1]}],
+        "nested": collections.OrderedDict(a=(w, [tied, 1.5]), b=None),
+    }
+    frozen, tensors = skeleton.freeze(state)
+    assert all(a is b for a, b in zip(tensors, plan_save(state).sources))
+    assert len(tensors) == len(plan_save(state).sources) == 3
+    own["step"] += 1  # the step
+    state["groups"][0]["lr"] = 0.2
+    state["groups"][0]["params"].append(2)
+    assert frozen["state"][0] == {"step": 3, "m": m} and frozen["state"][0]["m"] is m
+    assert frozen["groups"] == [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0, 1]}]
+    assert type(frozen["nested"]) is collections.OrderedDict and frozen["nested"]["a"][0] is w

@@ -103,3 +103,34 @@ def test_a_staged_save_queued_later_holds_the_values_of_its_staging(tmp_path):
     with pytest.raises(ValueError, match="engine is closed"):
         late.queue()
     assert not (tmp_path / "late.safetensors").exists()
+
+
+def test_a_staged_file_replanned_before_its_queuing_takes_the_new_plain_values_and_the_staged_tensors(
+    tmp_path,
+):
+    """`StagedSave.replan`: a file's plan swapped, before the queuing, for a plan of the very tensors staged
+    (a trainer plans its optimizer once the step is launched, from a copy of the state taken before it). The
+    file holds the new plan's plain values and the staging's tensor values; a plan of other tensors, or of the
+    same ones reshaped, is refused, naming the file, and the save can still be queued as it was."""
+    m, v = torch.randn(6, 4), torch.randn(10)
+    state = {"lr": 1e-3, "state": {"m": m, "v": v}}
+    with DataStatesEngine(host_cache_size=1 / 64, chunk_size=1) as engine:
+        kept = engine.plan(state)
+        expect = {"m": m.clone(), "v": v.clone()}
+        staged = engine.stage_plans([(kept, tmp_path / "opt.safetensors")])
+        m.fill_(-1)  # the step
+        other = engine.plan({"lr": 1e-3, "state": {"m": m.clone(), "v": v}})
+        with pytest.raises(ValueError, match=r"opt\.safetensors: the new plan does not hold the tensors"):
+            staged.replan(0, other)
+        v.resize_(5)  # the same tensor, another shape
+        with pytest.raises(ValueError, match="does not hold the tensors staged"):
+            staged.replan(0, engine.plan({"lr": 1e-3, "state": {"m": m, "v": v}}))
+        v.resize_(10)
+        staged.replan(0, engine.plan({"lr": 5e-4, "state": {"m": m, "v": v}}, like=kept))
+        staged.queue()
+        with pytest.raises(ValueError, match="already queued"):
+            staged.replan(0, kept)
+        engine.wait_persisted()
+        back = engine.load(tmp_path / "opt.safetensors")
+        assert back["lr"] == 5e-4
+        assert all(same(back["state"][k], t) for k, t in expect.items())
