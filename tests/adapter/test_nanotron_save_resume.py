@@ -324,6 +324,78 @@ def test_a_staged_checkpoint_is_captured_before_the_step_and_queued_once_the_ste
     assert differences(asked, got) == []
 
 
+def counting_steps(optimizer) -> None:
+    """Each parameter's optimizer state gets a plain value that every optimizer step changes in place (as an
+    optimizer that keeps its step count as a Python number does)."""
+    base = optimizer.get_base_optimizer()
+    for s in base.state.values():
+        s["calls"] = 0
+    plain_step = base.step
+
+    def step_and_count(*a, **k):
+        out = plain_step(*a, **k)
+        for s in base.state.values():
+            s["calls"] += 1
+        return out
+
+    base.step = step_and_count
+
+
+def test_a_staged_checkpoints_optimizer_plan_is_made_after_the_step_from_the_state_before_it(rank0, tmp_path):
+    """The optimizer still holds the tensors of the plan kept from the last checkpoint: that plan is staged at
+    the step's start, and the plan itself made once the step is launched, from a copy of the state's
+    containers taken before the step. A plain value the step changes in the optimizer's own containers is
+    saved as it was at the request."""
+    pc, c, state, _ = rank0
+    model, optimizer, lr_scheduler, random_states = state
+    counting_steps(optimizer)
+    saver = saver_of(rank0, tmp_path / "ckpt", device_snapshot="always")
+    saver.start()
+    saver.after_first_step()
+    kept = saver._optimizer_plan
+    assert kept is not None
+    asked = snapshot(*state)
+    ask(saver, rank0, 5)
+    saver.before_step()
+    assert saver._optimizer_plan is kept  # staged as planned at the last checkpoint; not planned yet
+    step(model, optimizer)
+    assert all(s["calls"] == 1 for s in optimizer.get_base_optimizer().state.values())
+    saver.after_step()
+    assert saver._optimizer_plan is not kept  # planned now, for the next checkpoint to plan like it
+    saver.drain(lambda s: None)
+    saver.close()
+    _, got, _ = resumed(rank0, tmp_path / "ckpt" / "5")
+    assert differences(asked, got) == []
+
+
+def test_an_optimizer_that_replaced_a_tensor_since_the_last_checkpoint_is_planned_before_the_step(
+    rank0, tmp_path
+):
+    """One moment of the optimizer's state is a new tensor since the plan kept (a careless neighbour's
+    `load_state_dict`, say): the kept plan would stage the old one, so the state is planned afresh before
+    the step, and the checkpoint holds the new tensor's values of the request."""
+    pc, c, state, _ = rank0
+    model, optimizer, lr_scheduler, random_states = state
+    saver = saver_of(rank0, tmp_path / "ckpt", device_snapshot="always")
+    saver.start()
+    saver.after_first_step()
+    kept = saver._optimizer_plan
+    base = optimizer.get_base_optimizer()
+    first = next(iter(base.state.values()))
+    first["exp_avg"] = first["exp_avg"] * 2  # a new tensor, other values
+    asked = snapshot(*state)
+    ask(saver, rank0, 5)
+    saver.before_step()
+    planned = saver._optimizer_plan
+    assert planned is not kept and any(t is first["exp_avg"] for t in planned.sources)  # before the step
+    step(model, optimizer)
+    saver.after_step()
+    saver.drain(lambda s: None)
+    saver.close()
+    _, got, _ = resumed(rank0, tmp_path / "ckpt" / "5")
+    assert differences(asked, got) == []
+
+
 def flip_a_byte(path: Path, from_end: int = 12) -> None:
     data = bytearray(path.read_bytes())
     data[-from_end] ^= 0xFF

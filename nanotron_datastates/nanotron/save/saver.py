@@ -10,9 +10,10 @@
 2. `request(step, lr_scheduler, random_states, finalizer)` in `save_checkpoint`: backpressure first (at
    most MAX_IN_FLIGHT checkpoints in flight: a new one waits for the oldest), then what the next forward and
    backward passes change (random states, the schedule's state) is copied now; staging is decided once for
-   the whole checkpoint (`staging.decide`). A staged checkpoint's state is planned and staged at the start of
-   the next optimizer step (`queue_at_step`: there its milliseconds on the training thread overlap the GPU's
-   backward pass) and queued once that step is launched (beside the step's own GPU work); any other is
+   the whole checkpoint (`staging.decide`). A staged checkpoint's state is staged at the start of the next
+   optimizer step (`queue_at_step`: there its milliseconds on the training thread overlap the GPU's backward
+   pass) and queued once that step is launched (beside the step's own GPU work), where the optimizer's plan
+   is made too, from a copy of its state's containers taken before the step; any other is planned and
    queued now (its copies must overlap the forward and backward passes).
 3. `before_step()` at every optimizer step: the capture left for it, then the wait for the snapshots of the
    checkpoints just queued (gate.py). Nothing else ever waits. `after_step()` once the step is launched:
@@ -33,6 +34,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import operator
 import os
 import time
 from pathlib import Path
@@ -40,7 +42,7 @@ from typing import Any, Callable
 
 import torch
 
-from ... import telemetry
+from ... import skeleton, telemetry
 from ...engine import DataStatesEngine, StagedSave
 from ...plan import SavePlan
 from .. import groups, replicas, shards
@@ -236,10 +238,7 @@ class Saver:
             files = self.files()
             todo = list(files.weights)
             if files.optimizer is not None:  # the same tensors each time, the learning rate of the time
-                plan = self.engine.plan(self.optimizer.state_dict(), like=self._optimizer_plan)
-                if self._optimizer_plan is not None:
-                    self._optimizer_plan = plan
-                todo.append((files.optimizer, plan))
+                todo.append((files.optimizer, self._plan_optimizer(job, stage, len(todo))))
             targets, mirrors, recycle = self._targets(pending, todo)
             if stage:
                 try:
@@ -249,6 +248,10 @@ class Saver:
                     say.info(
                         "out of GPU memory copying a checkpoint on the GPU: copied from the state itself"
                     )
+            if job.staged is None and job.replan is not None:  # queued now: planned now, before the step
+                index, frozen = job.replan
+                job.replan = None
+                targets[index] = (self._replan_optimizer(frozen), targets[index][1])
             if job.staged is None:  # queued now, the request's files first; the next step waits for these
                 self._queue_later(job)
                 state = self.engine.save_plans(targets, mirrors=mirrors, recycle=recycle)
@@ -256,7 +259,30 @@ class Saver:
                 self.gate.add(state, on_wait=functools.partial(_add_stall, pending))
         except Exception as e:
             _queuing_failed(pending, e)
-        job.seconds += time.perf_counter() - t0
+        job.captured = time.perf_counter() - t0
+        job.seconds += job.captured
+
+    def _plan_optimizer(self, job: _Request, stage: bool, index: int) -> SavePlan:
+        """The optimizer's plan for the checkpoint. Where it is staged before the step and queued after it,
+        and the optimizer still holds the tensors of the plan kept from the last checkpoint, that kept plan
+        is staged now and the plan itself is made once the step is launched (`_queue`), beside the step's
+        GPU work, from a copy of the state's containers (`skeleton.freeze`, a third of a plan's cost): the
+        step may change plain values in the optimizer's own containers (a step count), never in the copy."""
+        kept = self._optimizer_plan
+        state = self.optimizer.state_dict()
+        if stage and job.deferred and kept is not None:
+            frozen, tensors = skeleton.freeze(state)
+            if len(tensors) == len(kept.sources) and all(map(operator.is_, tensors, kept.sources)):
+                job.replan = (index, frozen)
+                return kept
+        return self._replan_optimizer(state)
+
+    def _replan_optimizer(self, state: Any) -> SavePlan:
+        """`state` planned like the last checkpoint's optimizer plan, kept for the next one where it is."""
+        plan = self.engine.plan(state, like=self._optimizer_plan)
+        if self._optimizer_plan is not None:
+            self._optimizer_plan = plan
+        return plan
 
     def _queue(self, job: _Request) -> None:
         """Queues what `_capture` left (the request's files, the staged state), makes rank 0's commit and
@@ -268,6 +294,10 @@ class Saver:
         try:
             self._queue_later(job)
             if job.staged is not None:
+                if job.replan is not None:  # the optimizer's plan, from its state as it was before the step
+                    index, frozen = job.replan
+                    job.replan = None
+                    job.staged.replan(index, self._replan_optimizer(frozen))
                 state, job.staged = job.staged.queue(), None
                 job.handles += state
                 self.gate.add(state, on_wait=functools.partial(_add_stall, pending))
@@ -279,7 +309,9 @@ class Saver:
         job.seconds += time.perf_counter() - t0
         if job.deferred:  # the next step's share of the checkpoint's time on the training thread
             pending.queued_s = job.seconds
-        self._notify("queued", step=pending.step, deferred=job.deferred, seconds=job.seconds)
+        self._notify(
+            "queued", step=pending.step, deferred=job.deferred, seconds=job.seconds, captured=job.captured
+        )
         self.committer.submit(pending)
 
     def _queue_later(self, job: _Request) -> None:
@@ -419,8 +451,11 @@ class _Request:
     finalizer: Callable[[], Callable[[dict], None]] | None
     deferred: bool  # captured at the next step's start and queued once it is launched
     staged: StagedSave | None = None  # the state's files, staged before the step, queued after it
+    # (index among the staged files, copy of the optimizer's state before the step): planned after the step
+    replan: tuple[int, Any] | None = None
     handles: list[Any] = dataclasses.field(default_factory=list)  # every file queued so far
     seconds: float = 0.0  # on the training thread, capturing and queuing
+    captured: float = 0.0  # of which capturing (before the step, where deferred)
 
 
 def _random_state(random_states: Any) -> dict[str, Any]:
