@@ -326,6 +326,7 @@ def run_phase(args: argparse.Namespace) -> None:
                         "step": fields["step"],
                         "deferred": fields["deferred"],
                         "total_s": fields["seconds"],
+                        "captured_s": fields.get("captured"),
                         "plan_s": split["plan"] - s0["plan"],
                         "prepare_s": split["prepare"] - s0["prepare"],
                         "core_s": split["core"] - s0["core"],
@@ -1023,8 +1024,8 @@ def overhead_vs_none(rec: dict[str, Any], none: dict[str, Any], interval: int) -
 
 def queue_split(rec: dict[str, Any]) -> dict[str, float] | None:
     """Median seconds of a checkpoint's queuing (datastates, past the first): in all, planning (the
-    optimizer state), staging on the GPU, the core's call (`core_s`, where recorded) and the rest of the
-    engine's save calls (paths, handles)."""
+    optimizer state), staging on the GPU, the core's call (`core_s`, where recorded), the rest of the
+    engine's save calls (paths, handles), and the part before the optimizer step (`before_step`)."""
     qs = rec.get("queues", [])[1:]
     if not qs:
         return None
@@ -1038,6 +1039,8 @@ def queue_split(rec: dict[str, Any]) -> dict[str, float] | None:
     if all("core_s" in q for q in qs):
         out["core"] = med(q["core_s"] for q in qs)
         out["rest"] = med(q["engine_s"] - q["plan_s"] - q["prepare_s"] - q["core_s"] for q in qs)
+    if all(q.get("captured_s") is not None for q in qs):  # before the optimizer step, where deferred
+        out["before_step"] = med(q["captured_s"] for q in qs)
     return out
 
 
