@@ -396,6 +396,31 @@ def test_an_optimizer_that_replaced_a_tensor_since_the_last_checkpoint_is_planne
     assert differences(asked, got) == []
 
 
+def test_a_tensor_whose_memory_was_swapped_since_the_last_checkpoint_is_planned_before_the_step(
+    rank0, tmp_path
+):
+    """The same tensor object over new memory (`t.data = ...`): a dtype DLPack lacks (float8) is planned as an
+    integer view of the memory it had, which the kept plan would stage. The state is planned afresh before
+    the step, and the file holds the new memory's values."""
+    pc, c, state, engine = rank0
+    model, optimizer, lr_scheduler, random_states = state
+    first = next(iter(optimizer.get_base_optimizer().state.values()))
+    first["scale"] = torch.ones(4).to(torch.float8_e4m3fn)
+    saver = saver_of(rank0, tmp_path / "ckpt", device_snapshot="always")
+    saver.start()
+    saver.after_first_step()
+    first["scale"].data = torch.full((4,), 2.0).to(torch.float8_e4m3fn)
+    ask(saver, rank0, 5)
+    saver.before_step()
+    step(model, optimizer)
+    saver.after_step()
+    saver.drain(lambda s: None)
+    saver.close()
+    (path,) = (tmp_path / "ckpt" / "5" / "optimizer").glob("*.safetensors")
+    saved = engine.load(path)["state"][0]["scale"]
+    assert saved.dtype == torch.float8_e4m3fn and saved.float().tolist() == [2.0] * 4
+
+
 def flip_a_byte(path: Path, from_end: int = 12) -> None:
     data = bytearray(path.read_bytes())
     data[-from_end] ^= 0xFF

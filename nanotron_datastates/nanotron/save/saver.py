@@ -272,7 +272,7 @@ class Saver:
         state = self.optimizer.state_dict()
         if stage and job.deferred and kept is not None:
             frozen, tensors = skeleton.freeze(state)
-            if len(tensors) == len(kept.sources) and all(map(operator.is_, tensors, kept.sources)):
+            if _still_holds(kept, tensors):
                 job.replan = (index, frozen)
                 return kept
         return self._replan_optimizer(state)
@@ -456,6 +456,16 @@ class _Request:
     handles: list[Any] = dataclasses.field(default_factory=list)  # every file queued so far
     seconds: float = 0.0  # on the training thread, capturing and queuing
     captured: float = 0.0  # of which capturing (before the step, where deferred)
+
+
+def _still_holds(plan: SavePlan, tensors: list[torch.Tensor]) -> bool:
+    """Whether `tensors` are `plan`'s own, in its order, over the memory and with the shapes it planned: its
+    exported views (a dtype DLPack lacks goes as an integer view) then still read them."""
+    return (
+        len(tensors) == len(plan.sources)
+        and all(map(operator.is_, tensors, plan.sources))
+        and [k[:2] for k in plan.keys] == [(t.data_ptr(), t.shape) for t in tensors]
+    )
 
 
 def _random_state(random_states: Any) -> dict[str, Any]:
