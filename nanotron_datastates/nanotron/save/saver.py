@@ -266,7 +266,7 @@ class Saver:
         """The optimizer's plan for the checkpoint. Where it is staged before the step and queued after it,
         and the optimizer still holds the tensors of the plan kept from the last checkpoint, that kept plan
         is staged now and the plan itself is made once the step is launched (`_queue`), beside the step's
-        GPU work, from a copy of the state's containers (`skeleton.freeze`, a third of a plan's cost): the
+        GPU work, from a copy of the state's containers (`skeleton.freeze`, under half a plan's cost): the
         step may change plain values in the optimizer's own containers (a step count), never in the copy."""
         kept = self._optimizer_plan
         state = self.optimizer.state_dict()
