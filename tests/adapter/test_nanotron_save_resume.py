@@ -341,6 +341,22 @@ def counting_steps(optimizer) -> None:
     base.step = step_and_count
 
 
+def staged_saver(rank0, root: Path) -> Saver:
+    """A Saver whose checkpoints are staged (in host memory without a GPU), past the first step."""
+    saver = saver_of(rank0, root, device_snapshot="always")
+    saver.start()
+    saver.after_first_step()
+    return saver
+
+
+def step_and_drain(saver: Saver, model, optimizer) -> None:
+    """The optimizer step after a checkpoint's capture, its queuing once launched, then every commit."""
+    step(model, optimizer)
+    saver.after_step()
+    saver.drain(lambda s: None)
+    saver.close()
+
+
 def test_a_staged_checkpoints_optimizer_plan_is_made_after_the_step_from_the_state_before_it(rank0, tmp_path):
     """The optimizer still holds the tensors of the plan kept from the last checkpoint: that plan is staged at
     the step's start, and the plan itself made once the step is launched, from a copy of the state's
@@ -349,9 +365,7 @@ def test_a_staged_checkpoints_optimizer_plan_is_made_after_the_step_from_the_sta
     pc, c, state, _ = rank0
     model, optimizer, lr_scheduler, random_states = state
     counting_steps(optimizer)
-    saver = saver_of(rank0, tmp_path / "ckpt", device_snapshot="always")
-    saver.start()
-    saver.after_first_step()
+    saver = staged_saver(rank0, tmp_path / "ckpt")
     kept = saver._optimizer_plan
     assert kept is not None
     asked = snapshot(*state)
@@ -376,9 +390,7 @@ def test_an_optimizer_that_replaced_a_tensor_since_the_last_checkpoint_is_planne
     the step, and the checkpoint holds the new tensor's values of the request."""
     pc, c, state, _ = rank0
     model, optimizer, lr_scheduler, random_states = state
-    saver = saver_of(rank0, tmp_path / "ckpt", device_snapshot="always")
-    saver.start()
-    saver.after_first_step()
+    saver = staged_saver(rank0, tmp_path / "ckpt")
     kept = saver._optimizer_plan
     base = optimizer.get_base_optimizer()
     first = next(iter(base.state.values()))
@@ -388,10 +400,7 @@ def test_an_optimizer_that_replaced_a_tensor_since_the_last_checkpoint_is_planne
     saver.before_step()
     planned = saver._optimizer_plan
     assert planned is not kept and any(t is first["exp_avg"] for t in planned.sources)  # before the step
-    step(model, optimizer)
-    saver.after_step()
-    saver.drain(lambda s: None)
-    saver.close()
+    step_and_drain(saver, model, optimizer)
     _, got, _ = resumed(rank0, tmp_path / "ckpt" / "5")
     assert differences(asked, got) == []
 
@@ -406,16 +415,11 @@ def test_a_tensor_whose_memory_was_swapped_since_the_last_checkpoint_is_planned_
     model, optimizer, lr_scheduler, random_states = state
     first = next(iter(optimizer.get_base_optimizer().state.values()))
     first["scale"] = torch.ones(4).to(torch.float8_e4m3fn)
-    saver = saver_of(rank0, tmp_path / "ckpt", device_snapshot="always")
-    saver.start()
-    saver.after_first_step()
+    saver = staged_saver(rank0, tmp_path / "ckpt")
     first["scale"].data = torch.full((4,), 2.0).to(torch.float8_e4m3fn)
     ask(saver, rank0, 5)
     saver.before_step()
-    step(model, optimizer)
-    saver.after_step()
-    saver.drain(lambda s: None)
-    saver.close()
+    step_and_drain(saver, model, optimizer)
     (path,) = (tmp_path / "ckpt" / "5" / "optimizer").glob("*.safetensors")
     saved = engine.load(path)["state"][0]["scale"]
     assert saved.dtype == torch.float8_e4m3fn and saved.float().tolist() == [2.0] * 4
