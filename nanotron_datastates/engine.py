@@ -15,7 +15,6 @@ C++ core).
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import time
 from typing import Any, Iterable, Mapping, Sequence
@@ -393,19 +392,14 @@ class StagedSave:
 
     def replan(self, index: int, plan: SavePlan) -> None:
         """Puts `plan` in place of file `index`'s plan, before the save is queued: a plan of the very tensors
-        staged for that file (the same objects, shapes and dtypes, in the same order) whose plain values were
-        read later; a trainer plans its optimizer's state once the step is launched, from a copy of the
-        state's containers taken before (`skeleton.freeze`). ValueError naming the file where the tensors
-        differ: the staged copies would not be theirs."""
+        staged for that file (`SavePlan.holds`: the same objects and memory, shapes and dtypes) whose plain
+        values were read later; a trainer plans its optimizer's state once the step is launched, from a copy
+        of the state's containers taken before (`skeleton.freeze`). ValueError naming the file where the
+        tensors differ: the staged copies would not be theirs."""
         if self._queued:
             raise ValueError("this staged save is already queued")
         old = self._plans[index]
-        if (
-            len(plan.sources) != len(old.sources)
-            or plan.exact_metadata != old.exact_metadata
-            or not all(map(operator.is_, plan.sources, old.sources))
-            or any(a[1:3] != b[1:3] for a, b in zip(plan.keys, old.keys))
-        ):
+        if plan.exact_metadata != old.exact_metadata or not old.holds(plan.sources):
             raise ValueError(f"{self._paths[index]}: the new plan does not hold the tensors staged for it")
         self._plans[index] = plan
 

@@ -10,6 +10,7 @@ and every byte copy happen on the engine's threads.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -57,6 +58,16 @@ class SavePlan:
     # device (-1: host) and bytes. A later plan `like` this one reuses the checks of those it still holds.
     sources: list[torch.Tensor] = field(default_factory=list)
     keys: list[tuple[int, torch.Size, torch.dtype, int, int]] = field(default_factory=list)
+
+    def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether `tensors` are this plan's, in its order and as it planned them: the same objects, over the
+        same memory, with the same shapes and dtypes. Its exports then still read them (a dtype DLPack lacks
+        goes as an integer view of the memory planned), and copies staged from it are theirs."""
+        return (
+            len(tensors) == len(self.sources)
+            and all(map(operator.is_, tensors, self.sources))
+            and [k[:3] for k in self.keys] == [(t.data_ptr(), t.shape, t.dtype) for t in tensors]
+        )
 
 
 def prepare(plan: SavePlan, *, stage: bool = False) -> SavePlan:

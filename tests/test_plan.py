@@ -100,3 +100,21 @@ def test_a_plan_like_the_previous_one_sees_every_change_of_its_tensors(change):
     else:
         del state["v"]
     assert _same_plan(plan_save(state, like=before), plan_save(state))
+
+
+def test_a_plan_holds_its_tensors_only_as_it_planned_them():
+    """`SavePlan.holds`: the same objects, in order, over the same memory, shapes and dtypes; each change a
+    trainer's optimizer could make between two checkpoints is seen."""
+    a, b = torch.zeros(6), torch.ones(2, 3)
+    plan = plan_save({"a": a, "b": b})
+    assert plan.holds([a, b])
+    assert not plan.holds([b, a]) and not plan.holds([a]) and not plan.holds([a, b.clone()])
+    a.data = torch.zeros(6)  # the same object over new memory
+    assert not plan.holds([a, b])
+    plan = plan_save({"a": a, "b": b})
+    b.resize_(3)  # the same memory, another shape
+    assert not plan.holds([a, b])
+    b.resize_(2, 3)
+    assert plan.holds([a, b])
+    a.data = a.data.view(torch.int32)  # the same memory and shape, another dtype
+    assert not plan.holds([a, b])

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import operator
 import statistics
 import sys
 import time
@@ -78,8 +77,7 @@ def main() -> int:
             t = time.perf_counter()
             if mode == "freeze":  # what a staged checkpoint does before the step; it plans after it
                 _, tensors = freeze(state)  # and the Saver's check that the kept plan still holds them
-                assert len(tensors) == len(last.sources) and all(map(operator.is_, tensors, last.sources))
-                assert [k[:2] for k in last.keys] == [(t.data_ptr(), t.shape) for t in tensors]
+                assert last.holds(tensors)
             else:
                 plan = plan_save(state, like=last if mode == "like" else None)
             times[mode].append(time.perf_counter() - t)

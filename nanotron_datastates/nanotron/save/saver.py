@@ -34,7 +34,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import operator
 import os
 import time
 from pathlib import Path
@@ -249,9 +248,8 @@ class Saver:
                         "out of GPU memory copying a checkpoint on the GPU: copied from the state itself"
                     )
             if job.staged is None and job.replan is not None:  # queued now: planned now, before the step
-                index, frozen = job.replan
-                job.replan = None
-                targets[index] = (self._replan_optimizer(frozen), targets[index][1])
+                index, plan = self._plan_left(job)
+                targets[index] = (plan, targets[index][1])
             if job.staged is None:  # queued now, the request's files first; the next step waits for these
                 self._queue_later(job)
                 state = self.engine.save_plans(targets, mirrors=mirrors, recycle=recycle)
@@ -272,10 +270,18 @@ class Saver:
         state = self.optimizer.state_dict()
         if stage and job.deferred and kept is not None:
             frozen, tensors = skeleton.freeze(state)
-            if _still_holds(kept, tensors):
+            if kept.holds(tensors):
                 job.replan = (index, frozen)
                 return kept
         return self._replan_optimizer(state)
+
+    def _plan_left(self, job: _Request) -> tuple[int, SavePlan]:
+        """The optimizer's plan that `_plan_optimizer` left for later, made now from the copy taken before the
+        step: (its index among the checkpoint's state files, the plan)."""
+        assert job.replan is not None
+        index, frozen = job.replan
+        job.replan = None
+        return index, self._replan_optimizer(frozen)
 
     def _replan_optimizer(self, state: Any) -> SavePlan:
         """`state` planned like the last checkpoint's optimizer plan, kept for the next one where it is."""
@@ -295,9 +301,7 @@ class Saver:
             self._queue_later(job)
             if job.staged is not None:
                 if job.replan is not None:  # the optimizer's plan, from its state as it was before the step
-                    index, frozen = job.replan
-                    job.replan = None
-                    job.staged.replan(index, self._replan_optimizer(frozen))
+                    job.staged.replan(*self._plan_left(job))
                 state, job.staged = job.staged.queue(), None
                 job.handles += state
                 self.gate.add(state, on_wait=functools.partial(_add_stall, pending))
@@ -456,16 +460,6 @@ class _Request:
     handles: list[Any] = dataclasses.field(default_factory=list)  # every file queued so far
     seconds: float = 0.0  # on the training thread, capturing and queuing
     captured: float = 0.0  # of which capturing (before the step, where deferred)
-
-
-def _still_holds(plan: SavePlan, tensors: list[torch.Tensor]) -> bool:
-    """Whether `tensors` are `plan`'s own, in its order, over the memory and with the shapes it planned: its
-    exported views (a dtype DLPack lacks goes as an integer view) then still read them."""
-    return (
-        len(tensors) == len(plan.sources)
-        and all(map(operator.is_, tensors, plan.sources))
-        and [k[:2] for k in plan.keys] == [(t.data_ptr(), t.shape) for t in tensors]
-    )
 
 
 def _random_state(random_states: Any) -> dict[str, Any]:
