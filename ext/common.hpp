@@ -8,10 +8,12 @@
 
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <string>
 
 namespace ds {
@@ -44,6 +46,27 @@ inline void lower_this_thread(int nice) {
   if (now == -1 && errno != 0) return;
   setpriority(PRIO_PROCESS, tid, now + nice > 19 ? 19 : now + nice);
 }
+
+// Counts a group of threads in as each is set up (named, its priority set); their creator waits for all, so
+// that once a constructor returns its threads are what top and /proc show, with their names and priorities.
+// A member of the threads' owner: it outlives every thread's arrive().
+class StartLatch {
+ public:
+  explicit StartLatch(unsigned n) : left_(n) {}
+  void arrive() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (left_ > 0 && --left_ == 0) cv_.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return left_ == 0; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  unsigned left_;
+};
 
 inline std::uint64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(

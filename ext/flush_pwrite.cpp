@@ -41,8 +41,10 @@ namespace {
 
 class PwriteWorker final : public FlushWorker {
  public:
-  PwriteWorker(unsigned threads, int nice) {
+  // Returns once every thread is named and runs at its priority.
+  PwriteWorker(unsigned threads, int nice) : started_(threads) {
     for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this, nice] { run(nice); });
+    started_.wait();
   }
   ~PwriteWorker() override { stop(); }
 
@@ -68,6 +70,7 @@ class PwriteWorker final : public FlushWorker {
   void run(int nice) {
     name_this_thread("ds-flush");
     lower_this_thread(nice);
+    started_.arrive();
     for (;;) {
       IoOp* op;
       {
@@ -92,6 +95,7 @@ class PwriteWorker final : public FlushWorker {
   std::condition_variable cv_;
   std::deque<IoOp*> queue_;
   bool stopping_ = false;
+  StartLatch started_;
   std::vector<std::thread> threads_;
 };
 

@@ -16,13 +16,15 @@ namespace ds {
 
 class TaskPool {
  public:
-  // `name`: each thread's, as name_this_thread takes it.
-  TaskPool(unsigned threads, const char* name) {
+  // `name`: each thread's, as name_this_thread takes it. Returns once every thread carries it.
+  TaskPool(unsigned threads, const char* name) : started_(threads) {
     for (unsigned i = 0; i < threads; ++i)
       threads_.emplace_back([this, name] {
         name_this_thread(name);
+        started_.arrive();
         run();
       });
+    started_.wait();
   }
   ~TaskPool() { stop(); }
   TaskPool(const TaskPool&) = delete;
@@ -74,6 +76,7 @@ class TaskPool {
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
   bool stopping_ = false;
+  StartLatch started_;
   std::vector<std::thread> threads_;
 };
 
