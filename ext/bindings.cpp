@@ -11,6 +11,8 @@
 #include "crc32c.hpp"
 #include "cuda.hpp"
 #include "engine.hpp"
+#include "flush.hpp"
+#include "flush.hpp"
 #include "fault.hpp"
 #include "plan.hpp"
 
@@ -147,6 +149,8 @@ nb::dict job_stats(ds::SaveJob& j) {
 NB_MODULE(_core, m) {
   m.doc() =
       "nanotron_datastates core: host cache, copy, io_uring flush, restore (private; use the package API)";
+
+  m.attr("built_with_io_uring") = ds::built_with_io_uring();
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {

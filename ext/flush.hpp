@@ -50,6 +50,9 @@ class FlushWorker {
 std::unique_ptr<FlushWorker> make_uring_worker(unsigned queue_depth, int nice, std::string* why);
 std::unique_ptr<FlushWorker> make_pwrite_worker(unsigned threads, int nice);
 
+// Whether this build has the io_uring backend (liburing's headers were found when it was built).
+bool built_with_io_uring();
+
 // Runs one op to completion with plain syscalls; returns 0 or a positive errno. Shared by the pwrite pool and
 // by the synchronous reader fallback.
 int run_op_sync(IoOp& op);

@@ -215,4 +215,8 @@ std::unique_ptr<FlushWorker> make_uring_worker(unsigned queue_depth, int nice, s
   return w;
 }
 
+bool built_with_io_uring() {
+  return true;
+}
+
 }  // namespace ds

@@ -20,4 +20,8 @@ struct ReadRange {
 // until everything started has finished.
 int read_ranges(int fd, const std::vector<ReadRange>& ranges, bool use_uring, unsigned depth);
 
+// The same through this thread's io_uring: false where there is none (refused here, or a build without
+// liburing), else true with `*err` as read_ranges returns it.
+bool read_ranges_uring(int fd, const std::vector<ReadRange>& ranges, unsigned depth, int* err);
+
 }  // namespace ds

@@ -55,10 +55,12 @@ def run(
     state = make_state(size_mib, device)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     raw: dict[str, list[float]] = {"blocking_s": [], "persisted_s": [], "load_s": [], "torch_save_s": []}
+    backend = ""
     steps = (repeat + 1) * (3 if baseline else 2)
     try:
         with DataStatesEngine(config) as engine, tqdm(total=steps, disable=not progress, unit="step") as bar:
             engine.prepare_cache()
+            backend = io_backend_text(engine.io_backend, config.io_backend)
             for r in range(repeat + 1):  # the first round warms up and is not kept
                 keep = r > 0
                 path = work / f"state{r}.safetensors"
@@ -101,6 +103,7 @@ def run(
         "tensors": len(state),
         "device": device,
         "directory": str(base),
+        "io_backend": backend,
         "repeat": repeat,
         "config": config.to_dict(),
         "raw": raw,
@@ -114,11 +117,23 @@ def run(
     return out
 
 
+def io_backend_text(used: str, asked: str) -> str:
+    """The backend the engine writes with, and why where it is not io_uring."""
+    from . import _core
+
+    if used == "io_uring":
+        return "io_uring"
+    if not _core.built_with_io_uring:
+        return "pwrite (this build has no io_uring: liburing's headers were missing when it was built)"
+    return "pwrite (as asked)" if asked == "pwrite" else "pwrite (io_uring is refused on this machine)"
+
+
 def table(r: dict[str, Any]) -> str:
     """The summary as a small text table."""
     m = r["median"]
     rows = [
         ("state", f"{r['bytes'] / 1e9:.2f} GB, {r['tensors']} tensors on {r['device']}, to {r['directory']}"),
+        ("io backend", r["io_backend"]),
         ("blocking (save + wait_snapshot)", f"{m['blocking_s']:.3f} s"),
         ("time to persisted", f"{m['persisted_s']:.3f} s ({r['persisted_gbps']:.2f} GB/s)"),
         ("load", f"{m['load_s']:.3f} s ({r['load_gbps']:.2f} GB/s)"),
