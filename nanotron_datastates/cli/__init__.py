@@ -17,6 +17,7 @@ import os
 import sys
 
 from .parser import build_parser
+from .words import printable
 
 __all__ = ["main"]
 
@@ -43,10 +44,18 @@ def _run(argv: list[str] | None) -> int:
         raise
     except (OSError, ValueError, RuntimeError) as e:  # our errors name the file or setting at fault
         sys.stdout.flush()
-        print(f"nanotron-datastates {args.command}: {e}", file=sys.stderr)
+        print(printable(f"nanotron-datastates {args.command}: {_reason(e)}"), file=sys.stderr)
         return 1
     sys.stdout.flush()  # inside the try: a closed pipe is noticed here, not at exit
     return rc
+
+
+def _reason(e: BaseException) -> str:
+    """The error in words: an OSError as `path: what` (never a bare `[Errno N]`), anything else as is."""
+    if isinstance(e, OSError) and e.strerror:
+        where = ", ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+        return f"{where}: {e.strerror}" if where else e.strerror
+    return str(e)
 
 
 def _stdout_to_devnull() -> None:

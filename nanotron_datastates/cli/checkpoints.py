@@ -9,26 +9,31 @@ from typing import Any
 
 from ..nanotron.checkpoint import folder as checkpoint
 from ..nanotron.checkpoint import verify
-from .words import human_bytes, plural
+from .words import human_bytes, plural, print_lines, printable
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    """Prints what the path holds; 1 where a file in it could not be read (its line says ERROR)."""
     info = checkpoint.describe(args.path, tensors=args.tensors)
     if args.json:
-        text = json.dumps(info, indent=1)
+        print(json.dumps(info, indent=1))
     elif info["kind"] == "file":
-        text = _file_text(info, args.tensors)
+        print_lines(_file_text(info, args.tensors))
     elif info["kind"] == "folder":
-        text = _folder_text(info)
+        print_lines(_folder_text(info))
     elif info["kind"] == "checkpoint":
-        text = _checkpoint_text(info)
+        print_lines(_checkpoint_text(info))
     else:
-        text = _root_text(info, args.tensors)
-    print(text)
-    return 0
+        print_lines(_root_text(info, args.tensors))
+    return 1 if _unreadable_files(info) else 0
 
 
-def _root_text(info: dict[str, Any], tensors: bool) -> str:
+def _unreadable_files(info: dict[str, Any]) -> int:
+    checkpoints = info.get("checkpoints", [info])
+    return sum("error" in f for ck in checkpoints for f in ck.get("files", []))
+
+
+def _root_text(info: dict[str, Any], tensors: bool) -> list[str]:
     latest = info["latest"]
     named = f"latest.txt names {latest}" if latest is not None else "no readable latest.txt"
     lines = [f"{info['path']}: {plural(len(info['checkpoints']), 'checkpoint')}, {named}"]
@@ -36,7 +41,7 @@ def _root_text(info: dict[str, Any], tensors: bool) -> str:
         lines.append(_checkpoint_line(ck))
         if tensors:
             lines.extend(_files_lines(ck["files"], "    "))
-    return "\n".join(lines)
+    return lines
 
 
 def _checkpoint_line(ck: dict[str, Any]) -> str:
@@ -51,13 +56,13 @@ def _checkpoint_line(ck: dict[str, Any]) -> str:
     )
 
 
-def _checkpoint_text(ck: dict[str, Any]) -> str:
+def _checkpoint_text(ck: dict[str, Any]) -> list[str]:
     lines = [f"{ck['path']}:", _checkpoint_line(ck), *_files_lines(ck["files"], "    ")]
     lines.extend(_temporaries_lines(ck["temporaries"]))
-    return "\n".join(lines)
+    return lines
 
 
-def _folder_text(info: dict[str, Any]) -> str:
+def _folder_text(info: dict[str, Any]) -> list[str]:
     files = info["files"]
     lines = [
         f"{info['path']}: {plural(len(files), 'safetensors file')}, {plural(info['tensors'], 'tensor')}, "
@@ -65,7 +70,7 @@ def _folder_text(info: dict[str, Any]) -> str:
     ]
     lines.extend(_files_lines(files, "  "))
     lines.extend(_temporaries_lines(info["temporaries"]))
-    return "\n".join(lines)
+    return lines
 
 
 def _files_lines(files: list[dict[str, Any]], indent: str) -> list[str]:
@@ -99,7 +104,7 @@ def _writer_text(engine: str, checksums: bool, in_manifest: bool = False) -> str
     return f"{engine}, {'CRC-32C per tensor in datastates.json' if in_manifest else 'no checksums'}"
 
 
-def _file_text(info: dict[str, Any], tensors: bool) -> str:
+def _file_text(info: dict[str, Any], tensors: bool) -> list[str]:
     listed = info["tensors"]
     dtypes = "/".join(sorted({t["dtype"] for t in listed}))
     size = sum(t["bytes"] for t in listed)
@@ -112,7 +117,7 @@ def _file_text(info: dict[str, Any], tensors: bool) -> str:
         lines.extend(_tensor_lines(listed, "  "))
     for k, v in info["metadata"].items():
         lines.append(f"  metadata {k} = {v[:100]}{'...' if len(v) > 100 else ''}")
-    return "\n".join(lines)
+    return lines
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -122,11 +127,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.as_dict(), indent=1))
     else:
-        for n in report.notes:
-            print(f"note: {n}")
-        for p in report.problems:
-            print(f"PROBLEM: {p}")
-        print(_verify_summary(report))
+        lines = [f"note: {n}" for n in report.notes] + [f"PROBLEM: {p}" for p in report.problems]
+        print_lines([*lines, _verify_summary(report)])
     return 0 if report.ok else 1
 
 
@@ -148,5 +150,5 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ..nanotron.checkpoint.convert import convert
 
     out = convert(args.src, args.out, to=args.to, allow_pickle=args.allow_pickle)
-    print(f"{args.src} -> {out} ({args.to} layout)")
+    print(printable(f"{args.src} -> {out} ({args.to} layout)"))
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from .checkpoints import cmd_convert, cmd_inspect, cmd_verify
 from .measure import TELEMETRY, cmd_bench, cmd_plot
@@ -90,10 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
         "Saves and loads a synthetic state with the engine, and with torch.save + fsync, and prints the "
         "median times and throughputs.",
     )
-    c.add_argument("--size-mib", type=int, default=1024, help="state size in MiB (default: 1024)")
-    c.add_argument("--repeat", type=int, default=3, help="timed rounds after one warm-up (default: 3)")
+    c.add_argument("--size-mib", type=_at_least_one, default=1024, help="state size in MiB (default: 1024)")
     c.add_argument(
-        "--dir", help="where to write; the files are removed after (default: the temporary folder)"
+        "--repeat", type=_at_least_one, default=3, help="timed rounds after one warm-up (default: 3)"
+    )
+    c.add_argument(
+        "--dir",
+        type=_existing_folder,
+        help="where to write; the files are removed after (default: the temporary folder)",
     )
     c.add_argument("--device", default="cpu", help="where the state lives: cpu or cuda[:N] (default: cpu)")
     c.add_argument(
@@ -141,3 +146,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.set_defaults(func=cmd_tier)
     return p
+
+
+def _at_least_one(text: str) -> int:
+    """An integer of at least 1; anything else is bad usage (exit 2, the message naming the value)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: must be at least 1")
+    return n
+
+
+def _existing_folder(text: str) -> str:
+    if not os.path.isdir(text):
+        why = "is not a folder" if os.path.lexists(text) else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text} {why}")
+    return text

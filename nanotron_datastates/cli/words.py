@@ -1,8 +1,9 @@
-"""Words and units for the command's output: plurals and sizes."""
+"""Words and units for the command's output: plurals, sizes, and names made safe to print."""
 
 from __future__ import annotations
 
 import statistics
+import unicodedata
 
 
 def plural(n: int, word: str, many: str | None = None) -> str:
@@ -25,3 +26,23 @@ def human_bytes(n: int | float) -> str:
 
 def median_size(sizes: list[int | float]) -> str:
     return human_bytes(statistics.median(sizes))
+
+
+def printable(text: str) -> str:
+    """`text` with every control, format or separator character escaped (`\\n`, `\\x1b`, `\\u202e`): a name
+    read from disk then cannot start a line of its own (a forged `PROBLEM:`), move the cursor or reorder
+    what follows."""
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if ch == " " or unicodedata.category(ch)[0] not in "CZ":
+            out.append(ch)
+        else:
+            out.append(ch.encode("unicode_escape").decode("ascii"))
+    return "".join(out)
+
+
+def print_lines(lines: list[str]) -> None:
+    """Prints each line with `printable`: one line of output per line given, whatever the names hold."""
+    print("\n".join(printable(line) for line in lines))
