@@ -25,7 +25,7 @@ from . import format as fmt
 from .core_setup import start_core
 from .engine_settings import DataStatesConfig
 from .in_flight import InFlight
-from .plan import Prepared, SavePlan, plan_save, prepare_all
+from .plan import Prepared, SavePlan, current, plan_save, prepare_all
 from .restore import (
     load_file,
     load_into_tensors,
@@ -174,7 +174,7 @@ class DataStatesEngine:
         paths = [os.path.abspath(os.fspath(path)) for _, path in files]
         copies = _paths_per_file(mirrors, len(files), "mirrors")
         old = [r or "" for r in _paths_per_file(recycle, len(files), "files to recycle")]
-        plans = [plan for plan, _ in files]
+        plans = current([plan for plan, _ in files], paths)  # renewed where their tensors changed
         prep = prepare_all(plans, stage=stage, stager=self._stager)
         return StagedSave(self, plans, prep, paths, copies, old, stage, time.perf_counter() - t0)
 
@@ -392,7 +392,7 @@ class StagedSave:
 
     def replan(self, index: int, plan: SavePlan) -> None:
         """Puts `plan` in place of file `index`'s plan, before the save is queued: a plan of the very tensors
-        staged for that file (`SavePlan.holds`: the same objects and memory, shapes and dtypes) whose plain
+        staged for that file (`SavePlan.holds`: the same objects, memory, shapes, strides, dtypes) whose plain
         values were read later; a trainer plans its optimizer's state once the step is launched, from a copy
         of the state's containers taken before (`skeleton.freeze`). ValueError naming the file where the
         tensors differ: the staged copies would not be theirs."""

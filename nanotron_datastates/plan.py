@@ -9,6 +9,7 @@ and every byte copy happen on the engine's threads.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import operator
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ _EXPORTABLE = {
     torch.uint8,
 }
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# What a tensor's entry in a plan depends on: data pointer, shape, strides, dtype, requires_grad.
+_Key = tuple[int, torch.Size, tuple[int, ...], torch.dtype, bool]
 
 
 @dataclass
@@ -54,20 +57,58 @@ class SavePlan:
     # offset, element size, shape): the core takes the few buffers instead of a DLPack export per tensor.
     views: list[tuple[int, int, int, torch.Size]] = field(default_factory=list)
     bases: list[torch.Tensor] = field(default_factory=list)  # one uint8 buffer per device
-    # Each tensor as planned, in `arrays` order: the tensor given, and its data pointer, shape, dtype, CUDA
-    # device (-1: host) and bytes. A later plan `like` this one reuses the checks of those it still holds.
+    # Each tensor as planned, in `arrays` order: the tensor given, and its `_Key` (what its entry depends
+    # on), CUDA device (-1: host) and bytes. A plan `like` this one reuses the entries of those it holds.
     sources: list[torch.Tensor] = field(default_factory=list)
-    keys: list[tuple[int, torch.Size, torch.dtype, int, int]] = field(default_factory=list)
+    keys: list[tuple[_Key, int, int]] = field(default_factory=list)
 
     def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether `tensors` are this plan's, in its order and as it planned them: the same objects, over the
-        same memory, with the same shapes and dtypes. Its exports then still read them (a dtype DLPack lacks
-        goes as an integer view of the memory planned), and copies staged from it are theirs."""
+        same memory, with the same shapes, strides, dtypes and autograd flag. Its exports then still read them
+        as they are (a dtype DLPack lacks goes as an integer view of the memory planned), its dtypes are
+        theirs, and copies staged from it are theirs."""
         return (
             len(tensors) == len(self.sources)
             and all(map(operator.is_, tensors, self.sources))
-            and [k[:3] for k in self.keys] == [(t.data_ptr(), t.shape, t.dtype) for t in tensors]
+            and self._describes(tensors)
         )
+
+    def _describes(self, tensors: Sequence[torch.Tensor]) -> bool:
+        return [k[0] for k in self.keys] == [
+            (t.data_ptr(), t.shape, t.stride(), t.dtype, t.requires_grad) for t in tensors
+        ]
+
+    def renew(self, path: str = "") -> None:
+        """Makes again, in place, the entries of the tensors this plan no longer describes (`holds`): the same
+        tensors under the same names, with the same plain values and metadata, as they are now. Lists are
+        replaced, never changed: a copy of the plan taken before keeps its entries. ValueError naming the
+        tensor (and `path`, the file) where one can no longer be saved."""
+        if self._describes(self.sources):
+            return
+        new = SavePlan(exact_metadata=self.exact_metadata, metadata=self.metadata)
+        devices: set[int] = set()
+        for t, name in zip(self.sources, self.names):
+            try:
+                _add(new, t, name, name, devices, self)
+            except TypeError as e:
+                raise ValueError(
+                    f"{path or 'a saved plan'}: tensor {name!r} changed since planned: {e}"
+                ) from e
+        new.devices = sorted(devices)
+        for f in ("dtypes", "arrays", "keys", "gathered", "devices", "nbytes"):
+            setattr(self, f, getattr(new, f))
+        self.streams, self.views, self.bases = [], [], []
+
+
+def current(plans: Sequence[SavePlan], paths: Sequence[str]) -> list[SavePlan]:
+    """What a save of `plans` (to `paths`) writes: each plan renewed where its tensors changed since planned
+    (`SavePlan.renew`: the check `holds` makes, then nothing more for a plan that still describes them),
+    then copied, so that a later renewal of the plan leaves this save's alone (a staged save)."""
+    out = []
+    for plan, path in zip(plans, paths):
+        plan.renew(path)
+        out.append(copy.copy(plan))
+    return out
 
 
 def prepare(plan: SavePlan, *, stage: bool = False) -> SavePlan:
@@ -119,6 +160,7 @@ def prepare_many(
     allocation per device, filled by one multi-tensor copy per dtype: a few kernel launches on the caller's
     thread instead of an allocation and a copy per tensor (stage.py; `stager` keeps the layout for the next
     call that stages the same tensors)."""
+    plans = current(plans, [""] * len(plans))
     prep = prepare_all(plans, stage=stage, stager=stager)
     return [
         dataclasses.replace(p, arrays=a, views=v, bases=prep.bases, streams=s)
@@ -148,9 +190,10 @@ def plan_save(
     checksums), as strict readers require.
 
     `like`: an earlier plan of a state much like this one (an optimizer's, checkpoint after checkpoint). Each
-    tensor that is the one `like` planned at the same place, under the same name, with the same data and
-    shape, takes that plan's checks and export instead of doing them again; the walk, the names and the
-    plain values are this call's. The result is the plan `state` alone gives."""
+    tensor that is the one `like` planned at the same place, under the same name, as `like` planned it
+    (`SavePlan.holds`: memory, shape, strides, dtype, autograd flag), takes that plan's checks and export
+    instead of doing them again; the walk, the names and the plain values are this call's. The result is
+    the plan `state` alone gives."""
     plan = SavePlan(exact_metadata=exact_metadata)
     if exact_metadata and (
         not isinstance(state, dict)
@@ -160,7 +203,6 @@ def plan_save(
     by_id: dict[int, str] = {}
     taken: set[str] = {"__metadata__"}
     devices: set[int] = set()
-    gathered_before = dict(like.gathered) if like is not None else {}
 
     def name_of(path: str) -> str:
         name = path or "tensor"
@@ -172,55 +214,13 @@ def plan_save(
         taken.add(name)
         return name
 
-    def reused(t: torch.Tensor, name: str) -> bool:
-        n = len(plan.arrays)
-        if like is None or n >= len(like.sources) or like.sources[n] is not t or like.names[n] != name:
-            return False
-        key = like.keys[n]
-        if t.data_ptr() != key[0] or t.shape != key[1] or t.dtype != key[2]:  # resized, data replaced
-            return False
-        if key[3] >= 0:
-            devices.add(key[3])
-        if n in gathered_before:
-            plan.gathered.append((n, t))
-        plan.names.append(name)
-        plan.dtypes.append(like.dtypes[n])
-        plan.arrays.append(like.arrays[n])
-        plan.sources.append(t)
-        plan.keys.append(key)
-        plan.nbytes += key[4]
-        return True
-
     def on_tensor(t: torch.Tensor, path: str) -> str:
         known = by_id.get(id(t))
         if known is not None:  # the same tensor twice (tied weights): stored once, aliased on load
             return known
         name = name_of(path)  # a refusal below fails the whole plan: naming first changes nothing
         by_id[id(t)] = name
-        if reused(t, name):
-            return name
-        if t.device.type not in ("cpu", "cuda"):
-            raise TypeError(f"cannot save the tensor at {path!r}: it is on {t.device} (CPU and CUDA only)")
-        if t.is_sparse or t.layout != torch.strided:
-            raise TypeError(f"cannot save the tensor at {path!r}: layout {t.layout} is not strided")
-        try:
-            dt = fmt.dtype_of(t.dtype)
-        except TypeError:
-            raise TypeError(
-                f"cannot save the tensor at {path!r}: {t.dtype} has no safetensors dtype"
-            ) from None
-        device = -1
-        if t.device.type == "cuda":
-            device = t.device.index
-            devices.add(device)
-            if not t.is_contiguous():
-                plan.gathered.append((len(plan.arrays), t))
-        plan.names.append(name)
-        plan.dtypes.append(dt.name)
-        plan.arrays.append(export_view(t))
-        plan.sources.append(t)
-        plan.keys.append((t.data_ptr(), t.shape, t.dtype, device, t.numel() * dt.itemsize))
-        plan.nbytes += t.numel() * dt.itemsize
+        _add(plan, t, name, path, devices, like)
         return name
 
     if exact_metadata:  # no skeleton to write: the flat dict is walked as it is
@@ -233,3 +233,50 @@ def plan_save(
 
     plan.metadata = fmt.header_metadata(dict(metadata or {}), None if exact_metadata else skel)
     return plan
+
+
+def _add(
+    plan: SavePlan, t: torch.Tensor, name: str, path: str, devices: set[int], like: SavePlan | None
+) -> None:
+    """Appends `t`'s entry under `name` to `plan` (and its CUDA device to `devices`): `like`'s entry at the
+    same place where it is of this very tensor, under this name, as it is now; else a new one. TypeError
+    naming `path` where `t` cannot be saved."""
+    n = len(plan.arrays)
+    if like is not None and n < len(like.sources) and like.sources[n] is t and like.names[n] == name:
+        entry = like.keys[n]
+        if entry[0] == (t.data_ptr(), t.shape, t.stride(), t.dtype, t.requires_grad):
+            return _append(plan, t, name, like.dtypes[n], like.arrays[n], entry, devices)
+    if t.device.type not in ("cpu", "cuda"):
+        raise TypeError(f"cannot save the tensor at {path!r}: it is on {t.device} (CPU and CUDA only)")
+    if t.is_sparse or t.layout != torch.strided:
+        raise TypeError(f"cannot save the tensor at {path!r}: layout {t.layout} is not strided")
+    try:
+        dt = fmt.dtype_of(t.dtype)
+    except TypeError:
+        raise TypeError(f"cannot save the tensor at {path!r}: {t.dtype} has no safetensors dtype") from None
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.requires_grad)
+    device = t.device.index if t.device.type == "cuda" else -1
+    _append(plan, t, name, dt.name, export_view(t), (key, device, t.numel() * dt.itemsize), devices)
+
+
+def _append(
+    plan: SavePlan,
+    t: torch.Tensor,
+    name: str,
+    dtype: str,
+    array: torch.Tensor,
+    entry: tuple[_Key, int, int],
+    devices: set[int],
+) -> None:
+    """Appends a tensor's entry to `plan`; a non-contiguous CUDA tensor is also gathered at each save."""
+    device = entry[1]
+    if device >= 0:
+        devices.add(device)
+        if not t.is_contiguous():  # made contiguous at each save (prepare())
+            plan.gathered.append((len(plan.arrays), t))
+    plan.names.append(name)
+    plan.dtypes.append(dtype)
+    plan.arrays.append(array)
+    plan.sources.append(t)
+    plan.keys.append(entry)
+    plan.nbytes += entry[2]
