@@ -42,8 +42,6 @@ from pathlib import Path
 from typing import Any
 
 from .. import trust
-from .checkpoint import folder as checkpoint_folder
-from .checkpoint import layout
 
 MARKER = ".rank-{rank}.json"
 REPLICAS = "replicas"  # the job folder's area for other nodes' ranks' copies
@@ -110,8 +108,8 @@ class MemoryTier:
                 f"{', lower memory_replicas' if replicas else ''}, or give the tmpfs more room (mount -o "
                 "remount,size=...)"
             )
-        layout.write_atomic(
-            self.folder / "job.json", json.dumps({"checkpoints": str(self.checkpoints.resolve())})
+        trust.write_in(
+            self.folder, "job.json", json.dumps({"checkpoints": str(self.checkpoints.resolve())}).encode()
         )
 
     def recycle(self, step: int, rels: list[str]) -> list[Path | None]:
@@ -141,8 +139,8 @@ class MemoryTier:
         spare (marker withdrawn, files kept for the next save), and its other older steps are dropped."""
         for rel in files:
             trust.relative_name(rel, f"the files of step {step}")
-        marker = self.folder / str(step) / MARKER.format(rank=self.rank)
-        layout.write_atomic(marker, json.dumps({"step": step, "files": files}))
+        marker = f"{step}/{MARKER.format(rank=self.rank)}"  # written with no link followed
+        trust.write_in(self.folder, marker, json.dumps({"step": step, "files": files}).encode())
         spare = self._held_before(step) if self.copies == 2 else None
         if spare is not None:
             self._withdraw(spare[0])  # first: never taken as held again
@@ -185,16 +183,15 @@ class MemoryTier:
             with contextlib.suppress(OSError):
                 trust.unlink_in(self.folder / str(step), rel)
         if not self._markers(step):
-            _remove_empty(self.folder / str(step))
+            _remove_empty(self.folder, str(step))
 
     def files(self) -> list[Path]:
         """Every file the job's folder holds now (the engine keeps those of this rank mapped)."""
-        out = []
-        for d, dirs, names in os.walk(self.folder):  # links to folders are not followed
-            if d == str(self.folder) and REPLICAS in dirs:
-                dirs.remove(REPLICAS)  # other nodes' copies, which no save of this rank maps
-            out += [Path(d) / n for n in names if not n.startswith(".rank-") and n != "job.json"]
-        return out
+        return [  # not other nodes' copies (REPLICAS), which no save of this rank maps
+            self.folder / rel / n
+            for _, rel, n, is_dir in trust.walk_tree(self.folder)
+            if not is_dir and not n.startswith(".rank-") and n != "job.json" and rel.split("/")[0] != REPLICAS
+        ]
 
     def prune(self, keep: int | None) -> None:
         """At the start of training: drops this rank's steps other than `keep` (the step latest.txt names),
@@ -212,11 +209,8 @@ class MemoryTier:
     def _remove_dead_temporaries(self) -> None:
         """Removes the files that saves of processes no longer running were writing
         (`.<name>.dstmp.<pid>.<n>`): each holds up to a file's worth of memory nothing would give back."""
-        for path in checkpoint_folder.temporaries(self.folder):
-            pid = path.name.split(".dstmp.", 1)[1].split(".", 1)[0] if ".dstmp." in path.name else ""
-            if pid.isdigit() and not _alive(int(pid)):
-                with contextlib.suppress(OSError):
-                    trust.unlink_in(self.folder, str(path.relative_to(self.folder)))
+        with contextlib.suppress(OSError):  # a folder moved while searched: the next start goes on
+            trust.remove_files(self.folder, _dead_temporary)
 
     def steps(self) -> list[int]:
         """The steps this job's folder holds (real folders named by a step), oldest first."""
@@ -326,9 +320,9 @@ def _steps(folder: Path) -> list[int]:
     return sorted(s for s in steps if s is not None)
 
 
-def _regular_size(folder: Path, rel: str) -> int:
+def _regular_size(folder: Path, rel: str, single: bool = False) -> int:
     """The size of the file `folder/rel`, reached without a link; UntrustedPath unless a regular file of
-    this user's."""
+    this user's (with `single`: with no other name)."""
     parts = trust.relative_name(rel, str(folder)).parts
     with trust.walk_dir(folder, parts[:-1]) as fd:
         st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
@@ -336,6 +330,8 @@ def _regular_size(folder: Path, rel: str) -> int:
         raise trust.UntrustedPath(0, f"{folder / rel}: not a regular file")
     if st.st_uid != os.geteuid():
         raise trust.UntrustedPath(0, f"{folder / rel}: belongs to uid {st.st_uid}, not to this user")
+    if single and st.st_nlink > 1:
+        raise trust.UntrustedPath(0, f"{folder / rel}: has {st.st_nlink} names")
     return st.st_size
 
 
@@ -360,12 +356,19 @@ def why_not(settings: Any, folder: Path, manifest: dict[str, Any], rank: int) ->
 
 
 def _is_ours(folder: Path, rel: str) -> bool:
-    """Whether `folder/rel` is a regular file of this user's, reached without a link (`_regular_size`)."""
+    """Whether a save may take `folder/rel` over: a regular file of this user's, reached without a link, with
+    no other name (a replica linked in, a hard link from elsewhere: their bytes would be overwritten too)."""
     try:
-        _regular_size(folder, rel)
+        _regular_size(folder, rel, single=True)
     except OSError:
         return False
     return True
+
+
+def _dead_temporary(name: str) -> bool:
+    """Whether `name` is a temporary (`.<name>.dstmp.<pid>.<n>`) of a process no longer running."""
+    pid = name.split(".dstmp.", 1)[1].split(".", 1)[0] if name.startswith(".") and ".dstmp." in name else ""
+    return pid.isdigit() and not _alive(int(pid))
 
 
 def _alive(pid: int) -> bool:
@@ -380,19 +383,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove_empty(folder: Path) -> None:
-    """Removes `folder` and the folders below it where they are empty (never a file, never through a link)."""
-    for d, _, _ in sorted(os.walk(folder), key=lambda w: -len(w[0])):
-        with contextlib.suppress(OSError):
-            os.rmdir(d)
+def _remove_empty(root: Path, name: str) -> None:
+    """Removes `root/name` and the folders below it where empty (never a file, never through a link)."""
+    with contextlib.suppress(OSError):
+        for fd, _, entry, is_dir in trust.walk_tree(root, name):
+            if is_dir:
+                with contextlib.suppress(OSError):
+                    os.rmdir(entry, dir_fd=fd)
+        with trust.walk_dir(root) as fd:
+            os.rmdir(name, dir_fd=fd)
 
 
 def _size(folder: Path) -> int:
     total = 0
-    for d, _, names in os.walk(folder):  # links to folders are not followed
-        for n in names:
-            st = os.lstat(os.path.join(d, n))
-            total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    for fd, _, name, _ in trust.walk_tree(folder):  # no link followed
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        total += st.st_size if stat.S_ISREG(st.st_mode) else 0
     return total
 
 

@@ -100,8 +100,8 @@ class Transfer:
     rel: str
     nbytes: int
     buf: torch.Tensor | None = None
-    temporary: Path | None = None  # a receive's, renamed to `final` once checked
-    final: Path | None = None
+    temporary: Path | None = None  # a receive's, renamed to `into/rel` once checked
+    into: Path | None = None
 
 
 def _as_tensor(mapping: mmap.mmap | None) -> torch.Tensor:
@@ -142,21 +142,22 @@ def _mapped_file(folder: Path, t: Transfer) -> Iterator[None]:
 @contextlib.contextmanager
 def _temporary(folder: Path, t: Transfer) -> Iterator[None]:
     """`t.buf`: a new temporary beside `folder/t.rel`, of its size, mapped to receive it; removed on the way
-    out unless renamed to `t.final` by then."""
-    final = folder / trust.relative_name(t.rel, str(folder))
-    final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # inside the tier's private folder
-    tmp = final.with_name(f".{final.name}.dstmp.{os.getpid()}.{next(_temporaries)}")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    out unless renamed to `t.rel` by then. Its folders are made and opened, and it is created, with no link
+    followed (trust.UntrustedPath)."""
+    parts = (folder.name, *trust.relative_name(t.rel, str(folder)).parts)  # from the private folder above
+    tmp = Path(*parts[:-1], f".{parts[-1]}.dstmp.{os.getpid()}.{next(_temporaries)}")
+    with trust.walk_dir(folder.parent, parts[:-1], create=True) as dir_fd:
+        fd = os.open(tmp.name, trust.NEW_FILE, 0o600, dir_fd=dir_fd)
     mapping = None
     try:
         os.ftruncate(fd, t.nbytes)
         mapping = mmap.mmap(fd, t.nbytes) if t.nbytes else None
     except BaseException:
         os.close(fd)
-        os.unlink(tmp)
+        trust.unlink_in(folder.parent, str(tmp))
         raise
     os.close(fd)
-    t.buf, t.temporary, t.final = _as_tensor(mapping), tmp, final
+    t.buf, t.temporary, t.into = _as_tensor(mapping), folder.parent / tmp, folder
     try:
         yield
     finally:
@@ -166,7 +167,7 @@ def _temporary(folder: Path, t: Transfer) -> Iterator[None]:
                 mapping.close()
         if t.temporary is not None:
             with contextlib.suppress(OSError):
-                os.unlink(t.temporary)
+                trust.unlink_in(folder.parent, str(tmp))
 
 
 def move(
@@ -201,12 +202,13 @@ def move(
 
 def check_and_place(engine: Any, t: Transfer, entry: dict[str, Any]) -> None:
     """Checks a received temporary against its manifest entry (size, every tensor's checksum), then renames
-    it to its name; ChecksumError, FormatError or OSError naming it otherwise."""
-    assert t.temporary is not None and t.final is not None
+    it to its name (no link followed); ChecksumError, FormatError or OSError naming it otherwise."""
+    assert t.temporary is not None and t.into is not None
     doc, top = {"files": {t.rel: entry}}, Path("/")  # the entry's checksums, looked up by its name
     sums = layout.file_checksums(doc, top, top / t.rel)
     engine.verify(t.temporary, sums, layout.file_block_checksums(doc, top, top / t.rel))
-    os.rename(t.temporary, t.final)
+    top = t.into.parent  # as `_temporary` walked: the folder received into is no link either
+    trust.rename_in(top, str(t.temporary.relative_to(top)), f"{t.into.name}/{t.rel}")
     t.temporary = None
 
 
@@ -412,7 +414,7 @@ def restart_source(
                 check_and_place(engine, t, entries[t.rel])
             for rel in links:
                 with contextlib.suppress(FileExistsError):  # another rank of this node linked it first
-                    _link_in(have[rel] / rel, here, rel)
+                    trust.link_in(have[rel].parent, here.parent, f"{step}/{rel}")  # no link followed
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             problem = f"rank {me}: {e}"
     problems = [p for p in _gather(group, problem) if p]
@@ -420,10 +422,3 @@ def restart_source(
         return None, "; ".join(problems[:3])
     pulled = sum(t.nbytes for t in recvs)
     return here, f"{len(recvs)} file(s), {pulled / 1e9:.3f} GB, pulled from other nodes' memory"
-
-
-def _link_in(src: Path, folder: Path, rel: str) -> None:
-    """`folder/rel` made a second name of `src` (a replica on this node: the same memory, no copy)."""
-    dst = folder / trust.relative_name(rel, str(folder))
-    dst.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.link(src, dst, follow_symlinks=False)

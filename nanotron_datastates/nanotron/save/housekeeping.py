@@ -15,7 +15,7 @@ import fasteners
 
 from ... import telemetry, trust
 from ..checkpoint import layout
-from ..checkpoint.folder import is_committed, latest_step, step_folders, step_of, temporaries
+from ..checkpoint.folder import is_committed, latest_step, step_folders, step_of
 
 LOCK = ".datastates.lock"  # latest.txt moves, and checkpoints are removed, only under this lock
 TELEMETRY = telemetry.FILE
@@ -56,7 +56,8 @@ def after_commit(result: Any, root: Path, settings: Any, cache: dict[str, Any]) 
     the engine's cache statistics since the last one) where `settings.telemetry`. Returns what was removed."""
     removed: list[Path] = []
     if result.committed:
-        remove_temporaries(result.folder)
+        with contextlib.suppress(OSError):  # a folder moved while searched: rotation still runs
+            remove_temporaries(result.folder)
         # At least 2: a restart whose newest checkpoint is damaged falls back to the one before (and an S3
         # upload hook runs at the next checkpoint, after this one).
         keep = max(settings.keep_last_n, 2) if settings.keep_last_n else 0
@@ -83,15 +84,16 @@ def describe(r: Any) -> str:
 
 def remove_temporaries(folder: str | os.PathLike) -> int:
     """Removes the temporaries in a committed checkpoint folder: every rank's files are persisted by then, so
-    any left are from a process killed while saving into the same step earlier."""
-    n = 0
-    for p in temporaries(Path(folder)):
-        try:
-            p.unlink()
-            n += 1
-        except FileNotFoundError:
-            pass
-    return n
+    any left are from a process killed while saving into the same step earlier. Each is removed by name from
+    its folder's descriptor, no link followed (`trust.remove_files`); trust.UntrustedPath where a folder was
+    moved away while searched. Returns how many were removed."""
+    return trust.remove_files(folder, _temporary)
+
+
+def _temporary(name: str) -> bool:
+    """A temporary's name, as `checkpoint.folder.temporaries` finds them (`.<name>.dstmp.<pid>.<n>`,
+    `.<name>.*.tmp`)."""
+    return name.startswith(".") and (".dstmp." in name or name.endswith(".tmp"))
 
 
 def telemetry_record(result: Any, cache: dict[str, Any], removed: list[Path]) -> dict[str, Any]:

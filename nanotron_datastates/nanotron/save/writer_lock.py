@@ -12,11 +12,13 @@ would drop the lock).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
@@ -39,7 +41,8 @@ class WriterLock:
 
     def acquire(self) -> WriterLock:
         """Takes the lock, or raises FolderBusy naming the folder and its holder. The lock file is opened
-        without following a link (trust.UntrustedPath if it is one)."""
+        without following a link, and must be a regular file with no other name (trust.UntrustedPath,
+        naming it, otherwise)."""
         self.root.mkdir(parents=True, exist_ok=True)
         key = os.path.realpath(self.root)
         if key in _HELD:
@@ -47,13 +50,7 @@ class WriterLock:
                 f"{self.root}: this process already writes checkpoints there (pid {os.getpid()}); one "
                 "trainer per checkpoints folder"
             )
-        path = self.root / LOCK
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise trust.UntrustedPath(e.errno, f"{path}: a link; not followed") from None
-            raise
+        fd = _open(self.root / LOCK)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -66,8 +63,9 @@ class WriterLock:
                 ) from None
             raise
         me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
+        line = json.dumps(me).encode()
+        os.pwrite(fd, line, 0)  # a regular file with no other name (`_open`): only the lock's bytes change
+        os.ftruncate(fd, len(line))
         self.fd = fd
         _HELD[key] = self
         return self
@@ -79,6 +77,45 @@ class WriterLock:
         _HELD.pop(os.path.realpath(self.root), None)
         os.close(self.fd)  # drops the record lock
         self.fd = None
+
+
+def _open(path: Path) -> int:
+    """The lock file, opened read-write without truncating it, never through a link, never blocking (a FIFO),
+    checked to be a regular file with no other name: its holder's line overwrites it, and with a second
+    name (a hard link) it would overwrite another file. trust.UntrustedPath, naming it, otherwise."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    with contextlib.suppress(FileNotFoundError):
+        _check(path, os.lstat(path))  # a device is refused before it is opened
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise trust.UntrustedPath(e.errno, f"{path}: a link; not followed") from None
+        raise
+    try:
+        _check(path, os.fstat(fd))  # the file opened: what the lstat saw may have been swapped since
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check(path: Path, st: os.stat_result) -> None:
+    """trust.UntrustedPath, naming the lock file, unless `st` is that of a regular file with one name."""
+    if stat.S_ISLNK(st.st_mode):
+        raise trust.UntrustedPath(errno.ELOOP, f"{path}: a link; not followed")
+    if not stat.S_ISREG(st.st_mode):
+        m = st.st_mode
+        kind = "a FIFO" if stat.S_ISFIFO(m) else "a folder" if stat.S_ISDIR(m) else "a socket or a device"
+        raise trust.UntrustedPath(
+            errno.EINVAL, f"{path}: the writer lock is {kind}, not a regular file; remove it"
+        )
+    if st.st_nlink > 1:
+        raise trust.UntrustedPath(
+            errno.EMLINK,
+            f"{path}: the writer lock has {st.st_nlink} names (a hard link to another file, which the "
+            "holder's line would overwrite); remove it",
+        )
 
 
 def _holder(fd: int) -> str:
