@@ -11,9 +11,8 @@
 #include "crc32c.hpp"
 #include "cuda.hpp"
 #include "engine.hpp"
-#include "flush.hpp"
-#include "flush.hpp"
 #include "fault.hpp"
+#include "flush.hpp"
 #include "plan.hpp"
 
 namespace nb = nanobind;

@@ -6,8 +6,9 @@
 namespace ds {
 
 std::unique_ptr<FlushWorker> make_uring_worker(unsigned, int, std::string* why) {
-  *why = "this build of nanotron-datastates has no io_uring backend (liburing's headers were missing when it "
-         "was built: install liburing-dev and reinstall the package)";
+  *why =
+      "this build of nanotron-datastates has no io_uring backend (liburing's headers were missing when it "
+      "was built: install liburing-dev and reinstall the package)";
   return nullptr;
 }
 

@@ -27,8 +27,8 @@ MirrorFile::MirrorFile(const std::string& path, std::size_t bytes, bool existing
     throw ErrorException(std::move(e));
   };
   if (fstat(fd_, &st) != 0) fail(Error::os(errno, "checking the mirror copy", path));
-  if (!S_ISREG(st.st_mode) || st.st_uid != geteuid())
-    fail(Error::value("the mirror copy to recycle is not a regular file of this user's", path));
+  if (!S_ISREG(st.st_mode) || st.st_uid != geteuid() || st.st_nlink != 1)  // a second name: not ours alone
+    fail(Error::value("the mirror copy is not a regular file of this user's with one name", path));
   if (Error e = resize(bytes, path)) fail(e);
   // Reserved now: a tmpfs out of room then fails here, not with a SIGBUS in the middle of a copy.
   if (int e = posix_fallocate(fd_, 0, static_cast<off_t>(bytes)); e != 0 && e != EOPNOTSUPP)

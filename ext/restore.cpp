@@ -292,12 +292,21 @@ bool in_memory(int fd) {
   return fstatfs(fd, &s) == 0 && (s.f_type == TMPFS_MAGIC || s.f_type == RAMFS_MAGIC);
 }
 
+// Non-blocking, so that a FIFO never holds the open; anything but a regular file is EINVAL.
 int open_for_read(const std::string& path, bool direct) {
-  if (direct) {
-    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-    if (fd >= 0 || errno != EINVAL) return fd;  // EINVAL: no O_DIRECT on this file system
+  const int flags = O_RDONLY | O_CLOEXEC | O_NONBLOCK;
+  int fd = direct ? open(path.c_str(), flags | O_DIRECT) : -1;
+  if (fd < 0 && (!direct || errno == EINVAL)) fd = open(path.c_str(), flags);  // EINVAL: no O_DIRECT here
+  if (fd < 0) return fd;
+  struct stat st {};
+  const int mode = fcntl(fd, F_GETFL);
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || mode < 0 ||
+      fcntl(fd, F_SETFL, mode & ~O_NONBLOCK) != 0) {
+    close(fd);
+    errno = EINVAL;
+    return -1;
   }
-  return open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  return fd;
 }
 
 // A descriptor of our own for the caller's open file `fd`: the same file, whatever the path names now. With

@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 import torch
 
+from . import trust
 from .errors import FormatError
 
 FORMAT_VERSION = 1
@@ -134,7 +135,7 @@ class Header:
 def read_header(path: str | os.PathLike) -> Header:
     """Reads and validates the header of the safetensors file at `path`."""
     path = os.fspath(path)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = trust.open_to_read(path)  # a FIFO or folder: an error naming it, never a wait
     try:
         return read_header_fd(fd, path)
     finally:

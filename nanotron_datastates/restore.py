@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from . import format as fmt
-from . import skeleton
+from . import skeleton, trust
 from .errors import ChecksumError
 
 _last_device_read = threading.local()
@@ -45,7 +45,7 @@ def last_device_read() -> DeviceRead | None:
 def _opened(path: str) -> Iterator[tuple[int, fmt.Header]]:
     """The file open once, and its header read from that descriptor: the core reads the data through it
     too, so that a file renamed over `path` meanwhile gives the old file or the new, never a mix."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = trust.open_to_read(path)  # a FIFO or folder: an error naming it, never a wait
     try:
         yield fd, fmt.read_header_fd(fd, path)
     finally:

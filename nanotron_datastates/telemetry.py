@@ -6,11 +6,15 @@ one line per checkpoint replicated (`"event": "replicated"`): the bytes sent ove
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
+
+from . import trust
 
 FILE = "datastates_telemetry.jsonl"  # its name in a checkpoints folder
 
@@ -77,7 +81,12 @@ def append(path: str | os.PathLike, records: list[dict[str, Any]]) -> None:
     if path.is_dir():
         path = path / FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
+    # Non-blocking: a FIFO there (no reader) fails at once instead of holding the committer; a file only.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "a") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise trust.UntrustedPath(errno.EINVAL, "not a regular file: no telemetry appended", str(path))
+        os.set_blocking(fd, True)
         f.write("".join(json.dumps(r) + "\n" for r in records))
 
 
@@ -87,7 +96,9 @@ def read(path: str | os.PathLike) -> list[dict[str, Any]]:
     if path.is_dir():
         path = path / FILE
     out = []
-    for line in path.read_text().splitlines():
+    with os.fdopen(trust.open_to_read(path), encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    for line in text.splitlines():
         try:
             out.append(json.loads(line))
         except ValueError:

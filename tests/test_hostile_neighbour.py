@@ -155,9 +155,18 @@ def test_a_subfolder_swapped_for_a_link_mid_removal_never_costs_a_file_outside(t
         sys.setswitchinterval(interval)
         stop.set()
         thread.join(10)
-    assert not thread.is_alive() and swaps[0] > 10 and rounds > 20 and removed > 0, (swaps, rounds, removed)
+    assert not thread.is_alive() and swaps[0] > 10 and rounds > 20, (swaps, rounds, removed)
     lost = [n for n in NAMES if not (outside / n).is_file() or (outside / n).read_bytes() != b"keep"]
     assert not lost, f"{len(lost)} files outside deleted through a swapped link, e.g. {lost[:3]}"
+    # Nothing racing: the same removal takes what is really there (how much it took while raced is luck).
+    calm = root / "20" / "sub"
+    calm.mkdir(parents=True)
+    for n in NAMES:
+        (calm / n).write_bytes(b"")
+    if how == "temporaries":
+        assert housekeeping.remove_temporaries(root / "20") == len(NAMES)
+    else:
+        assert trust.remove_tree(root, "20") and not (root / "20").exists()
 
 
 # -- 3. the writer lock is a regular file of its own, or refused ---------------------------------------------

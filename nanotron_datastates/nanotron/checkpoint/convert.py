@@ -92,8 +92,10 @@ def convert(
 
 
 def _check_source(src: Path, to: str) -> None:
-    if not (src / METADATA).is_file():
+    if not os.path.lexists(src / METADATA):
         raise ValueError(f"{src} is not a Nanotron checkpoint folder (no {METADATA})")
+    _files(src)  # an error naming any that is not a regular file, before anything is written
+    meta = layout.read_json(src / METADATA)
     if to == "torch":
         if not layout.is_datastates_checkpoint(src):
             raise ValueError(f"{src} is not a datastates checkpoint (no {layout.MANIFEST})")
@@ -104,7 +106,6 @@ def _check_source(src: Path, to: str) -> None:
         return
     if layout.is_datastates_checkpoint(src):
         raise ValueError(f"{src} is already a datastates checkpoint ({layout.MANIFEST})")
-    meta = layout.read_json(src / METADATA)
     if not all(isinstance(meta.get(k), int) for k in ("tp", "dp")):
         raise ValueError(f"{src / METADATA}: not Nanotron's checkpoint metadata (no integer tp and dp)")
 
@@ -172,7 +173,7 @@ def _to_torch(src: Path, out: Path, engine: DataStatesEngine, allow_pickle: bool
     _copy_rest(src, out, listed=set(doc["files"]), to="torch")
     _sync_dirs(out)
     # Nanotron's own save is synchronous: its metadata file is what marks a whole stock checkpoint.
-    layout.write_atomic(out / METADATA, (src / METADATA).read_bytes())
+    layout.write_atomic(out / METADATA, _read(src / METADATA))
 
 
 def _as_pt(rel: str) -> str:
@@ -255,18 +256,23 @@ def _to_datastates(
         entries[target] = layout.file_entry((out / target).stat().st_size, h)
     _sync_dirs(out)
     # As the trainer commits: the metadata, then the manifest, which makes the folder a datastates checkpoint.
-    layout.write_atomic(out / METADATA, (src / METADATA).read_bytes())
+    layout.write_atomic(out / METADATA, _read(src / METADATA))
     layout.write_atomic(out / layout.MANIFEST, json.dumps(layout.manifest(step, topology, entries), indent=1))
 
 
 def _load_stock(path: Path, allow_pickle: bool, allowed: Sequence[Any] = ()) -> Any:
     """One of Nanotron's `.pt` files. Without `allow_pickle`, torch builds only tensors, plain containers and
     the `allowed` classes and functions (exactly those): anything else raises UnpicklingRefused, unrun."""
-    if allow_pickle:
-        return torch.load(path, map_location="cpu", weights_only=False)
+    with os.fdopen(trust.open_to_read(path), "rb") as f:
+        if allow_pickle:
+            return torch.load(f, map_location="cpu", weights_only=False)
+        return _load_weights_only(path, f, allowed)
+
+
+def _load_weights_only(path: Path, f: Any, allowed: Sequence[Any]) -> Any:
     try:
         with _safe_globals(path, allowed):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(f, map_location="cpu", weights_only=True)
     except UnpicklingRefused:  # this torch cannot allow them: already says so
         raise
     except pickle.UnpicklingError as e:
@@ -387,12 +393,13 @@ def _step(src: Path, meta: dict[str, Any]) -> int:
 
 
 def _files(folder: Path) -> list[str]:
-    """The folder's files, relative, without hidden ones (temporaries of a save that died, locks)."""
-    return sorted(
-        str(p.relative_to(folder))
-        for p in folder.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
-    )
+    """The folder's files, relative, without hidden ones (temporaries of a save that died, locks); an error
+    naming any that is not a regular file (a FIFO), never skipped."""
+    found = [p.relative_to(folder) for p in folder.rglob("*") if not p.is_dir()]
+    rels = sorted(str(r) for r in found if not any(part.startswith(".") for part in r.parts))
+    for rel in rels:
+        os.close(trust.open_to_read(folder / rel))
+    return rels
 
 
 def _copy_rest(src: Path, out: Path, listed: set[str], to: str) -> None:
@@ -402,15 +409,21 @@ def _copy_rest(src: Path, out: Path, listed: set[str], to: str) -> None:
         if rel in listed or rel in (layout.MANIFEST, METADATA) or rel.endswith(".safetensors"):
             continue
         if rel == CONFIG and to == "torch":
-            (out / rel).write_text(_stock_config((src / rel).read_text()))
+            (out / rel).write_text(_stock_config(_read(src / rel).decode()))
             layout.fsync_path(out / rel)
         else:
             _copy(src / rel, out / rel)
 
 
+def _read(path: Path) -> bytes:
+    with os.fdopen(trust.open_to_read(path), "rb") as f:
+        return f.read()
+
+
 def _copy(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)
+    with os.fdopen(trust.open_to_read(src), "rb") as f, open(dst, "wb") as out:
+        shutil.copyfileobj(f, out, 16 << 20)
     layout.fsync_path(dst)
 
 

@@ -36,10 +36,10 @@ def kind_of(path: str | os.PathLike) -> str:
         return "missing" if not os.path.lexists(path) else "unknown"
     if (path / layout.LATEST).is_file():
         return "root"
-    if is_committed(path):
+    if marked(path):
         return "checkpoint"
     steps = step_folders(path)
-    if any(is_committed(f) or _nanotron_like(f) for f in steps):
+    if any(marked(f) or _nanotron_like(f) for f in steps):
         # A Nanotron checkpoint among them, maybe not committed yet (the first save in progress).
         return "root"
     if next(safetensors_files(path), None) is not None:
@@ -68,6 +68,13 @@ def is_committed(folder: Path) -> bool:
     return layout.is_datastates_checkpoint(folder) or (folder / layout.NANOTRON_METADATA).is_file()
 
 
+def marked(folder: Path) -> bool:
+    """Committed, or holding something by a commit marker's name that is not a regular file (a FIFO, a
+    folder): a checkpoint to describe and verify, whose reading of it then fails naming it. Rotation and
+    fallbacks keep to `is_committed`."""
+    return any(os.path.lexists(folder / m) for m in (layout.MANIFEST, layout.NANOTRON_METADATA))
+
+
 def _nanotron_like(folder: Path) -> bool:
     """Has a file or folder of Nanotron's checkpoint layout (committed or not)."""
     return any((folder / name).exists() for name in (*NANOTRON_FILES, *layout.FOLDERS))
@@ -94,12 +101,13 @@ def step_of(folder: Path) -> int:
 
 def safetensors_files(folder: Path) -> Iterator[Path]:
     """The `*.safetensors` files under `folder`, recursively (each folder's files, then its subfolders, by
-    name); hidden files and folders (temporaries among them) are skipped, and linked folders not followed."""
+    name), whatever they are but folders; hidden files and folders (temporaries among them) are skipped, and
+    linked folders not followed."""
     for d, dirs, names in os.walk(folder):
         dirs[:] = sorted(n for n in dirs if not n.startswith("."))
         for n in sorted(names):
             p = Path(d) / n
-            if n.endswith(".safetensors") and not n.startswith(".") and p.is_file():
+            if n.endswith(".safetensors") and not n.startswith("."):  # a FIFO too: reading it says what it is
                 yield p
 
 
@@ -185,7 +193,7 @@ def describe_checkpoint(folder: str | os.PathLike, tensors: bool = False) -> dic
     out: dict[str, Any] = {"kind": "checkpoint", "path": str(folder), "engine": None, "step": None}
     out["topology"] = {}
     listed: dict[str, Any] = {}
-    if layout.is_datastates_checkpoint(folder):
+    if os.path.lexists(folder / layout.MANIFEST):  # read_manifest names one that is not a regular file
         doc = layout.read_manifest(folder)
         out.update(engine="datastates", step=doc.get("step"), topology=doc.get("topology", {}))
         listed = doc["files"]
@@ -203,7 +211,7 @@ def describe_checkpoint(folder: str | os.PathLike, tensors: bool = False) -> dic
     latest = _safe_latest(root)
     out["committed"] = is_committed(folder)
     out["latest"] = latest is not None and str(latest) == folder.name
-    paths = sorted(q for q in folder.rglob("*") if q.is_file() and not q.name.startswith("."))
+    paths = sorted(q for q in folder.rglob("*") if not q.is_dir() and not q.name.startswith("."))
     files = [_file_entry(folder, p, tensors) for p in paths]
     for f in files:  # the engine's weight files keep Nanotron's metadata: their checksums are the manifest's
         if "tensors" in f and isinstance(listed.get(f["file"]), dict) and "crc32c" in listed[f["file"]]:
@@ -245,7 +253,9 @@ def _file_entry(folder: Path, p: Path, tensors: bool) -> dict[str, Any]:
     except OSError as e:  # gone since it was listed
         entry.update(bytes=0, error=str(e))
         return entry
-    if p.suffix == ".safetensors":
+    if not p.is_file():  # a FIFO, a socket: never opened here
+        entry["error"] = f"{p}: not a regular file"
+    elif p.suffix == ".safetensors":
         try:
             header = fmt.read_header(p)
         except (OSError, ValueError) as e:

@@ -178,21 +178,24 @@ def fsync_path(path: str | os.PathLike) -> None:
 
 def read_json(path: str | os.PathLike) -> dict[str, Any]:
     """A JSON object from `path`; {} if it is missing, unreadable or not an object (for describing folders
-    whatever state they are in)."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
+    whatever state they are in); an OSError naming it where it is not a regular file (a FIFO, a folder)."""
+    return _read_doc(path, json.loads, ValueError)
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     """Like `read_json`, for YAML (Nanotron's config.yaml)."""
     import yaml
 
+    return _read_doc(path, yaml.safe_load, yaml.YAMLError)
+
+
+def _read_doc(path: str | os.PathLike, parse: Any, bad: type[Exception]) -> dict[str, Any]:
     try:
-        doc = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
+        with os.fdopen(trust.open_to_read(path), "rb") as f:
+            doc = parse(f.read())
+    except (trust.UntrustedPath, IsADirectoryError):
+        raise  # not a file at all: never taken for a missing one
+    except (OSError, ValueError, bad):
         return {}
     return doc if isinstance(doc, dict) else {}
 

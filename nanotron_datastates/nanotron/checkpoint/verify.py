@@ -23,6 +23,7 @@ from .folder import (
     is_committed,
     kind_of,
     latest_step,
+    marked,
     safetensors_files,
     step_folders,
     temporaries,
@@ -102,7 +103,7 @@ def _verify_root(engine: DataStatesEngine, root: Path, report: Report) -> None:
     elif not is_committed(root / str(latest)):
         report.problems.append(f"{root / layout.LATEST} names step {latest}, which is not a checkpoint")
     for folder in folders:
-        if is_committed(folder):
+        if marked(folder):
             try:  # one checkpoint's problem, whatever it is, never stops the others' verification
                 _verify_checkpoint(engine, folder, report)
             except Exception as e:  # noqa: BLE001 - reported as this checkpoint's problem
@@ -130,8 +131,8 @@ def _verify_folder(engine: DataStatesEngine, folder: Path, report: Report) -> No
 def _verify_checkpoint(engine: DataStatesEngine, folder: Path, report: Report) -> None:
     for name in NANOTRON_FILES:
         if not (folder / name).is_file():
-            report.problems.append(f"{folder / name}: missing")
-    if not layout.is_datastates_checkpoint(folder):
+            report.problems.append(f"{folder / name}: {_not_a_file(folder / name)}")
+    if not os.path.lexists(folder / layout.MANIFEST):  # read_manifest names one that is not a regular file
         report.notes.append(f"{folder}: Nanotron's own layout; safetensors headers checked, pickles not")
         for p in sorted(folder.rglob("*.safetensors")):
             _verify_file(engine, p, None, report)
@@ -151,7 +152,7 @@ def _verify_checkpoint(engine: DataStatesEngine, folder: Path, report: Report) -
             report.problems.append(str(e))
             continue
         if not path.is_file():
-            report.problems.append(f"{path}: listed in the manifest, missing")
+            report.problems.append(f"{path}: listed in the manifest, {_not_a_file(path)}")
             continue
         if path.stat().st_size != entry.get("bytes"):
             size = path.stat().st_size
@@ -172,6 +173,10 @@ def _verify_checkpoint(engine: DataStatesEngine, folder: Path, report: Report) -
             report.notes.append(f"{p}: not in the manifest (ignored on resume)")
     for p in temporaries(folder):
         report.notes.append(f"{p}: temporary left by a process that died mid-save")
+
+
+def _not_a_file(path: Path) -> str:
+    return "not a regular file" if os.path.exists(path) else "missing"
 
 
 def _verify_random_states(folder: Path, doc: dict[str, Any], report: Report) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ... import restore
+from ... import restore, trust
 from ...engine import DataStatesEngine
 from ..checkpoint import layout
 
@@ -39,7 +39,7 @@ def _read_through(path: Path, buf: bytearray, stop: threading.Event | None = Non
     """Reads `path` through the page cache into `buf`, chunk after chunk, until its end or `stop`; returns the
     bytes read (a file that cannot be read: those read before the error)."""
     total = 0
-    with contextlib.suppress(OSError), open(path, "rb", buffering=0) as f:
+    with contextlib.suppress(OSError), os.fdopen(trust.open_to_read(path), "rb", buffering=0) as f:
         while stop is None or not stop.is_set():
             n = f.readinto(buf)
             if not n:

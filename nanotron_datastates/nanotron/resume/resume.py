@@ -151,7 +151,9 @@ class Resume:
         from nanotron.s3_checkpoints import check_path_is_local
 
         early, self._early = self._early, None
-        if folder is None or not check_path_is_local(folder) or not layout.is_datastates_checkpoint(folder):
+        # A manifest that is not a regular file (a FIFO): a checkpoint that cannot be read, which falls back.
+        ours = folder is not None and os.path.lexists(Path(folder) / layout.MANIFEST)
+        if folder is None or not ours or not check_path_is_local(folder):
             self._drop_prefetch(report=False)  # not adopted: its buffers go back when its reads end
             if folder is not None and getattr(config, "uses_datastates", False):
                 saved_layout.refuse_stock(Path(folder), config, pc)

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ... import trust
 from ...engine import DataStatesEngine
 from .. import groups, shards
 from .. import log as say
@@ -37,6 +38,7 @@ def load_scheduler(
         lr_scheduler.load_state_dict(reshard.scheduler_state(engine, manifest, src, optimizer, model, pc))
     else:
         lr_scheduler.load_state_dict(engine.load(shards.lr_scheduler_file(pc, src)))
+    os.close(trust.open_to_read(folder / layout.NANOTRON_METADATA))  # a FIFO: an error, not Nanotron's wait
     return load_meta(parallel_context=pc, root_folder=folder).metas
 
 

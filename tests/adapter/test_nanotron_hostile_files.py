@@ -1,0 +1,71 @@
+"""A restart from storage whose newest checkpoint holds a FIFO where one of its files belongs (a weight file,
+the optimizer's, the scheduler's, the random states', Nanotron's metadata, the manifest): the file is taken
+for an unreadable one, at once, and every rank falls back to the previous committed checkpoint. A reader
+that waited on the FIFO would hang the restart forever: the resume runs on a thread with a deadline."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cpu_ranks import differences
+from test_nanotron_save_resume import rank0, resumed, two_checkpoints  # noqa: F401 - rank0: a fixture
+
+from nanotron_datastates.nanotron.checkpoint import layout
+
+DEADLINE = 30.0  # seconds; the resume and its fallback take a few
+
+
+def _weight(folder: Path) -> Path:
+    return next((folder / "model").rglob("*.safetensors"))
+
+
+def _one(sub: str) -> Any:
+    return lambda folder: next((folder / sub).glob("*.safetensors"))
+
+
+FILES = {
+    "weight file": _weight,
+    "optimizer file": _one("optimizer"),
+    "scheduler file": _one("lr_scheduler"),
+    "random states": _one("random"),
+    "training metadata": lambda folder: folder / layout.NANOTRON_METADATA,
+    "manifest": lambda folder: folder / layout.MANIFEST,
+}
+
+
+@pytest.mark.parametrize("which", FILES)
+def test_a_fifo_in_the_newest_checkpoint_falls_back_to_the_previous_one(rank0, tmp_path, which):  # noqa: F811
+    first, _ = two_checkpoints(rank0, tmp_path / "ckpt")
+    newest = tmp_path / "ckpt" / "7"
+    path = FILES[which](newest)
+    path.unlink()
+    os.mkfifo(path)
+    box: dict[str, Any] = {}
+
+    def restart() -> None:
+        try:
+            box["out"] = resumed(rank0, newest)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    t = threading.Thread(target=restart, daemon=True)
+    t.start()
+    t.join(DEADLINE)
+    if t.is_alive():
+        for _ in range(3):  # a writer: the blocked reader gets its end of file, and its thread ends
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            time.sleep(0.1)
+        t.join(DEADLINE)
+        pytest.fail(f"the restart waited on the FIFO {path} for {DEADLINE} s")
+    assert "error" not in box, box["error"]
+    resume, got, metadata = box["out"]
+    assert resume.folder == tmp_path / "ckpt" / "5" and metadata.last_train_step == 5
+    got.pop("random"), first.pop("random")
+    assert differences(first, got) == []

@@ -1,0 +1,239 @@
+"""A FIFO, a socket or a folder where a checkpoint's file belongs: every reader of the engine and every
+command fails at once with an error naming the file, and never waits on it (a FIFO's reader blocks until a
+writer comes, forever). Each reader runs on a thread with a deadline, so that one that blocks fails its
+test."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+from test_convert import OPTIMIZER, stock_checkpoint
+
+from nanotron_datastates import DataStatesEngine
+from nanotron_datastates import format as fmt
+from nanotron_datastates.cli import main
+from nanotron_datastates.nanotron.checkpoint import layout
+
+from helpers import small_config, write_nanotron_checkpoint
+
+DEADLINE = 5.0  # seconds; a reader that fails at once takes milliseconds
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[DataStatesEngine]:
+    with DataStatesEngine(small_config()) as e:
+        yield e
+
+
+@pytest.fixture
+def fifo() -> Iterator[Callable[[Path], Path]]:
+    """Makes a FIFO at a path (what was there removed); afterwards, a writer opens each once, so that a reader
+    still blocked on one (the failure under test) gets its end of file and its thread ends."""
+    made: list[Path] = []
+
+    def make(path: Path) -> Path:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            path.unlink()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(path)
+        made.append(path)
+        return path
+
+    yield make
+    for _ in range(3):
+        for path in made:
+            with contextlib.suppress(OSError):  # ENXIO: no reader on it
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        time.sleep(0.05)
+
+
+def outcome(fn: Callable[[], Any]) -> BaseException | None:
+    """What `fn()` raised (None where it returned), on a thread that must end within DEADLINE."""
+    box: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(DEADLINE)
+    if t.is_alive():
+        pytest.fail(f"still blocked after {DEADLINE} s: it waits on a file that is not a regular file")
+    return box.get("error")
+
+
+def fails_naming(fn: Callable[[], Any], path: Path, kind: type[BaseException] = OSError) -> BaseException:
+    err = outcome(fn)
+    assert isinstance(err, kind), f"expected {kind.__name__} naming {path}, got {err!r}"
+    assert str(path) in str(err), err
+    return err
+
+
+# -- the engine's readers ------------------------------------------------------------------------------------
+
+READERS: dict[str, Callable[[DataStatesEngine, Path], Any]] = {
+    "load": lambda e, p: e.load(p),
+    "load_into": lambda e, p: e.load_into(p, {"a": torch.empty(4)}),
+    "load_tensors": lambda e, p: e.load_tensors(p, ["a"]),
+    "load_ranges": lambda e, p: e.load_ranges(p, {"a": (0, 2)}),
+    "load_range_list": lambda e, p: e.load_range_list(p, [("a", 0, 2)]),
+    "read_header": lambda e, p: fmt.read_header(p),
+    "read_metadata": lambda e, p: e.read_metadata(p),
+    "read_structure": lambda e, p: e.read_structure(p),
+    "verify": lambda e, p: e.verify(p),
+}
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_every_reader_refuses_a_fifo_at_once_naming_it(engine, fifo, tmp_path, reader):
+    path = fifo(tmp_path / "state.safetensors")
+    err = fails_naming(lambda: READERS[reader](engine, path), path)
+    assert "FIFO" in err.strerror and err.filename == str(path)
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_every_reader_refuses_a_folder_naming_it(engine, tmp_path, reader):
+    path = tmp_path / "state.safetensors"
+    path.mkdir()
+    err = fails_naming(lambda: READERS[reader](engine, path), path, IsADirectoryError)
+    assert err.filename == str(path)
+
+
+@pytest.mark.parametrize("reader", ["load", "read_header", "verify"])
+def test_a_socket_is_refused_naming_it(engine, tmp_path, reader):
+    path = tmp_path / "state.safetensors"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+        err = fails_naming(lambda: READERS[reader](engine, path), path)
+    assert "socket" in err.strerror
+
+
+def test_a_link_the_caller_chose_to_a_file_is_read(engine, tmp_path):
+    """The caller's own path may be a link: followed, unlike the files of a checkpoint folder."""
+    engine.save({"a": torch.arange(4.0)}, tmp_path / "real.safetensors").wait_persisted()
+    (tmp_path / "link.safetensors").symlink_to(tmp_path / "real.safetensors")
+    assert torch.equal(engine.load(tmp_path / "link.safetensors")["a"], torch.arange(4.0))
+    assert engine.verify(tmp_path / "link.safetensors")
+
+
+# -- the commands --------------------------------------------------------------------------------------------
+
+
+def run(capsys, *argv: str) -> tuple[int, str]:
+    box: dict[str, int] = {}
+    err = outcome(lambda: box.setdefault("rc", main(list(argv))))
+    assert err is None, err
+    out = capsys.readouterr()
+    return box["rc"], out.out + out.err
+
+
+@pytest.fixture
+def ckpt(engine, tmp_path) -> Path:
+    """A committed datastates checkpoint, step 40, in its checkpoints folder."""
+    return write_nanotron_checkpoint(engine, tmp_path / "ckpt", 40)
+
+
+NANOTRON_FILES = [layout.NANOTRON_METADATA, "config.yaml"]
+OPTIMIZER_OURS = "optimizer/optimizer_pp-0-of-1_tp-0-of-1.safetensors"
+
+
+@pytest.mark.parametrize("name", NANOTRON_FILES)
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+@pytest.mark.parametrize("ours", [True, False], ids=["datastates", "stock"])
+def test_inspect_and_verify_fail_on_a_fifo_nanotron_file_naming_it(ckpt, fifo, capsys, name, command, ours):
+    if not ours:
+        (ckpt / layout.MANIFEST).unlink()  # Nanotron's own layout
+    path = fifo(ckpt / name)
+    for where in (ckpt, ckpt.parent):  # the checkpoint, and its checkpoints folder
+        rc, out = run(capsys, command, str(where))
+        assert rc == 1 and str(path) in out, out
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_fifo_manifest_is_never_taken_for_a_stock_checkpoint(ckpt, fifo, capsys, command):
+    path = fifo(ckpt / layout.MANIFEST)
+    for where in (ckpt, ckpt.parent):
+        rc, out = run(capsys, command, str(where))
+        assert rc == 1 and str(path) in out, out
+        assert "Nanotron's own layout" not in out, out
+
+
+def test_verify_says_a_fifo_is_not_a_regular_file_rather_than_missing(ckpt, fifo, capsys):
+    paths = [fifo(ckpt / "config.yaml"), fifo(ckpt / OPTIMIZER_OURS)]
+    rc, out = run(capsys, "verify", str(ckpt))
+    assert rc == 1
+    for path in paths:
+        assert str(path) in out and f"{path}: missing" not in out and "missing" not in out, out
+
+
+def test_a_fifo_among_engine_files_is_verified_not_skipped(engine, fifo, tmp_path, capsys):
+    engine.save({"a": torch.ones(3)}, tmp_path / "run" / "a.safetensors").wait_persisted()
+    path = fifo(tmp_path / "run" / "b.safetensors")
+    rc, out = run(capsys, "verify", str(tmp_path / "run"))
+    assert rc == 1 and str(path) in out, out
+    rc, out = run(capsys, "inspect", str(tmp_path / "run"))
+    assert rc == 1 and str(path) in out and "2 safetensors files" in out, out  # listed, with its error
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_inspect_and_verify_fail_on_a_fifo_weight_file_naming_it(ckpt, fifo, capsys, command):
+    """A stock checkpoint's weights are not in a manifest: found by listing, the FIFO among them."""
+    (ckpt / layout.MANIFEST).unlink()
+    path = fifo(next((ckpt / "model").rglob("*.safetensors")))
+    rc, out = run(capsys, command, str(ckpt))
+    assert rc == 1 and str(path) in out, out  # inspect lists the file with its error
+
+
+@pytest.mark.parametrize("name", [*NANOTRON_FILES, OPTIMIZER])
+def test_convert_to_datastates_refuses_a_fifo_naming_it(fifo, tmp_path, capsys, name):
+    stock = tmp_path / "stock"
+    stock_checkpoint(stock, with_random=False)
+    path = fifo(stock / name)
+    out = tmp_path / "out"
+    rc, text = run(capsys, "convert", str(stock), str(out), "--to", "datastates")
+    assert rc == 1 and str(path) in text, text
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name", [*NANOTRON_FILES, "model_config.json"])
+def test_convert_to_torch_refuses_a_fifo_naming_it(ckpt, fifo, tmp_path, capsys, name):
+    path = fifo(ckpt / name)
+    out = tmp_path / "out"
+    rc, text = run(capsys, "convert", str(ckpt), str(out), "--to", "torch")
+    assert rc == 1 and str(path) in text, text
+    assert not out.exists()
+
+
+# -- the core's own open, and the telemetry --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_core_opening_a_path_itself_refuses_a_fifo_at_once(fifo, tmp_path, direct):
+    path = fifo(tmp_path / "state.safetensors")
+    with DataStatesEngine(small_config(direct_io=direct)) as e:
+        err = fails_naming(lambda: e._core.restore_host(str(path), 4096, 16, [0], [16], False), path)
+    assert isinstance(err, OSError) and err.filename == str(path)
+
+
+def test_telemetry_is_never_waited_on_where_a_fifo_takes_its_name(fifo, tmp_path):
+    from nanotron_datastates import telemetry
+
+    path = fifo(tmp_path / telemetry.FILE)
+    fails_naming(lambda: telemetry.append(tmp_path, [{"step": 1}]), path)
+    fails_naming(lambda: telemetry.read(tmp_path), path)
+    rc = outcome(lambda: main(["plot", str(tmp_path), "-o", str(tmp_path / "t.png")]))
+    assert rc is None  # returned (exit 1, said on stderr), never blocked
