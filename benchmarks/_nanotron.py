@@ -81,6 +81,20 @@ def book_dummy_tokens(metadata: Any) -> None:
         folders["dummy"] = total
 
 
+class LossOnEveryStage:
+    """A trainer mixin: Nanotron main builds its step's log line, the loss's `.item()` included, on every rank
+    (trainer.py's `train_step_logs`, huggingface/nanotron#405), where only the last pipeline stage holds a
+    loss: with pp > 1 the first stage raises at step 1, stock or ours. The other stages' loss is given as
+    NaN, which no log shows (only the last stage's ranks log); 2cde8f6 builds the line on those ranks only."""
+
+    def train_step_logs(self, *a: Any, **k: Any) -> Any:
+        if "loss_avg" in k and k["loss_avg"] is None:
+            import torch
+
+            k["loss_avg"] = torch.full((), float("nan"), device="cuda")
+        return super().train_step_logs(*a, **k)  # type: ignore[misc]
+
+
 def time_library_report(marks: dict[str, float]) -> None:
     """Times Nanotron main's collect_env report (2-5 s of subprocesses while the trainer is constructed,
     varying from run to run) into `marks["library_report_s"]`, to be left out of the time to the first

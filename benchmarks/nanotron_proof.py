@@ -15,8 +15,10 @@ runs each phase below as its own `torchrun` (fresh processes, as a restart is) a
 5. `stock-train` then `ds-from-stock`: Nanotron's own checkpoint, resumed with the datastates engine on
    (weights, optimizer and metadata compared), then trained on and checkpointed by the engine.
 
-With `--cp 2` every run starts from the weights of `init`, one step of Nanotron on one GPU (Nanotron main
-starts no run with context parallelism from random weights).
+With `--cp 2` every run that resumes nothing starts from the weights of `init`, one step of Nanotron on one
+GPU, through `resume_checkpoint_path` without the optimizer (Nanotron main starts no run with context
+parallelism from random weights, and reads no `init_method.path` then); a checkpoint of one GPU holds what a
+cp=2 run loads, since context-parallel ranks hold the same weights.
 
 A phase (`python3 benchmarks/nanotron_proof.py phase --phase NAME ...`) runs under torchrun.
 """
@@ -34,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _nanotron import REPO, book_dummy_tokens, load_run_train, write_config
+from _nanotron import REPO, LossOnEveryStage, book_dummy_tokens, load_run_train, write_config
 
 TRAIN_STEPS, INTERVAL, RESUME_STEPS = 6, 3, 9  # checkpoints at 3 and 6; the reference is taken at 6
 # ds-train runs one step more: the engine queues a checkpoint's files at the next step (`queue_at_step`), so
@@ -55,6 +57,11 @@ def make_config(
     load_optimizer: bool = True,
     interval: int = INTERVAL,
 ) -> Path:
+    if args.cp > 1 and resume is None:
+        # Nanotron main starts a run with context parallelism only from `resume_checkpoint_path` (its
+        # `_load_model_checkpoint` refuses random weights and reads no `init_method.path` then): from the
+        # weights of `init`, without its optimizer, schedule or step, a run that starts at step 1.
+        resume, load_optimizer = str(args.work / "ckpt_init"), False
     checkpoints = {
         "checkpoints_path": str(args.work / f"ckpt_{name}"),
         "checkpoint_interval": interval,
@@ -76,8 +83,6 @@ def make_config(
         zero=args.zero,
         run=name,
         fp32_grads=not args.no_fp32_grads,
-        # Nanotron main starts no run with context parallelism from random weights: from a checkpoint's
-        init_from=args.work / "ckpt_init" / "1" if args.cp > 1 and resume is None else None,
     )
 
 
@@ -169,7 +174,7 @@ def run_phase(args: argparse.Namespace) -> None:
     out = Path(args.out)
     result: dict[str, Any] = {"phase": args.phase, "rank": rank, "trainer": DistributedTrainer.__name__}
 
-    class Trainer(DistributedTrainer):
+    class Trainer(LossOnEveryStage, DistributedTrainer):
         def save_checkpoint(self) -> Path:
             book_dummy_tokens(self.metadata)
             if args.reference_step and self.iteration_step == args.reference_step:

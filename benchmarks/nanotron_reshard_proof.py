@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _nanotron import REPO, book_dummy_tokens, load_run_train, write_config
+from _nanotron import REPO, LossOnEveryStage, book_dummy_tokens, load_run_train, write_config
 from bench_nanotron import make_cold
 
 SAVE_AT, STEPS = 6, 9
@@ -201,7 +201,7 @@ def run_phase(args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
         torch.save(parts_of(trainer), work / f"parts_{args.name}_rank{rank}.pt")
 
-    class Trainer(DistributedTrainer):
+    class Trainer(LossOnEveryStage, DistributedTrainer):
         def save_checkpoint(self) -> Path:
             book_dummy_tokens(self.metadata)
             if args.name.startswith("save-") and self.iteration_step == SAVE_AT:
@@ -360,9 +360,15 @@ def run_all(args: argparse.Namespace) -> int:
         if src not in summary["saves"]:
             info = launch(args, f"save-{src}", src, config(args, f"save-{src}", src, None))
             summary["saves"][src] = info
-            saved[src] = assemble(f"save-{src}", args.work)
+            if info["rc"] == 0 and any(args.work.glob(f"parts_save-{src}_rank*.pt")):
+                saved[src] = assemble(f"save-{src}", args.work)
             ok &= info["rc"] == 0
             print(f"save-{src:24s} rc={info['rc']} {info['seconds']:6.1f} s", flush=True)
+        if src not in saved:  # its save failed (its log says why): the cases from it are not run
+            summary["cases"][case] = {"rc": None, "skipped": f"save-{src} failed"}
+            print(f"{case:30s} skipped: save-{src} failed", flush=True)
+            ok = False
+            continue
         folder = args.work / f"ckpt_save-{src}" / str(SAVE_AT)
         cold = make_cold(folder, "checkpoint")
         info = launch(args, case, dst, config(args, case, dst, folder), warm)
