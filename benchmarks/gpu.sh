@@ -45,6 +45,17 @@ run_step() {
     proof-cp2) # the same on two GPUs with context parallelism (Nanotron main): files by rank 0 of dp_cp_pg;
       # the runs start from the weights of one step on one GPU (main starts no cp run from random weights)
       python3 $B/nanotron_proof.py all --gpus 2 --cp 2 --out "$OUT/proof-cp2" --work "$WORK/proof-cp2" ;;
+    proof-4gpu) # four GPUs, two parallel dimensions each: PROOF4_LAYOUTS of tp2dp2, pp2dp2, cp2dp2 (all three
+      # by default; cp on Nanotron main), each the proof's phases (train, resume bit for bit, stock reads ours,
+      # ours resumes stock)
+      local r=0 L flags
+      for L in ${PROOF4_LAYOUTS:-tp2dp2 pp2dp2 cp2dp2}; do
+        flags=$(echo "$L" | sed -E 's/(tp|pp|cp)2dp2/--\1 2 --dp 2/')
+        python3 $B/nanotron_proof.py all --gpus 4 $flags --out "$OUT/proof-4gpu/$L" --work "$WORK/proof-$L" \
+          ${NO_FP32_GRADS:+--no-fp32-grads} || r=$?
+        rm -rf "$WORK/proof-$L"
+      done
+      return $r ;;
     reshard) # two GPUs: checkpoints of tp=2, dp=2 with ZeRO-1, pp=2 and one GPU, each resumed on another layout;
       # every element of the state compared with the one saved, the losses after, the restore time
       # (NO_FP32_GRADS=1 and RESHARD_CASES=a-to-b,... as for proof-dp2-zero1)
