@@ -2,7 +2,8 @@
 
     python3 benchmarks/nanotron_reshard_proof.py all --out DIR [--work DIR] [--cases a-to-b,...]
 
-Layouts: `single` (1 GPU), `tp2`, `dp2-zero1`, `pp2` (2 GPUs); the global batch is 8 sequences on each
+Layouts: `single` (1 GPU), `tp2`, `dp2-zero1`, `pp2` (2 GPUs), and with `--cases 4gpu` `dp4-zero1`,
+`tp2-dp2`, `pp2-dp2` (4 GPUs); the global batch is 8 sequences on each
 (micro-batches accumulated where dp is 1), so that the runs see the same number of samples per step. Each
 run is its own `torchrun` of Nanotron's trainer with the datastates engine (the example's 180M Llama):
 
@@ -54,7 +55,19 @@ LAYOUTS = {
     "dp2-zero1": (2, {"tp": 1, "dp": 2, "pp": 1}, 1, 1),
     "pp2": (2, {"tp": 1, "dp": 1, "pp": 2}, 0, 2),
     "single-zero1": (1, {"tp": 1, "dp": 1, "pp": 1}, 1, 2),  # another layout on one GPU: the ZeRO stage
+    # Four GPUs (`--cases` names them): 8 sequences a step too, dp4 in micro-batches of 2 (MICRO_BATCH)
+    "dp4-zero1": (4, {"tp": 1, "dp": 4, "pp": 1}, 1, 1),
+    "tp2-dp2": (4, {"tp": 2, "dp": 2, "pp": 1}, 0, 1),
+    "pp2-dp2": (4, {"tp": 1, "dp": 2, "pp": 2}, 0, 1),
 }
+MICRO_BATCH = {"dp4-zero1": 2}  # sequences per micro-batch where not the example's 4
+CASES_4GPU = [
+    "dp4-zero1-to-tp2-dp2",
+    "tp2-dp2-to-pp2-dp2",
+    "pp2-dp2-to-single",
+    "single-to-dp4-zero1",
+    "tp2-dp2-to-dp4-zero1",
+]
 CASES = [
     "dp2-zero1-to-dp2-zero1",  # the same layout: the restore time the others are measured against
     "dp2-zero1-to-tp2",
@@ -309,6 +322,7 @@ def compare_states(saved: dict[str, Any], resumed: dict[str, Any]) -> dict[str, 
 
 def config(args: argparse.Namespace, name: str, layout: str, resume: Path | None) -> Path:
     _, parallelism, zero, accumulate = LAYOUTS[layout]
+    tokens = {"batch_accumulation_per_replica": accumulate, "micro_batch_size": MICRO_BATCH.get(layout, 4)}
     checkpoints = {
         "checkpoints_path": str(args.work / f"ckpt_{name}"),
         "checkpoint_interval": SAVE_AT,
@@ -316,7 +330,7 @@ def config(args: argparse.Namespace, name: str, layout: str, resume: Path | None
     }
     return write_config(args.work / f"{name}.yaml", engine="datastates", checkpoints=checkpoints,
                         cache_gib=args.cache_gib, steps=STEPS, parallelism=parallelism, zero=zero, run=name,
-                        tokens={"batch_accumulation_per_replica": accumulate},
+                        tokens=tokens,
                         fp32_grads=not args.no_fp32_grads)  # fmt: skip
 
 
@@ -347,7 +361,7 @@ def run_all(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
-    cases = args.cases.split(",") if args.cases else CASES
+    cases = CASES_4GPU if args.cases == "4gpu" else args.cases.split(",") if args.cases else CASES
     summary: dict[str, Any] = {"command": " ".join(sys.argv), "save_at": SAVE_AT, "steps": STEPS,
                                "fp32_grads": not args.no_fp32_grads, "layouts": LAYOUTS, "saves": {},
                                "cases": {}}  # fmt: skip
@@ -416,7 +430,11 @@ def main() -> int:
     a.add_argument("--work", type=Path, default=Path("/tmp/nanotron_reshard"))
     a.add_argument("--cache-gib", type=float, default=4.0)
     a.add_argument("--no-fp32-grads", action="store_true", help="accumulate_grad_in_fp32: false")
-    a.add_argument("--cases", default="", help=f"comma-separated (default: {','.join(CASES)})")
+    a.add_argument(
+        "--cases",
+        default="",
+        help=f"comma-separated, or 4gpu: {','.join(CASES_4GPU)} (default: {','.join(CASES)})",
+    )
     ph = sub.add_parser("phase")
     for flag in ("--name", "--config", "--work"):
         ph.add_argument(flag, required=True)
