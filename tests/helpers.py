@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -187,3 +188,31 @@ def forge_crc32c(data: bytes, change: dict[int, int], fix_at: int) -> bytes:
     out = bytes(a ^ b for a, b in zip(data, delta))
     assert _core.crc32c(out) == _core.crc32c(data)
     return out
+
+
+def within(fn: Callable[[], Any], seconds: float, fifos: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Runs `fn` on a thread that must end within `seconds`: {"out": what it returned} or {"error": what it
+    raised}. A thread still running then fails the test, once a writer has opened each of `fifos`, so that
+    a reader blocked on one gets its end of file and its thread ends."""
+    import pytest
+
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        for _ in range(3):
+            for path in fifos:
+                with contextlib.suppress(OSError):  # ENXIO: no reader on it
+                    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            time.sleep(0.1)
+        t.join(seconds)
+        pytest.fail(f"still blocked after {seconds} s: it waits on a file that is not a regular file")
+    return box

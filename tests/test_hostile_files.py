@@ -9,7 +9,6 @@ import contextlib
 import os
 import shutil
 import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -23,7 +22,7 @@ from nanotron_datastates import format as fmt
 from nanotron_datastates.cli import main
 from nanotron_datastates.nanotron.checkpoint import layout
 
-from helpers import small_config, write_nanotron_checkpoint
+from helpers import small_config, within, write_nanotron_checkpoint
 
 DEADLINE = 5.0  # seconds; a reader that fails at once takes milliseconds
 
@@ -60,20 +59,7 @@ def fifo() -> Iterator[Callable[[Path], Path]]:
 
 def outcome(fn: Callable[[], Any]) -> BaseException | None:
     """What `fn()` raised (None where it returned), on a thread that must end within DEADLINE."""
-    box: dict[str, BaseException] = {}
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            box["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(DEADLINE)
-    if t.is_alive():
-        pytest.fail(f"still blocked after {DEADLINE} s: it waits on a file that is not a regular file")
-    return box.get("error")
+    return within(fn, DEADLINE).get("error")
 
 
 def fails_naming(fn: Callable[[], Any], path: Path, kind: type[BaseException] = OSError) -> BaseException:

@@ -5,10 +5,7 @@ that waited on the FIFO would hang the restart forever: the resume runs on a thr
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +14,8 @@ from cpu_ranks import differences
 from test_nanotron_save_resume import rank0, resumed, two_checkpoints  # noqa: F401 - rank0: a fixture
 
 from nanotron_datastates.nanotron.checkpoint import layout
+
+from helpers import within
 
 DEADLINE = 30.0  # seconds; the resume and its fallback take a few
 
@@ -46,24 +45,7 @@ def test_a_fifo_in_the_newest_checkpoint_falls_back_to_the_previous_one(rank0, t
     path = FILES[which](newest)
     path.unlink()
     os.mkfifo(path)
-    box: dict[str, Any] = {}
-
-    def restart() -> None:
-        try:
-            box["out"] = resumed(rank0, newest)
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            box["error"] = e
-
-    t = threading.Thread(target=restart, daemon=True)
-    t.start()
-    t.join(DEADLINE)
-    if t.is_alive():
-        for _ in range(3):  # a writer: the blocked reader gets its end of file, and its thread ends
-            with contextlib.suppress(OSError):
-                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-            time.sleep(0.1)
-        t.join(DEADLINE)
-        pytest.fail(f"the restart waited on the FIFO {path} for {DEADLINE} s")
+    box = within(lambda: resumed(rank0, newest), DEADLINE, fifos=(path,))
     assert "error" not in box, box["error"]
     resume, got, metadata = box["out"]
     assert resume.folder == tmp_path / "ckpt" / "5" and metadata.last_train_step == 5
