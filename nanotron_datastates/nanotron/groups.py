@@ -1,8 +1,8 @@
 """This rank's place in Nanotron's process groups, on every Nanotron from 2cde8f6 (2024-12) to main.
 
 Found by attribute, never by version. Main added context parallelism (`cp_pg`; `dp_cp_pg`, the data- and
-context-parallel replicas of one model shard, of which rank 0 writes the weights) and renamed `expert_pg` to
-`ep_pg`. On a Nanotron without them, cp is 1 and the replicas are the data-parallel group.
+context-parallel replicas of one model shard, which share out the writing of its weights) and renamed
+`expert_pg` to `ep_pg`. On a Nanotron without them, cp is 1 and the replicas are the data-parallel group.
 """
 
 from __future__ import annotations
@@ -59,6 +59,15 @@ def cp_rank(pc: Any) -> int:
 def dp_cp(pc: Any) -> Any:
     """The ranks holding the same model shard: data- and context-parallel replicas."""
     return getattr(pc, "dp_cp_pg", None) or pc.dp_pg
+
+
+def replica_cp_ranks(pc: Any) -> list[int]:
+    """The context-parallel rank of each member of `dp_cp(pc)`, in the group's rank order."""
+    group = dp_cp(pc)
+    if cp_size(pc) == 1:
+        return [0] * group.size()
+    world = [dist.get_global_rank(group, r) for r in range(group.size())]
+    return [int(pc.get_local_ranks(int(w))["cp"]) for w in world]
 
 
 def rank(pg: Any) -> int:

@@ -1,11 +1,15 @@
 """This rank's share of a Nanotron checkpoint: which files it writes and reads, under Nanotron's rules.
 
-`weight_shards` mirrors `nanotron.serialize.weights.save_weights` (rank 0 of the data- and context-parallel
-replicas only; one rank per tied group; experts; sharded parameters carry Nanotron's TensorMetadata), and
-`weight_sources` mirrors `load_weights` for the same topology. ZeRO-1 optimizer and scheduler shards are
-written by every DP rank, otherwise by rank 0 of the replicas. Context-parallel ranks hold the same optimizer
+`weight_shards` mirrors `nanotron.serialize.weights.save_weights` (one rank per tied group; experts; sharded
+parameters carry Nanotron's TensorMetadata), and `weight_sources` mirrors `load_weights` for the same
+topology. ZeRO-1 optimizer shards are written by every DP rank. Context-parallel ranks hold the same optimizer
 state (ZeRO shards over the data-parallel group only): where Nanotron main has each of them write the same
 file, only context-parallel rank 0 writes it here, since one file has one writer.
+
+The files every data- and context-parallel replica of a model shard holds alike (its weights; the optimizer
+without ZeRO; the scheduler) are each written by one replica: by rank 0 of them, as Nanotron does, or, with
+`Writers` from `writers(balance=True)`, shared out among them (`assign`), so that each copies and writes
+about an equal part. Only who writes a file changes: its name and bytes are Nanotron's either way.
 """
 
 from __future__ import annotations
@@ -43,14 +47,71 @@ def _param(model: torch.nn.Module, name: str) -> NanotronParameter:
     return param
 
 
+FILE_COST = 4096  # bytes a file counts for besides its tensors' when shared out: its header, its alignment
+ADAM_BYTES = 8  # per parameter in an optimizer file: Adam's two fp32 moments (an estimate, for sharing out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Writers:
+    """Which rank of the data- and context-parallel replicas (`dp_cp`) writes each file they hold alike, by
+    its name in the checkpoint; a file not in `of` is rank 0's. `me`: this rank's place among them."""
+
+    of: dict[str, int]
+    me: int
+
+    def mine(self, rel: Path | str) -> bool:
+        return self.of.get(Path(rel).as_posix(), 0) == self.me
+
+
+def assign(sizes: dict[str, int], loads: list[int]) -> dict[str, int]:
+    """Each file of `sizes` ({name: bytes}) to one of `len(loads)` ranks, whose `loads` are the bytes they
+    write besides: the largest file first (ties: by name), each to the least loaded rank so far (ties: the
+    lowest). A function of its arguments only, so every rank computes the same."""
+    loads = list(loads)
+    out = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = min(range(len(loads)), key=lambda i: (loads[i], i))
+        out[name] = r
+        loads[r] += sizes[name]
+    return out
+
+
+def writers(model: torch.nn.Module, optimizer: Any, pc: Any, *, balance: bool = True) -> Writers:
+    """Who writes each file the replicas of this rank's model shard hold alike: with `balance`, shared out by
+    `assign` from sizes the model and topology alone give, the same on every replica (they agree with no
+    communication), each replica's ZeRO shard counted as its load; else rank 0 of them, as Nanotron."""
+    dp_cp = groups.dp_cp(pc)
+    me, size = groups.rank(dp_cp), dp_cp.size()
+    if not balance or size == 1:
+        return Writers({}, me)
+    sizes = {rel.as_posix(): _nbytes(p) + FILE_COST for rel, p, _ in _model_files(model, pc)}
+    optimizer_bytes = ADAM_BYTES * sum(p.numel() for p in model.parameters())
+    zero = is_zero(optimizer)
+    if not zero:
+        sizes[optimizer_file(pc, Path(), zero=False).as_posix()] = optimizer_bytes + FILE_COST
+    sizes[lr_scheduler_file(pc, Path()).as_posix()] = FILE_COST
+    shard = optimizer_bytes // pc.dp_pg.size() if zero else 0  # context-parallel rank 0 writes each
+    return Writers(assign(sizes, [0 if cp else shard for cp in groups.replica_cp_ranks(pc)]), me)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def weight_shards(
-    model: torch.nn.Module, pc: Any, root: Path
+    model: torch.nn.Module, pc: Any, root: Path, writes: Writers | None = None
 ) -> list[tuple[Path, torch.Tensor, dict[str, str]]]:
-    """(file, parameter, Nanotron's tensor metadata) for every weight file this rank writes.
+    """(file, parameter, Nanotron's tensor metadata) for every weight file this rank writes: those `writes`
+    gives it (default: every one where it is rank 0 of its replicas, as Nanotron).
 
     Depends on the model and topology only, so a trainer computes it once, with a relative `root`."""
-    if groups.rank(groups.dp_cp(pc)) != 0:
-        return []
+    writes = writes or Writers({}, groups.rank(groups.dp_cp(pc)))
+    return [(root / rel, p, md) for rel, p, md in _model_files(model, pc) if writes.mine(rel)]
+
+
+def _model_files(model: torch.nn.Module, pc: Any) -> list[tuple[Path, torch.Tensor, dict[str, str]]]:
+    """(file relative to the checkpoint, parameter, tensor metadata) of every weight file the replicas of
+    this rank's model shard hold."""
     prefixes = _prefixes(model)
     out = []
     planned: set[Path] = set()
@@ -83,7 +144,7 @@ def weight_shards(
             type=ObjectType.MODEL,
             exp_tp_pp_rank_and_size=ranks,
             is_expert_sharded=expert_sharded,
-            prefix=root / "model",
+            prefix=Path("model"),
         )
         if path in planned:  # tied within this rank (embeddings and LM head): one file, written once
             continue
@@ -148,13 +209,21 @@ def is_zero(optimizer: Any) -> bool:
     return optimizer.inherit_from(optim.ZeroDistributedOptimizer)
 
 
-def optimizer_path(optimizer: Any, pc: Any, root: Path, *, writing: bool) -> Path | None:
+def optimizer_path(
+    optimizer: Any, pc: Any, root: Path, *, writing: bool, writes: Writers | None = None
+) -> Path | None:
     """This rank's optimizer file; when `writing`, None where it writes none: every DP rank writes its shard
-    with ZeRO, rank 0 of the replicas the one file otherwise; context-parallel rank 0 only, in both cases."""
+    with ZeRO (context-parallel rank 0 only); the one file otherwise, the replica `writes` gives it to
+    (default: rank 0 of the replicas)."""
     zero = is_zero(optimizer)
-    if writing and (groups.cp_rank(pc) != 0 or (not zero and groups.rank(groups.dp_cp(pc)) != 0)):
+    path = optimizer_file(pc, root, zero=zero)
+    if writing and (groups.cp_rank(pc) != 0 if zero else not _mine(pc, writes, path.relative_to(root))):
         return None
-    return optimizer_file(pc, root, zero=zero)
+    return path
+
+
+def _mine(pc: Any, writes: Writers | None, rel: Path) -> bool:
+    return (writes or Writers({}, groups.rank(groups.dp_cp(pc)))).mine(rel)
 
 
 def lr_scheduler_file(pc: Any, root: Path) -> Path:
@@ -167,12 +236,14 @@ def optimizer_file(pc: Any, root: Path, *, zero: bool) -> Path:
     return root / "optimizer" / groups.place(pc).optimizer_name(zero)
 
 
-def lr_scheduler_path(pc: Any, root: Path, *, writing: bool) -> Path | None:
+def lr_scheduler_path(pc: Any, root: Path, *, writing: bool, writes: Writers | None = None) -> Path | None:
     """The scheduler's file. Every rank holds the same schedule, and Nanotron's name has no data-parallel rank
-    for an integer ZeRO stage, so rank 0 of the replicas writes it and every rank reads it."""
-    if writing and groups.rank(groups.dp_cp(pc)) != 0:
+    for an integer ZeRO stage, so one replica writes it (the one `writes` gives it to; default: rank 0 of
+    them) and every rank reads it."""
+    path = lr_scheduler_file(pc, root)
+    if writing and not _mine(pc, writes, path.relative_to(root)):
         return None
-    return lr_scheduler_file(pc, root)
+    return path
 
 
 def random_states_path(pc: Any, root: Path) -> Path:

@@ -44,6 +44,11 @@ class TrainerSettings(Settings):
     telemetry: bool = True
     """Append one JSON line per checkpoint to `datastates_telemetry.jsonl` in the checkpoints folder (bytes,
     stall, snapshot, persisted, throughput, cache high-water mark and waits)."""
+    balance_writes: bool = True
+    """Share the files the data- and context-parallel replicas of a model shard hold alike (its weights, the
+    optimizer's without ZeRO, the scheduler's) out among them, each file to one replica, the largest first to
+    the least loaded, so that each copies and writes about an equal part. The files are Nanotron's either
+    way: only who writes each changes. Off: rank 0 of the replicas writes them all, as Nanotron does."""
     memory_tier: bool = False
     """Keep the newest committed checkpoint of each rank in node-local shared memory too (`memory_tier_path`),
     so that a restart on the same node (a killed process, torchrun's restarts, a relaunch) reads it from

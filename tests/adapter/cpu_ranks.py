@@ -391,9 +391,10 @@ def planned(pc: Any, c: Any, state: tuple[Any, Any, Any, Any]) -> dict[str, Any]
 
     model, optimizer, _, _ = state
     zero = int(c.optimizer.zero_stage)
-    files = [str(p) for p, _, _ in shards.weight_shards(model, pc, Path())]
-    files.append(shards.optimizer_path(optimizer, pc, Path(), writing=True))
-    files.append(shards.lr_scheduler_path(pc, Path(), writing=True))
+    writes = shards.writers(model, optimizer, pc)  # shared out among the replicas, as the Saver's default
+    files = [str(p) for p, _, _ in shards.weight_shards(model, pc, Path(), writes)]
+    files.append(shards.optimizer_path(optimizer, pc, Path(), writing=True, writes=writes))
+    files.append(shards.lr_scheduler_path(pc, Path(), writing=True, writes=writes))
     files.append(shards.random_states_path(pc, Path()))
     return {
         "writes": sorted(str(f) for f in files if f is not None),
@@ -418,7 +419,9 @@ def main() -> None:
 
     pc = parallel_context(tp, dp, pp, cp)
     c = config(tp, dp, pp, cp, zero)
-    modes = {"roundtrip": roundtrip, "save": save_only, "resume": resume_other}
+    from balanced_ranks import MODES  # with balance_writes on and off
+
+    modes = {"roundtrip": roundtrip, "save": save_only, "resume": resume_other, **MODES}
     if sys.argv[7:]:
         (work / f"rank-{rank}.json").write_text(json.dumps(modes[sys.argv[7]](pc, c, work)))
         tdist.barrier()
@@ -450,8 +453,8 @@ def launch(
     roundtrip: bool = False,
     mode: str | None = None,
 ) -> list[dict]:
-    """Runs `main` on `world` processes; their reports, by rank. `mode`: "roundtrip", "save" or "resume"
-    (see those functions); none: Nanotron's own save and the adapter's plan."""
+    """Runs `main` on `world` processes; their reports, by rank. `mode`: "roundtrip", "save", "resume" (see
+    those functions) or one of balanced_ranks.py's; none: Nanotron's own save and the adapter's plan."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "init").unlink(missing_ok=True)  # a launch's rendezvous file; the next launch makes its own
     mode = "roundtrip" if roundtrip else mode

@@ -154,7 +154,7 @@ class Saver:
         # kept plan of copies would hold on to a copy of the whole state.
         if any(a is b for a, b in zip(again.arrays, first.arrays)):
             self._optimizer_plan = again
-        plans = [plan for _, plan in self.files().weights] + [again]
+        plans = [plan for _, plan in self.files().weights] + ([again] if self.files().optimizer else [])
         self._nbytes = sum(p.nbytes for p in plans)
         self._prepare_cache(plans)
         if self.tier is not None:  # this rank's checkpoint, as many times as the node has ranks
@@ -165,14 +165,15 @@ class Saver:
 
     def files(self) -> RankFiles:
         """This rank's files: the same files and weight tensors at every checkpoint, so planned once."""
-        if self._files is None:
+        if self._files is None:  # what the replicas hold alike: shared out (`balance_writes`) or rank 0's
+            writes = shards.writers(self.model, self.optimizer, self.pc, balance=self.settings.balance_writes)
             self._files = RankFiles(
                 weights=[
                     (path, self.engine.plan({"data": param}, metadata=md, exact_metadata=True))
-                    for path, param, md in shards.weight_shards(self.model, self.pc, Path())
+                    for path, param, md in shards.weight_shards(self.model, self.pc, Path(), writes)
                 ],
-                optimizer=shards.optimizer_path(self.optimizer, self.pc, Path(), writing=True),
-                lr_scheduler=shards.lr_scheduler_path(self.pc, Path(), writing=True),
+                optimizer=shards.optimizer_path(self.optimizer, self.pc, Path(), writing=True, writes=writes),
+                lr_scheduler=shards.lr_scheduler_path(self.pc, Path(), writing=True, writes=writes),
                 random=shards.random_states_path(self.pc, Path()),
             )
         return self._files
@@ -219,7 +220,8 @@ class Saver:
         nbytes = self._nbytes
         if nbytes is None:  # asked for before the first step ended
             nbytes = sum(p.nbytes for _, p in self.files().weights)
-            nbytes += self.engine.plan(self.optimizer.state_dict()).nbytes
+            if self.files().optimizer is not None:
+                nbytes += self.engine.plan(self.optimizer.state_dict()).nbytes
         stage, why = staging.decide(self.settings.device_snapshot, nbytes)
         if stage != self._staged:
             self._staged = stage
