@@ -35,9 +35,10 @@ def record(
     queued_s: float = 0.0,
     removed: list[str] | None = None,
     engine_cpu_s: dict[str, float] | None = None,
+    rank_bytes: list[int] | None = None,
 ) -> dict[str, Any]:
     """One line. `cache`: the engine's `cache_stats` since the previous line; `engine_cpu_s`: the CPU seconds
-    the engine's threads used for it, by role (`cpu_use`)."""
+    the engine's threads used for it, by role (`cpu_use`); `rank_bytes`: what each rank wrote, by rank."""
     return {
         "time": time.time(),
         "step": step,
@@ -57,6 +58,7 @@ def record(
         "cache_wait_s": cache.get("wait_ns", 0) / 1e9,
         "removed": removed or [],
         "engine_cpu_s": engine_cpu_s or {},
+        "rank_bytes": rank_bytes or [],
     }
 
 

@@ -68,6 +68,7 @@ class CommitResult:
     # CPU seconds of this rank's engine threads, by role, since the previous checkpoint's outcome (the
     # threads are idle between checkpoints; two in flight at once share theirs)
     engine_cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    rank_bytes: list[int] = dataclasses.field(default_factory=list)  # the bytes each rank wrote, by rank
 
     @property
     def gbps(self) -> float:
@@ -196,6 +197,7 @@ class Committer:
             committed_s=time.monotonic() - p.t_start,
             queued_s=p.queued_s,
             mirrored=mirrored,
+            rank_bytes=[sum(f["bytes"] for f in o["files"].values()) for o in outcomes],
         )
 
     def _gather(self, obj: Any) -> list[Any]:

@@ -112,6 +112,7 @@ def telemetry_record(result: Any, cache: dict[str, Any], removed: list[Path]) ->
         persisted_s=result.persisted_s,
         committed_s=result.committed_s,
         engine_cpu_s=result.engine_cpu_s,
+        rank_bytes=result.rank_bytes,
         cache=cache,
         removed=[str(p) for p in removed],
     )
