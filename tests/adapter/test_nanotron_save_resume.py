@@ -62,10 +62,10 @@ def test_every_rank_resumes_the_state_it_saved_bit_for_bit(key, tmp_path):
 
 
 def test_a_lost_node_resumes_every_rank_from_memory_through_its_peers_replicas(tmp_path, monkeypatch):
-    """tp=2 x dp=2 with ZeRO-1 on two simulated nodes: the second node's ranks hold no weight file of their
-    own (the first node's ranks write them) and lose their memory tier; the resume pulls their optimizer
-    shards from the replicas the first node keeps and the weights from its own copies, and every tensor is
-    the one saved."""
+    """tp=2 x dp=2 with ZeRO-1 on two simulated nodes: each node's ranks write part of the weights (shared out
+    among the replicas, `balance_writes`); the second node loses its memory tier, and the resume pulls its
+    ranks' files from the replicas the first node keeps and the rest of the weights from that node's own
+    copies, and every tensor is the one saved."""
     monkeypatch.setenv("CPU_RANKS_REPLICAS", "1")
     out = launch(tmp_path, 4, 2, 2, 1, 1, 1, roundtrip=True)
     for r in out:
