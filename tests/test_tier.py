@@ -216,3 +216,24 @@ def test_a_marked_name_under_a_linked_folder_is_not_followed(tmp_path):
     os.symlink(victim.parent, tier.folder / "3" / "model")
     tier.drop(3)
     assert victim.read_text() == "not the tier's" and tier.steps() == []
+
+
+def test_the_room_check_counts_what_the_tier_holds_while_other_ranks_rename_into_it(tmp_path, monkeypatch):
+    """The node's ranks check the room at once, each writing job.json through a temporary renamed into
+    place: a file listed and gone before it is measured counts for nothing, and the check goes on."""
+    t = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0)
+    _hold(t, 10)
+    walk = trust.walk_tree
+
+    def with_a_vanished_file(root, name=""):
+        for fd, rel, entry, is_dir in walk(root, name):
+            if not rel and not is_dir and entry == "job.json":
+                yield fd, rel, ".job.json.123.0.tmp", False  # listed, then renamed by another rank
+            yield fd, rel, entry, is_dir
+
+    t.check_room(1)
+    monkeypatch.setattr(trust, "walk_tree", with_a_vanished_file)
+    assert tier._size(t.folder) == 10 + (t.folder / "job.json").stat().st_size + len(
+        (t.folder / "10" / ".rank-0.json").read_bytes()
+    )
+    t.check_room(1)

@@ -397,7 +397,10 @@ def _remove_empty(root: Path, name: str) -> None:
 def _size(folder: Path) -> int:
     total = 0
     for fd, _, name, _ in trust.walk_tree(folder):  # no link followed
-        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:  # gone since listed: another rank's temporary (job.json's), renamed
+            continue
         total += st.st_size if stat.S_ISREG(st.st_mode) else 0
     return total
 
