@@ -39,6 +39,7 @@ BAD = {
     "keep_last_n": [-1, 1.0, "3", True],
     "device_snapshot": [True, "on", None],
     "queue_at_step": ["false", 0],
+    "balance_writes": ["false", 0],
     "telemetry": ["yes", 0],
     "memory_tier": ["on", 1],
     "memory_tier_copies": [0, 3, 1.5, "2"],

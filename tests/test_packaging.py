@@ -4,7 +4,6 @@ and its generated stub, installed into a fresh virtual environment and used from
 import os
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
@@ -18,18 +17,6 @@ def run_py(py: str, code: str, **env: str) -> str:
     r = subprocess.run([py, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()
-
-
-def start_times(pys: list[str], runs: int = 15) -> list[float]:
-    """For each interpreter, the fastest of `runs` starts of `python -c pass` (the least disturbed by the rest
-    of the machine), their starts taken in turn, so that a busy moment of the machine falls on each alike."""
-    best = [float("inf")] * len(pys)
-    for _ in range(runs):
-        for i, py in enumerate(pys):
-            t0 = time.perf_counter()
-            subprocess.run([py, "-c", "pass"], check=True)
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
 
 
 def make_venv(where: Path) -> str:
@@ -74,9 +61,11 @@ def test_wheel_installs_and_works_outside_the_tree(tmp_path):
     subprocess.run(
         [py, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)], check=True
     )
-    # The post-import hook runs at every Python start: it must cost next to nothing and import no torch.
-    with_hook, without = start_times([py, bare])
-    assert with_hook <= 1.2 * without, (with_hook, without)
+    # The post-import hook runs at every Python start: it must cost next to nothing, that is import nothing a
+    # start without it does not (no torch, not even typing): the modules loaded are compared, not timed.
+    loaded = "import sys; print(' '.join(sorted(sys.modules)))"
+    added = set(run_py(py, loaded).split()) - set(run_py(bare, loaded).split())
+    assert added == {"nanotron_datastates", "nanotron_datastates._autoload", "__future__"}, added
     probe = "import sys; print(sorted(m for m in ('torch', 'nanotron_datastates') if m in sys.modules))"
     assert run_py(py, probe) == "['nanotron_datastates']"  # the hook's finder, registered; nothing else
     assert run_py(py, probe, NANOTRON_DATASTATES_AUTOLOAD="0") == "[]"  # turned off before any import
