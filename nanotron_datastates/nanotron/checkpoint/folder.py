@@ -129,14 +129,15 @@ def latest_step(root: Path) -> int | None:
     return step
 
 
+def is_temporary(name: str) -> bool:
+    """A file name a save leaves only if its process died mid-write (`.<name>.dstmp.<pid>.<n>`,
+    `.<name>.*.tmp`)."""
+    return name.startswith(".") and (".dstmp." in name or name.endswith(".tmp"))
+
+
 def temporaries(folder: Path) -> list[Path]:
-    """Files a save leaves only if its process died mid-write (`.<name>.dstmp.<pid>.<n>`, `.<name>.*.tmp`)."""
-    return sorted(
-        Path(d) / n
-        for d, _, names in os.walk(folder)
-        for n in names
-        if n.startswith(".") and (".dstmp." in n or n.endswith(".tmp"))
-    )
+    """The temporaries (`is_temporary`) below `folder`."""
+    return sorted(Path(d) / n for d, _, names in os.walk(folder) for n in names if is_temporary(n))
 
 
 # -- describe -----------------------------------------------------------------------------------------------

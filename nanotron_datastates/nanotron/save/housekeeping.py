@@ -15,7 +15,7 @@ import fasteners
 
 from ... import telemetry, trust
 from ..checkpoint import layout
-from ..checkpoint.folder import is_committed, latest_step, step_folders, step_of
+from ..checkpoint.folder import is_committed, is_temporary, latest_step, step_folders, step_of
 
 LOCK = ".datastates.lock"  # latest.txt moves, and checkpoints are removed, only under this lock
 TELEMETRY = telemetry.FILE
@@ -87,13 +87,7 @@ def remove_temporaries(folder: str | os.PathLike) -> int:
     any left are from a process killed while saving into the same step earlier. Each is removed by name from
     its folder's descriptor, no link followed (`trust.remove_files`); trust.UntrustedPath where a folder was
     moved away while searched. Returns how many were removed."""
-    return trust.remove_files(folder, _temporary)
-
-
-def _temporary(name: str) -> bool:
-    """A temporary's name, as `checkpoint.folder.temporaries` finds them (`.<name>.dstmp.<pid>.<n>`,
-    `.<name>.*.tmp`)."""
-    return name.startswith(".") and (".dstmp." in name or name.endswith(".tmp"))
+    return trust.remove_files(folder, is_temporary)
 
 
 def telemetry_record(result: Any, cache: dict[str, Any], removed: list[Path]) -> dict[str, Any]:
