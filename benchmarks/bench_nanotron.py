@@ -77,6 +77,7 @@ from typing import Any
 
 from _common import evict, resident_bytes
 from _nanotron import REPO, book_dummy_tokens, load_run_train, time_library_report, write_config
+from _ranks import merge
 
 MODELS: dict[str, dict[str, Any]] = {
     "180m": {},  # the example config's model
@@ -87,6 +88,21 @@ MODELS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 32,
         "num_key_value_heads": 4,
     },  # TinyLlama-1.1B's shape
+    "3b": {
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+    },  # Llama-3.2-3B's shape with the example's 32k vocabulary: 3.0B parameters
+}
+# Layouts of several GPUs: parallelism, ZeRO stage (one GPU when none is named)
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "1gpu": {"parallelism": {}, "zero": 0},
+    "dp4-zero1": {"parallelism": {"dp": 4}, "zero": 1},
+    "dp4": {"parallelism": {"dp": 4}, "zero": 0},
+    "tp2-dp2": {"parallelism": {"tp": 2, "dp": 2}, "zero": 0},
+    "dp2": {"parallelism": {"dp": 2}, "zero": 0},
 }
 WARMUP = 3  # iterations left out of every statistic
 WINDOW = 3  # iterations after a checkpoint that carry its cost
@@ -262,7 +278,7 @@ def run_phase(args: argparse.Namespace) -> None:
                     "staged_files": staged[0] - staged0,
                 }
             )
-            if args.mode == "torch":  # durable when the call returns
+            if args.mode == "torch" and RANK == 0:  # durable when the call returns
                 prune_before(path.parent, self.iteration_step)
             return path
 
@@ -271,12 +287,14 @@ def run_phase(args: argparse.Namespace) -> None:
 
             if self._dcp_future is not None:
                 self._dcp_future.result()
-                prune_before(Path(self.config.checkpoints.checkpoints_path), self._dcp_step)
+                if RANK == 0:
+                    prune_before(Path(self.config.checkpoints.checkpoints_path), self._dcp_step)
             opt = self.optimizer.state_dict()
+            shard, own = dcp_key_prefixes(self.parallel_context, self.config.optimizer.zero_stage)
             state = {
-                "model": dict(self.unwrapped_model.state_dict()),
-                "optimizer": {f"{i}/{k}": v for i, s in opt["state"].items() for k, v in s.items()},
-                "master": dict(opt.get("gradient_accumulator", {})),
+                "model": {shard + k: v for k, v in self.unwrapped_model.state_dict().items()},
+                "optimizer": {f"{own}{i}/{k}": v for i, s in opt["state"].items() for k, v in s.items()},
+                "master": {own + k: v for k, v in opt.get("gradient_accumulator", {}).items()},
             }
             step, t0 = self.iteration_step, time.perf_counter()
             self._dcp_step = step
@@ -337,9 +355,10 @@ def run_phase(args: argparse.Namespace) -> None:
                 )
             elif event == "committed":  # on the committer's thread
                 r = fields["result"]
-                if r.committed:
+                if r.committed and RANK == 0:
                     prune_before(Path(self.config.checkpoints.checkpoints_path), r.step)
                 keys = ("step", "bytes", "stall_s", "queued_s", "snapshot_s", "persisted_s", "committed_s")
+                keys += ("rank_bytes",)
                 rec["commits"].append({**{k: getattr(r, k) for k in keys}, "engine_cpu_s": r.engine_cpu_s})
 
     restoring = args.profile and args.mode.startswith("restore")
@@ -353,8 +372,27 @@ def run_phase(args: argparse.Namespace) -> None:
         rec["raw_copy_s"] = trainer._raw_copy.seconds()
     rec["memory"] = {**memory.stop(), "gpu_max_reserved_bytes": torch.cuda.max_memory_reserved(),
                      "gpu_max_allocated_bytes": torch.cuda.max_memory_allocated()}  # fmt: skip
-    if int(os.environ.get("RANK", "0")) == 0:
-        Path(args.record).write_text(json.dumps(rec))
+    rank_record(args.record, RANK).write_text(json.dumps(rec))
+
+
+RANK = int(os.environ.get("RANK", "0"))
+
+
+def rank_record(record: str | Path, rank: int) -> Path:
+    """Where rank `rank` of a run writes its record (`run_all` merges them, `_ranks.merge`)."""
+    return Path(record).with_suffix(f".rank{rank}.json")
+
+
+def dcp_key_prefixes(pc: Any, zero_stage: int) -> tuple[str, str]:
+    """Prefixes that keep DCP's keys apart where ranks hold different tensors under the same name: the
+    model's by tensor- and pipeline-parallel rank (replicas share theirs, and DCP writes each once, spread
+    over the ranks that hold it), the optimizer's also by data-parallel rank under ZeRO (its states are keyed
+    by a parameter's index on the rank)."""
+    import torch.distributed as dist
+
+    tp, pp = dist.get_rank(pc.tp_pg), dist.get_rank(pc.pp_pg)
+    shard = f"pp{pp}-tp{tp}/"
+    return shard, shard + (f"dp{dist.get_rank(pc.dp_pg)}/" if zero_stage > 0 else "")
 
 
 class RawCopy:
@@ -661,6 +699,10 @@ def run_all(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     model = MODELS[args.model]
+    layout = LAYOUTS[args.layout]
+    gpus = 1
+    for v in layout["parallelism"].values():
+        gpus *= v
 
     def config(
         name: str,
@@ -684,6 +726,10 @@ def run_all(args: argparse.Namespace) -> int:
             model=model,
             run=name,
             datastates=datastates,
+            parallelism=layout["parallelism"],
+            zero=layout["zero"],
+            fp32_grads=not args.no_fp32_grads,
+            tokens={"micro_batch_size": args.micro_batch} if args.micro_batch else None,
         )
 
     never = args.steps + 1
@@ -732,8 +778,11 @@ def run_all(args: argparse.Namespace) -> int:
             cold[name] = make_cold(work / f"ckpt_{resumed_from(name)}", args.cold)
             shutil.rmtree(work / f"ckpt_restore-{resumed_from(name)}", ignore_errors=True)  # a repeat's save
         record = work / f"{name}.json"
+        for old in work.glob(f"{name}.rank*.json"):
+            old.unlink()
         os.sync()  # no write-back of the previous run's files left to compete with this one
-        cmd = ["torchrun", "--nproc_per_node=1", __file__, "phase", "--mode", name, "--config", str(cfg)]
+        cmd = ["torchrun", f"--nproc_per_node={gpus}", __file__, "phase", "--mode", name]
+        cmd += ["--config", str(cfg)]
         cmd += ["--record", str(record)] + (["--profile"] if args.profile else [])
         cmd += ["--pss-every", str(args.pss_every), "--copy-pace-s", str(args.copy_pace_s)]
         cmd += ["--interval", str(args.interval), "--sync", args.sync]
@@ -741,9 +790,13 @@ def run_all(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         with open(out / f"{name}.log", "w") as f:
             rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
-        rec = json.loads(record.read_text()) if record.exists() else {}
+        ranks = [rank_record(record, r) for r in range(gpus)]
+        rec = merge([json.loads(p.read_text()) for p in ranks]) if all(p.exists() for p in ranks) else {}
         records[name] = {"rc": rc, "seconds": time.perf_counter() - t0, **rec}
         print(f"{name:20s} rc={rc} {records[name]['seconds']:6.1f} s", flush=True)
+        if name == "none" and rc != 0:  # every figure is taken against it
+            print(f"none failed: see {out / 'none.log'}", flush=True)
+            return 1
         for prof in work.glob(f"{name}.*.prof.txt"):
             shutil.copy(prof, out / prof.name)
         later = {resumed_from(r[0]) for r in runs[i + 1 :] if r[0].startswith("restore-")}
@@ -790,7 +843,14 @@ def resummarize(out: Path) -> int:
     (stem,) = out.glob("bench_nanotron_*.json")
     old = json.loads(stem.read_text())
     records = json.loads((out / f"records_{old['model']}.json").read_text())
-    args = argparse.Namespace(model=old["model"], steps=old["steps"], interval=old["interval"])
+    args = argparse.Namespace(
+        model=old["model"],
+        steps=old["steps"],
+        interval=old["interval"],
+        layout=old.get("layout", "1gpu"),
+        micro_batch=old.get("micro_batch"),
+        no_fp32_grads=not old.get("fp32_grads", True),
+    )
     result = summarize(args, records)
     for key in ("command", "gpu", "cold_cache"):
         if key in old:
@@ -1083,6 +1143,10 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
             "engine_cpu_s": [c.get("engine_cpu_s", {}) for c in rec.get("commits", [])],
             "queue_split_median_s": queue_split(rec),
             "checkpoint_bytes": max((c["bytes"] for c in rec.get("commits", [])), default=None),
+            # the bytes of the rank that wrote most, at each checkpoint (several ranks: balance_writes)
+            "slowest_rank_bytes": [
+                max(c["rank_bytes"]) for c in rec.get("commits", []) if c.get("rank_bytes")
+            ],
             "memory": rec.get("memory"),
             "dcp_staging_waits_s": rec.get("dcp_staging_waits_s"),
             "raw_copy_s": rec.get("raw_copy_s"),
@@ -1122,6 +1186,11 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         local = modes["datastates"]["stall_local_median_s"], modes[other]["stall_local_median_s"]
         if local[0] is not None and local[1]:
             ratios[f"{key}_local"] = local[0] / local[1]
+    one = modes.get("datastates-onewriter", {}).get("persisted_s")
+    if one and modes["datastates"]["persisted_s"]:  # balanced writes against rank 0 of the replicas writing
+        ratios["persisted_vs_one_writer"] = statistics.median(modes["datastates"]["persisted_s"]) / (
+            statistics.median(one)
+        )
     pairs = restore_pairs(restore)
     if pairs:
         ratios["restore_speedup_vs_native"] = statistics.median(pairs)
@@ -1133,6 +1202,9 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         "command": " ".join(sys.argv),
         "gpu": _gpu_name(),
         "model": args.model,
+        "layout": getattr(args, "layout", "1gpu"),
+        "micro_batch": getattr(args, "micro_batch", None),
+        "fp32_grads": not getattr(args, "no_fp32_grads", False),
         "steps": args.steps,
         "interval": args.interval,
         "sync": getattr(args, "sync", "device"),  # results before --sync were timed with device
@@ -1191,8 +1263,8 @@ def table(r: dict[str, Any]) -> str:
         return "-" if x is None else f"{1e3 * x:.1f}"
 
     lines = [
-        f"model {r['model']}, {r['steps']} steps, checkpoint every {r['interval']}; median iteration "
-        f"{ms(r['median_iteration_s'])} ms",
+        f"model {r['model']} on {r.get('layout', '1gpu')}, {r['steps']} steps, checkpoint every "
+        f"{r['interval']}; median iteration {ms(r['median_iteration_s'])} ms",
         "",
         "| mode | checkpoints | median stall ms | local stall ms | stall / interval | flushing vs idle | "
         "mean iteration ms | mean vs none | persisted s | host GB: PSS (shm peak) | GPU peak GB |",
@@ -1230,6 +1302,12 @@ def table(r: dict[str, Any]) -> str:
             for k, v in r["resume_losses"].items()
         ),
         "ratios: " + ", ".join(f"{k} {_figure(v)}" for k, v in r["ratios"].items()),
+        "bytes of the rank that wrote most, GB: "
+        + ", ".join(
+            f"{k} {', '.join(f'{b / 1e9:.2f}' for b in m['slowest_rank_bytes'])}"
+            for k, m in r["modes"].items()
+            if m.get("slowest_rank_bytes")
+        ),
         "",
     ]
     return "\n".join(lines)
@@ -1272,6 +1350,13 @@ def main() -> int:
     a.add_argument("--interval", type=int, default=20)
     a.add_argument("--stress-steps", type=int, default=30)
     a.add_argument("--cache-gib", type=float, default=8.0)
+    a.add_argument("--layout", choices=sorted(LAYOUTS), default="1gpu", help="GPUs and parallelism")
+    a.add_argument("--micro-batch", type=int, help="micro_batch_size (the example config's 4 by default)")
+    a.add_argument(
+        "--no-fp32-grads",
+        action="store_true",
+        help="gradients accumulated in bf16 (Nanotron main has no fp32 accumulation with ZeRO-1 on dp > 1)",
+    )
     a.add_argument(
         "--profile",
         action="store_true",

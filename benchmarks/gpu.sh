@@ -127,6 +127,26 @@ run_step() {
       (cd $B && python3 bench_nanotron.py all --model 1b --steps 125 --interval 60 --cache-gib 16 \
         --modes torch,dcp,dcp-zo,datastates,restore-torch,restore-datastates --work "$WORK/r1b" \
         --out "$OUT/round-1b") ;;
+    multi-1b-dp4-zero1) # four GPUs, the 1.1B model, dp=4 with ZeRO-1 (bf16 gradients: Nanotron main has no fp32
+      # accumulation with ZeRO-1 on dp > 1), a 2 GiB host cache a rank (the default): none, native, DCP
+      # zero-overhead, datastates with its writes balanced across the replicas and with rank 0 of them writing
+      # the weights (onewriter), both restores; every figure on the job's clock (the slowest rank's)
+      (cd $B && python3 bench_nanotron.py all --model 1b --layout dp4-zero1 --no-fp32-grads --steps 100 \
+        --interval 40 --cache-gib 2 --modes torch,dcp-zo,datastates,restore-torch,restore-datastates \
+        --variant onewriter:balance_writes=false --work "$WORK/m1bz" --out "$OUT/multi-1b-dp4-zero1") ;;
+    multi-1b-tp2-dp2) # four GPUs, the 1.1B model, tp=2 x dp=2 (fp32 gradients): none, native, DCP zero-overhead,
+      # datastates (2 GiB host cache a rank)
+      (cd $B && python3 bench_nanotron.py all --model 1b --layout tp2-dp2 --steps 100 --interval 40 \
+        --cache-gib 2 --modes torch,dcp-zo,datastates --work "$WORK/m1bt" --out "$OUT/multi-1b-tp2-dp2") ;;
+    multi-1b-dp4) # four GPUs, the 1.1B model, dp=4 without ZeRO (fp32 gradients, each replica holds the whole
+      # optimizer): datastates with its writes balanced and with rank 0 of the replicas writing everything
+      (cd $B && python3 bench_nanotron.py all --model 1b --layout dp4 --steps 100 --interval 40 --cache-gib 2 \
+        --modes datastates --variant onewriter:balance_writes=false --work "$WORK/m1bd" \
+        --out "$OUT/multi-1b-dp4") ;;
+    multi-3b-tp2-dp2) # four GPUs, a 3.0B model (Llama-3.2-3B's shape), tp=2 x dp=2 with fp32 gradients, default
+      # settings (2 GiB host cache a rank), a checkpoint at step 100: none and datastates
+      (cd $B && python3 bench_nanotron.py all --model 3b --layout tp2-dp2 --steps 120 --interval 100 \
+        --cache-gib 2 --modes datastates --work "$WORK/m3b" --out "$OUT/multi-3b-tp2-dp2") ;;
     restore-pairs) # both restores of the 180M model in turn, side by side, RESTORE_REPEATS times (5): the
       # disk's drift between minutes moves one pair's ratio; the median of the pairs does not
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 80 --interval 40 \
