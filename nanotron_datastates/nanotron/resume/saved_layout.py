@@ -34,15 +34,22 @@ class ReshardError(ValueError):
 def refuse_stock(folder: Path, config: Any, pc: Any) -> None:
     """A Nanotron checkpoint of its own (pickles, no manifest) is left to Nanotron's loaders, whose merge of
     optimizer shards across layouts is broken (its file patterns miss its own names; it drops the fp32
-    master weights). Where the optimizer would be loaded on another layout, say what works instead; a ZeRO-0
-    checkpoint on another dp size is Nanotron's to load (its optimizer files are per tp and pp rank)."""
+    master weights). Where the optimizer would be loaded on another layout, say what works instead.
+
+    What counts, of what the checkpoint's files record (`layout.stock_topology`): a change of tp or pp, of
+    the ZeRO stage, and of dp under ZeRO (each data-parallel rank's optimizer file is its shard). Not a
+    change of dp at ZeRO-0 on both sides: the optimizer files are per tp and pp rank, Nanotron's to load.
+    Never a change of cp (context parallelism, recorded by Nanotron main): its files carry no
+    context-parallel rank in their names, its context-parallel ranks hold the weights, the optimizer (ZeRO
+    shards over dp alone) and the scheduler alike, so each rank of another cp size finds its files under the
+    same names; a cp change alongside a real one is not named."""
     from .. import groups
 
     saved = layout.stock_topology(folder)
     if not saved or not config.checkpoints.load_optimizer:
         return
     here = groups.layout_of(pc, int(config.optimizer.zero_stage))
-    changed = {k: v for k, v in layout.topology_changes(saved, here).items() if k in saved}
+    changed = {k: v for k, v in layout.topology_changes(saved, here).items() if k in saved and k != "cp"}
     if set(changed) <= {"dp"} and saved.get("zero_stage") == 0 == here["zero_stage"]:
         return
     if changed:
