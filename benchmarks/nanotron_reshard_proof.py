@@ -147,34 +147,57 @@ def schedule(sd: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in sd.items() if not isinstance(v, list)}, **lists}
 
 
+def sample_rows(
+    k: int, start: int, micro: int, acc: int, dp: tuple[int, int], cp: tuple[int, int], salt: int, shape: Any,
+    vocab: int, dtype: Any,
+) -> Any:  # fmt: skip
+    """The `micro` rows of `shape` (a rank's part of a sequence) that the rank at data-parallel place `dp` and
+    context-parallel place `cp` (rank, size) trains on in its k-th micro-batch of a run whose first step
+    follows `start` samples (micro-batches of `micro` sequences, `acc` of them a step); salt 0: inputs, 1:
+    labels. Each sequence is drawn whole from its index in the run alone. Context-parallel ranks are replicas
+    for the samples, like data-parallel ones without ZeRO for the state: those of one data-parallel rank take
+    the same samples, each its own slice of every sequence (`shape` is the slice: the sequence is `cp[1]`
+    times as long), as Nanotron main's dummy data slices them (data/dataloader.py), so that put together
+    they are the sequences a layout without context parallelism trains on."""
+    import torch
+
+    step, j = divmod(k, acc)
+    first = start + step * dp[1] * micro * acc + (j * dp[1] + dp[0]) * micro
+    *lead, length = tuple(shape)
+    whole = (*lead, length * cp[1])
+    rows = torch.stack([
+        torch.randint(0, vocab, whole, dtype=dtype,
+                      generator=torch.Generator().manual_seed(2 * (first + i) + salt))
+        for i in range(micro)
+    ])  # fmt: skip
+    return rows[..., cp[0] * length : (cp[0] + 1) * length].contiguous()
+
+
 def by_sample(trainer: Any, dataloaders: dict[str, Any]) -> dict[str, Any]:
-    """Nanotron's dummy data with each sequence drawn from its index in the run, so that a resumed run, on
-    any layout, trains on the samples that the uninterrupted one does at the same steps (Nanotron's dummy
-    stream starts over at each launch and follows the dp and pp ranks). The first stage's stream keeps
-    Nanotron's batches for their keys and placement (tensors or TensorPointers)."""
+    """Nanotron's dummy data with each sequence drawn from its index in the run (`sample_rows`), so that a
+    resumed run, on any layout, trains on the samples that the uninterrupted one does at the same steps
+    (Nanotron's dummy stream starts over at each launch and follows the dp and pp ranks). The first stage's
+    stream keeps Nanotron's batches for their keys and placement (tensors or TensorPointers)."""
     import torch
     import torch.distributed as dist
 
+    from nanotron_datastates.nanotron import groups
+
     pc = trainer.parallel_context
-    dp, rank = pc.dp_pg.size(), dist.get_rank(pc.dp_pg)
+    dp = (dist.get_rank(pc.dp_pg), pc.dp_pg.size())
+    cp = (groups.cp_rank(pc), groups.cp_size(pc))
     m, acc = trainer.micro_batch_size, trainer.n_micro_batches_per_batch
     start = trainer.metadata.consumed_train_samples
     vocab = trainer.model_config.vocab_size
 
     def stream(inner: Any) -> Any:
         for k, batch in enumerate(inner):
-            step, j = divmod(k, acc)
-            first = start + step * dp * m * acc + (j * dp + rank) * m
             batch = dict(batch)
             for salt, key in enumerate(("input_ids", "label_ids")):
                 t = batch[key]
                 if isinstance(t, torch.Tensor):
-                    rows = [
-                        torch.randint(0, vocab, t.shape[1:], dtype=t.dtype,
-                                      generator=torch.Generator().manual_seed(2 * (first + i) + salt))
-                        for i in range(m)
-                    ]  # fmt: skip
-                    batch[key] = torch.stack(rows).to(t.device)
+                    rows = sample_rows(k, start, m, acc, dp, cp, salt, t.shape[1:], vocab, t.dtype)
+                    batch[key] = rows.to(t.device)
             yield batch
 
     first_stage = next(iter(dataloaders))
