@@ -275,7 +275,7 @@ NB_MODULE(_core, m) {
           "restore_device",
           [](ds::Engine& e, const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
              const std::vector<std::uint64_t>& begins, const std::vector<nb::ndarray<>>& dests, bool verify,
-             int fd) {
+             int fd, bool page_cache) {
             if (begins.size() != dests.size())
               throw ds::ErrorException(ds::Error::value("begins and destinations differ in length"));
             std::vector<ds::RestoreSpan> spans(begins.size());
@@ -284,12 +284,13 @@ NB_MODULE(_core, m) {
                           device_of(dests[i], "destination " + std::to_string(i))};
             }
             nb::gil_scoped_release release;
-            return e.restore(path, data_start, data_len, spans, true, verify, fd).crcs;
+            return e.restore(path, data_start, data_len, spans, true, verify, fd, page_cache).crcs;
           },
           "path"_a, "data_start"_a, "data_len"_a, "begins"_a, "dests"_a, "verify"_a, "fd"_a = -1,
+          "page_cache"_a = false,
           "Reads the data section (of `fd`, an open descriptor of `path`, where >= 0) into CUDA tensors "
-          "through pinned chunks (host destinations take the same path, memcpy for the upload); returns the "
-          "crcs")
+          "through pinned chunks (host destinations take the same path, memcpy for the upload; `page_cache`: "
+          "never with O_DIRECT); returns the crcs")
       .def("prepare_cache", &ds::Engine::prepare_cache, "wait"_a, "chunks"_a,
            nb::call_guard<nb::gil_scoped_release>())
       .def("wait_idle", &ds::Engine::wait_idle, "timeout"_a = -1.0, nb::call_guard<nb::gil_scoped_release>())

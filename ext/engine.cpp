@@ -119,11 +119,12 @@ FlushWorker* Engine::next_flusher() {
 }
 
 RestoreResult Engine::restore(const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
-                              const std::vector<RestoreSpan>& spans, bool to_device, bool verify, int fd) {
+                              const std::vector<RestoreSpan>& spans, bool to_device, bool verify, int fd,
+                              bool page_cache) {
   const Work work(this);  // close() waits for restores too
   RestoreOptions ro;
   ro.use_uring = backend_ == "io_uring";
-  ro.direct_io = opts_.save.direct_io;
+  ro.direct_io = opts_.save.direct_io && !page_cache;
   ro.depth = opts_.queue_depth;
   ro.read_bytes = opts_.read_bytes;
   ro.map_memory_files = opts_.map_memory_files;

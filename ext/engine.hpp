@@ -67,8 +67,11 @@ class Engine final : public JobObserver {
                                 bool embed_checksums = true);
 
   // `fd` >= 0: the caller's open descriptor of `path` (which names it in errors), read instead of the path.
+  // `page_cache`: read through the page cache even where the engine reads with O_DIRECT (a file other
+  // processes of the node read too: the disk then reads it once).
   RestoreResult restore(const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
-                        const std::vector<RestoreSpan>& spans, bool to_device, bool verify, int fd = -1);
+                        const std::vector<RestoreSpan>& spans, bool to_device, bool verify, int fd = -1,
+                        bool page_cache = false);
 
   // Faults in and pins the first `chunks` chunks of the cache (those handed out first) not prepared yet:
   // before returning (`wait`), or on a background thread. Otherwise a chunk is prepared when first used.

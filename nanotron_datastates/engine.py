@@ -202,18 +202,27 @@ class DataStatesEngine:
         verify: bool | None = None,
         allow_pickle: bool = False,
         checksums: Mapping[str, int] | None = None,
+        page_cache: bool = False,
     ) -> Any:
         """Reads a file written by :meth:`save` (or any safetensors file) onto `device`, in parallel.
 
         Returns the saved structure (a dict of tensors for a plain safetensors file). Checksums are verified
         when the file holds them, or against `checksums` (name to CRC-32C, e.g. kept from a save with
         ``exact_metadata``); `verify` defaults to ``config.verify_checksums``. ChecksumError names the tensor.
+        `page_cache`: read onto a GPU through the page cache even where the engine reads with O_DIRECT, for a
+        file other processes of the node read too (the disk then reads it once).
         """
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         verify = self.config.verify_checksums if verify is None else verify
         state, _ = load_file(
-            self._core, path, device, verify=verify, allow_pickle=allow_pickle, checksums=checksums
+            self._core,
+            path,
+            device,
+            verify=verify,
+            allow_pickle=allow_pickle,
+            checksums=checksums,
+            page_cache=page_cache,
         )
         return state
 

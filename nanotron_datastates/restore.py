@@ -60,8 +60,10 @@ def load_file(
     verify: bool = True,
     allow_pickle: bool = False,
     checksums: Mapping[str, int] | None = None,
+    page_cache: bool = False,
 ) -> tuple[Any, fmt.Header]:
-    """The saved structure (a flat dict for plain safetensors files) and the file's header."""
+    """The saved structure (a flat dict for plain safetensors files) and the file's header (`page_cache`:
+    a read onto a GPU never with O_DIRECT)."""
     path = os.fspath(path)
     device = _device(device, path)
     with _opened(path) as (fd, header):
@@ -69,7 +71,7 @@ def load_file(
             tensors = _read_to_host(core, path, fd, header, verify, checksums)
         else:
             tensors = {e.name: empty(e.shape, e.dtype.torch, device) for e in header.tensors}
-            _read_to_device(core, path, fd, header, tensors, verify, checksums)
+            _read_to_device(core, path, fd, header, tensors, verify, checksums, page_cache)
     skel = header.metadata.get(fmt.KEY_SKELETON)
     if skel is None:
         return tensors, header
@@ -427,6 +429,7 @@ def _read_to_device(
     targets: Mapping[str, torch.Tensor],
     verify: bool,
     checksums: Mapping[str, int] | None,
+    page_cache: bool = False,
 ) -> None:
     expected = _expected(path, header, checksums) if verify else None
     entries = [e for e in header.tensors if e.name in targets and e.nbytes]
@@ -438,8 +441,9 @@ def _read_to_device(
         torch.cuda.current_stream(d).synchronize()
     t1 = time.perf_counter()
     data_len = header.file_size - header.data_start
+    begins = [e.begin for e in entries]
     sums = core.restore_device(
-        path, header.data_start, data_len, [e.begin for e in entries], dests, expected is not None, fd=fd
+        path, header.data_start, data_len, begins, dests, expected is not None, fd=fd, page_cache=page_cache
     )
     _last_device_read.value = DeviceRead(sum(e.nbytes for e in entries), t1 - t0, time.perf_counter() - t1)
     if expected is not None:

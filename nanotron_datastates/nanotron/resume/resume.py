@@ -52,7 +52,14 @@ from . import fallback as recovery
 from . import reshard, saved_layout
 from . import scheduler_and_rng as rest
 from .deferred_optimizer import DeferredOptimizer
-from .read_ahead import PageCacheWarmer, Prefetch, fill, warm_for_reshard, warm_page_cache
+from .read_ahead import (
+    PageCacheWarmer,
+    Prefetch,
+    fill,
+    shared_weight_reads,
+    warm_for_reshard,
+    warm_page_cache,
+)
 from .source import asked_layout, loads, parse_config, resume_folder
 
 # What reading a checkpoint raises where a file is missing, damaged (FormatError, ChecksumError) or not of
@@ -135,7 +142,7 @@ class Resume:
             self.engine = DataStatesEngine(section(config).engine)
         except Exception:  # noqa: BLE001 - plan() meets the same problem and reports it
             return self
-        self.prefetch = self._read_ahead(manifest, source, reads, device)
+        self.prefetch = self._read_ahead(manifest, source, reads, device, asked_layout(config))
         self._early, self._state = (source, reads, device), "started"
         return self
 
@@ -184,7 +191,8 @@ class Resume:
         self._drop_prefetch(report=False)
         warm_page_cache(reads.small)  # first, while the disk is idle
         if reads.weights or reads.optimizer is not None:
-            self.prefetch = self._read_ahead(self.manifest, self._src(), reads, device)
+            here = groups.layout_of(pc, int(config.optimizer.zero_stage))
+            self.prefetch = self._read_ahead(self.manifest, self._src(), reads, device, here)
         return True
 
     def _open(self, folder: Path, source: Path | None = None) -> None:
@@ -232,10 +240,16 @@ class Resume:
         return self.engine
 
     def _read_ahead(
-        self, manifest: dict[str, Any], folder: Path, reads: layout.ReadSet, device: torch.device
+        self,
+        manifest: dict[str, Any],
+        folder: Path,
+        reads: layout.ReadSet,
+        device: torch.device,
+        topology: dict[str, int],
     ) -> Prefetch:
         checksums = functools.partial(layout.file_checksums, manifest, folder)
-        return Prefetch(self.get_engine(), device, reads.weights, reads.optimizer, checksums)
+        shared = shared_weight_reads(topology)
+        return Prefetch(self.get_engine(), device, reads.weights, reads.optimizer, checksums, shared)
 
     # -- 3. weights -----------------------------------------------------------------------------------------
 
