@@ -130,10 +130,13 @@ run_step() {
     multi-1b-dp4-zero1) # four GPUs, the 1.1B model, dp=4 with ZeRO-1 (bf16 gradients: Nanotron main has no fp32
       # accumulation with ZeRO-1 on dp > 1), a 2 GiB host cache a rank (the default): none, native, DCP
       # zero-overhead, datastates with its writes balanced across the replicas and with rank 0 of them writing
-      # the weights (onewriter), both restores; every figure on the job's clock (the slowest rank's)
+      # the weights (onewriter: ONE_WRITER=0 leaves it out), both restores; every figure on the job's clock (the
+      # slowest rank's); BENCH_ARGS="--rounds N" for N rounds in turn
+      local one=(--variant onewriter:balance_writes=false)
+      [ "${ONE_WRITER:-1}" = 0 ] && one=()
       (cd $B && python3 bench_nanotron.py all --model 1b --layout dp4-zero1 --no-fp32-grads --steps 100 \
         --interval 40 --cache-gib 2 --modes torch,dcp-zo,datastates,restore-torch,restore-datastates \
-        --variant onewriter:balance_writes=false --work "$WORK/m1bz" --out "$OUT/multi-1b-dp4-zero1") ;;
+        "${one[@]}" --work "$WORK/m1bz" --out "$OUT/multi-1b-dp4-zero1" ${BENCH_ARGS:-}) ;;
     multi-1b-tp2-dp2) # four GPUs, the 1.1B model, tp=2 x dp=2 (fp32 gradients): none, native, DCP zero-overhead,
       # datastates (2 GiB host cache a rank)
       (cd $B && python3 bench_nanotron.py all --model 1b --layout tp2-dp2 --steps 100 --interval 40 \
