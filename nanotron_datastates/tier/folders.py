@@ -1,0 +1,87 @@
+"""What the memory tier's folders hold, read without trusting the tmpfs they are on: the steps a folder holds,
+a file's size once it is known to be a regular file of this user's, whether a save may take a file over, the
+temporaries of processes no longer running, empty folders removed, and the bytes a folder holds. Nothing
+here follows a link (`trust`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from pathlib import Path
+
+from .. import trust
+from ..nanotron.checkpoint.folder import step_folders, step_of
+
+
+def step_numbers(folder: Path) -> list[int]:
+    """The steps `folder` holds (real folders named by a canonical step number), oldest first; none where
+    it cannot be listed."""
+    return [step_of(p) for p in step_folders(folder)]
+
+
+def regular_size(folder: Path, rel: str, single: bool = False) -> int:
+    """The size of the file `folder/rel`, reached without a link; UntrustedPath unless a regular file of
+    this user's (with `single`: with no other name)."""
+    parts = trust.relative_name(rel, str(folder)).parts
+    with trust.walk_dir(folder, parts[:-1]) as fd:
+        st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+    if not stat.S_ISREG(st.st_mode):
+        raise trust.UntrustedPath(0, f"{folder / rel}: not a regular file")
+    if st.st_uid != os.geteuid():
+        raise trust.UntrustedPath(0, f"{folder / rel}: belongs to uid {st.st_uid}, not to this user")
+    if single and st.st_nlink > 1:
+        raise trust.UntrustedPath(0, f"{folder / rel}: has {st.st_nlink} names")
+    return st.st_size
+
+
+def is_ours(folder: Path, rel: str) -> bool:
+    """Whether a save may take `folder/rel` over: a regular file of this user's, reached without a link, with
+    no other name (a replica linked in, a hard link from elsewhere: their bytes would be overwritten too)."""
+    try:
+        regular_size(folder, rel, single=True)
+    except OSError:
+        return False
+    return True
+
+
+def dead_temporary(name: str) -> bool:
+    """Whether `name` is a temporary (`.<name>.dstmp.<pid>.<n>`) of a process no longer running."""
+    pid = name.split(".dstmp.", 1)[1].split(".", 1)[0] if name.startswith(".") and ".dstmp." in name else ""
+    return pid.isdigit() and not alive(int(pid))
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (another user's counts as running: it cannot be signalled)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: running
+        return True
+    return True
+
+
+def remove_empty(root: Path, name: str) -> None:
+    """Removes `root/name` and the folders below it where empty (never a file, never through a link)."""
+    with contextlib.suppress(OSError):
+        for fd, _, entry, is_dir in trust.walk_tree(root, name):
+            if is_dir:
+                with contextlib.suppress(OSError):
+                    os.rmdir(entry, dir_fd=fd)
+        with trust.walk_dir(root) as fd:
+            os.rmdir(name, dir_fd=fd)
+
+
+def tree_size(folder: Path) -> int:
+    """The bytes of the regular files under `folder` (no link followed)."""
+    total = 0
+    for fd, _, name, _ in trust.walk_tree(folder):
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:  # gone since listed: another rank's temporary (job.json's), renamed
+            continue
+        total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total

@@ -1,0 +1,78 @@
+"""Memory replicas at a restart (`restart_source`): every rank says which files of the checkpoint its node
+holds whole in memory (its own tier's and the replicas', `node_copies`) and which it reads; each file a rank
+reads and its node lacks is pulled from a rank whose node holds it, into the rank's own tier, checked against
+the manifest, then renamed; a replica on the rank's own node is linked in. Every rank reads from memory, or,
+where any file a rank needs is in no node's memory, every rank reads storage, and the log says which file
+was missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from .. import trust
+from .memory import MemoryTier
+from .replica_transfer import Transfer, check_and_place, gather, move, open_all
+from .replicas import node_key, replica_area
+
+
+def node_copies(tier: MemoryTier, manifest: dict[str, Any]) -> dict[str, Path]:
+    """Every file of the manifest's checkpoint this node holds whole in memory, with the folder it is in:
+    its ranks' own copies (the tier's step folder) and the replicas it keeps for other nodes' ranks."""
+    step = int(manifest["step"])
+    area = replica_area(tier, tier.rank)
+    out = {rel: area.folder / str(step) for rel in area.held(step, manifest)}
+    out.update({rel: tier.folder / str(step) for rel in tier.held(step, manifest)})
+    return out
+
+
+def restart_source(
+    tier: MemoryTier, manifest: dict[str, Any], needs: set[str], group: Any, engine: Any, gbps: float = 0.0
+) -> tuple[Path | None, str]:
+    """Where this rank reads the checkpoint `manifest` describes, and why: its node's tier folder of that
+    step once every file each rank `needs` is there (pulled from another node's memory, or linked in from
+    this node's replicas, as needed), or None (storage) for every rank where any rank needs a file that is
+    in no node's memory. Collective over `group` (gloo, every rank)."""
+    step = int(manifest["step"])
+    have = node_copies(tier, manifest)
+    everyone = gather(group, {"node": node_key(), "have": sorted(have), "needs": sorted(needs)})
+    me = dist.get_rank(group)
+    pulls: dict[tuple[str, str], tuple[int, int]] = {}  # (node, file) -> (the rank pulling it, from)
+    links: list[str] = []
+    for r, mine in enumerate(everyone):
+        for rel in mine["needs"]:
+            if rel in mine["have"]:
+                if r == me and have[rel] != tier.folder / str(step):
+                    links.append(rel)  # a replica on this node
+                continue
+            servers = [q for q, other in enumerate(everyone) if rel in other["have"]]
+            if not servers:
+                return None, f"rank {r} reads {rel}, which no node holds in memory"
+            pulls.setdefault((mine["node"], rel), (r, servers[(r + len(pulls)) % len(servers)]))
+    entries = manifest["files"]
+    sends = [Transfer(r, rel, entries[rel]["bytes"]) for (_, rel), (r, q) in sorted(pulls.items()) if q == me]
+    recvs = [Transfer(q, rel, entries[rel]["bytes"]) for (_, rel), (r, q) in sorted(pulls.items()) if r == me]
+    here = tier.folder / str(step)
+    problem = None
+    with contextlib.ExitStack() as stack:
+        problems = open_all(stack, group, sends, lambda t: have[t.rel], recvs, here)
+        if problems:
+            return None, "; ".join(problems[:3])
+        try:
+            move(group, sends, recvs, gbps)
+            for t in recvs:
+                check_and_place(engine, t, entries[t.rel])
+            for rel in links:
+                with contextlib.suppress(FileExistsError):  # another rank of this node linked it first
+                    trust.link_in(have[rel].parent, here.parent, f"{step}/{rel}")  # no link followed
+        except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
+            problem = f"rank {me}: {e}"
+    problems = [p for p in gather(group, problem) if p]
+    if problems:
+        return None, "; ".join(problems[:3])
+    pulled = sum(t.nbytes for t in recvs)
+    return here, f"{len(recvs)} file(s), {pulled / 1e9:.3f} GB, pulled from other nodes' memory"

@@ -1,0 +1,182 @@
+"""Files moved between ranks for the memory replicas (replicas.py, replica_restore.py), over a gloo group:
+each file sent is mapped read-only from the tier, each file received goes into a new temporary beside its
+name, mapped; the ranks agree that every rank could open all of its files before a byte moves (`open_all`);
+then every transfer goes at once, in waves of one chunk of each, paced to a rate (`move`). A received file
+is checked against its manifest entry (size and every tensor's checksum) before it is renamed into place
+(`check_and_place`); a file killed half received stays a temporary, never read, removed at the next start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import mmap
+import os
+import stat
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from .. import trust
+from ..nanotron.checkpoint import layout
+
+CHUNK = 64 << 20  # bytes a message carries
+_temporaries = itertools.count()
+
+
+class ReplicaError(RuntimeError):
+    """A checkpoint could not be replicated (the message names the rank and the file)."""
+
+
+@dataclasses.dataclass
+class Transfer:
+    """One file between two ranks: `peer` sends or receives it; `buf` its bytes, mapped."""
+
+    peer: int
+    rel: str
+    nbytes: int
+    buf: torch.Tensor | None = None
+    temporary: Path | None = None  # a receive's, renamed to `into/rel` once checked
+    into: Path | None = None
+
+
+def _as_tensor(mapping: mmap.mmap | None) -> torch.Tensor:
+    """The mapping's bytes as a tensor (an empty one for an empty file)."""
+    if mapping is None:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # a read-only mapping warns: gloo only reads what it sends
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+@contextlib.contextmanager
+def _mapped_file(folder: Path, t: Transfer) -> Iterator[None]:
+    """`t.buf`: the file `folder/t.rel` (a regular file of ours, no link), mapped read-only."""
+    parts = trust.relative_name(t.rel, str(folder)).parts
+    with trust.walk_dir(folder, parts[:-1]) as dir_fd:
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        fd = os.open(parts[-1], flags, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)  # the file opened is the one checked: no second walk to it
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise trust.UntrustedPath(0, f"{folder / t.rel}: not a regular file of this user's")
+        if st.st_size != t.nbytes:
+            raise ReplicaError(f"{folder / t.rel} is not of the {t.nbytes} bytes its manifest entry says")
+        mapping = mmap.mmap(fd, t.nbytes, prot=mmap.PROT_READ) if t.nbytes else None
+    finally:
+        os.close(fd)
+    t.buf = _as_tensor(mapping)
+    try:
+        yield
+    finally:
+        t.buf = None
+        if mapping is not None:
+            with contextlib.suppress(BufferError):  # a view still held: the mapping goes with it
+                mapping.close()
+
+
+@contextlib.contextmanager
+def _temporary(folder: Path, t: Transfer) -> Iterator[None]:
+    """`t.buf`: a new temporary beside `folder/t.rel`, of its size, mapped to receive it; removed on the way
+    out unless renamed to `t.rel` by then. Its folders are made and opened, and it is created, with no link
+    followed (trust.UntrustedPath)."""
+    parts = (folder.name, *trust.relative_name(t.rel, str(folder)).parts)  # from the private folder above
+    tmp = Path(*parts[:-1], f".{parts[-1]}.dstmp.{os.getpid()}.{next(_temporaries)}")
+    with trust.walk_dir(folder.parent, parts[:-1], create=True) as dir_fd:
+        fd = os.open(tmp.name, trust.NEW_FILE, 0o600, dir_fd=dir_fd)
+    mapping = None
+    try:
+        os.ftruncate(fd, t.nbytes)
+        mapping = mmap.mmap(fd, t.nbytes) if t.nbytes else None
+    except BaseException:
+        os.close(fd)
+        trust.unlink_in(folder.parent, str(tmp))
+        raise
+    os.close(fd)
+    t.buf, t.temporary, t.into = _as_tensor(mapping), folder.parent / tmp, folder
+    try:
+        yield
+    finally:
+        t.buf = None
+        if mapping is not None:
+            with contextlib.suppress(BufferError):
+                mapping.close()
+        if t.temporary is not None:
+            with contextlib.suppress(OSError):
+                trust.unlink_in(folder.parent, str(tmp))
+
+
+def move(
+    group: Any, sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0, chunk: int = CHUNK
+) -> float:
+    """Sends and receives every transfer's bytes at once, in waves of one chunk of each (both ends list a
+    pair's files in the same order, so gloo matches them in order); after each wave, waits as long as
+    keeps the bytes sent under `gbps` GB/s (0: no limit). Returns the seconds it took."""
+    t0 = time.monotonic()
+    sent = 0
+    waves = max([-(-t.nbytes // chunk) for t in sends + recvs] or [0])
+    for i in range(waves):
+        lo, requests = i * chunk, []
+        for t in sends:
+            if lo < t.nbytes:
+                assert t.buf is not None
+                requests.append(dist.isend(t.buf[lo : lo + chunk], dst=t.peer, group=group))
+                sent += min(chunk, t.nbytes - lo)
+        for t in recvs:
+            if lo < t.nbytes:
+                assert t.buf is not None
+                requests.append(dist.irecv(t.buf[lo : lo + chunk], src=t.peer, group=group))
+        for r in requests:
+            if r is not None:  # None: this rank is not in `group` (never here)
+                r.wait()
+        if gbps > 0:
+            ahead = sent / (gbps * 1e9) - (time.monotonic() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
+    return time.monotonic() - t0
+
+
+def check_and_place(engine: Any, t: Transfer, entry: dict[str, Any]) -> None:
+    """Checks a received temporary against its manifest entry (size, every tensor's checksum), then renames
+    it to its name (no link followed); ChecksumError, FormatError or OSError naming it otherwise."""
+    assert t.temporary is not None and t.into is not None
+    doc, top = {"files": {t.rel: entry}}, Path("/")  # the entry's checksums, looked up by its name
+    sums = layout.file_checksums(doc, top, top / t.rel)
+    engine.verify(t.temporary, sums, layout.file_block_checksums(doc, top, top / t.rel))
+    top = t.into.parent  # as `_temporary` walked: the folder received into is no link either
+    trust.rename_in(top, str(t.temporary.relative_to(top)), f"{t.into.name}/{t.rel}")
+    t.temporary = None
+
+
+def open_all(
+    stack: contextlib.ExitStack,
+    group: Any,
+    sends: list[Transfer],
+    folder_of: Callable[[Transfer], Path],
+    recvs: list[Transfer],
+    into: Path,
+) -> list[str]:
+    """Maps every file sent (from `folder_of(t)`) and creates every temporary received into (under `into`),
+    held open by `stack`; then the ranks agree: every rank's problems, the same list on all (empty: go).
+    Everything is opened before any byte moves: a rank that could not would leave the others waiting."""
+    problem = None
+    try:
+        for t in sends:
+            stack.enter_context(_mapped_file(folder_of(t), t))
+        for t in recvs:
+            stack.enter_context(_temporary(into, t))
+    except (OSError, ValueError, ReplicaError) as e:
+        problem = f"rank {dist.get_rank(group)}: {e}"
+    return [p for p in gather(group, problem) if p]
+
+
+def gather(group: Any, obj: Any) -> list[Any]:
+    """Every rank's `obj`, by rank (collective over `group`)."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,194 @@
+"""Memory replicas (`datastates.memory_replicas`): each rank's memory tier copy of every committed checkpoint
+kept in the memory of ranks on other nodes too, so that a job that loses a whole node restarts from memory.
+
+Placement (`placement`): a ring over the nodes (in the order of their first rank); a rank's replicas go to the
+ranks of the same local index on the `memory_replicas` nodes after its own. Nodes are told apart by
+torchrun's `GROUP_RANK` (else the host name); the placement is recorded in the manifest.
+
+After a checkpoint is committed (`Replicator`, a thread of its own on a gloo group of its own): every rank
+learns the others' files (their manifest entries), maps its tier files and creates the temporaries it
+receives into, and the ranks agree that all could before a byte moves; then each file goes in chunks, every
+rank sending to its holders and receiving from the ranks it holds for at once, a chunk of each per wave,
+paced to `memory_replica_gbps`. A received file is checked against its manifest entry (size and every
+tensor's checksum) before it is renamed into place and marked held for its rank (`.rank-<r>.json` in
+`<job>/replicas/<step>/`, as the tier marks its own copies); the older replica of that rank then goes. A
+file killed half received is a temporary, never marked, never read, removed at the next start.
+
+The restart, which pulls what a node lacks from other nodes' memory: replica_restore.py; the files moved
+between ranks: replica_transfer.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import queue
+import socket
+import threading
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from .memory import REPLICAS, MemoryTier
+from .replica_transfer import CHUNK, ReplicaError, Transfer, check_and_place, gather, move, open_all
+
+
+def node_key() -> str:
+    """This process's node: torchrun's GROUP_RANK (the node's rank in the job) where set, else the host."""
+    group_rank = os.environ.get("GROUP_RANK", "")
+    return f"node {group_rank}" if group_rank else socket.gethostname()
+
+
+def placement(nodes: list[str], replicas: int) -> list[list[int]]:
+    """The ranks holding each rank's replicas (`nodes[r]`: rank r's node): for rank r, the rank of the same
+    local index (modulo that node's ranks) on each of the `replicas` nodes after r's around the ring of
+    nodes. ValueError, naming the setting, where the job has fewer than `replicas` + 1 nodes."""
+    order = list(dict.fromkeys(nodes))
+    if replicas >= len(order):
+        raise ValueError(
+            f"datastates.memory_replicas={replicas} needs {replicas + 1} nodes, and this job runs on "
+            f"{len(order)}: each replica goes to another node"
+        )
+    ranks = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
+    out = []
+    for r, n in enumerate(nodes):
+        i, local = order.index(n), ranks[n].index(r)
+        peers = [ranks[order[(i + k) % len(order)]] for k in range(1, replicas + 1)]
+        out.append([p[local % len(p)] for p in peers])
+    return out
+
+
+def replica_area(tier: MemoryTier, source: int) -> MemoryTier:
+    """The replicas this node keeps in `tier`'s job folder, as seen by the rank they belong to."""
+    return MemoryTier(tier.base, tier.checkpoints, source, copies=1, area=REPLICAS)
+
+
+def prune(tier: MemoryTier, sources: list[int], keep: int | None) -> None:
+    """At the start of training: the replicas of `sources` other than of step `keep` dropped, and what dead
+    processes were receiving."""
+    for source in sources:
+        replica_area(tier, source).prune(keep)
+
+
+# -- after each commit --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Replicated:
+    """One checkpoint's replication, as this rank saw it; `job`: every rank's figures (`figures`), by rank,
+    where the ranks could still agree on them."""
+
+    step: int
+    sent_bytes: int
+    received_bytes: int
+    seconds: float
+    to: list[int]
+    sources: list[int]
+    error: str | None = None
+    job: list[dict[str, Any]] | None = None
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "sent_bytes": self.sent_bytes,
+            "received_bytes": self.received_bytes,
+            "seconds": self.seconds,
+            "to": self.to,
+            "error": self.error,
+        }
+
+
+class Replicator:
+    """Sends this rank's tier copy of each committed checkpoint to its holders and keeps those of the ranks
+    it holds for (see the module's docstring). Collective: every rank makes one, with the same `holders`,
+    and submits every committed checkpoint, in order. `group`: a gloo group over every rank, used by this
+    object only."""
+
+    def __init__(
+        self,
+        tier: MemoryTier,
+        holders: list[list[int]],
+        group: Any,
+        engine: Any,
+        gbps: float = 0.0,
+        chunk: int = CHUNK,
+        on_done: Callable[[Replicated], None] | None = None,
+    ) -> None:
+        self.tier, self.holders, self.group, self.engine = tier, holders, group, engine
+        self.rank = dist.get_rank(group)
+        self.gbps, self.chunk, self.on_done = gbps, chunk, on_done
+        self.sources = [s for s, hs in enumerate(holders) if self.rank in hs]
+        self._queue: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue()
+        self._broken: str | None = None
+        self._thread = threading.Thread(target=self._run, name="datastates-replicator", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int, files: dict[str, dict[str, Any]]) -> None:
+        """After `step` is committed and marked held in the tier: its files (this rank's manifest entries)
+        go to the holders. The tier keeps them from being overwritten until they are sent."""
+        self.tier.busy.add(step)
+        self._queue.put((step, files))
+
+    def close(self, timeout: float = 600.0) -> None:
+        """Waits for the replications queued (bounded: a peer may be gone)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            step, files = item
+            try:
+                if self._broken is not None:
+                    raise ReplicaError(f"not replicated: an earlier replication broke ({self._broken})")
+                done = self._replicate(step, files)
+            except Exception as e:  # never fatal to training: storage and the local copy still hold it
+                done = Replicated(step, 0, 0, 0.0, self.holders[self.rank], self.sources, error=str(e))
+                if isinstance(e, RuntimeError) and not isinstance(e, ReplicaError):
+                    self._broken = str(e)  # the group failed mid-transfer: it cannot be trusted again
+            finally:
+                self.tier.busy.discard(step)
+            if self._broken is None:  # every rank is here, whether its part succeeded or not
+                try:
+                    done.job = gather(self.group, done.figures())
+                except RuntimeError as e:
+                    self._broken = str(e)
+            if self.on_done is not None:
+                with contextlib.suppress(Exception):
+                    self.on_done(done)
+
+    def _replicate(self, step: int, files: dict[str, dict[str, Any]]) -> Replicated:
+        everyone: list[dict[str, dict[str, Any]]] = gather(self.group, files)
+        to = self.holders[self.rank]
+        sends = [Transfer(h, rel, e["bytes"]) for h in to for rel, e in sorted(files.items())]
+        recvs = [Transfer(s, rel, e["bytes"]) for s in self.sources for rel, e in sorted(everyone[s].items())]
+        area = replica_area(self.tier, self.rank).folder / str(step)
+        with contextlib.ExitStack() as stack:
+            own = self.tier.folder / str(step)
+            problems = open_all(stack, self.group, sends, lambda t: own, recvs, area)
+            if problems:
+                raise ReplicaError(f"step {step} not replicated: {'; '.join(problems[:3])}")
+            seconds = move(self.group, sends, recvs, self.gbps, self.chunk)
+            for t in recvs:
+                check_and_place(self.engine, t, everyone[t.peer][t.rel])
+        for s in self.sources:
+            replica_area(self.tier, s).commit(step, everyone[s])
+        return Replicated(
+            step,
+            sum(t.nbytes for t in sends),
+            sum(t.nbytes for t in recvs),
+            seconds,
+            to,
+            self.sources,
+        )
+
+
+def describe(r: Replicated) -> str:
+    """The log line of one checkpoint's replication."""
+    if r.error:
+        return f"memory replicas of checkpoint {r.step}: {r.error}"
+    return (
+        f"memory replicas of checkpoint {r.step}: {r.sent_bytes / 1e9:.3f} GB sent to rank(s) "
+        f"{', '.join(map(str, r.to))}, {r.received_bytes / 1e9:.3f} GB received from rank(s) "
+        f"{', '.join(map(str, r.sources)) or '-'}, in {r.seconds:.2f} s"
+    )
