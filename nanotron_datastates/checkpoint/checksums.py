@@ -1,0 +1,62 @@
+"""What a manifest holds for each file: its size and its tensors' CRC-32C, written from a persisted save
+(`file_entry`) and read back for a file being loaded (`file_checksums`, `file_block_checksums`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from .manifest import ManifestError
+from .names import MANIFEST
+
+
+def file_checksums(
+    doc: dict[str, Any], folder: str | os.PathLike, path: str | os.PathLike
+) -> dict[str, int] | None:
+    """The checksums the manifest holds for `path` (a file of the checkpoint in `folder`), if any."""
+    entry = doc["files"].get(Path(os.path.relpath(path, folder)).as_posix())
+    if not entry or "crc32c" not in entry:
+        return None
+    return {name: int(v, 16) for name, v in entry["crc32c"].items()}
+
+
+def file_entry(nbytes: int, handle: Any) -> dict[str, Any]:
+    """The manifest's entry for a persisted file (a SaveHandle's): its size and its tensors' CRCs; for a
+    file whose header holds none (`exact_metadata`: Nanotron's weight files), its block segments' CRCs too,
+    spelled as in a header (`B:` and 8 hex digits per segment), so that a part of it can be read and
+    checked."""
+    from .. import format as fmt  # here: this module stays free of torch
+
+    sums = handle.checksums()
+    entry: dict[str, Any] = {"bytes": nbytes, "crc32c": {n: f"{c:08x}" for n, c in sums.items()}}
+    if handle.exact_metadata:
+        size, blocks = handle.block_checksums()
+        if size:
+            entry["crc32c_blocks"] = {n: fmt.spell_blocks(size, v) for n, v in blocks.items()}
+    return entry
+
+
+def file_block_checksums(
+    doc: dict[str, Any], folder: str | os.PathLike, path: str | os.PathLike
+) -> tuple[int, dict[str, list[int]]] | None:
+    """The block checksums the manifest holds for `path`, if any (see `file_entry`)."""
+    from .. import format as fmt  # here: this module stays free of torch
+
+    rel = Path(os.path.relpath(path, folder)).as_posix()
+    raw = (doc["files"].get(rel) or {}).get("crc32c_blocks")
+    if raw is None:
+        return None
+    bad = ManifestError(f"{folder}/{MANIFEST}: the block checksums of {rel} are malformed")
+    if not isinstance(raw, dict):
+        raise bad
+    sizes, out = set(), {}
+    for name, text in raw.items():
+        parsed = fmt.parse_blocks(text) if isinstance(text, str) else None
+        if parsed is None:
+            raise bad
+        sizes.add(parsed[0])
+        out[str(name)] = parsed[1]
+    if len(sizes) != 1:
+        raise bad
+    return sizes.pop(), out

@@ -1,0 +1,78 @@
+"""Which files a rank reads on resume: `files_to_read` is the one answer, given the manifest, the layout
+(names.py) and, once the process groups exist, this rank's `Place` in them (before, only files every rank
+reads are named)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from .manifest import member
+from .names import NANOTRON_METADATA, Place, random_states_name
+from .topology import TOPOLOGY_DEFAULTS, topology_changes
+
+MAX_SMALL_FILES = 16  # the scheduler's and random states' files read into the page cache first, at most
+
+
+def weight_files(doc: dict[str, Any], folder: Path) -> list[Path]:
+    """Every weight file a manifest names, under `folder`, in name order: what a rank of a layout without
+    tensor, pipeline or expert parallelism reads."""
+    return [member(folder, f) for f in sorted(doc["files"]) if f.startswith("model/")]
+
+
+def random_states_at(doc: dict[str, Any], place: Place) -> str:
+    """The saved random-state file of the rank at `place`, each rank index taken modulo the saved size of its
+    dimension: a deterministic choice for a rank of another layout, which did not exist when it was saved."""
+    saved = doc.get("topology", {})
+
+    def at(dim: tuple[int, int], key: str) -> tuple[int, int]:
+        size = int(saved.get(key, TOPOLOGY_DEFAULTS.get(key, 1)))
+        return dim[0] % size, size
+
+    return random_states_name(at(place.tp, "tp"), at(place.dp, "dp"), at(place.pp, "pp"), at(place.cp, "cp"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadSet:
+    """What a rank reads to resume: weight files (every one, where no rank holds a part of the model only;
+    else none, as which ones depends on the model), its optimizer file, and the small files (scheduler,
+    random states, metadata) to read into the page cache before the large ones."""
+
+    weights: list[Path]
+    optimizer: Path | None
+    small: list[Path]
+
+
+def files_to_read(
+    doc: dict[str, Any],
+    folder: Path,
+    here: dict[str, int],
+    place: Place | None,
+    *,
+    optimizer: bool,
+    scheduler: bool,
+) -> ReadSet | None:
+    """The files this rank reads from the checkpoint `doc` describes, in `folder`, for the layout `here`
+    (`topology`); None where the layout differs from the saved one (the state is resharded). Without a
+    `place` (before the process groups exist), only what every rank reads: the optimizer file where there
+    is one, the small files where there are few."""
+    if topology_changes(doc.get("topology", {}), here):
+        return None
+    whole = (here["tp"], here["pp"], here["expert"]) == (1, 1, 1)
+    if place is None and not whole:  # which shard a rank holds is not known yet
+        return ReadSet([], None, [])
+    weights = weight_files(doc, folder) if whole else []
+    names = [f for f in doc["files"] if f.startswith("optimizer/")]
+    if place is not None:
+        names = [f for f in names if f == "optimizer/" + place.optimizer_name(zero=here["zero_stage"] > 0)]
+    opt = member(folder, names[0]) if optimizer and len(names) == 1 else None
+    small = [folder / NANOTRON_METADATA]
+    if place is not None:
+        small.append(folder / "random" / place.random_states_name())
+        if scheduler:
+            small.append(folder / "lr_scheduler" / place.lr_scheduler_name())
+    else:
+        rest = [f for f in sorted(doc["files"]) if f.startswith(("lr_scheduler/", "random/"))]
+        small += [member(folder, f) for f in rest] if len(rest) <= MAX_SMALL_FILES else []
+    return ReadSet(weights, opt, small)
