@@ -5,18 +5,18 @@ a manifest (any other is left to Nanotron). The trainer mixin calls, in this ord
    0.7 s on an H100: NCCL's first communicator and a barrier per group). From the config and the manifest
    alone it starts reading ahead the files every rank reads (`layout.files_to_read` without a place: all the
    weights where no rank holds part of the model only; the one optimizer file), from the memory tier where
-   it holds the checkpoint, and the small files into the page cache first. Never raises: whatever fails
-   here, step 2 meets again and reports.
+   it holds the checkpoint, and the small files into the page cache first (early.py). Never raises:
+   whatever fails here, step 2 meets again and reports.
 2. `plan(config, pc, folder)`, in `pre_init`: whether this is ours to resume; where its files are read
    (the memory tier, where every rank finds it whole there, else storage: fallback.py); the files this rank
    reads, now with its place in the groups; the read-ahead of step 1 adopted if it reads exactly those files
    onto this device, else one started for them (read_ahead.py). Nanotron's own loaders, which read pickles,
    are turned off (`load_optimizer`, `load_lr_scheduler`) until they are ours to honour.
 3. `load_weights(model)`, where Nanotron loads its weights: from the read-ahead, else read now; on another
-   layout, resharded (reshard.py).
+   layout, resharded (weights.py, reshard.py).
 4. `load_rest(optimizer, lr_scheduler, random_states, model)`, once Nanotron has built them: scheduler,
    training metadata, random states; the optimizer state now, or at the first `optimizer.step` where it is
-   being read ahead (neither the first forward nor backward pass needs it).
+   being read ahead (neither the first forward nor backward pass needs it: optimizer_state.py).
 5. `confirm()`, at the end of the trainer's construction: the ranks agree that every one of them read the
    checkpoint whole (every tensor checked against its checksum as it was read; the optimizer state read
    ahead is waited for here). If any rank could not, every rank falls back together to the newest
@@ -33,7 +33,6 @@ States: idle -> started (reading early) -> planned -> weights -> loaded (optimiz
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from pathlib import Path
@@ -43,24 +42,19 @@ import torch
 
 from ...engine import DataStatesEngine
 from ...errors import FormatError
-from .. import groups, shards
+from .. import groups
 from .. import log as say
-from .. import memory_tier as tier
 from ..checkpoint import layout
 from ..yaml_config import section
 from . import fallback as recovery
-from . import reshard, saved_layout
+from . import optimizer_state, saved_layout, weights
 from . import scheduler_and_rng as rest
 from .deferred_optimizer import DeferredOptimizer
-from .read_ahead import (
-    PageCacheWarmer,
-    Prefetch,
-    fill,
-    shared_weight_reads,
-    warm_for_reshard,
-    warm_page_cache,
-)
-from .source import asked_layout, loads, parse_config, resume_folder
+from .early import EarlyRead, find, read_ahead
+from .read_ahead import PageCacheWarmer, Prefetch, warm_for_reshard, warm_page_cache
+from .source import loads
+
+__all__ = ["READ_ERRORS", "Resume"]
 
 # What reading a checkpoint raises where a file is missing, damaged (FormatError, ChecksumError) or not of
 # the layout, or does not fit the model (ReshardError): collected on each rank, so that every rank decides.
@@ -83,7 +77,7 @@ class Resume:
         self.prefetch: Prefetch | None = None
         self.warmer: PageCacheWarmer | None = None  # another layout: the files read into the page cache
         self.early = False  # whether the read-ahead began with the trainer's construction
-        self._early: tuple[Path, layout.ReadSet, torch.device] | None = None
+        self._early: EarlyRead | None = None  # what the trainer's first line read ahead, until plan
         self._config: Any = None
         self._pc: Any = None
         self._device: torch.device | None = None
@@ -118,32 +112,16 @@ class Resume:
 
     @classmethod
     def start(cls, args: Sequence[Any], kwargs: dict[str, Any]) -> Resume:
+        """Starts reading ahead what every rank reads, from the config and the manifest alone (early.py)."""
         self = cls()
-        if not torch.cuda.is_available():  # a CPU trainer reads nothing ahead
+        early = find(args, kwargs)
+        if early is None:
             return self
-        try:
-            config = parse_config(args, kwargs)
-            folder = resume_folder(config)
-            if folder is None:
-                return self
-            manifest = layout.read_manifest(folder)
-            source = (
-                tier.tier_copy(section(config).trainer, folder, manifest, int(os.environ.get("RANK", "0")))
-                or folder
-            )
-            reads = layout.files_to_read(manifest, source, asked_layout(config), None, **loads(config))
-            if reads is None or (not reads.weights and reads.optimizer is None):
-                return self
-            # Nanotron's ParallelContext sets this same device first thing; set now, the engine pins its cache
-            # and the read-ahead allocates on this rank's GPU, not on GPU 0.
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(device)
-            warm_page_cache(reads.small)  # before the disk's queue fills
-            self.engine = DataStatesEngine(section(config).engine)
-        except Exception:  # noqa: BLE001 - plan() meets the same problem and reports it
-            return self
-        self.prefetch = self._read_ahead(manifest, source, reads, device, asked_layout(config))
-        self._early, self._state = (source, reads, device), "started"
+        self.engine = early.engine
+        self.prefetch = read_ahead(
+            early.engine, early.manifest, early.source, early.reads, early.device, early.topology
+        )
+        self._early, self._state = early, "started"
         return self
 
     # -- 2. pre_init ----------------------------------------------------------------------------------------
@@ -180,19 +158,14 @@ class Resume:
             if reads is None and device is not None and not self._failures:
                 self.warmer = warm_for_reshard(self.manifest, self._src(), self.source is not None)
             return True
-        if (
-            early is not None
-            and early[0] == self._src()
-            and early[2] == device
-            and _same_large(early[1], reads)
-        ):
+        if early is not None and early.adoptable(self._src(), device, reads):
             self.early = True  # the read-ahead of step 1 reads exactly these files onto this device
             return True
         self._drop_prefetch(report=False)
         warm_page_cache(reads.small)  # first, while the disk is idle
         if reads.weights or reads.optimizer is not None:
             here = groups.layout_of(pc, int(config.optimizer.zero_stage))
-            self.prefetch = self._read_ahead(self.manifest, self._src(), reads, device, here)
+            self.prefetch = read_ahead(self.get_engine(), self.manifest, self._src(), reads, device, here)
         return True
 
     def _open(self, folder: Path, source: Path | None = None) -> None:
@@ -239,18 +212,6 @@ class Resume:
             self.engine = DataStatesEngine(section(self._config).engine)
         return self.engine
 
-    def _read_ahead(
-        self,
-        manifest: dict[str, Any],
-        folder: Path,
-        reads: layout.ReadSet,
-        device: torch.device,
-        topology: dict[str, int],
-    ) -> Prefetch:
-        checksums = functools.partial(layout.file_checksums, manifest, folder)
-        shared = shared_weight_reads(topology)
-        return Prefetch(self.get_engine(), device, reads.weights, reads.optimizer, checksums, shared)
-
     # -- 3. weights -----------------------------------------------------------------------------------------
 
     def load_weights(self, model: torch.nn.Module) -> dict[str, Any]:
@@ -259,20 +220,15 @@ class Resume:
         self._targets = (*self._targets[:3], model) if len(self._targets) == 4 else (None, None, None, model)
         t0 = time.perf_counter()
         try:
-            sources = shards.weight_sources(model, self._pc, self._src())
-            if sources is None:  # another layout: each parameter put together from the saved pieces
-                n = reshard.load_weights(self.get_engine(), self.manifest, self._src(), model)
-                say.info(f"resharded {n} weights in {time.perf_counter() - t0:.2f} s")
-                return {}
-            ahead = self.prefetch.weights() if self.prefetch is not None else {}
-            checksums = functools.partial(layout.file_checksums, self.manifest, self._src())
-            fill([(tensor, path) for _, tensor, path in sources], ahead, self.get_engine(), checksums)
+            names = weights.load(self.get_engine, self.manifest, self._src(), model, self._pc, self.prefetch)
         except READ_ERRORS as e:
             self._failures.append(f"weights: {e}")
             return {}
+        if names is None:  # resharded (weights.py)
+            return {}
         self._state = "weights"
-        say.info(f"loaded {len(sources)} weight files in {time.perf_counter() - t0:.2f} s")
-        return {name: {} for name, _, _ in sources}
+        say.info(f"loaded {len(names)} weight files in {time.perf_counter() - t0:.2f} s")
+        return {name: {} for name in names}
 
     # -- 4. scheduler, metadata, random states; the optimizer now or at the first step ---------------------
 
@@ -304,16 +260,12 @@ class Resume:
         # that step has run.
         on_gpu = self._device is not None and self._device.type == "cuda"
         self._hold_optimizer_flag = load_optimizer and on_gpu
-        if load_optimizer and changed:
-            state = reshard.optimizer_state(engine, self.manifest, src, optimizer, model, pc)
-            optimizer.load_state_dict(state, map_location=self._device or "cpu")
-            moved = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
-            say.info(f"optimizer state resharded ({moved})")
+        if load_optimizer and changed:  # optimizer_state.py
+            optimizer_state.load_resharded(
+                engine, self.manifest, src, optimizer, model, pc, changed, self._device
+            )
         elif load_optimizer:
-            path = shards.optimizer_file(pc, src, zero=shards.is_zero(optimizer))
-            device = self._device
-            read = functools.partial(self._read_optimizer, path, device)
-            self._deferred = DeferredOptimizer(optimizer, read, device or "cpu")
+            self._deferred = optimizer_state.deferred(optimizer, pc, src, self._read_optimizer, self._device)
             if self.prefetch is None or not self.prefetch.reads_optimizer:
                 self._deferred.load()  # not read ahead: loaded now
         if load_scheduler:
@@ -329,11 +281,8 @@ class Resume:
             self._drop_prefetch()
 
     def _read_optimizer(self, path: Path, device: torch.device | None) -> Any:
-        """The optimizer state: as read ahead, or read now."""
-        state = self.prefetch.optimizer(path) if self.prefetch is not None else None
-        if state is None:  # not read ahead, or (were Nanotron to change) not the optimizer's file
-            state = self.get_engine().load(path, device or "cpu")
-        return state
+        """The optimizer state: as read ahead, or read now (at the first step: the read-ahead of the time)."""
+        return optimizer_state.read_file(self.prefetch, self.get_engine, path, device)
 
     # -- 5. every rank read it whole, or all fall back ------------------------------------------------------
 
@@ -395,9 +344,3 @@ class Resume:
             since = "the trainer's start" if self.early else "the process groups were set up"
             say.info(f"read ahead, since {since}: {self.prefetch.report()}")
         self.prefetch = None  # whatever was read ahead and not used goes back
-
-
-def _same_large(a: layout.ReadSet, b: layout.ReadSet) -> bool:
-    """Whether both read the same weight and optimizer files (the small files may differ: before the process
-    groups, every rank warms them all)."""
-    return (a.weights, a.optimizer) == (b.weights, b.optimizer)

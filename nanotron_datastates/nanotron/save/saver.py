@@ -31,8 +31,6 @@ is committed (memory_tier.py); with `memory_replicas`, the step then goes to ran
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import functools
 import os
 import time
@@ -41,32 +39,32 @@ from typing import Any, Callable
 
 import torch
 
-from ... import skeleton, telemetry
-from ...engine import DataStatesEngine, StagedSave
+from ...engine import DataStatesEngine
 from ...plan import SavePlan
-from .. import groups, replicas, shards
+from .. import groups
 from .. import log as say
-from .. import rng_states as states
-from ..checkpoint import folder as checkpoint
-from ..memory_tier import MemoryTier
 from ..trainer_settings import TrainerSettings
-from . import housekeeping, staging
+from . import memory, staging
 from .commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
 from .gate import SnapshotGate
+from .optimizer_plan import OptimizerPlans
+from .rank_files import RankFiles, cache_bytes, plan_files, targets
+from .report import Reporter
+from .request import Request, add_stall, host_values, queuing_failed
 from .writer_lock import WriterLock
+
+__all__ = [
+    "MAX_IN_FLIGHT",
+    "CheckpointError",
+    "CommitResult",
+    "Observer",
+    "PendingCheckpoint",
+    "RankFiles",
+    "Saver",
+]
 
 MAX_IN_FLIGHT = 2  # checkpoints being flushed at once; a third waits for the oldest
 Observer = Callable[[str, dict[str, Any]], None]
-
-
-@dataclasses.dataclass
-class RankFiles:
-    """What this rank writes at every checkpoint, relative to the checkpoint's folder."""
-
-    weights: list[tuple[Path, SavePlan]]
-    optimizer: Path | None
-    lr_scheduler: Path | None
-    random: Path
 
 
 class Saver:
@@ -96,37 +94,20 @@ class Saver:
         self.last_step: int | None = None  # the step of the last checkpoint asked for
         self._files: RankFiles | None = None
         self._nbytes: int | None = None  # this rank's weight and optimizer files, known from the first step
-        self._optimizer_plan: SavePlan | None = None  # the last one, to plan the next checkpoint's like it
+        self.optimizer_plans = OptimizerPlans(engine, optimizer)
         self._staged: bool | None = None  # the last checkpoint's decision, logged when it changes
-        self.tier: MemoryTier | None = None
-        if settings.memory_tier:
-            rank = tdist.get_rank() if tdist.is_initialized() else 0
-            copies = settings.memory_tier_copies
-            self.tier = MemoryTier(settings.memory_tier_path, self.checkpoints, rank, copies)
-            try:
-                keep = checkpoint.latest_step(self.checkpoints)
-            except (OSError, ValueError):
-                keep = None
-            self.tier.prune(keep)  # what a killed process left besides the newest committed step
-        self.replicator: replicas.Replicator | None = None
-        self.placement: dict[str, Any] | None = None  # recorded in each manifest
-        self._sources: list[int] = []  # the ranks whose replicas this rank keeps
-        if self.tier is not None and settings.memory_replicas and tdist.is_initialized():
-            nodes = groups.gather(replicas.node_key(), pc)
-            holders = replicas.placement(nodes, settings.memory_replicas)
-            self.placement = {"nodes": nodes, "holders": holders}
-            me = groups.rank(pc.world_pg)
-            self._sources = [s for s, hs in enumerate(holders) if me in hs]
-            replicas.prune(self.tier, self._sources, keep)
-            self.replicator = replicas.Replicator(
-                self.tier,
-                holders,
-                tdist.new_group(backend="gloo"),
-                engine,
-                settings.memory_replica_gbps,
-                on_done=self._replicated,
-            )
-        self.committer = Committer(group, on_result=self._report)
+        self.tier, keep = memory.open_tier(settings, self.checkpoints)
+        self.reporter = Reporter(engine, settings, pc, self.checkpoints, self.tier, self._notify)
+        replication = memory.open_replicas(self.tier, settings, pc, engine, keep, self.reporter.replicated)
+        self.replicator = self.reporter.replicator = replication.replicator
+        self.placement = replication.placement  # recorded in each manifest
+        self._sources = replication.sources  # the ranks whose replicas this rank keeps
+        self.committer = Committer(group, on_result=self.reporter.committed)
+
+    @property
+    def _optimizer_plan(self) -> SavePlan | None:
+        """The optimizer's last plan, the next checkpoint's planned like it (None: planned afresh)."""
+        return self.optimizer_plans.kept
 
     # -- 0. when the trainer is built ------------------------------------------------------------------------
 
@@ -137,24 +118,17 @@ class Saver:
     def _prepare_cache(self, plans: list[SavePlan]) -> None:
         # Pinning stalls other CUDA calls (on an H100, 8 GiB pinned at start took the first step from 0.97 to
         # 2.99 s; 80 chunks pinned after the first step, the next ten from 57-61 to 86-126 ms): only the
-        # chunks one checkpoint fills (each file takes whole chunks), as soon as they are known. With the
-        # memory tier, the tier's files take the bytes instead: the cache is left as it is.
+        # chunks one checkpoint fills, as soon as they are known. With the memory tier, the tier's files
+        # take the bytes instead: the cache is left as it is.
         if self.tier is None:
-            chunk = self.engine.cache_stats()["chunk_bytes"]
-            chunks = sum(-(-p.nbytes // chunk) for p in plans) + 2  # + the scheduler's and random states'
-            self.engine.prepare_cache(wait=False, nbytes=chunks * chunk)
+            self.engine.prepare_cache(wait=False, nbytes=cache_bytes(self.engine, plans))
 
     # -- 1. after the first step ----------------------------------------------------------------------------
 
     def after_first_step(self) -> None:
         """Plans the optimizer's file and prepares the cache (and the staging) for the first checkpoint."""
-        first = self.engine.plan(self.optimizer.state_dict())
-        again = self.engine.plan(self.optimizer.state_dict(), like=first)
-        # Kept to plan the next checkpoint like it only where the optimizer hands out its own tensors: a
-        # kept plan of copies would hold on to a copy of the whole state.
-        if any(a is b for a, b in zip(again.arrays, first.arrays)):
-            self._optimizer_plan = again
-        plans = [plan for _, plan in self.files().weights] + ([again] if self.files().optimizer else [])
+        optimizer = self.optimizer_plans.first()
+        plans = [plan for _, plan in self.files().weights] + ([optimizer] if self.files().optimizer else [])
         self._nbytes = sum(p.nbytes for p in plans)
         self._prepare_cache(plans)
         if self.tier is not None:  # this rank's checkpoint, as many times as the node has ranks
@@ -165,17 +139,9 @@ class Saver:
 
     def files(self) -> RankFiles:
         """This rank's files: the same files and weight tensors at every checkpoint, so planned once."""
-        if self._files is None:  # what the replicas hold alike: shared out (`balance_writes`) or rank 0's
-            writes = shards.writers(self.model, self.optimizer, self.pc, balance=self.settings.balance_writes)
-            self._files = RankFiles(
-                weights=[
-                    (path, self.engine.plan({"data": param}, metadata=md, exact_metadata=True))
-                    for path, param, md in shards.weight_shards(self.model, self.pc, Path(), writes)
-                ],
-                optimizer=shards.optimizer_path(self.optimizer, self.pc, Path(), writing=True, writes=writes),
-                lr_scheduler=shards.lr_scheduler_path(self.pc, Path(), writing=True, writes=writes),
-                random=shards.random_states_path(self.pc, Path()),
-            )
+        if self._files is None:
+            balance = self.settings.balance_writes
+            self._files = plan_files(self.engine, self.model, self.optimizer, self.pc, balance)
         return self._files
 
     # -- 2. a checkpoint asked for --------------------------------------------------------------------------
@@ -196,15 +162,10 @@ class Saver:
         t0 = time.perf_counter() if since is None else since
         folder = self.checkpoints / str(step)
         self.last_step = step
-        files = self.files()
-        # Host values of this moment, copied (the next forward pass draws random numbers): nothing changes
-        # them, so their files are planned and queued later, when the GPU has work queued.
-        later = [(files.random, _host_copy(_random_state(random_states)))]
-        if files.lr_scheduler is not None:
-            later.insert(0, (files.lr_scheduler, _host_copy(lr_scheduler.state_dict())))
+        later = host_values(self.files(), lr_scheduler, random_states)
         self.outstanding += 1
         stage = self._decide()[0]
-        job = _Request(
+        job = Request(
             PendingCheckpoint(step, folder, []), later, finalizer, stage and self.settings.queue_at_step
         )
         if job.deferred:
@@ -228,10 +189,11 @@ class Saver:
             say.info(f"checkpoints {'' if stage else 'not '}copied on the GPU first ({why})")
         return stage, why
 
-    def _capture(self, job: _Request, stage: bool) -> None:
+    def _capture(self, job: Request, stage: bool) -> None:
         """The state's files (weights, optimizer), before the step that changes them: planned (the optimizer
-        like the last time), then staged on the GPU together (queued by `_queue`), or, unstaged or where
-        staging runs out of GPU memory, queued now and gated (the next step waits for their snapshot)."""
+        like the last time: optimizer_plan.py), then staged on the GPU together (queued by `_queue`), or,
+        unstaged or where staging runs out of GPU memory, queued now and gated (the next step waits for
+        their snapshot)."""
         t0 = time.perf_counter()
         pending = job.pending
         self._notify("queue_start", step=pending.step, deferred=job.deferred)
@@ -239,11 +201,14 @@ class Saver:
             files = self.files()
             todo = list(files.weights)
             if files.optimizer is not None:  # the same tensors each time, the learning rate of the time
-                todo.append((files.optimizer, self._plan_optimizer(job, stage, len(todo))))
-            targets, mirrors, recycle = self._targets(pending, todo)
+                plan, frozen = self.optimizer_plans.for_checkpoint(stage and job.deferred)
+                if frozen is not None:  # planned once the step is launched (`_queue`)
+                    job.replan = (len(todo), frozen)
+                todo.append((files.optimizer, plan))
+            paths, mirrors, recycle = targets(self.tier, pending, todo)
             if stage:
                 try:
-                    job.staged = self.engine.stage_plans(targets, mirrors=mirrors, recycle=recycle)
+                    job.staged = self.engine.stage_plans(paths, mirrors=mirrors, recycle=recycle)
                 except torch.cuda.OutOfMemoryError:
                     self._staged = False
                     say.info(
@@ -251,48 +216,26 @@ class Saver:
                     )
             if job.staged is None and job.replan is not None:  # queued now: planned now, before the step
                 index, plan = self._plan_left(job)
-                targets[index] = (plan, targets[index][1])
+                paths[index] = (plan, paths[index][1])
             if job.staged is None:  # queued now, the request's files first; the next step waits for these
                 self._queue_later(job)
-                state = self.engine.save_plans(targets, mirrors=mirrors, recycle=recycle)
+                state = self.engine.save_plans(paths, mirrors=mirrors, recycle=recycle)
                 job.handles += state
-                self.gate.add(state, on_wait=functools.partial(_add_stall, pending))
+                self.gate.add(state, on_wait=functools.partial(add_stall, pending))
         except Exception as e:
-            _queuing_failed(pending, e)
+            queuing_failed(pending, e)
         job.captured = time.perf_counter() - t0
         job.seconds += job.captured
 
-    def _plan_optimizer(self, job: _Request, stage: bool, index: int) -> SavePlan:
-        """The optimizer's plan for the checkpoint. Where it is staged before the step and queued after it,
-        and the optimizer still holds the tensors of the plan kept from the last checkpoint, that kept plan
-        is staged now and the plan itself is made once the step is launched (`_queue`), beside the step's
-        GPU work, from a copy of the state's containers (`skeleton.freeze`, under half a plan's cost): the
-        step may change plain values in the optimizer's own containers (a step count), never in the copy."""
-        kept = self._optimizer_plan
-        state = self.optimizer.state_dict()
-        if stage and job.deferred and kept is not None:
-            frozen, tensors = skeleton.freeze(state)
-            if kept.holds(tensors):
-                job.replan = (index, frozen)
-                return kept
-        return self._replan_optimizer(state)
-
-    def _plan_left(self, job: _Request) -> tuple[int, SavePlan]:
-        """The optimizer's plan that `_plan_optimizer` left for later, made now from the copy taken before the
-        step: (its index among the checkpoint's state files, the plan)."""
+    def _plan_left(self, job: Request) -> tuple[int, SavePlan]:
+        """The optimizer's plan that `_capture` left for later, made now from the copy taken before the step:
+        (its index among the checkpoint's state files, the plan)."""
         assert job.replan is not None
         index, frozen = job.replan
         job.replan = None
-        return index, self._replan_optimizer(frozen)
+        return index, self.optimizer_plans.replan(frozen)
 
-    def _replan_optimizer(self, state: Any) -> SavePlan:
-        """`state` planned like the last checkpoint's optimizer plan, kept for the next one where it is."""
-        plan = self.engine.plan(state, like=self._optimizer_plan)
-        if self._optimizer_plan is not None:
-            self._optimizer_plan = plan
-        return plan
-
-    def _queue(self, job: _Request) -> None:
+    def _queue(self, job: Request) -> None:
         """Queues what `_capture` left (the request's files, the staged state), makes rank 0's commit and
         hands the checkpoint to the committer, which is told of any failure here: every rank's committer then
         agrees that the checkpoint failed. Where the state was staged, this runs once the next optimizer step
@@ -306,11 +249,11 @@ class Saver:
                     job.staged.replan(*self._plan_left(job))
                 state, job.staged = job.staged.queue(), None
                 job.handles += state
-                self.gate.add(state, on_wait=functools.partial(_add_stall, pending))
+                self.gate.add(state, on_wait=functools.partial(add_stall, pending))
             if job.finalizer is not None:
                 pending.finalize = job.finalizer()
         except Exception as e:
-            _queuing_failed(pending, e)
+            queuing_failed(pending, e)
         pending.handles = job.handles
         job.seconds += time.perf_counter() - t0
         if job.deferred:  # the next step's share of the checkpoint's time on the training thread
@@ -320,27 +263,15 @@ class Saver:
         )
         self.committer.submit(pending)
 
-    def _queue_later(self, job: _Request) -> None:
+    def _queue_later(self, job: Request) -> None:
         """The request's host values (scheduler, random states), once: read as they are and never waited for
         by a step; queued before the state's files, so that a cache smaller than the checkpoint takes them
         before the state's pieces."""
         later, job.later = job.later, []
         if later:
             plans = [(path, self.engine.plan(value)) for path, value in later]
-            targets, mirrors, recycle = self._targets(job.pending, plans)
-            job.handles += self.engine.save_plans(targets, mirrors=mirrors, recycle=recycle)
-
-    def _targets(
-        self, pending: PendingCheckpoint, files: list[tuple[Path, SavePlan]]
-    ) -> tuple[list[tuple[SavePlan, str]], list[Path] | None, list[Path | None] | None]:
-        """`files` (path in the checkpoint, plan) of `pending`'s checkpoint as the engine takes them: (plan,
-        path) each, with each one's memory tier copy and the earlier copy it recycles."""
-        targets = [(plan, os.path.join(str(pending.folder), path)) for path, plan in files]
-        mirrors = recycle = None
-        if self.tier is not None:
-            mirrors = [self.tier.path(pending.step, path) for path, _ in files]
-            recycle = self.tier.recycle(pending.step, [str(path) for path, _ in files])
-        return targets, mirrors, recycle
+            paths, mirrors, recycle = targets(self.tier, job.pending, plans)
+            job.handles += self.engine.save_plans(paths, mirrors=mirrors, recycle=recycle)
 
     # -- 3. every optimizer step ----------------------------------------------------------------------------
 
@@ -385,10 +316,7 @@ class Saver:
         say.info(f"all checkpoints committed ({time.perf_counter() - t0:.2f} s waiting at the end)")
         if self.replicator is not None:
             self.replicator.close()
-        if self.tier is not None:
-            for source in self._sources:
-                replicas.replica_area(self.tier, source).release()
-            self.tier.release()
+        memory.release(self.tier, self._sources)
 
     def close(self) -> None:
         """Bounded (at exit after a crash, other ranks may be gone); idempotent."""
@@ -404,96 +332,7 @@ class Saver:
         if self.writer is not None:
             self.writer.release()
 
-    def _report(self, r: CommitResult) -> None:
-        """On the committer thread, for every checkpoint: rank 0's housekeeping and telemetry, the log line,
-        the observers."""
-        if self.tier is not None and r.committed:
-            held = r.mirrored
-            try:
-                self.tier.commit(r.step, r.mirrored)
-                self.engine.keep_mirrors(self.tier.files())  # the dropped files' memory goes back
-            except OSError as e:  # a restart then reads storage
-                held = {}
-                say.error(f"memory tier, after checkpoint {r.step}: {e!r}", every_rank=True)
-            if self.replicator is not None:  # every rank, every committed step: the replication is collective
-                self.replicator.submit(r.step, held)
-        if groups.rank(self.pc.world_pg) == 0:
-            try:
-                cache = self.engine.cache_stats(reset=True) if self.settings.telemetry else {}
-                housekeeping.after_commit(r, self.checkpoints, self.settings, cache)
-            except Exception as e:  # never fatal: the checkpoint itself is committed (or reported failed)
-                say.error(f"after checkpoint {r.step}: {e!r}")
-        if r.committed:
-            say.info(housekeeping.describe(r))
-        else:
-            listed = "".join(f"\n  {e}" for e in r.errors)
-            say.error(f"checkpoint {r.step} NOT committed, {len(r.errors)} error(s):{listed}")
-        self._notify("committed", result=r)
-
-    def _replicated(self, r: replicas.Replicated) -> None:
-        """On the replicator's thread, per checkpoint replicated (or not): the log line, the observers."""
-        if r.error:
-            say.error(replicas.describe(r), every_rank=True)
-        else:
-            say.info(replicas.describe(r))
-        if r.job is not None and self.settings.telemetry and groups.rank(self.pc.world_pg) == 0:
-            try:
-                housekeeping.append_telemetry(self.checkpoints, telemetry.replication(r.step, r.job))
-            except OSError as e:
-                say.error(f"telemetry of checkpoint {r.step}'s memory replicas: {e!r}")
-        self._notify("replicated", result=r)
-
     def _notify(self, event: str, **fields: Any) -> None:
+        """Tells the observers of a queuing or an outcome (report.py)."""
         for observe in self.observers:
             observe(event, fields)
-
-
-@dataclasses.dataclass
-class _Request:
-    """A checkpoint between its request and its hand-over to the committer."""
-
-    pending: PendingCheckpoint
-    later: list[tuple[Path, Any]]  # (path in the checkpoint, host value captured at the request)
-    finalizer: Callable[[], Callable[[dict], None]] | None
-    deferred: bool  # captured at the next step's start and queued once it is launched
-    staged: StagedSave | None = None  # the state's files, staged before the step, queued after it
-    # (index among the staged files, copy of the optimizer's state before the step): planned after the step
-    replan: tuple[int, Any] | None = None
-    handles: list[Any] = dataclasses.field(default_factory=list)  # every file queued so far
-    seconds: float = 0.0  # on the training thread, capturing and queuing
-    captured: float = 0.0  # of which capturing (before the step, where deferred)
-
-
-def _random_state(random_states: Any) -> dict[str, Any]:
-    return {
-        "nanotron": {k: states.random_state_to_plain(v) for k, v in random_states.items()},
-        "global": states.global_rng_state(),
-    }
-
-
-def _queuing_failed(pending: PendingCheckpoint, e: Exception) -> None:
-    """Reported at the next checkpoint or the end, as a failed write would be."""
-    pending.errors.append(f"queuing its files failed: {e!r}")
-    say.error(f"checkpoint {pending.step}: {pending.errors[-1]}", every_rank=True)
-
-
-def _add_stall(pending: PendingCheckpoint, seconds: float) -> None:
-    pending.stall_s += seconds
-
-
-def _host_copy(x: Any) -> Any:
-    """`x` with its containers and tensors copied (a few kB here: random states, a scheduler's state), so
-    that the files made of it are read as they were at the request, whenever the engine reads them (a GPU
-    tensor's copy is made in its stream's order, before any later change)."""
-    if isinstance(x, torch.Tensor):
-        return x.clone()
-    if type(x) in (dict, collections.OrderedDict):  # the containers a skeleton holds as data
-        return type(x)((k, _host_copy(v)) for k, v in x.items())
-    if type(x) in (list, tuple):
-        if set(map(type, x)) <= _PLAIN:  # a generator's state: 625 ints, checked and copied at C speed
-            return x if type(x) is tuple else list(x)
-        return type(x)(_host_copy(v) for v in x)
-    return x
-
-
-_PLAIN = frozenset((type(None), bool, int, float, str))  # immutable: a tuple of them is its own copy

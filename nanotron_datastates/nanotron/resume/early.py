@@ -1,0 +1,92 @@
+"""Resume, read early: from the trainer's first line, before Nanotron sets up its process groups (0.4 to 0.7 s
+on an H100: NCCL's first communicator and a barrier per group), the files every rank reads are read ahead,
+found from the config and the manifest alone (`layout.files_to_read` without a place: all the weights where
+no rank holds part of the model only; the one optimizer file), from the memory tier where it holds the
+checkpoint, and the small files into the page cache first. `Resume.plan` adopts that read-ahead where it
+reads exactly the files planned with the rank's place, onto the same device; else it starts one here too."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ...engine import DataStatesEngine
+from .. import memory_tier as tier
+from ..checkpoint import layout
+from ..yaml_config import section
+from .read_ahead import Prefetch, shared_weight_reads, warm_page_cache
+from .source import asked_layout, loads, parse_config, resume_folder
+
+
+@dataclasses.dataclass
+class EarlyRead:
+    """What the trainer's first line found to read ahead: where from, which files, onto which device, and
+    the engine made to read them (the trainer saves with it too)."""
+
+    manifest: dict[str, Any]
+    source: Path  # the checkpoint's folder, or the memory tier's copy
+    reads: layout.ReadSet
+    device: torch.device
+    topology: dict[str, int]  # the layout the config asks for
+    engine: DataStatesEngine
+
+    def adoptable(self, source: Path, device: torch.device | None, reads: layout.ReadSet) -> bool:
+        """Whether this read-ahead reads exactly `reads`, from `source` onto `device`."""
+        return self.source == source and self.device == device and same_large(self.reads, reads)
+
+
+def find(args: Sequence[Any], kwargs: dict[str, Any]) -> EarlyRead | None:
+    """What to read ahead for the trainer built with `args, kwargs` (None: nothing, or it cannot be known
+    yet); this rank's GPU set and the small files warmed in the page cache. Never raises: whatever fails
+    here, `Resume.plan` meets again and reports."""
+    if not torch.cuda.is_available():  # a CPU trainer reads nothing ahead
+        return None
+    try:
+        config = parse_config(args, kwargs)
+        folder = resume_folder(config)
+        if folder is None:
+            return None
+        manifest = layout.read_manifest(folder)
+        source = (
+            tier.tier_copy(section(config).trainer, folder, manifest, int(os.environ.get("RANK", "0")))
+            or folder
+        )
+        reads = layout.files_to_read(manifest, source, asked_layout(config), None, **loads(config))
+        if reads is None or (not reads.weights and reads.optimizer is None):
+            return None
+        # Nanotron's ParallelContext sets this same device first thing; set now, the engine pins its cache
+        # and the read-ahead allocates on this rank's GPU, not on GPU 0.
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        warm_page_cache(reads.small)  # before the disk's queue fills
+        engine = DataStatesEngine(section(config).engine)
+    except Exception:  # noqa: BLE001 - plan() meets the same problem and reports it
+        return None
+    return EarlyRead(manifest, source, reads, device, asked_layout(config), engine)
+
+
+def read_ahead(
+    engine: DataStatesEngine,
+    manifest: dict[str, Any],
+    folder: Path,
+    reads: layout.ReadSet,
+    device: torch.device,
+    topology: dict[str, int],
+) -> Prefetch:
+    """The read-ahead of `reads` (weights, optimizer) from `folder` onto `device`, each file checked against
+    the manifest's checksums; weight files that several ranks of a node read (replicas on `topology`) go
+    through the page cache."""
+    checksums = functools.partial(layout.file_checksums, manifest, folder)
+    shared = shared_weight_reads(topology)
+    return Prefetch(engine, device, reads.weights, reads.optimizer, checksums, shared)
+
+
+def same_large(a: layout.ReadSet, b: layout.ReadSet) -> bool:
+    """Whether both read the same weight and optimizer files (the small files may differ: before the process
+    groups, every rank warms them all)."""
+    return (a.weights, a.optimizer) == (b.weights, b.optimizer)

@@ -1,0 +1,56 @@
+"""Resume, the optimizer state: where the layout changed, put together from the saved shards and loaded now
+(reshard.py); else this rank's file, loaded at the first optimizer step (deferred_optimizer.py), as read ahead
+(read_ahead.py) or read then."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ...engine import DataStatesEngine
+from .. import log as say
+from .. import shards
+from . import reshard
+from .deferred_optimizer import DeferredOptimizer
+from .read_ahead import Prefetch
+
+Device = torch.device | None
+
+
+def load_resharded(
+    engine: DataStatesEngine,
+    manifest: dict[str, Any],
+    src: Path,
+    optimizer: Any,
+    model: Any,
+    pc: Any,
+    changed: dict[str, tuple[Any, int]],
+    device: Device,
+) -> None:
+    """The state saved on another layout (`changed`: what changed, from what to what), loaded now."""
+    state = reshard.optimizer_state(engine, manifest, src, optimizer, model, pc)
+    optimizer.load_state_dict(state, map_location=device or "cpu")
+    moved = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+    say.info(f"optimizer state resharded ({moved})")
+
+
+def deferred(
+    optimizer: Any, pc: Any, src: Path, read: Callable[[Path, Device], Any], device: Device
+) -> DeferredOptimizer:
+    """This rank's optimizer file, to be loaded into `optimizer` at its first use: `read(path, device)` reads
+    it (`read_file`, with the resume's read-ahead and engine of the time)."""
+    path = shards.optimizer_file(pc, src, zero=shards.is_zero(optimizer))
+    return DeferredOptimizer(optimizer, functools.partial(read, path, device), device or "cpu")
+
+
+def read_file(
+    prefetch: Prefetch | None, engine: Callable[[], DataStatesEngine], path: Path, device: Device
+) -> Any:
+    """The optimizer state: as read ahead, or read now."""
+    state = prefetch.optimizer(path) if prefetch is not None else None
+    if state is None:  # not read ahead, or (were Nanotron to change) not the optimizer's file
+        state = engine().load(path, device or "cpu")
+    return state

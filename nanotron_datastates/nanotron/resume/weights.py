@@ -1,0 +1,41 @@
+"""Resume, the weights: this rank's weight files into the model's parameters, as read ahead (read_ahead.py),
+else read now, each tensor checked against the manifest's checksums; on another layout, each parameter put
+together from the saved pieces (reshard.py)."""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ...engine import DataStatesEngine
+from .. import log as say
+from .. import shards
+from ..checkpoint import layout
+from . import reshard
+from .read_ahead import Prefetch, fill
+
+
+def load(
+    engine: Callable[[], DataStatesEngine],
+    manifest: dict[str, Any],
+    src: Path,
+    model: torch.nn.Module,
+    pc: Any,
+    prefetch: Prefetch | None,
+) -> list[str] | None:
+    """Loads the weights of `model` from `src` (`engine()` reads them); returns the names of the parameters
+    loaded from their own files, or None where they were resharded. Raises what reading raises."""
+    t0 = time.perf_counter()
+    sources = shards.weight_sources(model, pc, src)
+    if sources is None:  # another layout: each parameter put together from the saved pieces
+        n = reshard.load_weights(engine(), manifest, src, model)
+        say.info(f"resharded {n} weights in {time.perf_counter() - t0:.2f} s")
+        return None
+    ahead = prefetch.weights() if prefetch is not None else {}
+    checksums = functools.partial(layout.file_checksums, manifest, src)
+    fill([(tensor, path) for _, tensor, path in sources], ahead, engine(), checksums)
+    return [name for name, _, _ in sources]

@@ -1,0 +1,80 @@
+"""A Saver's copies of its checkpoints in memory: with `memory_tier`, each file's copy in node-local shared
+memory (memory_tier.py), opened with the Saver (what a killed process left pruned); with `memory_replicas`,
+the committed steps sent to ranks of other nodes too (replicas.py). Released when training ends."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+from ...engine import DataStatesEngine
+from .. import groups, replicas
+from ..checkpoint import folder as checkpoint
+from ..memory_tier import MemoryTier
+from ..trainer_settings import TrainerSettings
+
+
+@dataclasses.dataclass
+class Replication:
+    """The memory replicas of a Saver: its replicator, the placement recorded in each manifest, and the ranks
+    whose replicas this rank keeps."""
+
+    replicator: replicas.Replicator | None = None
+    placement: dict[str, Any] | None = None
+    sources: list[int] = dataclasses.field(default_factory=list)
+
+
+def open_tier(settings: TrainerSettings, checkpoints: Path) -> tuple[MemoryTier | None, int | None]:
+    """(this rank's memory tier, or None without `memory_tier`; the newest committed step, kept in it)."""
+    import torch.distributed as tdist
+
+    if not settings.memory_tier:
+        return None, None
+    rank = tdist.get_rank() if tdist.is_initialized() else 0
+    tier = MemoryTier(settings.memory_tier_path, checkpoints, rank, settings.memory_tier_copies)
+    try:
+        keep = checkpoint.latest_step(checkpoints)
+    except (OSError, ValueError):
+        keep = None
+    tier.prune(keep)  # what a killed process left besides the newest committed step
+    return tier, keep
+
+
+def open_replicas(
+    tier: MemoryTier | None,
+    settings: TrainerSettings,
+    pc: Any,
+    engine: DataStatesEngine,
+    keep: int | None,
+    on_done: Callable[[replicas.Replicated], None],
+) -> Replication:
+    """The replicas' placement over the nodes and the replicator, with `memory_replicas` (collective: the
+    ranks gather their nodes, and the replicator's gloo group is made here); the replicas this rank keeps
+    pruned like its own tier."""
+    import torch.distributed as tdist
+
+    if tier is None or not settings.memory_replicas or not tdist.is_initialized():
+        return Replication()
+    nodes = groups.gather(replicas.node_key(), pc)
+    holders = replicas.placement(nodes, settings.memory_replicas)
+    me = groups.rank(pc.world_pg)
+    sources = [s for s, hs in enumerate(holders) if me in hs]
+    replicas.prune(tier, sources, keep)
+    replicator = replicas.Replicator(
+        tier,
+        holders,
+        tdist.new_group(backend="gloo"),
+        engine,
+        settings.memory_replica_gbps,
+        on_done=on_done,
+    )
+    return Replication(replicator, {"nodes": nodes, "holders": holders}, sources)
+
+
+def release(tier: MemoryTier | None, sources: list[int]) -> None:
+    """At the end of training: this rank's memory tier files, and the replicas it keeps, dropped."""
+    if tier is not None:
+        for source in sources:
+            replicas.replica_area(tier, source).release()
+        tier.release()

@@ -1,0 +1,64 @@
+"""What one rank writes at every checkpoint: its files, planned once with Nanotron's names and tensor
+metadata (the same files and weight tensors at every checkpoint), and where each one goes, as the engine
+takes them (the checkpoint's folder, and with `memory_tier` the file's copy in node-local shared memory)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from ...engine import DataStatesEngine
+from ...plan import SavePlan
+from .. import shards
+from ..memory_tier import MemoryTier
+from .commit import PendingCheckpoint
+
+Targets = tuple[list[tuple[SavePlan, str]], list[Path] | None, list[Path | None] | None]
+
+
+@dataclasses.dataclass
+class RankFiles:
+    """What this rank writes at every checkpoint, relative to the checkpoint's folder."""
+
+    weights: list[tuple[Path, SavePlan]]
+    optimizer: Path | None
+    lr_scheduler: Path | None
+    random: Path
+
+
+def plan_files(engine: DataStatesEngine, model: Any, optimizer: Any, pc: Any, balance: bool) -> RankFiles:
+    """This rank's files, the weights' planned. What the replicas hold alike is shared out among them
+    (`balance`: `balance_writes`) or written by rank 0's replica."""
+    writes = shards.writers(model, optimizer, pc, balance=balance)
+    return RankFiles(
+        weights=[
+            (path, engine.plan({"data": param}, metadata=md, exact_metadata=True))
+            for path, param, md in shards.weight_shards(model, pc, Path(), writes)
+        ],
+        optimizer=shards.optimizer_path(optimizer, pc, Path(), writing=True, writes=writes),
+        lr_scheduler=shards.lr_scheduler_path(pc, Path(), writing=True, writes=writes),
+        random=shards.random_states_path(pc, Path()),
+    )
+
+
+def cache_bytes(engine: DataStatesEngine, plans: list[SavePlan]) -> int:
+    """The host cache one checkpoint of `plans` fills: each file takes whole chunks, and two more hold the
+    scheduler's and the random states' files."""
+    chunk = engine.cache_stats()["chunk_bytes"]
+    chunks = sum(-(-p.nbytes // chunk) for p in plans) + 2
+    return chunks * chunk
+
+
+def targets(
+    tier: MemoryTier | None, pending: PendingCheckpoint, files: list[tuple[Path, SavePlan]]
+) -> Targets:
+    """`files` (path in the checkpoint, plan) of `pending`'s checkpoint as the engine takes them: (plan,
+    path) each, with each one's memory tier copy and the earlier copy it recycles."""
+    out = [(plan, os.path.join(str(pending.folder), path)) for path, plan in files]
+    mirrors = recycle = None
+    if tier is not None:
+        mirrors = [tier.path(pending.step, path) for path, _ in files]
+        recycle = tier.recycle(pending.step, [str(path) for path, _ in files])
+    return out, mirrors, recycle

@@ -1,0 +1,77 @@
+"""What follows each checkpoint's outcome, on the committer's thread: the step marked held in the memory tier
+and handed to the replicator, rank 0's housekeeping and telemetry (housekeeping.py), the log line, and the
+observers (`observer(event, fields)`, for benchmarks and logs); then each replication's, on the
+replicator's thread."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from ... import telemetry
+from ...engine import DataStatesEngine
+from .. import groups, replicas
+from .. import log as say
+from ..memory_tier import MemoryTier
+from ..trainer_settings import TrainerSettings
+from . import housekeeping
+from .commit import CommitResult
+
+Notify = Callable[..., None]  # notify(event, **fields): tells a Saver's observers
+
+
+class Reporter:
+    """Reports a Saver's outcomes. `tier` and `replicator` (set once made: it reports here too) are the
+    Saver's, None without them."""
+
+    def __init__(
+        self,
+        engine: DataStatesEngine,
+        settings: TrainerSettings,
+        pc: Any,
+        checkpoints: Path,
+        tier: MemoryTier | None,
+        notify: Notify,
+    ) -> None:
+        self.engine, self.settings, self.pc, self.checkpoints = engine, settings, pc, checkpoints
+        self.tier, self.notify = tier, notify
+        self.replicator: replicas.Replicator | None = None
+
+    def committed(self, r: CommitResult) -> None:
+        """On the committer thread, for every checkpoint: the memory tier's mark, rank 0's housekeeping and
+        telemetry, the log line, the observers."""
+        if self.tier is not None and r.committed:
+            held = r.mirrored
+            try:
+                self.tier.commit(r.step, r.mirrored)
+                self.engine.keep_mirrors(self.tier.files())  # the dropped files' memory goes back
+            except OSError as e:  # a restart then reads storage
+                held = {}
+                say.error(f"memory tier, after checkpoint {r.step}: {e!r}", every_rank=True)
+            if self.replicator is not None:  # every rank, every committed step: the replication is collective
+                self.replicator.submit(r.step, held)
+        if groups.rank(self.pc.world_pg) == 0:
+            try:
+                cache = self.engine.cache_stats(reset=True) if self.settings.telemetry else {}
+                housekeeping.after_commit(r, self.checkpoints, self.settings, cache)
+            except Exception as e:  # never fatal: the checkpoint itself is committed (or reported failed)
+                say.error(f"after checkpoint {r.step}: {e!r}")
+        if r.committed:
+            say.info(housekeeping.describe(r))
+        else:
+            listed = "".join(f"\n  {e}" for e in r.errors)
+            say.error(f"checkpoint {r.step} NOT committed, {len(r.errors)} error(s):{listed}")
+        self.notify("committed", result=r)
+
+    def replicated(self, r: replicas.Replicated) -> None:
+        """On the replicator's thread, per checkpoint replicated (or not): the log line, the observers."""
+        if r.error:
+            say.error(replicas.describe(r), every_rank=True)
+        else:
+            say.info(replicas.describe(r))
+        if r.job is not None and self.settings.telemetry and groups.rank(self.pc.world_pg) == 0:
+            try:
+                housekeeping.append_telemetry(self.checkpoints, telemetry.replication(r.step, r.job))
+            except OSError as e:
+                say.error(f"telemetry of checkpoint {r.step}'s memory replicas: {e!r}")
+        self.notify("replicated", result=r)

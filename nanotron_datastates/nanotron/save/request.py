@@ -1,0 +1,78 @@
+"""A checkpoint between its request and its hand-over to the committer: what it carries from the request (the
+host values of that moment, copied), what it has queued so far, and how a failure to queue is reported."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ...engine import StagedSave
+from .. import log as say
+from .. import rng_states as states
+from .commit import PendingCheckpoint
+from .rank_files import RankFiles
+
+
+@dataclasses.dataclass
+class Request:
+    """A checkpoint between its request and its hand-over to the committer."""
+
+    pending: PendingCheckpoint
+    later: list[tuple[Path, Any]]  # (path in the checkpoint, host value captured at the request)
+    finalizer: Callable[[], Callable[[dict], None]] | None
+    deferred: bool  # captured at the next step's start and queued once it is launched
+    staged: StagedSave | None = None  # the state's files, staged before the step, queued after it
+    # (index among the staged files, copy of the optimizer's state before the step): planned after the step
+    replan: tuple[int, Any] | None = None
+    handles: list[Any] = dataclasses.field(default_factory=list)  # every file queued so far
+    seconds: float = 0.0  # on the training thread, capturing and queuing
+    captured: float = 0.0  # of which capturing (before the step, where deferred)
+
+
+def host_values(files: RankFiles, lr_scheduler: Any, random_states: Any) -> list[tuple[Path, Any]]:
+    """The host values of the request's moment, copied (the next forward pass draws random numbers), each
+    with its file: nothing changes them, so their files are planned and queued later, when the GPU has work
+    queued."""
+    later = [(files.random, host_copy(random_state(random_states)))]
+    if files.lr_scheduler is not None:
+        later.insert(0, (files.lr_scheduler, host_copy(lr_scheduler.state_dict())))
+    return later
+
+
+def random_state(random_states: Any) -> dict[str, Any]:
+    return {
+        "nanotron": {k: states.random_state_to_plain(v) for k, v in random_states.items()},
+        "global": states.global_rng_state(),
+    }
+
+
+def queuing_failed(pending: PendingCheckpoint, e: Exception) -> None:
+    """Reported at the next checkpoint or the end, as a failed write would be."""
+    pending.errors.append(f"queuing its files failed: {e!r}")
+    say.error(f"checkpoint {pending.step}: {pending.errors[-1]}", every_rank=True)
+
+
+def add_stall(pending: PendingCheckpoint, seconds: float) -> None:
+    pending.stall_s += seconds
+
+
+def host_copy(x: Any) -> Any:
+    """`x` with its containers and tensors copied (a few kB here: random states, a scheduler's state), so
+    that the files made of it are read as they were at the request, whenever the engine reads them (a GPU
+    tensor's copy is made in its stream's order, before any later change)."""
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if type(x) in (dict, collections.OrderedDict):  # the containers a skeleton holds as data
+        return type(x)((k, host_copy(v)) for k, v in x.items())
+    if type(x) in (list, tuple):
+        if set(map(type, x)) <= _PLAIN:  # a generator's state: 625 ints, checked and copied at C speed
+            return x if type(x) is tuple else list(x)
+        return type(x)(host_copy(v) for v in x)
+    return x
+
+
+_PLAIN = frozenset((type(None), bool, int, float, str))  # immutable: a tuple of them is its own copy
