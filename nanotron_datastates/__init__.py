@@ -14,7 +14,7 @@ TYPE_CHECKING = False  # not typing's: importing typing costs milliseconds at ev
 if TYPE_CHECKING:
     from .engine import DataStatesEngine, StagedSave
     from .engine_settings import DataStatesConfig
-    from .errors import ChecksumError, FormatError
+    from .errors import ChecksumError, DataStatesError, FormatError
     from .plan import SavePlan
     from .save_handle import SaveHandle
 
@@ -23,6 +23,7 @@ _WHERE = {
     "DataStatesEngine": "engine",
     "SaveHandle": "save_handle",
     "ChecksumError": "errors",
+    "DataStatesError": "errors",
     "FormatError": "errors",
     "SavePlan": "plan",
     "StagedSave": "engine",
@@ -31,6 +32,7 @@ __all__ = [
     "ChecksumError",
     "DataStatesConfig",
     "DataStatesEngine",
+    "DataStatesError",
     "FormatError",
     "SaveHandle",
     "SavePlan",

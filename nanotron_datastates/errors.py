@@ -1,7 +1,13 @@
-"""Exceptions of nanotron_datastates. I/O failures are plain OSError (with errno and the file's path)."""
+"""Exceptions of nanotron_datastates. Every exception the package defines derives from DataStatesError,
+beside the built-in class it has always been (ValueError, RuntimeError, OSError, ImportError), so that callers
+catch either. I/O failures of the system are plain OSError (with errno and the file's path)."""
 
 
-class FormatError(ValueError):
+class DataStatesError(Exception):
+    """The base of every exception nanotron_datastates defines."""
+
+
+class FormatError(DataStatesError, ValueError):
     """A file is not a valid safetensors file, or its nanotron-datastates metadata is malformed."""
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import trust
+from ..errors import DataStatesError
 from .names import FOLDERS, MANIFEST
 
 MANIFEST_FORMAT = "nanotron-datastates"
@@ -26,7 +27,7 @@ _MAX_DIM = 1 << 20  # ranks per dimension of a topology
 _HEX8 = re.compile(r"[0-9a-f]{8}")
 
 
-class ManifestError(ValueError):
+class ManifestError(DataStatesError, ValueError):
     """A manifest that is not ours, or names a file outside the checkpoint's layout."""
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from ..errors import DataStatesError
+
 # What the adapter relies on, module by module.
 REQUIRED = {
     "nanotron.config.config": ("Config", "CheckpointsArgs", "get_config_from_file", "get_config_from_dict"),
@@ -32,7 +34,7 @@ PROVIDERS = {
 }
 
 
-class NanotronUnavailable(ImportError):
+class NanotronUnavailable(DataStatesError, ImportError):
     """Nanotron is missing, broken (the PyPI 0.4 wheel), or lacks an API the adapter needs."""
 
 

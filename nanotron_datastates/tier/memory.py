@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import trust
+from ..errors import DataStatesError
 from .folders import dead_temporary, is_ours, regular_size, remove_empty, step_numbers, tree_size
 
 MARKER = ".rank-{rank}.json"
@@ -48,7 +49,7 @@ REPLICAS = "replicas"  # the job folder's area for other nodes' ranks' copies
 MAX_MARKER = 64 << 20  # bytes: a marker lists one rank's files
 
 
-class TierError(RuntimeError):
+class TierError(DataStatesError, RuntimeError):
     """The memory tier cannot hold the checkpoints asked for (no room on the node)."""
 
 

@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 
 from .. import trust
+from ..errors import DataStatesError
 from ..nanotron.checkpoint import layout
 
 CHUNK = 64 << 20  # bytes a message carries
 _temporaries = itertools.count()
 
 
-class ReplicaError(RuntimeError):
+class ReplicaError(DataStatesError, RuntimeError):
     """A checkpoint could not be replicated (the message names the rank and the file)."""
 
 

@@ -1,3 +1,4 @@
-"""A checkpoint on disk, without Nanotron: `layout` (where each file goes; the manifest), `folder` (what a
-path holds: kind, step folders, `latest.txt`), `verify` (whether it is whole), `convert` (to and from
-Nanotron's stock layout)."""
+"""A checkpoint on disk: `layout` (the names of `nanotron_datastates.checkpoint`, where each file goes and
+the manifest, re-exported), `folder` (what a path holds: kind, step folders, `latest.txt`), `verify` (whether
+it is whole), `convert` (to and from Nanotron's stock layout: `convert_to_stock`, `convert_from_stock`,
+`stock_pickles`)."""

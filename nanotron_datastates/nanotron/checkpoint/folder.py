@@ -16,13 +16,14 @@ from typing import Any, Iterator
 
 from ... import format as fmt
 from ... import trust
+from ...errors import DataStatesError
 from . import layout
 
 NANOTRON_FILES = (layout.NANOTRON_METADATA, "config.yaml", "model_config.json")
 KINDS = ("file", "folder", "checkpoint", "root")  # what `kind_of` recognizes; else 'missing' or 'unknown'
 
 
-class NotACheckpoint(ValueError):
+class NotACheckpoint(DataStatesError, ValueError):
     """A path that does not exist, or holds nothing `describe` and `verify` read; says what was looked for."""
 
 

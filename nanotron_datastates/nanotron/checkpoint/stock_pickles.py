@@ -19,10 +19,11 @@ import torch
 from torch.torch_version import TorchVersion
 
 from ... import trust
+from ...errors import DataStatesError
 from .. import rng_states as states
 
 
-class UnpicklingRefused(pickle.UnpicklingError, ValueError):
+class UnpicklingRefused(DataStatesError, pickle.UnpicklingError, ValueError):
     """A stock `.pt` file holds objects that loading without unpickling does not build; `allow_pickle=True`
     (`--allow-pickle`) unpickles it, which runs whatever code it names: only for a trusted checkpoint."""
 

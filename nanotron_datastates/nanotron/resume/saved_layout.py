@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ...engine import DataStatesEngine
+from ...errors import DataStatesError
 from ...format import read_header
 from ...restore import TensorRef, read_structure
 from ..checkpoint import layout
@@ -27,7 +28,7 @@ _NP_INT = re.compile(
 MASTER = "gradient_accumulator"  # Nanotron's key of the fp32 master weights in its optimizer's state_dict
 
 
-class ReshardError(ValueError):
+class ReshardError(DataStatesError, ValueError):
     """The checkpoint cannot be resumed on this layout (a parameter is missing or changed shape)."""
 
 

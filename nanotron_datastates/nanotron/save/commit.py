@@ -27,11 +27,12 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ... import cpu_use
+from ...errors import DataStatesError
 from ...save_handle import wait_handles
 from ..checkpoint import layout
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(DataStatesError, RuntimeError):
     """A checkpoint could not be committed; earlier checkpoints, and `latest.txt`, are untouched."""
 
 

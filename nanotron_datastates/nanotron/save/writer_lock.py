@@ -23,12 +23,13 @@ import time
 from pathlib import Path
 
 from ... import trust
+from ...errors import DataStatesError
 
 LOCK = ".datastates.writer.lock"
 _HELD: dict[str, WriterLock] = {}  # realpath of the folder -> its lock, in this process
 
 
-class FolderBusy(RuntimeError):
+class FolderBusy(DataStatesError, RuntimeError):
     """Another job (or another trainer of this process) writes checkpoints into this folder."""
 
 
