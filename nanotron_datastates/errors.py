@@ -13,3 +13,8 @@ class FormatError(DataStatesError, ValueError):
 
 class ChecksumError(FormatError):
     """A tensor's bytes do not match the checksum stored in its file's header."""
+
+
+class CheckpointError(DataStatesError, RuntimeError):
+    """A checkpoint could not be committed (earlier checkpoints, and `latest.txt`, are untouched), or no
+    committed checkpoint could be read whole on resume."""

@@ -15,27 +15,63 @@ and why.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from ...engine import DataStatesEngine
+from ...errors import CheckpointError
 from .. import groups, replicas
 from .. import log as say
 from .. import memory_tier as tier
 from ..checkpoint import folder as checkpoint
 from ..checkpoint import layout
-from ..save.commit import CheckpointError
 
 
-def memory_copy(resume: Any, settings: Any) -> Path | None:
+class Reading(Protocol):
+    """What the fallback reads of a resume (`Resume` is one) and asks of it: the checkpoint it reads, where
+    from, what failed, and to read everything again from another."""
+
+    @property
+    def folder(self) -> Path | None: ...  # None only before a checkpoint is planned
+
+    @property
+    def source(self) -> Path | None: ...  # None: read from `folder` itself
+
+    @property
+    def manifest(self) -> dict[str, Any]: ...
+
+    @property
+    def pc(self) -> Any: ...  # Nanotron's ParallelContext
+
+    @property
+    def metadata(self) -> Any: ...
+
+    def failures(self) -> list[str]: ...
+
+    def needs(self) -> set[str]: ...
+
+    def get_engine(self) -> DataStatesEngine: ...
+
+    def reload(self, folder: Path, source: Path | None) -> None: ...
+
+
+def _planned(resume: Reading) -> Path:
+    """The checkpoint `resume` reads (the fallback acts only on a planned one)."""
+    if resume.folder is None:
+        raise RuntimeError("no checkpoint planned to resume from, nothing to fall back from")
+    return resume.folder
+
+
+def memory_copy(resume: Reading, settings: Any) -> Path | None:
     """The memory tier's copy of `resume`'s checkpoint where every rank finds it whole there, else None (the
     log says which rank lacks it, and why). Collective."""
     if settings.memory_replicas:
         return _memory_of_any_node(resume, settings)
     rank = groups.rank(resume.pc.world_pg)
-    reason = tier.why_not(settings, resume.folder, resume.manifest, rank)
+    reason = tier.why_not(settings, _planned(resume), resume.manifest, rank)
     reasons = groups.gather(reason, resume.pc)
     step = resume.manifest.get("step")
     if not any(reasons):
-        copy = tier.tier_copy(settings, resume.folder, resume.manifest, rank)
+        copy = tier.tier_copy(settings, _planned(resume), resume.manifest, rank)
         say.note(f"resuming step {step} from the memory tier ({copy})")
         return copy
     r, why = next((r, why) for r, why in enumerate(reasons) if why)
@@ -43,7 +79,7 @@ def memory_copy(resume: Any, settings: Any) -> Path | None:
     return None
 
 
-def _memory_of_any_node(resume: Any, settings: Any) -> Path | None:
+def _memory_of_any_node(resume: Reading, settings: Any) -> Path | None:
     """`memory_copy` with memory replicas: this rank's node's tier folder of the step once every file each
     rank reads is there (`replicas.restart_source` pulls what a node lacks), else None. Collective."""
     import torch.distributed as tdist
@@ -53,7 +89,7 @@ def _memory_of_any_node(resume: Any, settings: Any) -> Path | None:
     try:
         rank = groups.rank(resume.pc.world_pg)
         copies = settings.memory_tier_copies
-        own = tier.MemoryTier(settings.memory_tier_path, resume.folder.parent, rank, copies)
+        own = tier.MemoryTier(settings.memory_tier_path, _planned(resume).parent, rank, copies)
     except OSError as e:
         problem = str(e)
     if not isinstance(step, int) or not tdist.is_initialized():
@@ -71,19 +107,19 @@ def _memory_of_any_node(resume: Any, settings: Any) -> Path | None:
     return source
 
 
-def confirm(resume: Any) -> Any | None:
+def confirm(resume: Reading) -> Any | None:
     """`resume`'s training metadata once every rank has read one checkpoint whole (`Resume.confirm`).
     Collective; raises CheckpointError, with the reasons, where none can be."""
     reasons = _everyone(resume)
     if not reasons:
         return resume.metadata
     tried = []
-    for folder, source in fallbacks(resume.folder, resume.source):
+    for folder, source in fallbacks(_planned(resume), resume.source):
         where = "memory" if resume.source is not None else "storage"
-        tried.append(f"step {resume.folder.name} from {where}: {reasons[0]}")
-        also = " (from storage)" if folder == resume.folder else ""
+        tried.append(f"step {_planned(resume).name} from {where}: {reasons[0]}")
+        also = " (from storage)" if folder == _planned(resume) else ""
         say.error(
-            f"checkpoint {resume.folder} could not be read whole ({'; '.join(reasons[:3])}); every rank "
+            f"checkpoint {_planned(resume)} could not be read whole ({'; '.join(reasons[:3])}); every rank "
             f"falls back to {folder}{also}"
         )
         resume.reload(folder, None if source == folder else source)
@@ -91,11 +127,11 @@ def confirm(resume: Any) -> Any | None:
         if not reasons:
             say.info(f"resumed from {folder} instead of the newest checkpoint")
             return resume.metadata
-    tried.append(f"step {resume.folder.name}: {reasons[0]}")
+    tried.append(f"step {_planned(resume).name}: {reasons[0]}")
     raise CheckpointError("no committed checkpoint could be read whole: " + "; ".join(tried))
 
 
-def _everyone(resume: Any) -> list[str]:
+def _everyone(resume: Reading) -> list[str]:
     """Every rank's reasons (each prefixed by its rank), the same list on every rank."""
     return [
         f"rank {r}: {why}"

@@ -27,13 +27,11 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ... import cpu_use
-from ...errors import DataStatesError
+from ...errors import CheckpointError
 from ...save_handle import wait_handles
 from ..checkpoint import layout
 
-
-class CheckpointError(DataStatesError, RuntimeError):
-    """A checkpoint could not be committed; earlier checkpoints, and `latest.txt`, are untouched."""
+__all__ = ["CheckpointError", "CommitResult", "Committer", "PendingCheckpoint"]
 
 
 @dataclasses.dataclass
