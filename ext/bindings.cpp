@@ -215,10 +215,10 @@ NB_MODULE(_core, m) {
           },
           "cache_bytes"_a, "chunk_bytes"_a, "pin_device"_a, "huge_pages"_a, "parser_threads"_a,
           "copy_threads"_a, "host_copy_threads"_a, "flush_threads"_a, "queue_depth"_a, "read_bytes"_a,
-          "io_backend"_a, "direct_io"_a, "fsync"_a, "checksums"_a, "map_memory_files"_a = true,
-          "flush_nice"_a = 0, "device_copy_bytes"_a = ds::EngineOptions{}.device_copy_bytes,
-          "device_copy_bytes_per_s"_a = ds::EngineOptions{}.device_copy_bytes_per_s,
-          "flush_depth"_a = ds::EngineOptions{}.flush_depth)
+          "io_backend"_a, "direct_io"_a, "fsync"_a, "checksums"_a, "map_memory_files"_a, "flush_nice"_a,
+          "device_copy_bytes"_a, "device_copy_bytes_per_s"_a, "flush_depth"_a,
+          "Every setting passed, none defaulted here: DataStatesConfig owns the defaults "
+          "(core_setup.start_core)")
       .def(
           "save_many",
           [](ds::Engine& e, std::vector<FileArg> files, const std::vector<nb::ndarray<>>& bases,

@@ -21,6 +21,8 @@
 
 namespace ds {
 
+// The values below serve the C++ tests (tests/cpp) only: the binding takes every field from Python, where
+// DataStatesConfig holds the defaults (core_setup.start_core), so the two can never disagree at run time.
 struct EngineOptions {
   std::size_t cache_bytes = std::size_t{1} << 30;
   std::size_t chunk_bytes = std::size_t{64} << 20;
