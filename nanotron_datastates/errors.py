@@ -18,3 +18,9 @@ class ChecksumError(FormatError):
 class CheckpointError(DataStatesError, RuntimeError):
     """A checkpoint could not be committed (earlier checkpoints, and `latest.txt`, are untouched), or no
     committed checkpoint could be read whole on resume."""
+
+
+class UntrustedPath(DataStatesError, OSError):
+    """A path that is not what the package wrote: a link, a name leaving its folder, a file of another user,
+    a folder others can write to. The message names the path and what is wrong with it (raised by
+    `trust`, the one module that checks paths)."""

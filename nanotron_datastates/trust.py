@@ -26,17 +26,12 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import Callable, Iterator
 
-from .errors import DataStatesError
+from .errors import UntrustedPath
 
 _STEP = re.compile(r"(?:0|[1-9][0-9]{0,18})")  # ASCII only; at most 19 digits: fits 63 bits
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 NEW_FILE = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC  # a new file, never a link's
 _temporaries = itertools.count()
-
-
-class UntrustedPath(DataStatesError, OSError):
-    """A path that is not what the package wrote: a link, a name leaving its folder, a file of another user,
-    a folder others can write to. The message names the path and what is wrong with it."""
 
 
 def step_number(text: str) -> int | None:

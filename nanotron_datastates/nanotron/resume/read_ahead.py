@@ -91,14 +91,17 @@ def fits_in_memory(nbytes: int) -> bool:
     return False
 
 
+def _local_place() -> tuple[int, int]:
+    """This process's place among the node's ranks, as torchrun sets it: (local rank, local world size)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return int(os.environ.get("LOCAL_RANK", "0")) % local, local
+
+
 def node_share() -> tuple[int, int] | None:
     """This process's share of the node's reads (local rank, local world size), where the job runs on one
     node only; None for a job of several nodes (each would read the whole checkpoint for a part of it)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    if local != world:
-        return None
-    return int(os.environ.get("LOCAL_RANK", "0")) % local, local
+    place = _local_place()
+    return place if place[1] == int(os.environ.get("WORLD_SIZE", "1")) else None
 
 
 def shared_weight_reads(topology: dict[str, int]) -> tuple[int, int] | None:
@@ -107,10 +110,10 @@ def shared_weight_reads(topology: dict[str, int]) -> tuple[int, int] | None:
     that each reads them through the page cache starting at a file of its own and the disk reads each once
     (with O_DIRECT, every replica read every byte from the disk: four on one node, 2.2 GB each, at a quarter
     of its speed). None: none does."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    if topology.get("dp", 1) * topology.get("cp", 1) < 2 or local < 2:
+    place = _local_place()
+    if topology.get("dp", 1) * topology.get("cp", 1) < 2 or place[1] < 2:
         return None
-    return int(os.environ.get("LOCAL_RANK", "0")) % local, local
+    return place
 
 
 def warm_for_reshard(manifest: dict[str, Any], folder: Path, in_memory: bool) -> PageCacheWarmer | None:
@@ -196,12 +199,13 @@ class Prefetch:
             return None
 
     def _read_weights(self, paths: list[Path]) -> dict[Path, dict[str, torch.Tensor]]:
+        shared = self.shared is not None
+
         def read(path: Path) -> dict[str, torch.Tensor]:
             self._on_device()
             checksums = self._checksums(path)
             return self._engine.load(path, self._device, checksums=checksums, page_cache=shared)
 
-        shared = self.shared is not None
         if self.shared is not None:  # the node's ranks start apart: each file comes from the disk once
             index, count = self.shared
             first = index * len(paths) // count
