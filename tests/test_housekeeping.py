@@ -124,7 +124,7 @@ def test_one_parser_of_step_numbers():
 def test_latest_txt_is_read_strictly_and_never_through_a_link(tmp_path):
     """Only canonical ASCII digits name a step; a latest.txt that is a link is refused without quoting its
     target's content."""
-    from nanotron_datastates.nanotron.checkpoint.folder import latest_step
+    from nanotron_datastates.checkpoint.folder import latest_step
 
     for text in ("١٠", "１０", "+20", "2_0", "20 x"):
         (tmp_path / layout.LATEST).write_text(text)

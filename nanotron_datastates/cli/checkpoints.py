@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..nanotron.checkpoint import folder as checkpoint
+from ..checkpoint import folder as checkpoint
 from ..nanotron.checkpoint import verify
 from .words import human_bytes, plural, print_lines, printable
 

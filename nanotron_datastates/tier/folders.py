@@ -11,7 +11,7 @@ import stat
 from pathlib import Path
 
 from .. import trust
-from ..nanotron.checkpoint.folder import step_folders, step_of
+from ..checkpoint.folder import step_folders, step_of
 
 
 def step_numbers(folder: Path) -> list[int]:

@@ -16,7 +16,7 @@ import torch
 from cpu_ranks import launch
 from nanotron.serialize.metadata import CheckpointMetadata
 
-from nanotron_datastates.nanotron.checkpoint import folder as checkpoint
+from nanotron_datastates.checkpoint import folder as checkpoint
 from nanotron_datastates.nanotron.checkpoint import layout, verify
 from nanotron_datastates.nanotron.checkpoint.convert import convert
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
+from ...checkpoint import folder as checkpoint
 from ...engine import DataStatesEngine
 from ...errors import CheckpointError
 from .. import groups, replicas
 from .. import log as say
 from .. import memory_tier as tier
-from ..checkpoint import folder as checkpoint
 from ..checkpoint import layout
 
 

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..checkpoint import folder as checkpoint
+from ...checkpoint import folder as checkpoint
 from ..checkpoint import layout
 
 

@@ -8,9 +8,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
+from ...checkpoint import folder as checkpoint
 from ...engine import DataStatesEngine
 from .. import groups, replicas
-from ..checkpoint import folder as checkpoint
 from ..memory_tier import MemoryTier
 from ..trainer_settings import TrainerSettings
 
