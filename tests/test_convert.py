@@ -20,8 +20,9 @@ import torch
 import yaml
 
 from nanotron_datastates import DataStatesEngine
+from nanotron_datastates.checkpoint import verify
 from nanotron_datastates.errors import ChecksumError
-from nanotron_datastates.nanotron.checkpoint import layout, verify
+from nanotron_datastates.nanotron.checkpoint import layout
 from nanotron_datastates.nanotron.checkpoint.convert import convert
 
 from helpers import same

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from nanotron_datastates.checkpoint.verify import verify
 from nanotron_datastates.nanotron.checkpoint import layout
-from nanotron_datastates.nanotron.checkpoint.verify import verify
 
 from helpers import write_nanotron_checkpoint
 
@@ -109,7 +109,7 @@ def test_verify_reports_each_bad_checkpoint_and_goes_on_in_bounded_time(saved, t
         doc["step"] = 100 + i
         (folder / layout.MANIFEST).write_text(json.dumps(_edit(doc, how)[0]))
     script = (
-        "import json, resource; from nanotron_datastates.nanotron.checkpoint.verify import verify; "
+        "import json, resource; from nanotron_datastates.checkpoint.verify import verify; "
         f"r = verify({str(root)!r}).as_dict(); "
         "r['max_rss_kib'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; print(json.dumps(r))"
     )

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from nanotron_datastates import DataStatesEngine, FormatError
-from nanotron_datastates.nanotron.checkpoint.verify import verify
+from nanotron_datastates.checkpoint.verify import verify
 
 SKELETONS = {
     "not-json": "{not json",

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import folder as checkpoint
-from ..nanotron.checkpoint import verify
+from ..checkpoint import verify
 from .words import human_bytes, plural, print_lines, printable
 
 

@@ -17,7 +17,8 @@ from cpu_ranks import launch
 from nanotron.serialize.metadata import CheckpointMetadata
 
 from nanotron_datastates.checkpoint import folder as checkpoint
-from nanotron_datastates.nanotron.checkpoint import layout, verify
+from nanotron_datastates.checkpoint import verify
+from nanotron_datastates.nanotron.checkpoint import layout
 from nanotron_datastates.nanotron.checkpoint.convert import convert
 
 HAS_CP = "cp" in {f.name for f in dataclasses.fields(CheckpointMetadata)}  # Nanotron from 2025-04 on
