@@ -7,6 +7,7 @@ namespace ds {
 
 Engine::Engine(const EngineOptions& opts)
     : opts_(opts),
+      storage_(posix_storage()),
       pacer_(opts.device_copy_bytes_per_s),
       cache_(
           std::make_unique<HostCache>(opts.cache_bytes, opts.chunk_bytes, opts.pin_device, opts.huge_pages)),
@@ -66,9 +67,10 @@ std::vector<std::shared_ptr<SaveJob>> Engine::save_many(
     jobs.reserve(requests.size());
     for (std::size_t i = 0; i < requests.size() && !e; ++i) {
       SaveRequest& r = requests[i];
-      jobs.push_back(std::make_shared<SaveJob>(std::move(r.path), std::move(r.tensors), std::move(r.metadata),
-                                               opts_.save, r.embed_checksums, events, cache_.get(), this,
-                                               std::move(r.mirror), &mirrors_, std::move(r.recycle)));
+      jobs.push_back(std::make_shared<SaveJob>(storage_, std::move(r.path), std::move(r.tensors),
+                                               std::move(r.metadata), opts_.save, r.embed_checksums, events,
+                                               cache_.get(), this, std::move(r.mirror), &mirrors_,
+                                               std::move(r.recycle)));
     }
   } catch (const std::bad_alloc&) {
     e = Error::internal("out of memory queuing a save");
@@ -129,7 +131,7 @@ RestoreResult Engine::restore(const std::string& path, std::uint64_t data_start,
   ro.read_bytes = opts_.read_bytes;
   ro.map_memory_files = opts_.map_memory_files;
   ro.verify = verify;
-  return restore_file(path, data_start, data_len, spans, to_device, ro, parsers_, *cache_, fd);
+  return restore_file(path, data_start, data_len, spans, to_device, ro, parsers_, *cache_, *storage_, fd);
 }
 
 void Engine::prepare_cache(bool wait, std::size_t chunks) {

@@ -1,6 +1,7 @@
-// The engine: owns the host cache, the copy threads (save), the parser threads (restore) and the flush
-// workers, and drives each SaveJob through plan -> copy -> flush -> commit. Restore runs read -> verify ->
-// scatter on the parser threads.
+// The engine: owns the host cache, the storage target (storage.hpp: every file a save writes or a restore
+// reads goes through it), the copy threads (save), the parser threads (restore) and the flush workers, and
+// drives each SaveJob through plan -> copy -> flush -> commit. Restore runs read -> verify -> scatter on the
+// parser threads.
 #pragma once
 
 #include <atomic>
@@ -17,6 +18,7 @@
 #include "mirror_file.hpp"
 #include "restore.hpp"
 #include "save_job.hpp"
+#include "storage.hpp"
 #include "task_pool.hpp"
 
 namespace ds {
@@ -114,6 +116,9 @@ class Engine final : public JobObserver {
   TaskPool& copiers_for(const SaveJob& job);
 
   EngineOptions opts_;
+  // The target of every file operation (engine.cpp picks it); shared with each SaveJob, which may outlive
+  // the engine (a Python handle holds it).
+  const std::shared_ptr<Storage> storage_;
   CopyPacer pacer_;
   std::unique_ptr<HostCache> cache_;
   MirrorFiles mirrors_;  // mirror files kept mapped after their saves

@@ -14,22 +14,24 @@
 
 namespace ds {
 
-MirrorFile::MirrorFile(const std::string& path, std::size_t bytes, bool existing, std::size_t block,
-                       std::size_t origin, int pin_device)
-    : bytes_(bytes), block_(block), origin_(std::min(origin, bytes)), pin_device_(pin_device) {
-  const int flags = O_RDWR | O_CLOEXEC | O_NOFOLLOW | (existing ? 0 : O_CREAT | O_EXCL);
-  fd_ = open(path.c_str(), flags, 0600);
-  if (fd_ < 0) throw ErrorException(Error::os(errno, "opening the mirror copy", path));
+MirrorFile::MirrorFile(Storage& storage, int fd, const std::string& path, std::size_t bytes,
+                       std::size_t block, std::size_t origin, int pin_device)
+    : fd_(fd), bytes_(bytes), block_(block), origin_(std::min(origin, bytes)), pin_device_(pin_device) {
+  // Allocated first: nothing to undo if they cannot be had.
+  blocks_ = 1 + (bytes_ - origin_ + block_ - 1) / block_;
+  once_ = std::make_unique<std::once_flag[]>(blocks_);
+  pinned_ = std::make_unique<std::atomic<bool>[]>(blocks_);
+  for (std::size_t i = 0; i < blocks_; ++i) pinned_[i].store(false);
   struct stat st {};
   auto fail = [&](Error e) {
     if (base_) munmap(base_, bytes_);
-    close(fd_);
+    fd_ = -1;  // the caller's still: it closes the file and removes it
     throw ErrorException(std::move(e));
   };
   if (fstat(fd_, &st) != 0) fail(Error::os(errno, "checking the mirror copy", path));
   if (!S_ISREG(st.st_mode) || st.st_uid != geteuid() || st.st_nlink != 1)  // a second name: not ours alone
     fail(Error::value("the mirror copy is not a regular file of this user's with one name", path));
-  if (Error e = resize(bytes, path)) fail(e);
+  if (Error e = resize(storage, bytes, path)) fail(e);
   // Reserved now: a tmpfs out of room then fails here, not with a SIGBUS in the middle of a copy.
   if (int e = posix_fallocate(fd_, 0, static_cast<off_t>(bytes)); e != 0 && e != EOPNOTSUPP)
     fail(Error::os(e, "reserving the memory of the mirror copy", path));
@@ -37,10 +39,6 @@ MirrorFile::MirrorFile(const std::string& path, std::size_t bytes, bool existing
   if (p == MAP_FAILED) fail(Error::os(errno, "mapping the mirror copy", path));
   base_ = static_cast<char*>(p);
   madvise(base_, bytes_, MADV_DONTFORK);  // data loader workers must not share it
-  blocks_ = 1 + (bytes_ - origin_ + block_ - 1) / block_;
-  once_ = std::make_unique<std::once_flag[]>(blocks_);
-  pinned_ = std::make_unique<std::atomic<bool>[]>(blocks_);
-  for (std::size_t i = 0; i < blocks_; ++i) pinned_[i].store(false);
 }
 
 MirrorFile::~MirrorFile() {
@@ -51,12 +49,11 @@ MirrorFile::~MirrorFile() {
   if (fd_ >= 0) close(fd_);
 }
 
-Error MirrorFile::resize(std::size_t file_bytes, const std::string& path) {
+Error MirrorFile::resize(Storage& storage, std::size_t file_bytes, const std::string& path) {
   struct stat st {};
   if (fstat(fd_, &st) != 0) return Error::os(errno, "checking the mirror copy", path);
-  if (static_cast<std::size_t>(st.st_size) != file_bytes &&
-      ftruncate(fd_, static_cast<off_t>(file_bytes)) != 0)
-    return Error::os(errno, "sizing the mirror copy", path);
+  if (static_cast<std::size_t>(st.st_size) == file_bytes) return {};
+  if (int e = storage.truncate(fd_, file_bytes)) return Error::os(e, "sizing the mirror copy", path);
   return {};
 }
 

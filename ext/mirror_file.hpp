@@ -18,19 +18,21 @@
 #include <vector>
 
 #include "common.hpp"
+#include "storage.hpp"
 #include "task_pool.hpp"
 
 namespace ds {
 
 class MirrorFile {
  public:
-  // Opens `path` (a new file; or an existing one of ours, `existing`, never through a link), sizes it to
-  // `bytes` (a multiple of 4096), reserves its memory (ENOSPC now, not a SIGBUS later) and maps it shared.
-  // Pins blocks through `pin_device`'s context (-1: never): [0, origin), then `block` bytes each from
-  // `origin` on, so that a piece of the data section (at origin + i * block) lies in one registration (a
-  // device copy into memory that spans two registrations fails). Throws ErrorException naming the file.
-  MirrorFile(const std::string& path, std::size_t bytes, bool existing, std::size_t block, std::size_t origin,
-             int pin_device);
+  // Takes `fd` (the file at `path`, opened by `storage` with Access::Mapped), checks it is a regular file of
+  // this user's with one name, sizes it to `bytes` (a multiple of 4096) through `storage`, reserves its
+  // memory (ENOSPC now, not a SIGBUS later) and maps it shared. Pins blocks through `pin_device`'s context
+  // (-1: never): [0, origin), then `block` bytes each from `origin` on, so that a piece of the data section
+  // (at origin + i * block) lies in one registration (a device copy into memory that spans two registrations
+  // fails). Throws ErrorException naming the file, leaving `fd` to the caller; owns it once constructed.
+  MirrorFile(Storage& storage, int fd, const std::string& path, std::size_t bytes, std::size_t block,
+             std::size_t origin, int pin_device);
   ~MirrorFile();
   MirrorFile(const MirrorFile&) = delete;
   MirrorFile& operator=(const MirrorFile&) = delete;
@@ -43,8 +45,9 @@ class MirrorFile {
   // Block i, once (a copy that reaches it first waits for it, or does it).
   void prepare_block_once(std::size_t i);
   std::size_t blocks() const { return blocks_; }
-  // Makes the file `bytes` long again (a recycled file was cut to its exact size within its last page).
-  Error resize(std::size_t file_bytes, const std::string& path);
+  // Makes the file `file_bytes` long through `storage` (a recycled file was cut to its exact size within its
+  // last page).
+  Error resize(Storage& storage, std::size_t file_bytes, const std::string& path);
 
  private:
   void prepare_block(std::size_t i);

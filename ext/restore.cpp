@@ -1,10 +1,8 @@
 #include "restore.hpp"
 
 #include <fcntl.h>
-#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -285,51 +283,15 @@ struct Restore {
   }
 };
 
-// Whether the file lives in memory (tmpfs, ramfs), where a mapping reaches its bytes with no copy by the
-// kernel and O_DIRECT means nothing.
-bool in_memory(int fd) {
-  struct statfs s {};
-  return fstatfs(fd, &s) == 0 && (s.f_type == TMPFS_MAGIC || s.f_type == RAMFS_MAGIC);
-}
-
-// Non-blocking, so that a FIFO never holds the open; anything but a regular file is EINVAL.
-int open_for_read(const std::string& path, bool direct) {
-  const int flags = O_RDONLY | O_CLOEXEC | O_NONBLOCK;
-  int fd = direct ? open(path.c_str(), flags | O_DIRECT) : -1;
-  if (fd < 0 && (!direct || errno == EINVAL)) fd = open(path.c_str(), flags);  // EINVAL: no O_DIRECT here
-  if (fd < 0) return fd;
-  struct stat st {};
-  const int mode = fcntl(fd, F_GETFL);
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || mode < 0 ||
-      fcntl(fd, F_SETFL, mode & ~O_NONBLOCK) != 0) {
-    close(fd);
-    errno = EINVAL;
-    return -1;
-  }
-  return fd;
-}
-
-// A descriptor of our own for the caller's open file `fd`: the same file, whatever the path names now. With
-// O_DIRECT, a new open of the same inode through /proc (O_DIRECT is per open file, and the caller's must stay
-// as it is); else, or where that fails, a duplicate.
-int reopen_for_read(int fd, bool direct) {
-  if (direct) {
-    const std::string self = "/proc/self/fd/" + std::to_string(fd);
-    const int own = open(self.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-    if (own >= 0) return own;
-  }
-  return fcntl(fd, F_DUPFD_CLOEXEC, 0);
-}
-
 }  // namespace
 
 RestoreResult restore_file(const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
                            const std::vector<RestoreSpan>& spans, bool to_device, const RestoreOptions& opts,
-                           TaskPool& pool, HostCache& cache, int fd) {
+                           TaskPool& pool, HostCache& cache, Storage& storage, int fd) {
   const bool direct = to_device && opts.direct_io;
-  const int own = fd >= 0 ? reopen_for_read(fd, direct) : open_for_read(path, direct);
-  if (own < 0) throw ErrorException(Error::os(errno, "opening for restore", path));
-  const bool from_memory = to_device && opts.map_memory_files && in_memory(own);
+  const int own = storage.open_read(path, direct, fd);
+  if (own < 0) throw ErrorException(Error::os(-own, "opening for restore", path));
+  const bool from_memory = to_device && opts.map_memory_files && storage.in_memory(own);
   if (from_memory) {
     // Touching a mapping past the end of its file is SIGBUS, not an error: a short file is refused here (the
     // tier's folder is private, so only its own user could shorten a file while it is read).

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "host_cache.hpp"
+#include "storage.hpp"
 #include "task_pool.hpp"
 
 namespace ds {
@@ -63,12 +64,13 @@ struct RestoreResult {
 };
 
 // Blocks until everything is in place. `to_device`: every span has a destination, read through the cache's
-// chunks (with O_DIRECT where allowed): a CUDA pointer, or host memory where `device` < 0. `fd` >= 0: an
-// open descriptor of the file (the caller's, left open), read instead of opening `path` again, so that the
-// bytes come from the file whose header the caller read even if another is renamed over the path meanwhile.
-// Throws ErrorException naming `path` on an I/O error.
+// chunks (with O_DIRECT where allowed): a CUDA pointer, or host memory where `device` < 0. The file is
+// opened through `storage` (Storage::open_read). `fd` >= 0: an open descriptor of the file (the caller's,
+// left open), read instead of opening `path` again, so that the bytes come from the file whose header the
+// caller read even if another is renamed over the path meanwhile. Throws ErrorException naming `path` on an
+// I/O error.
 RestoreResult restore_file(const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
                            const std::vector<RestoreSpan>& spans, bool to_device, const RestoreOptions& opts,
-                           TaskPool& pool, HostCache& cache, int fd = -1);
+                           TaskPool& pool, HostCache& cache, Storage& storage, int fd = -1);
 
 }  // namespace ds

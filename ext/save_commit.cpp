@@ -1,15 +1,12 @@
 // Stage 4 of a save (save_job.hpp draws the whole life): after the last piece, the header with the
 // combined checksums, the exact size, fsync, the rename onto the final path and the folder's fsync; on an
-// error, the temporary file removed. Every storage operation of a commit is here.
-#include <fcntl.h>
-#include <unistd.h>
-
+// error, the temporary file removed. Every step of a commit is here, each file operation through the
+// engine's storage target (storage.hpp), the fsyncs as IoOps on its descriptors.
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 
 #include "crc32c.hpp"
-#include "save_files.hpp"
 #include "save_job.hpp"
 
 namespace ds {
@@ -58,7 +55,7 @@ IoOp* SaveJob::header_op() {
   if (map_) std::memcpy(map_->data(), header_buf_, layout_.data_start);
   header_op_ = IoOp{};
   header_op_.kind = IoOp::Kind::Write;
-  header_op_.fd = fd_;
+  header_op_.fd = file_.fd;
   header_op_.buf = header_buf_;
   header_op_.len = layout_.data_start;
   header_op_.offset = 0;
@@ -68,78 +65,65 @@ IoOp* SaveJob::header_op() {
 
 IoOp* SaveJob::header_written(int err) {
   if (err) {
-    fail(Error::os(err, "writing the header of " + tmp_path_, path_));
+    fail(Error::os(err, "writing the header of " + file_.temp, path_));
     abort_commit();
     return nullptr;
   }
   // O_DIRECT wrote whole blocks: the file takes its exact size.
-  if (ftruncate(fd_, static_cast<off_t>(layout_.file_size)) != 0) {
-    fail(Error::os(errno, "truncating " + tmp_path_, path_));
+  if (int e = storage_->truncate(file_.fd, layout_.file_size)) {
+    fail(Error::os(e, "truncating " + file_.temp, path_));
     abort_commit();
     return nullptr;
   }
   if (!opts_.fsync) return rename_into_place();
-  fsync_op_ = fsync_of(fd_, this);
+  fsync_op_ = fsync_of(file_.fd, this);
   return &fsync_op_;
 }
 
 IoOp* SaveJob::data_synced(int err) {
   if (err) {
-    fail(Error::os(err, "fsync of " + tmp_path_, path_));
+    fail(Error::os(err, "fsync of " + file_.temp, path_));
     abort_commit();
     return nullptr;
   }
   return rename_into_place();
 }
 
+// Each failure discards the file: the temporary before the rename, the final path after it.
 IoOp* SaveJob::rename_into_place() {
-  const int fd = fd_;
-  fd_ = -1;
-  if (close(fd) != 0) {
-    fail(Error::os(errno, "closing " + tmp_path_, path_));
-    unlink(tmp_path_.c_str());
+  Error e;
+  if (int c = storage_->close(file_)) {
+    e = Error::os(c, "closing " + file_.temp, path_);
+  } else if (int r = storage_->publish(file_)) {
+    e = Error::os(r, "renaming " + file_.temp + " into place", path_);
+  } else if (!opts_.fsync) {
     finish();
     return nullptr;
+  } else if (int o = storage_->open_folder(file_)) {
+    e = Error::os(o, "opening directory " + file_.folder + " to fsync it", path_);
+  } else {
+    dirsync_op_ = fsync_of(file_.folder_fd, this);
+    return &dirsync_op_;
   }
-  if (rename(tmp_path_.c_str(), path_.c_str()) != 0) {
-    fail(Error::os(errno, "renaming " + tmp_path_ + " into place", path_));
-    unlink(tmp_path_.c_str());
-    finish();
-    return nullptr;
-  }
-  if (!opts_.fsync) {
-    finish();
-    return nullptr;
-  }
-  dirfd_ = open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dirfd_ < 0) {
-    fail(Error::os(errno, "opening directory " + dir_ + " to fsync it", path_));
-    unlink(path_.c_str());
-    finish();
-    return nullptr;
-  }
-  dirsync_op_ = fsync_of(dirfd_, this);
-  return &dirsync_op_;
+  fail(std::move(e));
+  storage_->discard(file_);
+  finish();
+  return nullptr;
 }
 
 IoOp* SaveJob::directory_synced(int err) {
-  close(dirfd_);
-  dirfd_ = -1;
+  storage_->close(file_);
   if (err) {
     // Renamed but not known to be durable: do not leave it looking committed.
-    fail(Error::os(err, "fsync of directory " + dir_, path_));
-    unlink(path_.c_str());
+    fail(Error::os(err, "fsync of directory " + file_.folder, path_));
+    storage_->discard(file_);
   }
   finish();
   return nullptr;
 }
 
 void SaveJob::abort_commit() {
-  if (fd_ >= 0) {
-    close(fd_);
-    fd_ = -1;
-  }
-  if (!tmp_path_.empty()) unlink(tmp_path_.c_str());
+  storage_->discard(file_);
   finish();
 }
 

@@ -1,5 +1,5 @@
 // One save of one file, its stages in the order they run (save_job.hpp draws the whole life):
-//   1. plan     plan(): layout and header, checksum bookkeeping, the temporary file opened;
+//   1. plan     plan(): layout and header, checksum bookkeeping, the temporary file opened (storage.hpp);
 //   2. copy     copy_piece(): each piece into a cache chunk (or the mirror's mapping); the last one captured
 //               completes the snapshot;
 //   3. flush    on_io_prepare() sums a piece as a worker writes it; piece_written() gives its chunk back;
@@ -9,9 +9,6 @@
 // results the bindings read save_results.cpp's.
 #include "save_job.hpp"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -20,13 +17,15 @@
 #include <numeric>
 
 #include "crc32c.hpp"
-#include "save_files.hpp"
+
 namespace ds {
 
-SaveJob::SaveJob(std::string path, std::vector<TensorSrc> tensors, Metadata metadata, SaveOptions opts,
-                 bool embed_checksums, std::shared_ptr<const cuda::StreamEvents> events, HostCache* cache,
-                 JobObserver* observer, std::string mirror, MirrorFiles* mirrors, std::string recycle)
-    : path_(std::move(path)),
+SaveJob::SaveJob(std::shared_ptr<Storage> storage, std::string path, std::vector<TensorSrc> tensors,
+                 Metadata metadata, SaveOptions opts, bool embed_checksums,
+                 std::shared_ptr<const cuda::StreamEvents> events, HostCache* cache, JobObserver* observer,
+                 std::string mirror, MirrorFiles* mirrors, std::string recycle)
+    : storage_(std::move(storage)),
+      path_(std::move(path)),
       mirror_(std::move(mirror)),
       recycle_(std::move(recycle)),
       mirrors_(mirrors),
@@ -43,8 +42,8 @@ SaveJob::SaveJob(std::string path, std::vector<TensorSrc> tensors, Metadata meta
 
 SaveJob::~SaveJob() {
   std::free(header_buf_);
-  if (fd_ >= 0) close(fd_);
-  if (dirfd_ >= 0) close(dirfd_);
+  storage_->close(file_);
+  storage_->close(mirror_file_);
 }
 
 // -- 1. plan ------------------------------------------------------------------------------------------------
@@ -105,29 +104,16 @@ bool SaveJob::plan_file() {
 // The temporary file beside the final path, with its parent folders: created before any byte is queued, so
 // nothing truncates later. O_DIRECT where the filesystem has it.
 bool SaveJob::open_temporary() {
-  tmp_path_ = temporary_path(path_, &dir_);
-  if (int e = make_dirs(dir_)) {
-    fail(Error::os(e, "creating the directory " + dir_, path_));
+  if (int e = storage_->create(path_, &file_)) {
+    fail(Error::os(e, "creating the directory " + file_.folder, path_));
     return false;
   }
-  const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC;
-  if (opts_.direct_io) {
-    fd_ = open(tmp_path_.c_str(), flags | O_DIRECT, 0666);
-    direct_ = fd_ >= 0;
-    if (fd_ < 0 && errno != EINVAL) {  // EINVAL: this filesystem has no O_DIRECT (tmpfs); write buffered
-      fail(Error::os(errno, "creating the temporary file " + tmp_path_, path_));
-      return false;
-    }
-  }
-  if (fd_ < 0) {
-    fd_ = open(tmp_path_.c_str(), flags, 0666);
-    if (fd_ < 0) {
-      fail(Error::os(errno, "creating the temporary file " + tmp_path_, path_));
-      return false;
-    }
+  if (int e = storage_->open(file_, opts_.direct_io ? Access::Direct : Access::Buffered)) {
+    fail(Error::os(e, "creating the temporary file " + file_.temp, path_));
+    return false;
   }
   std::lock_guard<std::mutex> lock(mu_);
-  stats_.direct_io = direct_;
+  stats_.direct_io = file_.direct;
   return true;
 }
 
@@ -153,14 +139,14 @@ IoOp* SaveJob::copy_piece(std::size_t i, char* chunk, PieceCopier& copier) {
     return nullptr;
   }
   std::size_t len = hi - lo;
-  if (direct_) {  // O_DIRECT writes whole blocks: zero the tail padding, ftruncate removes it at commit
+  if (file_.direct) {  // O_DIRECT writes whole blocks: zero the tail padding, ftruncate removes it at commit
     const std::size_t padded = align_up(len, kPage);
     std::memset(chunk + len, 0, padded - len);
     len = padded;
   }
   IoOp& op = piece_ops_[i];
   op.kind = IoOp::Kind::Write;
-  op.fd = fd_;
+  op.fd = file_.fd;
   op.buf = chunk;
   op.len = len;
   op.offset = layout_.data_start + lo;
@@ -222,7 +208,7 @@ IoOp* SaveJob::piece_written(IoOp& op, int err) {
   if (err)
     fail(Error::os(err,
                    "writing " + std::to_string(op.len) + " bytes at offset " + std::to_string(op.offset) +
-                       " of " + tmp_path_,
+                       " of " + file_.temp,
                    path_));
   return piece_finished();
 }

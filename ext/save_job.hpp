@@ -1,23 +1,28 @@
 // One save of one file, from plan to commit. The engine drives it:
 //
-//   1. plan()        copy thread: layout and header, parent directories, temporary file opened (O_DIRECT
-//                    when it can), so no byte is queued before the file exists and nothing truncates later;
+//   1. plan()        copy thread: layout and header; the storage target names the temporary file, makes its
+//                    folders and opens it (O_DIRECT when it can), so no byte is queued before the file exists
+//                    and nothing truncates later;
 //   2. copy_piece()  copy threads: piece i (a chunk-sized, 4096-aligned slice of the data section) copied
 //                    into a cache chunk, or into the mirror file's mapping; when every piece is copied or
 //                    dropped the snapshot is done;
 //   3. flush         flush workers: on_io_prepare() sums the piece (CRC-32C per tensor range), the worker
-//                    writes it; its chunk goes back to the cache when the write completes;
-//   4. commit        after the last piece: header (with checksums) written, ftruncate to the exact size
-//                    (O_DIRECT pads the tail), fsync, rename onto the final path, fsync of the directory;
-//                    persisted.
+//                    writes it on the target's descriptor; its chunk goes back to the cache when the write
+//                    completes;
+//   4. commit        after the last piece: header (with checksums) written, truncate to the exact size
+//                    (O_DIRECT pads the tail), fsync, publish (rename onto the final path), fsync of the
+//                    folder; persisted.
 //
-// With a mirror path (a memory tier on tmpfs), the mirror file is the save's staging memory
-// (mirror_file.hpp): mapped at plan, each piece copied into it and written to storage from it, the header
-// copied in at commit; it is renamed into place just before the job counts as persisted. A mirror that cannot
-// be had (no room) only drops the mirror: the save goes through cache chunks, and mirrored() says so.
+// Every file operation goes through the engine's Storage (storage.hpp): create, open, truncate, close,
+// publish, open_folder, discard; the fsyncs and writes are IoOps on the descriptors it hands out. With a
+// mirror path (a memory tier on tmpfs), the mirror file is the save's staging memory (mirror_file.hpp),
+// created through the same target (Access::Mapped, an earlier save's file reused): mapped at plan, each piece
+// copied into it and written to storage from it, the header copied in at commit; it is published just before
+// the job counts as persisted. A mirror that cannot be had (no room) only drops the mirror: the save goes
+// through cache chunks, and mirrored() says so.
 //
 // An error at any step is stored (the first one wins), later pieces are dropped, the temporary file is
-// removed, and both waits resolve: nothing is ever left at the final path, and earlier files are untouched.
+// discarded, and both waits resolve: nothing is ever left at the final path, and earlier files are untouched.
 #pragma once
 
 #include <atomic>
@@ -38,6 +43,7 @@
 #include "host_cache.hpp"
 #include "mirror_file.hpp"
 #include "plan.hpp"
+#include "storage.hpp"
 
 namespace ds {
 
@@ -69,10 +75,11 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   // `embed_checksums` false: the CRCs are computed (see checksums()) but the header holds `metadata` only,
   // for readers that reject unknown metadata keys.
   // `events`: recorded on the caller's streams at save() (its device copies wait for them), never null.
-  SaveJob(std::string path, std::vector<TensorSrc> tensors, Metadata metadata, SaveOptions opts,
-          bool embed_checksums, std::shared_ptr<const cuda::StreamEvents> events, HostCache* cache,
-          JobObserver* observer, std::string mirror = {}, MirrorFiles* mirrors = nullptr,
-          std::string recycle = {});
+  // `storage`: the target every file operation of the save goes through (the engine's).
+  SaveJob(std::shared_ptr<Storage> storage, std::string path, std::vector<TensorSrc> tensors,
+          Metadata metadata, SaveOptions opts, bool embed_checksums,
+          std::shared_ptr<const cuda::StreamEvents> events, HostCache* cache, JobObserver* observer,
+          std::string mirror = {}, MirrorFiles* mirrors = nullptr, std::string recycle = {});
   ~SaveJob() override;
 
   struct Planned {
@@ -143,15 +150,15 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   void close_mirror(bool commit);
   void release(char* buf);  // a cache chunk back; nothing for the mirror's mapping
 
+  const std::shared_ptr<Storage> storage_;
   const std::string path_;
   const std::string mirror_;
   const std::string recycle_;  // a mirror file of an earlier save to take the new bytes, or empty
   MirrorFiles* const mirrors_;
-  std::string mirror_tmp_;
+  StorageFile mirror_file_;          // its descriptor handed on to map_ once mapped
   std::shared_ptr<MirrorFile> map_;  // set at plan when the mirror is the staging memory, then fixed
   std::string mirror_error_;         // guarded by mu_
-  std::string tmp_path_;
-  std::string dir_;
+  StorageFile file_;                 // the storage file: its temporary, folder and descriptors
   std::vector<TensorSrc> tensors_;
   bool on_device_ = false;
   Metadata metadata_;
@@ -165,9 +172,6 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   std::size_t block_ = 0;  // the block segments' grid (divides chunk_)
   std::size_t data_bytes_ = 0;
   std::size_t npieces_ = 0;
-  int fd_ = -1;
-  int dirfd_ = -1;
-  bool direct_ = false;
   const std::shared_ptr<const cuda::StreamEvents> events_;
 
   std::vector<IoOp> piece_ops_;

@@ -1,45 +1,45 @@
 // A save's mirror copy (a memory tier on tmpfs), mapped as the save's staging memory (mirror_file.hpp):
 // opened at plan, or recycled from an earlier save's file, renamed into place when the job ends well and then
 // kept mapped for a later save to recycle. A mirror that cannot be had drops the mirror only: the pieces then
-// go through cache chunks.
-#include <unistd.h>
-
+// go through cache chunks. Its file operations go through the engine's storage target (storage.hpp), the
+// file opened with Access::Mapped.
 #include <algorithm>
 #include <cerrno>
 #include <new>
 
-#include "save_files.hpp"
 #include "save_job.hpp"
 
 namespace ds {
 
 void SaveJob::open_mirror() {
-  std::string dir;
-  mirror_tmp_ = temporary_path(mirror_, &dir);
-  if (int e = make_dirs(dir)) return mirror_fail(Error::os(e, "creating the folder of the mirror copy", dir));
+  // The temporary, its folder, and an earlier save's file renamed onto it (reused) where there is one.
+  if (int e = storage_->create(mirror_, &mirror_file_, recycle_))
+    return mirror_fail(Error::os(e, "creating the folder of the mirror copy", mirror_file_.folder));
+  const std::string& tmp = mirror_file_.temp;
   const std::size_t bytes = align_up(layout_.file_size, kPage);
   std::shared_ptr<MirrorFile> old;
-  bool existing = false;
   if (!recycle_.empty()) {
     old = mirrors_ ? mirrors_->take(recycle_) : nullptr;  // still mapped (and pinned) by this process
-    existing = rename(recycle_.c_str(), mirror_tmp_.c_str()) == 0;
-    if (!existing) old.reset();  // gone: a new file
+    if (!mirror_file_.reused) old.reset();                // gone: a new file
   }
   try {
     if (old && old->size() == bytes && old->origin() == layout_.data_start) {
-      if (Error e = old->resize(bytes, mirror_tmp_)) throw ErrorException(e);
+      if (Error e = old->resize(*storage_, bytes, tmp)) throw ErrorException(e);
       map_ = std::move(old);
     } else {
       old.reset();  // another layout, or not mapped here: mapped anew
-      map_ = std::make_shared<MirrorFile>(mirror_tmp_, bytes, existing, cache_->chunk_bytes(),
+      if (int e = storage_->open(mirror_file_, Access::Mapped))
+        throw ErrorException(Error::os(e, "opening the mirror copy", tmp));
+      map_ = std::make_shared<MirrorFile>(*storage_, mirror_file_.fd, tmp, bytes, cache_->chunk_bytes(),
                                           layout_.data_start, cache_->pin_device());
+      mirror_file_.fd = -1;  // the mapping's now
       if (mirrors_) mirrors_->prepare_in_background(map_);
     }
   } catch (const ErrorException& e) {
-    unlink(mirror_tmp_.c_str());
+    storage_->discard(mirror_file_);
     mirror_fail(e.error);
   } catch (const std::bad_alloc&) {
-    unlink(mirror_tmp_.c_str());
+    storage_->discard(mirror_file_);
     mirror_fail(Error::os(ENOMEM, "mapping the mirror copy", mirror_));
   }
 }
@@ -67,9 +67,10 @@ void SaveJob::close_mirror(bool commit) {
   if (!map_) return;
   std::shared_ptr<MirrorFile> map = std::move(map_);
   if (commit) {
-    Error e = map->resize(layout_.file_size, mirror_tmp_);
-    if (!e && rename(mirror_tmp_.c_str(), mirror_.c_str()) != 0)
-      e = Error::os(errno, "renaming the mirror copy into place", mirror_);
+    Error e = map->resize(*storage_, layout_.file_size, mirror_file_.temp);
+    if (!e)
+      if (int r = storage_->publish(mirror_file_))
+        e = Error::os(r, "renaming the mirror copy into place", mirror_);
     if (!e) {
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -80,7 +81,7 @@ void SaveJob::close_mirror(bool commit) {
     }
     mirror_fail(e);
   }
-  unlink(mirror_tmp_.c_str());
+  storage_->discard(mirror_file_);
 }
 
 std::string SaveJob::mirror_error() {

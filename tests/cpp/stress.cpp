@@ -2,9 +2,10 @@
 // tests/test_sanitizers.py. Several threads save random host states through a tiny cache (so every save
 // streams with backpressure), on both flush backends; every file is read back with restore() and compared
 // byte for byte; failures (an unwritable directory) are mixed in; engines are closed while saves are in
-// flight.
+// flight. The POSIX storage target (storage.hpp) is checked alone first: names, publish, discard, reads.
 //
 // usage: ds_stress DIR [ROUNDS]     exit status 0 when every check passed
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -21,6 +22,7 @@
 #include "crc32c.hpp"
 #include "engine.hpp"
 #include "flush.hpp"
+#include "storage.hpp"
 
 namespace {
 
@@ -233,6 +235,49 @@ void round(const std::string& dir, const std::string& backend, int round_no) {
   for (auto& j : jobs) CHECK(j->persisted_done() && !j->failed(), "tail job %s", j->path().c_str());
 }
 
+bool exists(const std::string& path) {
+  struct stat st{};
+  return lstat(path.c_str(), &st) == 0;
+}
+
+// The POSIX target on its own: a file written through it appears at its final path only when published;
+// discard removes the temporary before, the final path after; two targets of one process never name the
+// same temporary; reads open regular files only, and the caller's open file where one is given.
+void storage_checks(const std::string& dir) {
+  const auto a = ds::posix_storage(), b = ds::posix_storage();
+  const std::string path = dir + "/storage/deep/er/file.bin";
+  ds::StorageFile f, g;
+  CHECK(a->create(path, &f) == 0 && b->create(path, &g) == 0, "create %s", path.c_str());
+  CHECK(f.temp != g.temp && f.folder == dir + "/storage/deep/er", "temporaries %s %s", f.temp.c_str(),
+        g.temp.c_str());
+  CHECK(a->open(f, ds::Access::Direct) == 0 && f.fd >= 0, "open %s", f.temp.c_str());
+  CHECK(b->open(g, ds::Access::Buffered) == 0 && !g.direct, "open %s", g.temp.c_str());
+  CHECK(pwrite(g.fd, "abc", 3, 0) == 3 && b->truncate(g.fd, 2) == 0, "write and truncate %s", g.temp.c_str());
+  CHECK(!exists(path) && exists(f.temp) && exists(g.temp), "only temporaries before publish");
+  CHECK(b->close(g) == 0 && g.fd < 0 && b->publish(g) == 0 && exists(path) && !exists(g.temp), "publish");
+  CHECK(b->open_folder(g) == 0 && g.folder_fd >= 0 && b->close(g) == 0 && g.folder_fd < 0, "open_folder");
+  CHECK(a->discard(f) == 0 && !exists(f.temp) && exists(path) && f.fd < 0, "discard before publish");
+  const int r = a->open_read(path, true);
+  CHECK(r >= 0, "open_read %s: %d", path.c_str(), r);
+  struct stat st{};
+  CHECK(r >= 0 && fstat(r, &st) == 0 && st.st_size == 2, "the file published is the one written");
+  const int same = a->open_read(dir + "/not-this-name", false, r);
+  CHECK(same >= 0 && same != r, "open_read of an open file: %d", same);
+  for (int fd : {r, same})
+    if (fd >= 0) close(fd);
+  CHECK(a->open_read(dir + "/storage", false) == -EINVAL, "a folder is not read");
+  CHECK(a->open_read(dir + "/storage/missing", false) == -ENOENT, "a missing file");
+  CHECK(b->discard(g) == 0 && !exists(path), "discard after publish removes the final path");
+  // A mapped file reused by a later file's temporary: renamed, opened without creating.
+  ds::StorageFile m, n;
+  CHECK(a->create(path, &m) == 0 && a->open(m, ds::Access::Mapped) == 0 && a->publish(m) == 0, "mapped");
+  CHECK(a->create(path, &n, path) == 0 && n.reused && !exists(path) && exists(n.temp), "reuse");
+  CHECK(a->open(n, ds::Access::Mapped) == 0 && a->close(m) == 0 && a->discard(n) == 0 && !exists(n.temp),
+        "reused file opened and discarded");
+  ds::StorageFile blocked;
+  CHECK(a->create(dir + "/blocker/x/y", &blocked) == ENOTDIR, "a file in the way of the folder");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -254,6 +299,7 @@ int main(int argc, char** argv) {
   const std::uint32_t a = ds::crc32c(0, big.data(), 12345),
                       b = ds::crc32c(0, big.data() + 12345, big.size() - 12345);
   CHECK(ds::crc32c_combine(a, b, big.size() - 12345) == whole, "crc32c_combine");
+  storage_checks(dir);
 
   for (int r = 0; r < rounds; ++r)
     for (const char* backend : {"io_uring", "pwrite"})

@@ -1,0 +1,152 @@
+// The POSIX target of the storage seam (storage.hpp): local file systems, tmpfs included (the memory tier's
+// mirror files). A file is written under a dot-name beside its final path and renamed onto it; reads open
+// regular files only.
+#include <fcntl.h>
+#include <linux/magic.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+
+#include "storage.hpp"
+
+namespace ds {
+namespace {
+
+// Process-wide, so that two engines of one process never name the same temporary.
+std::atomic<std::uint64_t> g_seq{0};
+
+// mkdir -p; returns 0 or errno.
+int make_dirs(const std::string& dir) {
+  if (dir.empty()) return 0;
+  struct stat st;
+  if (stat(dir.c_str(), &st) == 0) return S_ISDIR(st.st_mode) ? 0 : ENOTDIR;
+  const auto slash = dir.find_last_of('/');
+  if (slash != std::string::npos && slash > 0)
+    if (int e = make_dirs(dir.substr(0, slash))) return e;
+  if (mkdir(dir.c_str(), 0777) != 0 && errno != EEXIST) return errno;
+  return 0;
+}
+
+// "<dir>/.<name>.dstmp.<pid>.<n>" for `path` = "<dir>/<name>"; `*dir` receives <dir>.
+std::string temporary_path(const std::string& path, std::string* dir) {
+  const auto slash = path.find_last_of('/');
+  std::string base;
+  if (slash == std::string::npos) {
+    *dir = ".";
+    base = path;
+  } else {
+    *dir = slash == 0 ? "/" : path.substr(0, slash);
+    base = path.substr(slash + 1);
+  }
+  return *dir + "/." + base + ".dstmp." + std::to_string(getpid()) + "." + std::to_string(g_seq.fetch_add(1));
+}
+
+int close_fd(int* fd) {
+  if (*fd < 0) return 0;
+  const int r = ::close(*fd);
+  *fd = -1;
+  return r == 0 ? 0 : errno;
+}
+
+class PosixStorage final : public Storage {
+ public:
+  int create(const std::string& path, StorageFile* file, const std::string& reuse) override {
+    file->path = path;
+    file->temp = temporary_path(path, &file->folder);
+    if (int e = make_dirs(file->folder)) return e;
+    file->reused = !reuse.empty() && rename(reuse.c_str(), file->temp.c_str()) == 0;
+    return 0;
+  }
+
+  int open(StorageFile& file, Access access) override {
+    if (access == Access::Mapped) {
+      const int flags = O_RDWR | O_CLOEXEC | O_NOFOLLOW | (file.reused ? 0 : O_CREAT | O_EXCL);
+      file.fd = ::open(file.temp.c_str(), flags, 0600);
+      return file.fd < 0 ? errno : 0;
+    }
+    const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC;
+    if (access == Access::Direct) {
+      file.fd = ::open(file.temp.c_str(), flags | O_DIRECT, 0666);
+      file.direct = file.fd >= 0;
+      if (file.fd < 0 && errno != EINVAL) return errno;  // EINVAL: no O_DIRECT here (tmpfs); write buffered
+    }
+    if (file.fd < 0) file.fd = ::open(file.temp.c_str(), flags, 0666);
+    return file.fd < 0 ? errno : 0;
+  }
+
+  int truncate(int fd, std::uint64_t bytes) override {
+    return ftruncate(fd, static_cast<off_t>(bytes)) == 0 ? 0 : errno;
+  }
+
+  int close(StorageFile& file) noexcept override {
+    const int e = close_fd(&file.fd);
+    const int f = close_fd(&file.folder_fd);
+    return e ? e : f;
+  }
+
+  int publish(StorageFile& file) override {
+    if (rename(file.temp.c_str(), file.path.c_str()) != 0) return errno;
+    file.published = true;
+    return 0;
+  }
+
+  int open_folder(StorageFile& file) override {
+    file.folder_fd = ::open(file.folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    return file.folder_fd < 0 ? errno : 0;
+  }
+
+  int discard(StorageFile& file) noexcept override {
+    close(file);
+    const std::string& left = file.published ? file.path : file.temp;
+    if (left.empty()) return 0;
+    return unlink(left.c_str()) == 0 ? 0 : errno;
+  }
+
+  // Non-blocking, so that a FIFO never holds the open; anything but a regular file is EINVAL.
+  int open_read(const std::string& path, bool direct, int same_as) override {
+    if (same_as >= 0) return reopen_read(same_as, direct);
+    const int flags = O_RDONLY | O_CLOEXEC | O_NONBLOCK;
+    int fd = direct ? ::open(path.c_str(), flags | O_DIRECT) : -1;
+    if (fd < 0 && (!direct || errno == EINVAL)) fd = ::open(path.c_str(), flags);  // EINVAL: no O_DIRECT
+    if (fd < 0) return -errno;
+    struct stat st{};
+    const int mode = fcntl(fd, F_GETFL);
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || mode < 0 ||
+        fcntl(fd, F_SETFL, mode & ~O_NONBLOCK) != 0) {
+      ::close(fd);
+      return -EINVAL;
+    }
+    return fd;
+  }
+
+  bool in_memory(int fd) override {
+    struct statfs s{};
+    return fstatfs(fd, &s) == 0 && (s.f_type == TMPFS_MAGIC || s.f_type == RAMFS_MAGIC);
+  }
+
+ private:
+  // A descriptor of our own for the caller's open file `fd`: the same file, whatever the path names now.
+  // With O_DIRECT, a new open of the same inode through /proc (O_DIRECT is per open file, and the caller's
+  // must stay as it is); else, or where that fails, a duplicate.
+  static int reopen_read(int fd, bool direct) {
+    if (direct) {
+      const std::string self = "/proc/self/fd/" + std::to_string(fd);
+      const int own = ::open(self.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+      if (own >= 0) return own;
+    }
+    const int dup = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    return dup >= 0 ? dup : -errno;
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<Storage> posix_storage() {
+  return std::make_shared<PosixStorage>();
+}
+
+}  // namespace ds
