@@ -26,8 +26,8 @@ def save_loop(root_dir: str, ready: Any, tier_base: str | None = None, copies: i
     from nanotron_datastates import DataStatesConfig, DataStatesEngine
     from nanotron_datastates.nanotron.checkpoint import layout
     from nanotron_datastates.nanotron.memory_tier import MemoryTier
-    from nanotron_datastates.nanotron.save import housekeeping
-    from nanotron_datastates.nanotron.save.commit import Committer, PendingCheckpoint
+    from nanotron_datastates.save import housekeeping
+    from nanotron_datastates.save.commit import Committer, PendingCheckpoint
 
     root = Path(root_dir)
     latest = root / layout.LATEST

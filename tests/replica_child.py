@@ -52,7 +52,7 @@ def save(
     from nanotron_datastates.nanotron import replicas as rep
     from nanotron_datastates.nanotron.checkpoint import layout
     from nanotron_datastates.nanotron.memory_tier import MemoryTier
-    from nanotron_datastates.nanotron.save.commit import Committer, PendingCheckpoint
+    from nanotron_datastates.save.commit import Committer, PendingCheckpoint
 
     dist = _start(rank, world, node, init)
     root, out = Path(work) / "ckpt", Path(work)

@@ -16,8 +16,8 @@ from nanotron_datastates import format as fmt
 from nanotron_datastates import telemetry
 from nanotron_datastates.cli import main, measure, parser, words
 from nanotron_datastates.nanotron.checkpoint import layout
-from nanotron_datastates.nanotron.save import housekeeping
-from nanotron_datastates.nanotron.save.commit import CommitResult
+from nanotron_datastates.save import housekeeping
+from nanotron_datastates.save.commit import CommitResult
 
 from helpers import write_nanotron_checkpoint
 

@@ -73,7 +73,7 @@ def test_a_thread_that_exits_between_two_reads_takes_only_its_own_time(tmp_path)
 
 
 def test_each_checkpoints_outcome_carries_the_cpu_its_saves_took(tmp_path):
-    from nanotron_datastates.nanotron.save.commit import Committer, PendingCheckpoint
+    from nanotron_datastates.save.commit import Committer, PendingCheckpoint
 
     state = {"x": torch.randn(16 << 20)}
     with DataStatesEngine(small_config()) as engine:

@@ -22,8 +22,8 @@ from nanotron_datastates import DataStatesEngine, trust
 from nanotron_datastates.nanotron import replicas as rep
 from nanotron_datastates.nanotron.checkpoint import layout
 from nanotron_datastates.nanotron.memory_tier import MemoryTier
-from nanotron_datastates.nanotron.save import housekeeping
-from nanotron_datastates.nanotron.save.writer_lock import LOCK, WriterLock
+from nanotron_datastates.save import housekeeping
+from nanotron_datastates.save.writer_lock import LOCK, WriterLock
 
 from helpers import small_config, write_nanotron_checkpoint
 

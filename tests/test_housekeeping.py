@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from nanotron_datastates.nanotron.checkpoint import layout
-from nanotron_datastates.nanotron.save import housekeeping
+from nanotron_datastates.save import housekeeping
 
 
 def _folder(root: Path, step: int, committed: bool = True, stock: bool = False) -> Path:
@@ -81,7 +81,7 @@ def test_stale_temporaries_are_removed_from_a_committed_folder(tmp_path):
 
 
 def test_telemetry_lines_append_and_a_torn_line_is_skipped(tmp_path):
-    from nanotron_datastates.nanotron.save.commit import CommitResult
+    from nanotron_datastates.save.commit import CommitResult
 
     r = CommitResult(40, tmp_path / "40", True, [], 2_000_000, 3, 0.012, 0.05, 1.1, 1.2)
     cache = {"chunks": 8, "chunk_bytes": 1 << 20, "high_water": 5, "wait_ns": 2_000_000}

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
 from nanotron_datastates.nanotron.checkpoint import layout
-from nanotron_datastates.nanotron.save.commit import Committer, PendingCheckpoint
+from nanotron_datastates.save.commit import Committer, PendingCheckpoint
 
 
 def _worker(rank: int, world: int, init: str, root: str, out: str) -> None:

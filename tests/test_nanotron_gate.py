@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
-from nanotron_datastates.nanotron.save.gate import SnapshotGate
+from nanotron_datastates.save.gate import SnapshotGate
 
 
 def guarded(optimizer: torch.optim.Optimizer) -> SnapshotGate:

@@ -3,7 +3,7 @@ spare of the larger of 1 GiB and 5% of the GPU."""
 
 import torch
 
-from nanotron_datastates.nanotron.save import staging
+from nanotron_datastates.save import staging
 
 GIB = 1 << 30
 

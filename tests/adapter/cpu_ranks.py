@@ -304,7 +304,7 @@ def resume_other(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     `by_position`), random states aside (another layout's ranks take those of the saved ranks at their
     places: compared where the rank existed)."""
     from nanotron_datastates.nanotron.resume.resume import Resume
-    from nanotron_datastates.nanotron.save.commit import CheckpointError
+    from nanotron_datastates.save.commit import CheckpointError
 
     if os.environ.get("CPU_RANKS_INTERMEDIATE"):  # another model than the one saved
         c.model.model_config.intermediate_size = int(os.environ["CPU_RANKS_INTERMEDIATE"])

@@ -34,11 +34,11 @@ from nanotron_datastates.nanotron import shards
 from nanotron_datastates.nanotron.checkpoint import layout
 from nanotron_datastates.nanotron.memory_tier import TierError
 from nanotron_datastates.nanotron.resume.resume import Resume
-from nanotron_datastates.nanotron.save import housekeeping
-from nanotron_datastates.nanotron.save.commit import CheckpointError
 from nanotron_datastates.nanotron.save.commit_files import finalizer
 from nanotron_datastates.nanotron.save.saver import Saver
 from nanotron_datastates.nanotron.trainer_settings import Section, TrainerSettings
+from nanotron_datastates.save import housekeeping
+from nanotron_datastates.save.commit import CheckpointError
 
 from helpers import wait_until
 
@@ -541,7 +541,7 @@ def test_a_second_trainer_on_the_same_checkpoints_folder_is_refused(rank0, tmp_p
     """Two writers committing the same steps would mix one's manifest with the other's files: the rank that
     commits holds the folder's writer lock, so a second Saver there fails at its start, and the folder is
     free again once the first closes."""
-    from nanotron_datastates.nanotron.save.writer_lock import FolderBusy
+    from nanotron_datastates.save.writer_lock import FolderBusy
 
     root = tmp_path / "ckpt"
     first = saver_of(rank0, root)

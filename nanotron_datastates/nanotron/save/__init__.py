@@ -4,4 +4,7 @@ the last), `request` (a checkpoint until the committer has it), `staging` (copie
 `gate` (the optimizer step waits for the snapshot), the engine's flush, `commit` (every rank persisted:
 agreed across ranks), `commit_files` (rank 0: Nanotron's files, the manifest, `latest.txt`), `report` (each
 outcome: the memory tier's mark, the log, the observers), `housekeeping` (rotation, temporaries,
-telemetry); `memory` (the memory tier and its replicas), `writer_lock`: one job per checkpoints folder."""
+telemetry); `memory` (the memory tier and its replicas), `writer_lock`: one job per checkpoints folder.
+
+`staging`, `gate`, `commit`, `housekeeping` and `writer_lock` need no Nanotron: they live in
+`nanotron_datastates.save`, and the names here re-export them."""

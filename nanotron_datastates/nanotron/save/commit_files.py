@@ -19,9 +19,9 @@ import yaml
 from nanotron.config.utils_config import serialize
 from nanotron.constants import CHECKPOINT_FILE_NAME, MODEL_CONFIG_FILE_NAME
 
+from ...save import housekeeping
 from .. import groups, shards
 from ..checkpoint import layout
-from . import housekeeping
 
 
 def finalizer(

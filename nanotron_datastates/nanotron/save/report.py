@@ -10,12 +10,12 @@ from typing import Any, Callable
 
 from ... import telemetry
 from ...engine import DataStatesEngine
+from ...save import housekeeping
+from ...save.commit import CommitResult
 from .. import groups, replicas
 from .. import log as say
 from ..memory_tier import MemoryTier
 from ..trainer_settings import TrainerSettings
-from . import housekeeping
-from .commit import CommitResult
 
 Notify = Callable[..., None]  # notify(event, **fields): tells a Saver's observers
 
