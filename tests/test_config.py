@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
-from nanotron_datastates.nanotron.trainer_settings import Section, TrainerSettings
+from nanotron_datastates.trainer_settings import Section, TrainerSettings
 
 
 def test_defaults_are_valid_and_sized():

@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
-from nanotron_datastates.nanotron.trainer_settings import Section, TrainerSettings
 from nanotron_datastates.save import housekeeping
 from nanotron_datastates.save.commit import CommitResult
+from nanotron_datastates.trainer_settings import Section, TrainerSettings
 
 from helpers import write_nanotron_checkpoint
 

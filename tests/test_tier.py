@@ -15,7 +15,7 @@ from nanotron_datastates import trust
 from nanotron_datastates.nanotron import memory_tier as tier
 from nanotron_datastates.nanotron.checkpoint import layout
 from nanotron_datastates.nanotron.memory_tier import MemoryTier
-from nanotron_datastates.nanotron.trainer_settings import TrainerSettings
+from nanotron_datastates.trainer_settings import TrainerSettings
 
 from helpers import forge_crc32c, write_nanotron_checkpoint
 

@@ -16,8 +16,8 @@ import dataclasses
 import sys
 from typing import Any, Optional
 
+from ..trainer_settings import DatastatesSection, Section, section_keys
 from . import compat
-from .trainer_settings import DatastatesSection, Section, section_keys
 
 ENGINES = ("torch", "datastates")
 

@@ -55,7 +55,7 @@ def balanced(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     from nanotron.serialize.weights import load_weights
 
     from nanotron_datastates.nanotron import groups
-    from nanotron_datastates.nanotron.trainer_settings import TrainerSettings
+    from nanotron_datastates.trainer_settings import TrainerSettings
 
     state = training_state(pc, c)
     saved = snapshot(*state)
@@ -80,8 +80,8 @@ def tier_switch(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     checkpoint 9, then is killed. "final": checkpoint 9 resumed from storage (the tier off), then from the
     tier. Each state saved is kept in `work/state-<step>-<rank>.pt`; each resume reports what differs."""
     from nanotron_datastates.nanotron.resume.resume import Resume
-    from nanotron_datastates.nanotron.trainer_settings import Section
     from nanotron_datastates.nanotron.yaml_config import section
+    from nanotron_datastates.trainer_settings import Section
 
     phase, rank = os.environ["BALANCED_PHASE"], torch.distributed.get_rank()
     keys = {"memory_tier": True, "memory_tier_path": str(work / "shm"),

@@ -188,8 +188,8 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     from nanotron_datastates.nanotron.resume.resume import Resume
     from nanotron_datastates.nanotron.save.commit_files import finalizer
     from nanotron_datastates.nanotron.save.saver import Saver
-    from nanotron_datastates.nanotron.trainer_settings import Section
     from nanotron_datastates.nanotron.yaml_config import section
+    from nanotron_datastates.trainer_settings import Section
 
     replicas = int(os.environ.get("CPU_RANKS_REPLICAS", "0"))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -264,7 +264,7 @@ def save_only(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     from nanotron_datastates import DataStatesEngine
     from nanotron_datastates.nanotron.save.commit_files import finalizer
     from nanotron_datastates.nanotron.save.saver import Saver
-    from nanotron_datastates.nanotron.trainer_settings import TrainerSettings
+    from nanotron_datastates.trainer_settings import TrainerSettings
 
     model, optimizer, lr_scheduler, random_states = training_state(pc, c)
     engine = DataStatesEngine(host_cache_size=1 / 64, chunk_size=1)

@@ -13,7 +13,7 @@ import yaml
 
 from nanotron_datastates import DataStatesConfig  # noqa: E402
 from nanotron_datastates.nanotron import yaml_config as ds_config  # noqa: E402
-from nanotron_datastates.nanotron.trainer_settings import Section, TrainerSettings  # noqa: E402
+from nanotron_datastates.trainer_settings import Section, TrainerSettings  # noqa: E402
 
 BASE = {
     "checkpoints": {"checkpoint_interval": 5, "checkpoints_path": "/tmp/ckpt"},

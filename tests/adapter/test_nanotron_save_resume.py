@@ -36,9 +36,9 @@ from nanotron_datastates.nanotron.memory_tier import TierError
 from nanotron_datastates.nanotron.resume.resume import Resume
 from nanotron_datastates.nanotron.save.commit_files import finalizer
 from nanotron_datastates.nanotron.save.saver import Saver
-from nanotron_datastates.nanotron.trainer_settings import Section, TrainerSettings
 from nanotron_datastates.save import housekeeping
 from nanotron_datastates.save.commit import CheckpointError
+from nanotron_datastates.trainer_settings import Section, TrainerSettings
 
 from helpers import wait_until
 

@@ -10,9 +10,9 @@ from typing import Any, Callable
 
 from ...checkpoint import folder as checkpoint
 from ...engine import DataStatesEngine
+from ...trainer_settings import TrainerSettings
 from .. import groups, replicas
 from ..memory_tier import MemoryTier
-from ..trainer_settings import TrainerSettings
 
 
 @dataclasses.dataclass

@@ -12,10 +12,10 @@ from ... import telemetry
 from ...engine import DataStatesEngine
 from ...save import housekeeping
 from ...save.commit import CommitResult
+from ...trainer_settings import TrainerSettings
 from .. import groups, replicas
 from .. import log as say
 from ..memory_tier import MemoryTier
-from ..trainer_settings import TrainerSettings
 
 Notify = Callable[..., None]  # notify(event, **fields): tells a Saver's observers
 

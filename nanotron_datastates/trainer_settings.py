@@ -1,0 +1,145 @@
+"""The `datastates:` section of Nanotron's YAML: the engine's settings (`DataStatesConfig`) and the trainer's
+own (`TrainerSettings`: rotation, staging on the GPU, queuing at the step, telemetry), side by side under one
+section, each key once. Imports no Nanotron.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from .engine_settings import DataStatesConfig, Settings
+
+
+@dataclass(frozen=True)
+class TrainerSettings(Settings):
+    """What the Nanotron trainer does around the engine."""
+
+    RANGES = {
+        "keep_last_n": (0, 1 << 20, "expected an integer >= 0 (0 keeps every checkpoint)"),
+        "memory_tier_copies": (1, 2, "expected 1 or 2"),
+        "memory_replicas": (0, 64, "expected an integer in [0, 64] (0: none)"),
+        "memory_replica_gbps": (0, 1e4, "expected GB/s in [0, 10000] (0: no limit)"),
+    }
+    CHOICES = {"device_snapshot": ("auto", "always", "never")}
+
+    keep_last_n: int = 0
+    """Keep the newest N committed checkpoints and remove older ones, off the training thread, once a newer
+    one is committed (never the one `latest.txt` names, never one in flight). 0 keeps every checkpoint; at
+    least 2 are kept, so that a restart whose newest checkpoint is damaged has one to fall back to."""
+    device_snapshot: str = "auto"
+    """Copy each checkpoint on the GPU first (at memory speed, in the training stream's order), so that the
+    optimizer step never waits for the copies to the host, which then read from that copy. 'auto' does so
+    when the GPU has room for it above the peak memory training has used so far, with the larger of 1 GiB
+    and 5% of the GPU to spare; 'always' whenever the memory can be had (without a GPU: a copy in host
+    memory); 'never'."""
+    queue_at_step: bool = True
+    """For checkpoints copied on the GPU first: plan and copy the state's files at the start of the next
+    optimizer step instead of in `save_checkpoint` (neither the forward nor the backward pass changes them),
+    and queue every file once that step is launched. There the training thread's few milliseconds of work
+    overlap the GPU still running the backward pass and the step; in `save_checkpoint`, just after Nanotron's
+    end-of-step synchronization, the GPU waits for them. Off: everything is queued before `save_checkpoint`
+    returns."""
+    telemetry: bool = True
+    """Append one JSON line per checkpoint to `datastates_telemetry.jsonl` in the checkpoints folder (bytes,
+    stall, snapshot, persisted, throughput, cache high-water mark and waits)."""
+    balance_writes: bool = True
+    """Share the files the data- and context-parallel replicas of a model shard hold alike (its weights, the
+    optimizer's without ZeRO, the scheduler's) out among them, each file to one replica, the largest first to
+    the least loaded, so that each copies and writes about an equal part. The files are Nanotron's either
+    way: only who writes each changes. Off: rank 0 of the replicas writes them all, as Nanotron does."""
+    memory_tier: bool = False
+    """Keep the newest committed checkpoint of each rank in node-local shared memory too (`memory_tier_path`),
+    so that a restart on the same node (a killed process, torchrun's restarts, a relaunch) reads it from
+    memory. The tier's files are the saves' host memory (in place of host cache chunks, no second copy).
+    Needs room for `memory_tier_copies` checkpoints of the node's ranks there (checked after the first step);
+    removed when training ends normally. One-node jobs."""
+    memory_tier_copies: int = 2
+    """Checkpoints of each rank the memory tier keeps: 2, the committed one stays whole while the next is
+    taken; 1, the next overwrites it (withdrawn first: a restart never reads it half overwritten), in the
+    memory of one checkpoint, and a crash while a checkpoint is in flight restarts from storage."""
+    memory_tier_path: str = "/dev/shm/nanotron-datastates-{uid}"
+    """Where the memory tier keeps its files: a tmpfs folder private to this user (`{uid}` is replaced by
+    the user's id; created 0700, refused if another user owns it or others may write to it)."""
+    memory_replicas: int = 0
+    """With the memory tier: the ranks of other nodes that keep a copy of each rank's newest committed
+    checkpoint in their memory too (a ring over nodes), sent over gloo after each commit; a job that loses a
+    node then restarts from memory, the lost ranks' state pulled from their peers. Each node then needs room
+    for two replicas per copy it holds besides its own (checked after the first step). 0: none."""
+    memory_replica_gbps: float = 2.0
+    """GB/s each rank sends its replicas at, at most, so that training's own traffic keeps the network
+    (0: no limit). A restart pulls what its node lacks at full speed: nothing else runs then."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.memory_replicas and not self.memory_tier:
+            raise ValueError(
+                f"datastates.memory_replicas={self.memory_replicas} is invalid: expected an integer in "
+                "[0, 64], and 0 where datastates.memory_tier is false (replicas copy the memory tier's)"
+            )
+
+
+@dataclass(frozen=True)
+class Section:
+    """The parsed `datastates:` section."""
+
+    engine: DataStatesConfig = dataclasses.field(default_factory=DataStatesConfig)
+    trainer: TrainerSettings = dataclasses.field(default_factory=TrainerSettings)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None = None, *, env: bool = True) -> Section:
+        """Splits the section's keys between the two; a key of neither raises ValueError naming it and every
+        known key. `env`: see `Settings.from_dict`."""
+        d = dict(d or {})
+        names = {c: {f.name for f in fields(c)} for c in (DataStatesConfig, TrainerSettings)}
+        unknown = sorted(set(d) - names[DataStatesConfig] - names[TrainerSettings])
+        if unknown:
+            known = sorted(names[DataStatesConfig] | names[TrainerSettings])
+            raise ValueError(
+                f"unknown datastates key(s): {', '.join(unknown)}; known keys: {', '.join(known)}"
+            )
+        engine = DataStatesConfig.from_dict(
+            {k: v for k, v in d.items() if k in names[DataStatesConfig]}, env=env
+        )
+        trainer = TrainerSettings.from_dict(
+            {k: v for k, v in d.items() if k in names[TrainerSettings]}, env=env
+        )
+        return cls(engine, trainer)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.engine.to_dict(), **self.trainer.to_dict()}
+
+
+def _keys_class() -> type:
+    """`config.datastates`: every key of the section with its value in effect, read by attribute like every
+    section of Nanotron's config (`config.datastates.host_cache_size`), or by key. A flat dataclass, so that
+    Nanotron's `serialize` writes its plain keys into `config.yaml`."""
+    names = [
+        (f.name, Any, dataclasses.field(default=None))
+        for c in (DataStatesConfig, TrainerSettings)
+        for f in fields(c)
+    ]
+
+    def getitem(self: Any, key: str) -> Any:
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def keys(self: Any) -> list[str]:
+        return list(self.__dataclass_fields__)
+
+    return dataclasses.make_dataclass(
+        "DatastatesSection",
+        names,
+        frozen=True,
+        namespace={"__getitem__": getitem, "keys": keys, "__module__": __name__},
+    )
+
+
+DatastatesSection = _keys_class()
+
+
+def section_keys(parsed: Section) -> Any:
+    """The `DatastatesSection` of a parsed section."""
+    return DatastatesSection(**parsed.to_dict())
