@@ -10,11 +10,12 @@ from .words import human_bytes, plural
 
 
 def cmd_tier(args: argparse.Namespace) -> int:
-    from ..nanotron import memory_tier as tier
+    from ..tier import jobs as tier_jobs
+    from ..tier.memory import job_folder
 
     args.path = args.path.replace("{uid}", str(os.geteuid()))
     if args.action == "list":
-        jobs = tier.jobs(args.path)
+        jobs = tier_jobs.jobs(args.path)
         if args.json:
             print(json.dumps(jobs, indent=1))
             return 0
@@ -32,7 +33,7 @@ def cmd_tier(args: argparse.Namespace) -> int:
                     f"of other nodes ({human_bytes(j['replica_bytes'])} in all replicas)"
                 )
         return 0
-    folders = [tier.job_folder(args.path, args.checkpoints)] if args.checkpoints else None
-    removed = tier.clear_jobs(args.path, folders)
+    folders = [job_folder(args.path, args.checkpoints)] if args.checkpoints else None
+    removed = tier_jobs.clear_jobs(args.path, folders)
     print(f"{args.path}: removed {plural(len(removed), 'job folder')}")
     return 0

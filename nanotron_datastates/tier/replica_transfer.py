@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from .. import trust
+from ..checkpoint.checksums import file_block_checksums, file_checksums
 from ..errors import DataStatesError
-from ..nanotron.checkpoint import layout
 
 CHUNK = 64 << 20  # bytes a message carries
 _temporaries = itertools.count()
@@ -147,8 +147,8 @@ def check_and_place(engine: Any, t: Transfer, entry: dict[str, Any]) -> None:
     it to its name (no link followed); ChecksumError, FormatError or OSError naming it otherwise."""
     assert t.temporary is not None and t.into is not None
     doc, top = {"files": {t.rel: entry}}, Path("/")  # the entry's checksums, looked up by its name
-    sums = layout.file_checksums(doc, top, top / t.rel)
-    engine.verify(t.temporary, sums, layout.file_block_checksums(doc, top, top / t.rel))
+    sums = file_checksums(doc, top, top / t.rel)
+    engine.verify(t.temporary, sums, file_block_checksums(doc, top, top / t.rel))
     top = t.into.parent  # as `_temporary` walked: the folder received into is no link either
     trust.rename_in(top, str(t.temporary.relative_to(top)), f"{t.into.name}/{t.rel}")
     t.temporary = None
