@@ -42,6 +42,10 @@ run_step() {
       # Nanotron main, which cannot accumulate fp32 gradients with ZeRO-1 on two dp ranks)
       python3 $B/nanotron_proof.py all --gpus 2 --dp 2 --zero 1 --out "$OUT/proof-dp2-zero1" \
         --work "$WORK/proof-dp2" ${NO_FP32_GRADS:+--no-fp32-grads} ${PROOF_PHASES:+--phases $PROOF_PHASES} ;;
+    proof-dp2) # the same on two GPUs, data-parallel without ZeRO (fp32 gradients): each replica writes a part of
+      # the optimizer state every replica holds (balance_writes), which the resume puts together
+      python3 $B/nanotron_proof.py all --gpus 2 --dp 2 --zero 0 --out "$OUT/proof-dp2" --work "$WORK/proof-dp2z0" \
+        ${PROOF_PHASES:+--phases $PROOF_PHASES} ;;
     proof-cp2) # the same on two GPUs with context parallelism (Nanotron main): files by rank 0 of dp_cp_pg;
       # the runs start from the weights of one step on one GPU (main starts no cp run from random weights)
       python3 $B/nanotron_proof.py all --gpus 2 --cp 2 --out "$OUT/proof-cp2" --work "$WORK/proof-cp2" ;;
@@ -146,6 +150,12 @@ run_step() {
       (cd $B && python3 bench_nanotron.py all --model 1b --layout dp4 --steps 100 --interval 40 --cache-gib 2 \
         --modes datastates --variant onewriter:balance_writes=false --work "$WORK/m1bd" \
         --out "$OUT/multi-1b-dp4") ;;
+    multi-1b-dp2) # two GPUs, the 1.1B model, dp=2 without ZeRO (fp32 gradients, each replica holds the whole
+      # optimizer): datastates balanced (the optimizer state in parts, one a replica) and with rank 0 of the
+      # replicas writing everything (onewriter); BENCH_ARGS="--rounds N" for N rounds in turn
+      (cd $B && python3 bench_nanotron.py all --model 1b --layout dp2 --steps 100 --interval 40 --cache-gib 2 \
+        --modes datastates --variant onewriter:balance_writes=false --work "$WORK/m1b2" \
+        --out "$OUT/multi-1b-dp2" ${BENCH_ARGS:-}) ;;
     multi-3b-tp2-dp2) # four GPUs, a 3.0B model (Llama-3.2-3B's shape), tp=2 x dp=2 with fp32 gradients, default
       # settings (2 GiB host cache a rank), a checkpoint at step 100: none and datastates
       (cd $B && python3 bench_nanotron.py all --model 3b --layout tp2-dp2 --steps 120 --interval 100 \

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from nanotron_datastates import DataStatesEngine
+from nanotron_datastates import DataStatesEngine, state_parts
 from nanotron_datastates.nanotron.resume.read_ahead import (
     Prefetch,
     fits_in_memory,
@@ -33,21 +33,40 @@ def _write(engine, tmp_path):
 def test_weights_and_optimizer_are_read_ahead_and_handed_over_once(tmp_path):
     with DataStatesEngine(small_config()) as engine:
         weights, sums, optimizer, opt_path = _write(engine, tmp_path)
-        ahead = Prefetch(engine, torch.device("cpu"), list(weights), opt_path, sums.get)
+        ahead = Prefetch(engine, torch.device("cpu"), list(weights), [opt_path], sums.get)
         got = ahead.weights()
         assert set(got) == set(weights)
         assert all(same(got[p]["data"], t) for p, t in weights.items())
         assert ahead.weights() == {}  # handed over once: the prefetch holds no memory any more
-        state = ahead.optimizer(opt_path)
+        state = ahead.optimizer([opt_path])
         assert same(state["state"][0]["exp_avg"], optimizer["state"][0]["exp_avg"])
-        assert ahead.optimizer(opt_path) is None
+        assert ahead.optimizer([opt_path]) is None
 
 
 def test_another_optimizer_file_than_the_one_read_is_not_handed_over(tmp_path):
     with DataStatesEngine(small_config()) as engine:
         _, _, _, opt_path = _write(engine, tmp_path)
-        ahead = Prefetch(engine, torch.device("cpu"), [], opt_path, lambda p: None)
-        assert ahead.optimizer(tmp_path / "optimizer" / "other.safetensors") is None
+        ahead = Prefetch(engine, torch.device("cpu"), [], [opt_path], lambda p: None)
+        assert ahead.optimizer([tmp_path / "optimizer" / "other.safetensors"]) is None
+
+
+def test_an_optimizer_state_in_parts_is_read_ahead_and_handed_over_put_together(tmp_path):
+    optimizer = {
+        "state": {i: {"exp_avg": torch.randn(50 + i), "exp_avg_sq": torch.rand(50 + i)} for i in range(4)},
+        "param_groups": [{"lr": 0.1, "params": [0, 1, 2, 3]}],
+    }
+    paths = [tmp_path / f"optimizer_part-{k}-of-3.safetensors" for k in range(3)]
+    with DataStatesEngine(small_config()) as engine:
+        for k, path in enumerate(paths):
+            engine.save(state_parts.split(optimizer, k, 3), path).wait_persisted()
+        ahead = Prefetch(engine, torch.device("cpu"), [], paths, lambda p: None)
+        assert ahead.optimizer(paths[:2]) is None  # not the files read
+        ahead = Prefetch(engine, torch.device("cpu"), [], paths, lambda p: None)
+        state = ahead.optimizer(paths)
+    assert state["param_groups"] == optimizer["param_groups"] and set(state["state"]) == {0, 1, 2, 3}
+    for i, entry in optimizer["state"].items():
+        assert all(same(state["state"][i][k], t) for k, t in entry.items())
+    assert ahead.nbytes == sum(p.stat().st_size for p in paths)
 
 
 def test_a_damaged_weight_file_is_left_to_the_ordinary_path(tmp_path, caplog):
@@ -60,10 +79,10 @@ def test_a_damaged_weight_file_is_left_to_the_ordinary_path(tmp_path, caplog):
             f.seek(-10, 2)
             f.write(bytes([b[0] ^ 0xFF]))
         with caplog.at_level(logging.WARNING, logger="nanotron_datastates"):
-            ahead = Prefetch(engine, torch.device("cpu"), list(weights), opt_path, sums.get)
+            ahead = Prefetch(engine, torch.device("cpu"), list(weights), [opt_path], sums.get)
             assert ahead.weights() == {}
         assert "reading the weights ahead failed" in caplog.text and bad.name in caplog.text
-        assert ahead.optimizer(opt_path) is not None  # the optimizer is still read
+        assert ahead.optimizer([opt_path]) is not None  # the optimizer is still read
         # The engine keeps working after the error.
         assert engine.load(opt_path)["param_groups"][0]["lr"] == 0.1
 
@@ -71,9 +90,9 @@ def test_a_damaged_weight_file_is_left_to_the_ordinary_path(tmp_path, caplog):
 def test_the_report_says_when_each_read_ended_and_how_long_it_was_waited_for(tmp_path):
     with DataStatesEngine(small_config()) as engine:
         weights, sums, _, opt_path = _write(engine, tmp_path)
-        ahead = Prefetch(engine, torch.device("cpu"), list(weights), opt_path, sums.get)
+        ahead = Prefetch(engine, torch.device("cpu"), list(weights), [opt_path], sums.get)
         ahead.weights()
-        ahead.optimizer(opt_path)
+        ahead.optimizer([opt_path])
         t = ahead.timings
         assert 0 < t["weights_read"] <= t["optimizer_read"]
         assert t["weights_waited"] >= 0 and t["optimizer_waited"] >= 0

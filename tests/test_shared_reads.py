@@ -115,7 +115,7 @@ def test_a_shared_read_ahead_reads_every_file_whole_starting_at_its_own_part(tmp
             path = tmp_path / f"w{i}.safetensors"
             files[path] = {"w": random_tensor(torch.bfloat16, (1000 + i,), seed=i)}
             engine.save(files[path], path).wait_persisted()
-        ahead = Prefetch(engine, torch.device("cpu"), list(files), None, lambda p: None, shared=(3, 4))
+        ahead = Prefetch(engine, torch.device("cpu"), list(files), [], lambda p: None, shared=(3, 4))
         got = ahead.weights()
         assert "through the page cache, shared with the node's 4 ranks" in ahead.report()
     assert list(got) == list(files)[3:] + list(files)[:3]  # rank 3 of 4 starts at the fourth of five files

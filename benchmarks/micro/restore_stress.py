@@ -136,7 +136,7 @@ def one_round(work: Path, verify: bool, reference: dict[str, torch.Tensor]) -> d
             engine,
             torch.device(DEVICE, 0 if DEVICE == "cuda" else None),
             weights,
-            work / "opt.safetensors",
+            [work / "opt.safetensors"],
             lambda p: sums[p.name],
         )
         params: list[torch.Tensor] = []
@@ -153,7 +153,7 @@ def one_round(work: Path, verify: bool, reference: dict[str, torch.Tensor]) -> d
             list(pool.map(fill, range(len(params))))
         read_ahead = len(got)
         got.clear()
-        state = ahead.optimizer(work / "opt.safetensors")
+        state = ahead.optimizer([work / "opt.safetensors"])
         optimizer_read_ahead = state is not None
         if state is None:
             state = engine.load(work / "opt.safetensors", DEVICE)

@@ -66,6 +66,22 @@ class Place:
         return random_states_name(self.tp, self.dp, self.pp, self.cp)
 
 
+_PART = re.compile(r"(.+)_part-(\d+)-of-(\d+)\.safetensors")
+
+
+def part_name(name: str, part: int, count: int) -> str:
+    """The file of `part` (0 to `count` - 1) of a state that the replicas write in parts, for its whole
+    file's `name` (`x.safetensors`): `x_part-<part>-of-<count>.safetensors`. Parts are ours alone (stock
+    Nanotron reads no optimizer file of ours; `convert` writes it whole)."""
+    return f"{name.removesuffix('.safetensors')}_part-{part}-of-{count}.safetensors"
+
+
+def whole_name(name: str) -> tuple[str, int, int] | None:
+    """(the whole file's name, part, count) for a part's file name; None for another name."""
+    m = _PART.fullmatch(name)
+    return None if m is None else (m[1] + ".safetensors", int(m[2]), int(m[3]))
+
+
 _RANDOM_NAME = re.compile(r"tp-(\d+)-of-(\d+)_dp-(\d+)-of-(\d+)_pp-(\d+)-of-(\d+)(?:_cp-(\d+)-of-(\d+))?")
 
 

@@ -5,11 +5,12 @@ reads are named)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .manifest import member
-from .names import NANOTRON_METADATA, Place, random_states_name
+from .manifest import ManifestError, member
+from .names import NANOTRON_METADATA, Place, random_states_name, whole_name
 from .topology import TOPOLOGY_DEFAULTS, topology_changes
 
 MAX_SMALL_FILES = 16  # the scheduler's and random states' files read into the page cache first, at most
@@ -19,6 +20,33 @@ def weight_files(doc: dict[str, Any], folder: Path) -> list[Path]:
     """Every weight file a manifest names, under `folder`, in name order: what a rank of a layout without
     tensor, pipeline or expert parallelism reads."""
     return [member(folder, f) for f in sorted(doc["files"]) if f.startswith("model/")]
+
+
+def optimizer_files(files: Iterable[str]) -> dict[str, list[str]]:
+    """The checkpoint's optimizer files (names relative to it) by the whole file each stands for: the file
+    itself, or its parts in order where the replicas wrote it in parts (`names.part_name`). Raises
+    ManifestError naming a whole file some of whose parts are not listed."""
+    out: dict[str, dict[int, str]] = {}
+    counts: dict[str, set[int]] = {}
+    for rel in sorted(f for f in files if f.startswith("optimizer/") and f.endswith(".safetensors")):
+        whole = whole_name(rel)
+        if whole is None:
+            out.setdefault(rel, {})[-1] = rel
+            continue
+        name, part, count = whole
+        out.setdefault(name, {})[part] = rel
+        counts.setdefault(name, set()).add(count)
+    for name, parts in out.items():
+        if -1 in parts:  # written whole: any part beside it is not read
+            out[name] = {-1: parts[-1]}
+            continue
+        count = max(counts[name])
+        if len(counts[name]) > 1 or sorted(parts) != list(range(count)):
+            raise ManifestError(
+                f"{name}: the checkpoint lists parts {sorted(parts)} of it, named as parts of "
+                f"{sorted(counts[name])}: not one whole"
+            )
+    return {name: [parts[k] for k in sorted(parts)] for name, parts in out.items()}
 
 
 def random_states_at(doc: dict[str, Any], place: Place) -> str:
@@ -40,7 +68,7 @@ class ReadSet:
     random states, metadata) to read into the page cache before the large ones."""
 
     weights: list[Path]
-    optimizer: Path | None
+    optimizer: tuple[Path, ...]  # its file, or its parts; () where none is read
     small: list[Path]
 
 
@@ -61,12 +89,14 @@ def files_to_read(
         return None
     whole = (here["tp"], here["pp"], here["expert"]) == (1, 1, 1)
     if place is None and not whole:  # which shard a rank holds is not known yet
-        return ReadSet([], None, [])
+        return ReadSet([], (), [])
     weights = weight_files(doc, folder) if whole else []
-    names = [f for f in doc["files"] if f.startswith("optimizer/")]
+    files = optimizer_files(doc["files"])
     if place is not None:
-        names = [f for f in names if f == "optimizer/" + place.optimizer_name(zero=here["zero_stage"] > 0)]
-    opt = member(folder, names[0]) if optimizer and len(names) == 1 else None
+        mine = "optimizer/" + place.optimizer_name(zero=here["zero_stage"] > 0)
+        files = {name: parts for name, parts in files.items() if name == mine}
+    (parts,) = files.values() if optimizer and len(files) == 1 else ([],)
+    opt = tuple(member(folder, f) for f in parts)
     small = [folder / NANOTRON_METADATA]
     if place is not None:
         small.append(folder / "random" / place.random_states_name())

@@ -28,6 +28,7 @@ from nanotron.parallel.parameters import NanotronParameter
 from nanotron.serialize.metadata import CheckpointMetadata, TensorMetadata, process_type
 from nanotron.serialize.utils import ObjectType, get_exp_tp_pp_rank_and_size_from, get_path
 
+from ..checkpoint.names import part_name
 from . import groups
 
 
@@ -54,10 +55,12 @@ ADAM_BYTES = 8  # per parameter in an optimizer file: Adam's two fp32 moments (a
 @dataclasses.dataclass(frozen=True)
 class Writers:
     """Which rank of the data- and context-parallel replicas (`dp_cp`) writes each file they hold alike, by
-    its name in the checkpoint; a file not in `of` is rank 0's. `me`: this rank's place among them."""
+    its name in the checkpoint; a file not in `of` is rank 0's. `me`: this rank's place among them. `parts`:
+    the number of parts the optimizer file without ZeRO is written in (part k by replica k; 1: whole)."""
 
     of: dict[str, int]
     me: int
+    parts: int = 1
 
     def mine(self, rel: Path | str) -> bool:
         return self.of.get(Path(rel).as_posix(), 0) == self.me
@@ -86,12 +89,12 @@ def writers(model: torch.nn.Module, optimizer: Any, pc: Any, *, balance: bool = 
         return Writers({}, me)
     sizes = {rel.as_posix(): _nbytes(p) + FILE_COST for rel, p, _ in _model_files(model, pc)}
     optimizer_bytes = ADAM_BYTES * sum(p.numel() for p in model.parameters())
-    zero = is_zero(optimizer)
-    if not zero:
-        sizes[optimizer_file(pc, Path(), zero=False).as_posix()] = optimizer_bytes + FILE_COST
     sizes[lr_scheduler_file(pc, Path()).as_posix()] = FILE_COST
-    shard = optimizer_bytes // pc.dp_pg.size() if zero else 0  # context-parallel rank 0 writes each
-    return Writers(assign(sizes, [0 if cp else shard for cp in groups.replica_cp_ranks(pc)]), me)
+    if is_zero(optimizer):  # each replica's own shard is its load (context-parallel rank 0 writes each)
+        shard = optimizer_bytes // pc.dp_pg.size()
+        return Writers(assign(sizes, [0 if cp else shard for cp in groups.replica_cp_ranks(pc)]), me)
+    # The optimizer state all replicas hold, written in parts: replica k writes part k (state_parts.py)
+    return Writers(assign(sizes, [optimizer_bytes // size] * size), me, parts=size)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -213,10 +216,12 @@ def optimizer_path(
     optimizer: Any, pc: Any, root: Path, *, writing: bool, writes: Writers | None = None
 ) -> Path | None:
     """This rank's optimizer file; when `writing`, None where it writes none: every DP rank writes its shard
-    with ZeRO (context-parallel rank 0 only); the one file otherwise, the replica `writes` gives it to
-    (default: rank 0 of the replicas)."""
+    with ZeRO (context-parallel rank 0 only); without, its part where `writes` has the replicas write the one
+    file in parts, else the one file, by rank 0 of the replicas."""
     zero = is_zero(optimizer)
     path = optimizer_file(pc, root, zero=zero)
+    if writing and not zero and writes is not None and writes.parts > 1:
+        return path.with_name(part_name(path.name, writes.me, writes.parts))
     if writing and (groups.cp_rank(pc) != 0 if zero else not _mine(pc, writes, path.relative_to(root))):
         return None
     return path

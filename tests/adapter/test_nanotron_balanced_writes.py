@@ -11,13 +11,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from cpu_ranks import launch
 from nanotron.serialize.metadata import CheckpointMetadata
 
+from nanotron_datastates import DataStatesEngine, state_parts
 from nanotron_datastates.nanotron import shards
 from nanotron_datastates.nanotron.checkpoint import layout
+from nanotron_datastates.nanotron.checkpoint.convert import convert
 from nanotron_datastates.nanotron.save import housekeeping
 
 HAS_CP = "cp" in {f.name for f in dataclasses.fields(CheckpointMetadata)}
@@ -62,10 +66,13 @@ def test_every_file_has_one_writer_either_way_and_the_replicas_share_the_work(ru
     for mode in ("on", "off"):
         writes = [f for r in ranks for f in r[mode]]
         assert len(writes) == len(set(writes)), [f for f, n in collections.Counter(writes).items() if n > 1]
-        assert set(writes) == set(files), mode
+        assert set(writes) == set(layout.read_manifest(work / mode / "7")["files"]), mode
     for r in ranks:  # off: as Nanotron, replica rank 0 writes what the replicas hold alike
         assert any(map(_shared, r["off"])) == (r["replica"] == 0), r
         assert any(f.startswith("model/") for f in r["on"]), r  # on: every replica writes weights
+        if not zero:  # on, without ZeRO: the optimizer state every replica holds, one part a replica
+            (part,) = [f for f in r["on"] if f.startswith("optimizer/")]
+            assert part.endswith(f"_part-{r['replica']}-of-{dp * cp}.safetensors"), r
     positions = collections.defaultdict(list)
     for r in ranks:
         positions[tuple(r["position"])].append(r)
@@ -94,13 +101,48 @@ def test_the_telemetry_gives_each_ranks_bytes(run):
 
 
 def test_the_checkpoint_is_the_one_rank_0_of_the_replicas_writes_byte_for_byte(run):
-    _, work, _ = run
+    """File for file, byte for byte, but for the optimizer file without ZeRO: written in parts, which put
+    together hold the state of the one file, tensor for tensor."""
+    (*_, zero), work, _ = run
     on, off = work / "on" / "7", work / "off" / "7"
-    names = sorted(p.relative_to(on).as_posix() for p in on.rglob("*") if p.is_file())
-    assert names == sorted(p.relative_to(off).as_posix() for p in off.rglob("*") if p.is_file())
+    names = {p.relative_to(on).as_posix() for p in on.rglob("*") if p.is_file()}
+    off_names = {p.relative_to(off).as_posix() for p in off.rglob("*") if p.is_file()}
     assert layout.MANIFEST in names and any(n.startswith("model/") for n in names)
-    for name in names:
+    wholes = {
+        n: ps for n, ps in layout.optimizer_files(layout.read_manifest(on)["files"]).items() if ps != [n]
+    }
+    assert bool(wholes) == (not zero), wholes
+    in_parts = {p for ps in wholes.values() for p in ps}
+    assert names - in_parts == off_names - set(wholes), names ^ off_names
+    for name in names - in_parts - {layout.MANIFEST}:
         assert (on / name).read_bytes() == (off / name).read_bytes(), name
+    with DataStatesEngine() as engine:
+        for name, parts in wholes.items():
+            assert (
+                len(parts) > 1 and max((on / p).stat().st_size for p in parts) < (off / name).stat().st_size
+            )
+            got = state_parts.merge([engine.load(on / p) for p in parts])
+            assert _same(got, engine.load(off / name)), name
+
+
+def test_converted_to_nanotrons_layout_the_parts_are_its_one_optimizer_file(run, tmp_path):
+    """`convert` writes the parts as Nanotron's one pickled optimizer file: each optimizer file is the one
+    the one-writer checkpoint converts to, tensor for tensor (ZeRO shards, never in parts, alike)."""
+    _, work, _ = run
+    outs = {m: convert(work / m / "7", tmp_path / m, to="torch") for m in ("on", "off")}
+    pts = {m: sorted(p.name for p in (out / "optimizer").glob("*.pt")) for m, out in outs.items()}
+    assert pts["on"] == pts["off"] and len(pts["on"]) >= 1 and "_part-" not in str(pts["on"])
+    for name in pts["on"]:
+        on, off = (torch.load(outs[m] / "optimizer" / name, weights_only=True) for m in ("on", "off"))
+        assert _same(on, off), name
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return type(a) is type(b) and set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return type(a) is type(b) and a == b
 
 
 def test_stock_nanotron_loads_the_weights(run):

@@ -56,7 +56,7 @@ def guess(tmp_path: Path, resume: Path | None, place: layout.Place | None = None
     reads = layout.files_to_read(
         layout.read_manifest(root), root, target.asked_layout(config), place, **target.loads(config)
     )
-    return root, ([], None) if reads is None else (reads.weights, reads.optimizer)
+    return root, ([], ()) if reads is None else (reads.weights, reads.optimizer)
 
 
 def test_every_weight_file_and_the_one_optimizer_file_of_the_latest_step(tmp_path):
@@ -64,13 +64,31 @@ def test_every_weight_file_and_the_one_optimizer_file_of_the_latest_step(tmp_pat
     root, (weights, optimizer) = guess(tmp_path, tmp_path / "ckpt")
     assert root == folder  # latest.txt followed, as Nanotron does
     assert weights == [folder / f"model/model/{w}/w.safetensors" for w in ("decoder/0", "lm_head")]
-    assert optimizer == folder / OPTIMIZER
+    assert optimizer == (folder / OPTIMIZER,)
 
 
 def test_a_step_folder_itself_is_resumed_from(tmp_path):
     folder = checkpoint(tmp_path / "ckpt")
     (folder / "model_config.json").write_text("{}")  # how Nanotron recognises a step folder
     assert guess(tmp_path, folder)[0] == folder
+
+
+def test_an_optimizer_file_in_parts_is_read_whole_by_every_replica_and_refused_without_a_part(tmp_path):
+    """Without ZeRO, the replicas write the optimizer file in parts: every rank reads all of them, before
+    its place is known and after; a manifest that lacks one is refused, naming the file."""
+    parts = [OPTIMIZER.replace(".safetensors", f"_part-{k}-of-2.safetensors") for k in (1, 0)]
+    folder = checkpoint(tmp_path / "ckpt", topology={**TOPOLOGY, "dp": 2}, optimizers=parts)
+    assert guess(tmp_path, tmp_path / "ckpt", dp=2)[1][1] == (folder / parts[1], folder / parts[0])
+    doc = layout.read_manifest(folder)
+    here = {**TOPOLOGY, "cp": 1, "dp": 2, "zero_stage": 0}
+    place = layout.Place(tp=(0, 1), dp=(1, 2), pp=(0, 1))
+    reads = layout.files_to_read(doc, folder, here, place, optimizer=True, scheduler=True)
+    assert reads.optimizer == (folder / parts[1], folder / parts[0])
+    del doc["files"][parts[0]]
+    with pytest.raises(
+        layout.ManifestError, match=r"optimizer_pp-0-of-1_tp-0-of-1_exp-0-of-1.safetensors: .*\[0\]"
+    ):
+        layout.files_to_read(doc, folder, here, place, optimizer=True, scheduler=True)
 
 
 @pytest.mark.parametrize(
@@ -84,14 +102,14 @@ def test_a_step_folder_itself_is_resumed_from(tmp_path):
 def test_nothing_is_guessed_where_ranks_read_different_files(tmp_path, saved, here):
     checkpoint(tmp_path / "ckpt", topology=saved)
     _, (weights, optimizer) = guess(tmp_path, tmp_path / "ckpt", **here)
-    assert weights == [] and optimizer is None
+    assert weights == [] and optimizer == ()
 
 
 def test_several_optimizer_files_leave_the_optimizer_to_the_trainer(tmp_path):
     other = OPTIMIZER.replace("_pp-0-of-1_", "_pp-0-of-1_dp-1-of-2_")
     checkpoint(tmp_path / "ckpt", optimizers=(OPTIMIZER, other))
     _, (weights, optimizer) = guess(tmp_path, tmp_path / "ckpt")
-    assert len(weights) == 2 and optimizer is None
+    assert len(weights) == 2 and optimizer == ()
 
 
 def test_no_resume_and_a_folder_without_a_manifest_start_nothing(tmp_path):
@@ -126,15 +144,15 @@ def test_with_its_place_a_rank_reads_its_own_optimizer_shard_and_random_states(t
     with its place, each rank reads its own, and its own random states and the scheduler first."""
     shards = [f"optimizer/optimizer_pp-0-of-1_dp-{r}-of-2_tp-0-of-1_exp-0-of-1.safetensors" for r in (0, 1)]
     folder = checkpoint(tmp_path / "ckpt", topology={**TOPOLOGY, "dp": 2, "zero_stage": 1}, optimizers=shards)
-    assert guess(tmp_path, tmp_path / "ckpt", dp=2)[1][1] is None
+    assert guess(tmp_path, tmp_path / "ckpt", dp=2)[1][1] == ()
     place = layout.Place(tp=(0, 1), dp=(1, 2), pp=(0, 1))
     doc = layout.read_manifest(folder)
     here = {**TOPOLOGY, "cp": 1, "dp": 2, "zero_stage": 1}
     reads = layout.files_to_read(doc, folder, here, place, optimizer=True, scheduler=True)
-    assert reads.optimizer == folder / shards[1] and len(reads.weights) == 2
+    assert reads.optimizer == (folder / shards[1],) and len(reads.weights) == 2
     assert folder / "random/tp-0-of-1_dp-1-of-2_pp-0-of-1.safetensors" in reads.small
     assert folder / "lr_scheduler/lr_scheduler_pp-0-of-1_tp-0-of-1_exp-0-of-1.safetensors" in reads.small
-    assert layout.files_to_read(doc, folder, here, place, optimizer=False, scheduler=True).optimizer is None
+    assert layout.files_to_read(doc, folder, here, place, optimizer=False, scheduler=True).optimizer == ()
 
 
 @pytest.mark.parametrize(
@@ -179,7 +197,7 @@ def test_context_parallel_ranks_read_the_whole_model(tmp_path):
         return
     folder = checkpoint(tmp_path / "a", topology={**TOPOLOGY, "cp": 2})
     _, (weights, optimizer) = guess(tmp_path, tmp_path / "a", context_parallel_size=2)
-    assert len(weights) == 2 and optimizer == folder / OPTIMIZER
+    assert len(weights) == 2 and optimizer == (folder / OPTIMIZER,)
     checkpoint(tmp_path / "b")
-    assert guess(tmp_path, tmp_path / "b", context_parallel_size=2)[1] == ([], None)
+    assert guess(tmp_path, tmp_path / "b", context_parallel_size=2)[1] == ([], ())
     assert guess(tmp_path, tmp_path / "b", context_parallel_size=1)[1][1] is not None

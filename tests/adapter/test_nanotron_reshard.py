@@ -24,6 +24,10 @@ CASES = [
     pytest.param((2, 1, 2, 1, 1, 1), (2, 1, 2, 1, 1, 0), id="dp2-zero1-to-zero0"),
     pytest.param((4, 2, 2, 1, 1, 1), (2, 1, 1, 2, 1, 0), id="tp2-dp2-zero1-to-pp2"),
     pytest.param((2, 1, 1, 2, 1, 0), (4, 2, 2, 1, 1, 1), id="pp2-to-tp2-dp2-zero1"),
+    # Without ZeRO the replicas write the optimizer state in parts (balance_writes): read whole on one rank,
+    # and resharded onto tensor-parallel ranks from the parts
+    pytest.param((2, 1, 2, 1, 1, 0), (1, 1, 1, 1, 1, 0), id="dp2-parts-to-single"),
+    pytest.param((2, 1, 2, 1, 1, 0), (2, 2, 1, 1, 1, 0), id="dp2-parts-to-tp2"),
 ]
 if HAS_CP:
     CASES.append(pytest.param((2, 1, 1, 1, 2, 0), (2, 1, 2, 1, 1, 1), id="cp2-to-dp2-zero1"))

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import yaml
 
+from ... import state_parts
 from ...checkpoint.folder_copy import (
     CONFIG,
     MODEL,
@@ -32,6 +33,10 @@ METADATA = layout.NANOTRON_METADATA
 def to_torch(src: Path, out: Path, engine: DataStatesEngine, allow_pickle: bool) -> None:
     """Writes the datastates checkpoint `src` into the empty folder `out` in Nanotron's stock layout."""
     doc = layout.read_manifest(src)
+    # An optimizer file the replicas wrote in parts becomes Nanotron's one file, once its parts are read.
+    wholes = {name: ps for name, ps in layout.optimizer_files(doc["files"]).items() if ps != [name]}
+    whole_of = {p: name for name, ps in wholes.items() for p in ps}
+    parts_read: dict[str, dict[str, Any]] = {}
     for rel, entry in doc["files"].items():
         path = layout.member(src, rel)
         size = path.stat().st_size  # FileNotFoundError names a file the manifest lists but the folder lacks
@@ -59,6 +64,13 @@ def to_torch(src: Path, out: Path, engine: DataStatesEngine, allow_pickle: bool)
                 {k: states.random_state_from_plain(v) for k, v in saved["nanotron"].items()}
             )
             _torch_save(random_states, out / RANDOM / name)
+        elif rel in whole_of:
+            name = whole_of[rel]
+            read = parts_read.setdefault(name, {})
+            read[rel] = engine.load(path, checksums=sums, allow_pickle=allow_pickle)
+            if len(read) == len(wholes[name]):
+                state = state_parts.merge([read.pop(p) for p in wholes[name]])
+                _torch_save(state, out / _as_pt(name))
         else:
             _torch_save(engine.load(path, checksums=sums, allow_pickle=allow_pickle), out / _as_pt(rel))
     _copy_rest(src, out, listed=set(doc["files"]))

@@ -32,7 +32,14 @@ from ...checkpoint.names import (
     random_states_name,
     stock_random_states,
 )
-from ...checkpoint.reads import MAX_SMALL_FILES, ReadSet, files_to_read, random_states_at, weight_files
+from ...checkpoint.reads import (
+    MAX_SMALL_FILES,
+    ReadSet,
+    files_to_read,
+    optimizer_files,
+    random_states_at,
+    weight_files,
+)
 from ...checkpoint.topology import (
     TOPOLOGY_DEFAULTS,
     TOPOLOGY_KEYS,
@@ -62,6 +69,7 @@ __all__ = [
     "file_checksums",
     "file_entry",
     "files_to_read",
+    "optimizer_files",
     "fsync_path",
     "is_datastates_checkpoint",
     "manifest",

@@ -57,7 +57,7 @@ def find(args: Sequence[Any], kwargs: dict[str, Any]) -> EarlyRead | None:
             or folder
         )
         reads = layout.files_to_read(manifest, source, asked_layout(config), None, **loads(config))
-        if reads is None or (not reads.weights and reads.optimizer is None):
+        if reads is None or not (reads.weights or reads.optimizer):
             return None
         # Nanotron's ParallelContext sets this same device first thing; set now, the engine pins its cache
         # and the read-ahead allocates on this rank's GPU, not on GPU 0.

@@ -10,9 +10,11 @@ from typing import Any, Callable
 
 import torch
 
+from ... import state_parts
 from ...engine import DataStatesEngine
 from .. import log as say
 from .. import shards
+from ..checkpoint import layout
 from . import reshard
 from .deferred_optimizer import DeferredOptimizer
 from .read_ahead import Prefetch
@@ -47,10 +49,23 @@ def deferred(
 
 
 def read_file(
-    prefetch: Prefetch | None, engine: Callable[[], DataStatesEngine], path: Path, device: Device
+    prefetch: Prefetch | None,
+    engine: Callable[[], DataStatesEngine],
+    manifest: dict[str, Any],
+    path: Path,
+    device: Device,
 ) -> Any:
-    """The optimizer state: as read ahead, or read now."""
-    state = prefetch.optimizer(path) if prefetch is not None else None
+    """The optimizer state of the file `path` (in `manifest`'s checkpoint, or its copy in memory): as read
+    ahead, or read now; put together from its parts where the replicas wrote it in parts."""
+    paths = parts(manifest, path)
+    state = prefetch.optimizer(paths) if prefetch is not None else None
     if state is None:  # not read ahead, or (were Nanotron to change) not the optimizer's file
-        state = engine().load(path, device or "cpu")
+        state = state_parts.merge([engine().load(p, device or "cpu") for p in paths])
     return state
+
+
+def parts(manifest: dict[str, Any], path: Path) -> list[Path]:
+    """The files that hold the optimizer file `path`: itself, or its parts (`layout.optimizer_files`)."""
+    rel = f"optimizer/{path.name}"
+    names = layout.optimizer_files(manifest.get("files", {})).get(rel, [rel])
+    return [path.parent / Path(name).name for name in names]

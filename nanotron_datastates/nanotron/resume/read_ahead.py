@@ -15,11 +15,11 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from ... import restore, trust
+from ... import restore, state_parts, trust
 from ...engine import DataStatesEngine
 from ..checkpoint import layout
 
@@ -140,7 +140,8 @@ def _size(path: Path) -> int:
 
 
 class Prefetch:
-    """Reads `weights` (files, each a flat dict of tensors), then `optimizer` (one file), onto `device`;
+    """Reads `weights` (files, each a flat dict of tensors), then `optimizer` (its file, or its parts put
+    together), onto `device`;
     `checksums(path)` gives the CRC-32C a weight file is checked against (None: those in the file). `shared`
     (this rank's index among the node's ranks, their count): other ranks of the node read the same weight
     files, so they are read through the page cache, starting at this rank's part of the list."""
@@ -150,7 +151,7 @@ class Prefetch:
         engine: DataStatesEngine,
         device: torch.device,
         weights: list[Path],
-        optimizer: Path | None,
+        optimizer: Sequence[Path],
         checksums: Callable[[Path], dict[str, int] | None],
         shared: tuple[int, int] | None = None,
     ) -> None:
@@ -160,11 +161,11 @@ class Prefetch:
         self.timings: dict[str, float] = {}  # seconds after the start: each read's end, each wait
         self._optimizer_rate = 0.0  # bytes per second of the optimizer file's own read
         self._optimizer_read: restore.DeviceRead | None = None  # its read to the GPU, within that
-        self.nbytes = sum(_size(p) for p in [*weights, *([optimizer] if optimizer is not None else [])])
+        self.nbytes = sum(_size(p) for p in [*weights, *optimizer])
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datastates-prefetch")
         # One thread, so the weights (needed first, once the model is built) are read before the optimizer.
         self._weights = pool.submit(self._read_weights, weights) if weights else None
-        self._optimizer = pool.submit(self._read_optimizer, optimizer) if optimizer is not None else None
+        self._optimizer = pool.submit(self._read_optimizer, list(optimizer)) if optimizer else None
         pool.shutdown(wait=False)
 
     @property
@@ -181,13 +182,13 @@ class Prefetch:
         self.timings["weights_waited"] = time.perf_counter() - t
         return out
 
-    def optimizer(self, path: Path) -> Any | None:
-        """The optimizer state, if the file read is `path`; waits for it. Once only, as :meth:`weights`."""
+    def optimizer(self, paths: Sequence[Path]) -> Any | None:
+        """The optimizer state, if the files read are `paths`; waits for it. Once only, as :meth:`weights`."""
         future, self._optimizer = self._optimizer, None
         t = time.perf_counter()
         got = self._result(future, "optimizer state")
         self.timings["optimizer_waited"] = time.perf_counter() - t
-        return got[1] if got is not None and got[0] == path else None
+        return got[1] if got is not None and got[0] == list(paths) else None
 
     def _result(self, future: concurrent.futures.Future | None, what: str) -> Any:
         if future is None:
@@ -217,15 +218,15 @@ class Prefetch:
         self.timings["weights_read"] = time.perf_counter() - self._t0
         return out
 
-    def _read_optimizer(self, path: Path) -> tuple[Path, Any]:
+    def _read_optimizer(self, paths: list[Path]) -> tuple[list[Path], Any]:
         self._on_device()
         t = time.perf_counter()
-        state = self._engine.load(path, self._device)
-        self._optimizer_rate = _size(path) / max(time.perf_counter() - t, 1e-9)
+        state = state_parts.merge([self._engine.load(p, self._device) for p in paths])
+        self._optimizer_rate = sum(map(_size, paths)) / max(time.perf_counter() - t, 1e-9)
         self._optimizer_read = restore.last_device_read()
         self._synchronize()
         self.timings["optimizer_read"] = time.perf_counter() - self._t0
-        return path, state
+        return paths, state
 
     def report(self) -> str:
         """When each read ended and how long the trainer waited for it, in seconds after the start, and the

@@ -140,7 +140,8 @@ def optimizer_state(
         for key in keys + ([MASTER] if with_masters else []):
             plans[(name, key)] = reshard_plan.plan(name, need, _sources(name, key, holders, pieces))
         if "step" in holders[0].state[name]:
-            steps[name] = (holders[0].path, holders[0].state[name]["step"])
+            ref = holders[0].state[name]["step"]
+            steps[name] = (holders[0].file_of(ref), ref)
     whole = [(path, ref.name, (0, math.prod(ref.shape))) for path, ref in steps.values()]
     read = _read(engine, [*(r for p in plans.values() for r in p.ranges()), *whole])
     state: dict[int, dict[str, torch.Tensor]] = {}
@@ -201,7 +202,7 @@ def _sources(
                     f"{f.path}: parameter {name!r} holds {math.prod(ref.shape)} elements; its ZeRO range "
                     f"there is [{flat[0]}, {flat[1]}) of {numel}"
                 )
-            sources.append(Source(f.path, ref.name, flat))
+            sources.append(Source(f.file_of(ref), ref.name, flat))
         if sum(s.flat[1] - s.flat[0] for s in sources) != numel:
             raise ReshardError(
                 f"parameter {name!r}: the saved shards hold {sum(s.flat[1] - s.flat[0] for s in sources)} "

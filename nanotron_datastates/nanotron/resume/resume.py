@@ -163,7 +163,7 @@ class Resume:
             return True
         self._drop_prefetch(report=False)
         warm_page_cache(reads.small)  # first, while the disk is idle
-        if reads.weights or reads.optimizer is not None:
+        if reads.weights or reads.optimizer:
             here = groups.layout_of(pc, int(config.optimizer.zero_stage))
             self.prefetch = read_ahead(self.get_engine(), self.manifest, self._src(), reads, device, here)
         return True
@@ -176,6 +176,7 @@ class Resume:
         self._deferred = None
         try:
             self.manifest = layout.read_manifest(folder)
+            layout.optimizer_files(self.manifest["files"])  # every part of a file written in parts listed
         except (OSError, ValueError) as e:
             self.manifest = {"files": {}, "topology": {}}
             self._failures.append(str(e))
@@ -197,8 +198,8 @@ class Resume:
         if reads is None:
             return names
         root = self._root()
-        listed = [*reads.weights, reads.optimizer, *reads.small]
-        out = {Path(os.path.relpath(p, root)).as_posix() for p in listed if p is not None}
+        listed = [*reads.weights, *reads.optimizer, *reads.small]
+        out = {Path(os.path.relpath(p, root)).as_posix() for p in listed}
         if not reads.weights:
             out |= {n for n in names if n.startswith("model/")}
         return out & names
@@ -282,7 +283,7 @@ class Resume:
 
     def _read_optimizer(self, path: Path, device: torch.device | None) -> Any:
         """The optimizer state: as read ahead, or read now (at the first step: the read-ahead of the time)."""
-        return optimizer_state.read_file(self.prefetch, self.get_engine, path, device)
+        return optimizer_state.read_file(self.prefetch, self.get_engine, self.manifest, path, device)
 
     # -- 5. every rank read it whole, or all fall back ------------------------------------------------------
 

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ... import state_parts
 from ...engine import DataStatesEngine
 from ...errors import DataStatesError
 from ...format import read_header
@@ -96,23 +97,39 @@ class SavedFile:
     state: dict[str, dict[str, TensorRef]]  # parameter name -> {state key: tensor}
     masters: dict[str, TensorRef]  # parameter name -> fp32 master weight
     param_groups: list[dict[str, Any]]
+    parts: dict[str, Path] = dataclasses.field(default_factory=dict)  # tensor -> its part's file, if in parts
+
+    def file_of(self, ref: TensorRef) -> Path:
+        """The file that holds `ref`: `path`, or one of its parts where the replicas wrote it in parts."""
+        return self.parts.get(ref.name, self.path)
+
+
+def _refs(tree: Any) -> list[TensorRef]:
+    if isinstance(tree, TensorRef):
+        return [tree]
+    items = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
+    return [ref for item in items for ref in _refs(item)]
 
 
 def read_saved(manifest: dict[str, Any], folder: Path, engine: DataStatesEngine) -> list[SavedFile]:
     """Every optimizer file of the checkpoint, described from its name and skeleton (headers only)."""
     out = []
-    for rel in sorted(manifest["files"]):
-        m = _OPTIMIZER.fullmatch(Path(rel).stem) if rel.startswith("optimizer/") else None
+    for rel, parts in sorted(layout.optimizer_files(manifest["files"]).items()):
+        m = _OPTIMIZER.fullmatch(Path(rel).stem)
         if m is None:
             continue
-        path = layout.member(folder, rel)
-        doc = engine.read_structure(path)
+        paths = [layout.member(folder, p) for p in parts]
+        docs = [engine.read_structure(p) for p in paths]
+        doc = state_parts.merge(docs)
+        where = {ref.name: p for p, d in zip(paths, docs) for ref in _refs(d)} if len(paths) > 1 else {}
+        path = paths[0] if len(paths) == 1 else folder / rel  # the parts' whole, by name
         names = {int(k): v for k, v in doc["names"].items()}
         state = {names[int(i)]: dict(s) for i, s in doc["state"].items()}
         dp = (int(m[3]), int(m[4])) if m[3] is not None else None
         groups = [dict(g) for g in doc["param_groups"]]
         masters = dict(doc.get(MASTER, {}))
-        out.append(SavedFile(path, int(m[1]), (int(m[5]), int(m[6])), dp, names, state, masters, groups))
+        saved = SavedFile(path, int(m[1]), (int(m[5]), int(m[6])), dp, names, state, masters, groups, where)
+        out.append(saved)
     if not out:
         raise ReshardError(f"{folder}: the checkpoint holds no optimizer file")
     return out

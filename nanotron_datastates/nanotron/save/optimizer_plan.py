@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ... import skeleton
+from ... import skeleton, state_parts
 from ...engine import DataStatesEngine
 from ...plan import SavePlan
 
@@ -17,12 +17,17 @@ class OptimizerPlans:
     def __init__(self, engine: DataStatesEngine, optimizer: Any) -> None:
         self.engine, self.optimizer = engine, optimizer
         self.kept: SavePlan | None = None  # the last plan, to plan the next checkpoint's like it
+        self.part = (0, 1)  # (part, parts): the part of the state this rank writes (state_parts.py)
+
+    def state(self) -> Any:
+        """The optimizer's state this rank writes: all of it, or its part."""
+        return state_parts.split(self.optimizer.state_dict(), *self.part)
 
     def first(self) -> SavePlan:
         """After the first step (the state exists from then on): the state planned, then planned like that
         first plan, as each checkpoint will plan it."""
-        first = self.engine.plan(self.optimizer.state_dict())
-        again = self.engine.plan(self.optimizer.state_dict(), like=first)
+        first = self.engine.plan(self.state())
+        again = self.engine.plan(self.state(), like=first)
         # Kept to plan the next checkpoint like it only where the optimizer hands out its own tensors: a
         # kept plan of copies would hold on to a copy of the whole state.
         if any(a is b for a, b in zip(again.arrays, first.arrays)):
@@ -37,7 +42,7 @@ class OptimizerPlans:
         containers (`skeleton.freeze`, under half a plan's cost): the step may change plain values in the
         optimizer's own containers (a step count), never in the copy."""
         kept = self.kept
-        state = self.optimizer.state_dict()
+        state = self.state()
         if staged_before_step and kept is not None:
             frozen, tensors = skeleton.freeze(state)
             if kept.holds(tensors):

@@ -26,11 +26,13 @@ class RankFiles:
     optimizer: Path | None
     lr_scheduler: Path | None
     random: Path
+    optimizer_part: tuple[int, int] = (0, 1)  # (part, parts) of the optimizer state in `optimizer`
 
 
 def plan_files(engine: DataStatesEngine, model: Any, optimizer: Any, pc: Any, balance: bool) -> RankFiles:
     """This rank's files, the weights' planned. What the replicas hold alike is shared out among them
-    (`balance`: `balance_writes`) or written by rank 0's replica."""
+    (`balance`: `balance_writes`; the optimizer state without ZeRO in parts, one a replica) or written by
+    rank 0's replica."""
     writes = shards.writers(model, optimizer, pc, balance=balance)
     return RankFiles(
         weights=[
@@ -40,6 +42,9 @@ def plan_files(engine: DataStatesEngine, model: Any, optimizer: Any, pc: Any, ba
         optimizer=shards.optimizer_path(optimizer, pc, Path(), writing=True, writes=writes),
         lr_scheduler=shards.lr_scheduler_path(pc, Path(), writing=True, writes=writes),
         random=shards.random_states_path(pc, Path()),
+        optimizer_part=(writes.me, writes.parts)
+        if writes.parts > 1 and not shards.is_zero(optimizer)
+        else (0, 1),
     )
 
 

@@ -127,8 +127,9 @@ class Saver:
 
     def after_first_step(self) -> None:
         """Plans the optimizer's file and prepares the cache (and the staging) for the first checkpoint."""
+        files = self.files()  # first: which part of the optimizer's state this rank writes
         optimizer = self.optimizer_plans.first()
-        plans = [plan for _, plan in self.files().weights] + ([optimizer] if self.files().optimizer else [])
+        plans = [plan for _, plan in files.weights] + ([optimizer] if files.optimizer else [])
         self._nbytes = sum(p.nbytes for p in plans)
         self._prepare_cache(plans)
         if self.tier is not None:  # this rank's checkpoint, as many times as the node has ranks
@@ -142,6 +143,7 @@ class Saver:
         if self._files is None:
             balance = self.settings.balance_writes
             self._files = plan_files(self.engine, self.model, self.optimizer, self.pc, balance)
+            self.optimizer_plans.part = self._files.optimizer_part
         return self._files
 
     # -- 2. a checkpoint asked for --------------------------------------------------------------------------
@@ -182,7 +184,7 @@ class Saver:
         if nbytes is None:  # asked for before the first step ended
             nbytes = sum(p.nbytes for _, p in self.files().weights)
             if self.files().optimizer is not None:
-                nbytes += self.engine.plan(self.optimizer.state_dict()).nbytes
+                nbytes += self.engine.plan(self.optimizer_plans.state()).nbytes
         stage, why = staging.decide(self.settings.device_snapshot, nbytes)
         if stage != self._staged:
             self._staged = stage
