@@ -22,7 +22,7 @@ from nanotron_datastates import DataStatesEngine, state_parts
 from nanotron_datastates.nanotron import shards
 from nanotron_datastates.nanotron.checkpoint import layout
 from nanotron_datastates.nanotron.checkpoint.convert import convert
-from nanotron_datastates.nanotron.save import housekeeping
+from nanotron_datastates.save import housekeeping
 
 HAS_CP = "cp" in {f.name for f in dataclasses.fields(CheckpointMetadata)}
 LAYOUTS = [  # (world size, tp, dp, pp, cp, ZeRO stage)
