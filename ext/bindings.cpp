@@ -191,7 +191,7 @@ NB_MODULE(_core, m) {
              unsigned flush_threads, unsigned queue_depth, std::size_t read_bytes,
              const std::string& io_backend, bool direct_io, bool fsync, bool checksums, bool map_memory_files,
              int flush_nice, std::size_t device_copy_bytes, double device_copy_bytes_per_s,
-             unsigned flush_depth) {
+             unsigned flush_depth, bool read_direct_io) {
             ds::EngineOptions o;
             o.cache_bytes = cache_bytes;
             o.chunk_bytes = chunk_bytes;
@@ -210,13 +210,14 @@ NB_MODULE(_core, m) {
             o.device_copy_bytes = device_copy_bytes;
             o.device_copy_bytes_per_s = device_copy_bytes_per_s;
             o.flush_depth = flush_depth;
+            o.read_direct_io = read_direct_io;
             nb::gil_scoped_release release;  // allocating and pinning the cache can take seconds
             new (self) ds::Engine(o);
           },
           "cache_bytes"_a, "chunk_bytes"_a, "pin_device"_a, "huge_pages"_a, "parser_threads"_a,
           "copy_threads"_a, "host_copy_threads"_a, "flush_threads"_a, "queue_depth"_a, "read_bytes"_a,
           "io_backend"_a, "direct_io"_a, "fsync"_a, "checksums"_a, "map_memory_files"_a, "flush_nice"_a,
-          "device_copy_bytes"_a, "device_copy_bytes_per_s"_a, "flush_depth"_a,
+          "device_copy_bytes"_a, "device_copy_bytes_per_s"_a, "flush_depth"_a, "read_direct_io"_a,
           "Every setting passed, none defaulted here: DataStatesConfig owns the defaults "
           "(core_setup.start_core)")
       .def(

@@ -126,7 +126,7 @@ RestoreResult Engine::restore(const std::string& path, std::uint64_t data_start,
   const Work work(this);  // close() waits for restores too
   RestoreOptions ro;
   ro.use_uring = backend_ == "io_uring";
-  ro.direct_io = opts_.save.direct_io && !page_cache;
+  ro.direct_io = opts_.read_direct_io && !page_cache;
   ro.depth = opts_.queue_depth;
   ro.read_bytes = opts_.read_bytes;
   ro.map_memory_files = opts_.map_memory_files;

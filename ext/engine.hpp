@@ -41,6 +41,7 @@ struct EngineOptions {
   unsigned queue_depth = 16;  // reads in flight per parser thread on restore
   std::size_t read_bytes = std::size_t{16} << 20;
   bool map_memory_files = true;     // restores to a GPU from tmpfs go through a mapping
+  bool read_direct_io = true;       // restores to a GPU read with O_DIRECT (save.direct_io: the writes)
   std::string io_backend = "auto";  // auto | io_uring | pwrite
   SaveOptions save;
 };

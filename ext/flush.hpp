@@ -47,7 +47,8 @@ class FlushWorker {
 
 // Null (and `why` set) when io_uring is refused here (seccomp, old kernel, limits). The workers' threads
 // run `nice` steps below their creator's priority (lower_this_thread): writing and summing are background.
-std::unique_ptr<FlushWorker> make_uring_worker(unsigned queue_depth, int nice, std::string* why);
+// `flush_depth`: writes in flight on its ring.
+std::unique_ptr<FlushWorker> make_uring_worker(unsigned flush_depth, int nice, std::string* why);
 std::unique_ptr<FlushWorker> make_pwrite_worker(unsigned threads, int nice);
 
 // Whether this build has the io_uring backend (liburing's headers were found when it was built).

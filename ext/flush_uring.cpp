@@ -209,8 +209,8 @@ class UringWorker final : public FlushWorker {
 
 }  // namespace
 
-std::unique_ptr<FlushWorker> make_uring_worker(unsigned queue_depth, int nice, std::string* why) {
-  auto w = std::make_unique<UringWorker>(queue_depth, nice);
+std::unique_ptr<FlushWorker> make_uring_worker(unsigned flush_depth, int nice, std::string* why) {
+  auto w = std::make_unique<UringWorker>(flush_depth, nice);
   if (!w->start(why)) return nullptr;
   return w;
 }

@@ -38,6 +38,7 @@ def start_core(config: DataStatesConfig) -> _core.Engine:
         read_bytes=config.read_bytes,
         io_backend=config.io_backend,
         direct_io=config.direct_io,
+        read_direct_io=config.read_direct_io,
         fsync=config.fsync,
         checksums=config.checksums,
         map_memory_files=config.map_memory_files,

@@ -143,6 +143,9 @@ class DataStatesConfig(Settings):
     """MiB per read request on restore."""
     direct_io: bool = True
     """Write with O_DIRECT (bypasses the page cache); file systems without it (tmpfs) are written buffered."""
+    read_direct_io: bool = True
+    """Read into GPU memory with O_DIRECT (through pinned chunks, bypassing the page cache); file systems
+    without it are read buffered, and files other ranks of the node read too always are (`page_cache`)."""
     fsync: bool = True
     """fsync each file and its directory before a save counts as persisted. Turn off only for scratch data."""
     checksums: bool = True

@@ -30,6 +30,7 @@ BAD = {
     "device_copy_gbps": [-1, 1e5, "8", None],
     "read_size": [0, 4097],
     "direct_io": ["true"],
+    "read_direct_io": ["false", 0],
     "fsync": [1],
     "checksums": [None],
     "verify_checksums": [0],

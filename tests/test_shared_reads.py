@@ -98,6 +98,26 @@ def test_a_read_through_the_page_cache_leaves_the_file_cached_and_an_o_direct_re
         assert same(direct[name], raw) and same(cached[name], raw), name
 
 
+def test_read_direct_io_governs_the_reads_and_direct_io_the_writes_alone(saved, tmp_path):
+    """Each setting means one thing: reads through the page cache with `read_direct_io` off, O_DIRECT writes
+    still (`direct_io`); O_DIRECT reads with buffered writes."""
+    path, state = saved
+    with DataStatesEngine(small_config(read_direct_io=False)) as engine:
+        drop_cached(path)
+        read_as_a_gpu_restore(engine, path, page_cache=False)
+        assert resident_share(path) > 0.95
+        written = engine.save(state, tmp_path / "again.safetensors")
+        written.wait_persisted()
+        assert written.stats["direct_io"]
+    with DataStatesEngine(small_config(direct_io=False)) as engine:
+        drop_cached(path)
+        read_as_a_gpu_restore(engine, path, page_cache=False)
+        assert resident_share(path) < 0.05
+        written = engine.save(state, tmp_path / "buffered.safetensors")
+        written.wait_persisted()
+        assert not written.stats["direct_io"]
+
+
 def test_replicas_of_one_node_share_their_weight_reads(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "2")

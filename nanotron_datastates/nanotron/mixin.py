@@ -30,13 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine import DataStatesEngine
 from . import groups
 from . import log as say
 from .resume.resume import Resume
 from .save.commit_files import finalizer
 from .save.saver import Saver
-from .yaml_config import section
+from .yaml_config import engine_for, section
 
 if TYPE_CHECKING:  # for type checkers: the mixin's attributes and hooks are those of Nanotron's trainer
     from nanotron.trainer import DistributedTrainer as _Trainer
@@ -64,7 +63,7 @@ class DataStatesTrainerMixin(_Trainer):
             if metadata is not None:
                 self.metadata, self.iteration_step = metadata, metadata.last_train_step
         if getattr(self.config, "uses_datastates", False):
-            engine = self._ds_resume.engine or DataStatesEngine(section(self.config).engine)
+            engine = self._ds_resume.engine or engine_for(self.config)
             checkpoints = Path(self.config.checkpoints.checkpoints_path)
             self.datastates = Saver(
                 engine,

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..trainer_settings import DatastatesSection, Section, section_keys
 from . import compat
+
+if TYPE_CHECKING:
+    from ..engine import DataStatesEngine
 
 ENGINES = ("torch", "datastates")
 
@@ -85,6 +88,14 @@ def section(config: Any) -> Section:
     """The parsed `datastates:` section of a config (the defaults where it has none)."""
     parsed = getattr(config, "_datastates_section", None)
     return parsed if isinstance(parsed, Section) else Section()
+
+
+def engine_for(config: Any) -> DataStatesEngine:
+    """The trainer's one engine, from its config's `datastates:` section: built here only, by the read-ahead
+    of the trainer's first line or by the resume, and handed on to the Saver (mixin.py)."""
+    from ..engine import DataStatesEngine  # here: this module is imported when Nanotron is, torch or not
+
+    return DataStatesEngine(section(config).engine)
 
 
 def _swap_default(fn: Any, old: type, new: type) -> None:

@@ -18,7 +18,7 @@ import torch
 from ...engine import DataStatesEngine
 from .. import memory_tier as tier
 from ..checkpoint import layout
-from ..yaml_config import section
+from ..yaml_config import engine_for, section
 from .read_ahead import Prefetch, shared_weight_reads, warm_page_cache
 from .source import asked_layout, loads, parse_config, resume_folder
 
@@ -64,7 +64,7 @@ def find(args: Sequence[Any], kwargs: dict[str, Any]) -> EarlyRead | None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         warm_page_cache(reads.small)  # before the disk's queue fills
-        engine = DataStatesEngine(section(config).engine)
+        engine = engine_for(config)
     except Exception:  # noqa: BLE001 - plan() meets the same problem and reports it
         return None
     return EarlyRead(manifest, source, reads, device, asked_layout(config), engine)

@@ -45,7 +45,7 @@ from ...errors import FormatError
 from .. import groups
 from .. import log as say
 from ..checkpoint import layout
-from ..yaml_config import section
+from ..yaml_config import engine_for, section
 from . import fallback as recovery
 from . import optimizer_state, saved_layout, weights
 from . import scheduler_and_rng as rest
@@ -210,7 +210,7 @@ class Resume:
 
     def get_engine(self) -> DataStatesEngine:
         if self.engine is None:
-            self.engine = DataStatesEngine(section(self._config).engine)
+            self.engine = engine_for(self._config)
         return self.engine
 
     # -- 3. weights -----------------------------------------------------------------------------------------
