@@ -18,6 +18,7 @@ from nanotron.serialize.metadata import CheckpointMetadata
 
 from nanotron_datastates.checkpoint import folder as checkpoint
 from nanotron_datastates.checkpoint import verify
+from nanotron_datastates.checkpoint.names import whole_name
 from nanotron_datastates.nanotron.checkpoint import layout
 from nanotron_datastates.nanotron.checkpoint.convert import convert
 
@@ -54,6 +55,8 @@ def stock_name(ours: str) -> str:
         name, _ = layout.stock_random_states(parts[-1])
         return f"random/{name}"
     if parts[0] in ("optimizer", "lr_scheduler"):
+        whole = whole_name(parts[-1])  # a part of the optimizer state: Nanotron's one file
+        ours = f"{parts[0]}/{whole[0]}" if whole else ours
         return ours.removesuffix(".safetensors") + ".pt"
     return ours
 
@@ -67,7 +70,8 @@ def test_every_file_has_one_writer_and_stock_writes_the_same_files(run):
     assert {stock_name(f) for f in writes} == written
     randoms = [f for f in writes if f.startswith("random/")]
     assert len(randoms) == world  # one per rank: context-parallel ranks each keep theirs
-    assert sum(f.startswith("optimizer/") for f in writes) == (dp if zero else 1) * tp * pp
+    # ZeRO: each dp rank its shard; without, each data- and context-parallel replica its part of the one
+    assert sum(f.startswith("optimizer/") for f in writes) == (dp if zero else dp * cp) * tp * pp
 
 
 def test_every_rank_reads_what_was_written(run):
@@ -75,7 +79,7 @@ def test_every_rank_reads_what_was_written(run):
     writes = {f for r in ranks for f in r["writes"]}
     for r in ranks:
         optimizer, random = r["reads"]
-        assert optimizer in writes and random in r["writes"]
+        assert optimizer in layout.optimizer_files(writes) and random in r["writes"]
         assert r["weight_sources"] is not None  # every weight file where this layout reads it
         assert set(r["weight_sources"]) <= {stock_name(f) for f in writes}
 
