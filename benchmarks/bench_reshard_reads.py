@@ -32,10 +32,11 @@ import torch
 from _common import command_info, evict, host_info, resident_bytes, summarize, write_json
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
-from nanotron_datastates.nanotron.checkpoint import layout
-from nanotron_datastates.nanotron.resume import reshard, reshard_plan
-from nanotron_datastates.nanotron.resume.reshard_plan import Need, Source
-from nanotron_datastates.nanotron.resume.saved_layout import Piece, zero_ranges
+from nanotron_datastates.checkpoint.checksums import file_entry
+from nanotron_datastates.nanotron.resume import reshard
+from nanotron_datastates.nanotron.resume.saved_layout import zero_ranges
+from nanotron_datastates.resume import reshard_plan
+from nanotron_datastates.resume.reshard_plan import Need, Piece, Source
 
 KINDS = ("exp_avg", "exp_avg_sq", "master")
 # The 180M model's parameters: (name, shape, tensor-parallel split dim or None, contiguous chunks on it).
@@ -126,7 +127,7 @@ def save_weights(engine: DataStatesEngine, folder: Path, tp: int) -> dict[str, A
                 exact_metadata=True,
             )
             h.wait_persisted()
-            files[rel] = layout.file_entry((folder / rel).stat().st_size, h)
+            files[rel] = file_entry((folder / rel).stat().st_size, h)
     return {"files": files}
 
 

@@ -157,9 +157,9 @@ def run_phase(args: argparse.Namespace) -> None:
         t_clone = time.perf_counter()
         restored = capture(trainer, on_device=True)
         torch.cuda.synchronize()
-        from nanotron_datastates.nanotron import memory_tier as tier
+        from nanotron_datastates.tier.jobs import jobs
 
-        rec["tier"] = tier.jobs(args.tier_path)
+        rec["tier"] = jobs(args.tier_path)
         rec["marks"]["compare_s"] = time.perf_counter() - t_clone
     trainer.train(run_train.get_dataloader(trainer))
     rec["memory"] = {**memory.stop(), "gpu_max_reserved_bytes": torch.cuda.max_memory_reserved()}

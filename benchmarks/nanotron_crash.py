@@ -32,8 +32,8 @@ from typing import Any
 from _nanotron import REPO, write_config
 
 from nanotron_datastates import format as fmt
-from nanotron_datastates.nanotron.checkpoint import folder as checkpoint
-from nanotron_datastates.nanotron.checkpoint import verify
+from nanotron_datastates.checkpoint import folder as checkpoint
+from nanotron_datastates.checkpoint import verify
 
 
 def descendants(pid: int) -> list[int]:

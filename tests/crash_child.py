@@ -24,13 +24,15 @@ FILES = ("model/w0.safetensors", "model/w1.safetensors", "optimizer/optimizer.sa
 
 def save_loop(root_dir: str, ready: Any, tier_base: str | None = None, copies: int = 2) -> None:
     from nanotron_datastates import DataStatesConfig, DataStatesEngine
-    from nanotron_datastates.nanotron.checkpoint import layout
-    from nanotron_datastates.nanotron.memory_tier import MemoryTier
+    from nanotron_datastates.checkpoint.file_io import write_atomic
+    from nanotron_datastates.checkpoint.manifest import manifest as make_manifest
+    from nanotron_datastates.checkpoint.names import LATEST, MANIFEST
     from nanotron_datastates.save import housekeeping
     from nanotron_datastates.save.commit import Committer, PendingCheckpoint
+    from nanotron_datastates.tier.memory import MemoryTier
 
     root = Path(root_dir)
-    latest = root / layout.LATEST
+    latest = root / LATEST
     step = int(latest.read_text()) + 1 if latest.exists() else 1
     engine = DataStatesEngine(
         DataStatesConfig(host_cache_size=4 / 1024, chunk_size=1, parser_threads=2, flush_threads=2)
@@ -61,8 +63,8 @@ def save_loop(root_dir: str, ready: Any, tier_base: str | None = None, copies: i
         handles = engine.save_plans(files, mirrors=mirrors, recycle=recycle)
 
         def finalize(files: dict[str, Any], folder: Path = folder, step: int = step) -> None:
-            layout.write_atomic(folder / layout.MANIFEST, json.dumps(layout.manifest(step, {}, files)))
-            layout.write_atomic(latest, str(step))
+            write_atomic(folder / MANIFEST, json.dumps(make_manifest(step, {}, files)))
+            write_atomic(latest, str(step))
 
         committer.submit(PendingCheckpoint(step, folder, handles, finalize))
         outstanding += 1

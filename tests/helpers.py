@@ -76,8 +76,10 @@ def write_nanotron_checkpoint(engine, root: Path, step: int, *, latest: bool = T
 
     import yaml
 
+    from nanotron_datastates.checkpoint.file_io import write_atomic
+    from nanotron_datastates.checkpoint.manifest import manifest as make_manifest
+    from nanotron_datastates.checkpoint.names import LATEST, MANIFEST, random_states_name
     from nanotron_datastates.nanotron import rng_states as states
-    from nanotron_datastates.nanotron.checkpoint import layout
 
     torch.manual_seed(step)
     model = torch.nn.Linear(8, 4)
@@ -94,7 +96,7 @@ def write_nanotron_checkpoint(engine, root: Path, step: int, *, latest: bool = T
     others = {
         "optimizer/optimizer_pp-0-of-1_tp-0-of-1.safetensors": opt.state_dict(),
         "lr_scheduler/lr_scheduler_pp-0-of-1_tp-0-of-1.safetensors": {"last_epoch": step, "base_lrs": [1e-3]},
-        f"random/{layout.random_states_name((0, 1), (0, 1), (0, 1))}": {
+        f"random/{random_states_name((0, 1), (0, 1), (0, 1))}": {
             "nanotron": {},
             "global": states.global_rng_state(),
         },
@@ -111,19 +113,19 @@ def write_nanotron_checkpoint(engine, root: Path, step: int, *, latest: bool = T
         "dp": 1,
         "metas": {"last_train_step": step, "consumed_train_samples": 4 * step},
     }
-    layout.write_atomic(folder / "checkpoint_metadata.json", json.dumps(checkpoint_meta))
+    write_atomic(folder / "checkpoint_metadata.json", json.dumps(checkpoint_meta))
     config = {
         "checkpoints": {"checkpointing_engine": "datastates", "checkpoints_path": str(root)},
         "datastates": {"host_cache_size": 1},
         "parallelism": {"dp": 1, "pp": 1, "tp": 1},
         "optimizer": {"zero_stage": 0},
     }
-    layout.write_atomic(folder / "config.yaml", yaml.dump(config))
-    layout.write_atomic(folder / "model_config.json", json.dumps({"hidden_size": 8}))
+    write_atomic(folder / "config.yaml", yaml.dump(config))
+    write_atomic(folder / "model_config.json", json.dumps({"hidden_size": 8}))
     topology = {"tp": 1, "pp": 1, "dp": 1, "expert": 1, "zero_stage": 0}
-    layout.write_atomic(folder / layout.MANIFEST, json.dumps(layout.manifest(step, topology, files)))
+    write_atomic(folder / MANIFEST, json.dumps(make_manifest(step, topology, files)))
     if latest:
-        layout.write_atomic(root / layout.LATEST, str(step))
+        write_atomic(root / LATEST, str(step))
     return folder
 
 

@@ -49,10 +49,12 @@ def _engine() -> Any:
 def save(
     rank: int, world: int, node: int, init: str, work: str, steps: int, replicas: int, gbps: float, chunk: int
 ) -> None:
-    from nanotron_datastates.nanotron import replicas as rep
-    from nanotron_datastates.nanotron.checkpoint import layout
-    from nanotron_datastates.nanotron.memory_tier import MemoryTier
+    from nanotron_datastates.checkpoint.file_io import write_atomic
+    from nanotron_datastates.checkpoint.manifest import manifest as make_manifest
+    from nanotron_datastates.checkpoint.names import LATEST, MANIFEST
     from nanotron_datastates.save.commit import Committer, PendingCheckpoint
+    from nanotron_datastates.tier import replicas as rep
+    from nanotron_datastates.tier.memory import MemoryTier
 
     dist = _start(rank, world, node, init)
     root, out = Path(work) / "ckpt", Path(work)
@@ -92,8 +94,8 @@ def save(
         )
 
         def finalize(all_files: dict[str, Any], folder: Path = folder, step: int = step) -> None:
-            layout.write_atomic(folder / layout.MANIFEST, json.dumps(layout.manifest(step, {}, all_files)))
-            layout.write_atomic(root / layout.LATEST, str(step))
+            write_atomic(folder / MANIFEST, json.dumps(make_manifest(step, {}, all_files)))
+            write_atomic(root / LATEST, str(step))
 
         committer.submit(PendingCheckpoint(step, folder, handles, finalize if rank == 0 else None))
         (result,) = committer.take(1)
@@ -105,19 +107,22 @@ def save(
 
 
 def restart(rank: int, world: int, node: int, init: str, work: str, replicas: int) -> None:
-    from nanotron_datastates.nanotron import replicas as rep
-    from nanotron_datastates.nanotron.checkpoint import layout
-    from nanotron_datastates.nanotron.memory_tier import MemoryTier
+    from nanotron_datastates.checkpoint.checksums import file_checksums
+    from nanotron_datastates.checkpoint.manifest import read_manifest
+    from nanotron_datastates.checkpoint.names import LATEST
+    from nanotron_datastates.tier import replicas as rep
+    from nanotron_datastates.tier.memory import MemoryTier
+    from nanotron_datastates.tier.replica_restore import restart_source
 
     dist = _start(rank, world, node, init)
     root, out = Path(work) / "ckpt", Path(work)
-    step = int((root / layout.LATEST).read_text())
+    step = int((root / LATEST).read_text())
     folder = root / str(step)
-    manifest = layout.read_manifest(folder)
+    manifest = read_manifest(folder)
     engine = _engine()
     tier = MemoryTier(tier_root(out, node), root, rank, copies=2)
     group = dist.new_group(backend="gloo")
-    source, why = rep.restart_source(tier, manifest, set(files(rank)), group, engine)
+    source, why = restart_source(tier, manifest, set(files(rank)), group, engine)
     if replicas:
         nodes: list[Any] = [None] * world
         dist.all_gather_object(nodes, rep.node_key())
@@ -127,7 +132,7 @@ def restart(rank: int, world: int, node: int, init: str, work: str, replicas: in
     equal = []
     for rel, key in zip(files(rank), ("data", "m")):
         path = (source or folder) / rel
-        sums = layout.file_checksums(manifest, folder, folder / rel)
+        sums = file_checksums(manifest, folder, folder / rel)
         got = engine.load(path, checksums=sums)[key]
         equal.append(bool(got.equal(want["w" if key == "data" else "m"])))
     leftovers = temporaries(tier.folder.parent)

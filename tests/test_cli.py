@@ -14,8 +14,8 @@ import torch
 
 from nanotron_datastates import format as fmt
 from nanotron_datastates import telemetry
+from nanotron_datastates.checkpoint.names import LATEST, MANIFEST, NANOTRON_METADATA
 from nanotron_datastates.cli import main, measure, parser, words
-from nanotron_datastates.nanotron.checkpoint import layout
 from nanotron_datastates.save import housekeeping
 from nanotron_datastates.save.commit import CommitResult
 
@@ -89,7 +89,7 @@ def test_inspect_a_checkpoints_folder(ckpt, capsys):
     info = json.loads(out)
     (c40,) = [c for c in info["checkpoints"] if c["path"].endswith("40")]
     assert c40["topology"]["zero_stage"] == 0 and c40["committed"] and c40["latest"]
-    assert {f["file"] for f in c40["files"]} >= {OPTIMIZER, RANDOM, layout.MANIFEST, "config.yaml"}
+    assert {f["file"] for f in c40["files"]} >= {OPTIMIZER, RANDOM, MANIFEST, "config.yaml"}
 
 
 def test_inspect_one_checkpoint_lists_tensors_and_one_file(ckpt, capsys):
@@ -140,7 +140,7 @@ def test_verify_finds_a_flipped_byte_naming_file_and_tensor(ckpt, capsys):
 def test_verify_finds_missing_rank_files_and_a_wrong_latest(ckpt, capsys):
     (ckpt / "40" / RANDOM).unlink()
     shutil.rmtree(ckpt / "20")
-    (ckpt / layout.LATEST).write_text("30")
+    (ckpt / LATEST).write_text("30")
     rc, out, _ = run(capsys, "verify", str(ckpt))
     assert rc == 1
     assert f"PROBLEM: {ckpt / '40' / RANDOM}: listed in the manifest, missing" in out
@@ -157,9 +157,9 @@ def test_verify_a_truncated_weight_file(ckpt, capsys):
 
 def test_a_manifest_entry_out_of_the_folder_is_refused_by_every_command(ckpt, tmp_path, capsys):
     folder = ckpt / "20"
-    doc = json.loads((folder / layout.MANIFEST).read_text())
+    doc = json.loads((folder / MANIFEST).read_text())
     doc["files"]["model/../../../secret.safetensors"] = {"bytes": 1}
-    (folder / layout.MANIFEST).write_text(json.dumps(doc))
+    (folder / MANIFEST).write_text(json.dumps(doc))
     rc, out, _ = run(capsys, "verify", str(folder))
     assert rc == 1 and "model/../../../secret.safetensors" in out and "leaves the checkpoint" in out
     rc, _, err = run(capsys, "inspect", str(folder))
@@ -315,9 +315,9 @@ def test_verify_one_file_with_a_flipped_bit_counts_what_it_checked(tiny_lm, caps
 
 def test_a_folder_of_a_checkpoint_never_committed_is_checked_file_by_file(ckpt, capsys):
     folder = ckpt / "40"
-    (folder / layout.MANIFEST).unlink()
-    (folder / layout.NANOTRON_METADATA).unlink()
-    (ckpt / layout.LATEST).unlink()
+    (folder / MANIFEST).unlink()
+    (folder / NANOTRON_METADATA).unlink()
+    (ckpt / LATEST).unlink()
     shutil.rmtree(ckpt / "20")
     rc, out, _ = run(capsys, "verify", str(folder))
     assert rc == 0, out
@@ -331,7 +331,7 @@ def test_a_folder_of_a_checkpoint_never_committed_is_checked_file_by_file(ckpt, 
 
 def test_nanotron_own_layout_is_read_without_a_manifest(ckpt, capsys):
     folder = ckpt / "40"
-    (folder / layout.MANIFEST).unlink()  # checkpoint_metadata.json remains: Nanotron's own layout
+    (folder / MANIFEST).unlink()  # checkpoint_metadata.json remains: Nanotron's own layout
     rc, out, _ = run(capsys, "inspect", str(folder))
     assert rc == 0 and "40: step 40, nanotron (torch), committed, latest; 8 files, 10 tensors" in out
     rc, out, _ = run(capsys, "verify", str(folder))
@@ -479,7 +479,7 @@ def test_every_option_says_what_it_does_and_its_default(capsys):
 
 
 def test_tier_lists_and_clears_what_jobs_keep_in_memory(tmp_path, capsys):
-    from nanotron_datastates.nanotron.memory_tier import MemoryTier
+    from nanotron_datastates.tier.memory import MemoryTier
 
     base = tmp_path / "shm"
     for job in ("a", "b"):

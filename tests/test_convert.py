@@ -21,8 +21,9 @@ import yaml
 
 from nanotron_datastates import DataStatesEngine
 from nanotron_datastates.checkpoint import verify
+from nanotron_datastates.checkpoint.manifest import read_manifest
+from nanotron_datastates.checkpoint.names import MANIFEST, as_safetensors
 from nanotron_datastates.errors import ChecksumError
-from nanotron_datastates.nanotron.checkpoint import layout
 from nanotron_datastates.nanotron.checkpoint.convert import convert
 
 from helpers import same
@@ -122,10 +123,10 @@ def flip_data_byte(path: Path) -> None:
 
 
 def check_datastates(folder: Path, original: dict[str, Any], with_random: bool) -> None:
-    doc = layout.read_manifest(folder)
-    engine_files = {WEIGHT, BIAS, layout.as_safetensors(OPTIMIZER), layout.as_safetensors(LR_SCHEDULER)}
+    doc = read_manifest(folder)
+    engine_files = {WEIGHT, BIAS, as_safetensors(OPTIMIZER), as_safetensors(LR_SCHEDULER)}
     if with_random:
-        engine_files.add(layout.as_safetensors(RANDOM))
+        engine_files.add(as_safetensors(RANDOM))
     assert set(doc["files"]) == engine_files
     assert doc["step"] == STEP
     assert doc["topology"] == {"tp": 1, "pp": 1, "dp": 1, "cp": 1, "expert": 1, "zero_stage": 0}
@@ -147,7 +148,7 @@ def check_datastates(folder: Path, original: dict[str, Any], with_random: bool) 
 
 
 def check_torch(folder: Path, dstates: Path, original: dict[str, Any]) -> None:
-    assert not (folder / layout.MANIFEST).exists()
+    assert not (folder / MANIFEST).exists()
     assert all(p.is_relative_to(folder / "model") for p in folder.rglob("*.safetensors"))
     for rel in (WEIGHT, BIAS):
         assert (folder / rel).read_bytes() == (dstates / rel).read_bytes()
@@ -185,7 +186,7 @@ def test_corrupt_optimizer_fails_and_leaves_nothing(tmp_path: Path) -> None:
     stock = tmp_path / "stock"
     stock_checkpoint(stock, with_random=False)
     dstates = convert(stock, tmp_path / "datastates", "datastates")
-    flip_data_byte(dstates / layout.as_safetensors(OPTIMIZER))
+    flip_data_byte(dstates / as_safetensors(OPTIMIZER))
     out = tmp_path / "torch"
     with pytest.raises(ChecksumError):
         convert(dstates, out, "torch")

@@ -20,8 +20,11 @@ import torch
 from test_convert import LR_SCHEDULER, OPTIMIZER, stock_checkpoint
 
 from nanotron_datastates import DataStatesEngine
+from nanotron_datastates.checkpoint.checksums import file_entry
+from nanotron_datastates.checkpoint.file_io import write_atomic
+from nanotron_datastates.checkpoint.manifest import is_datastates_checkpoint, read_manifest
+from nanotron_datastates.checkpoint.names import MANIFEST, as_safetensors
 from nanotron_datastates.cli import main
-from nanotron_datastates.nanotron.checkpoint import layout
 from nanotron_datastates.nanotron.checkpoint.convert import UnpicklingRefused, convert
 
 
@@ -60,7 +63,7 @@ def test_a_crafted_pickle_is_refused_and_never_runs(tmp_path: Path, rel: str) ->
     # The opt-in unpickles it as Nanotron does: the payload runs (os.system's 0 takes its place).
     ours = convert(stock, out, "datastates", allow_pickle=True)
     assert marker.exists()
-    assert layout.as_safetensors(rel) in layout.read_manifest(ours)["files"]
+    assert as_safetensors(rel) in read_manifest(ours)["files"]
 
 
 def test_the_command_refuses_it_naming_the_file_and_the_flag(tmp_path: Path, capsys) -> None:
@@ -74,7 +77,7 @@ def test_the_command_refuses_it_naming_the_file_and_the_flag(tmp_path: Path, cap
     assert not marker.exists() and not out.exists()
 
     assert main(["convert", str(stock), str(out), "--to", "datastates", "--allow-pickle"]) == 0
-    assert marker.exists() and layout.is_datastates_checkpoint(out)
+    assert marker.exists() and is_datastates_checkpoint(out)
 
 
 def test_stock_files_are_read_with_weights_only(tmp_path: Path, monkeypatch) -> None:
@@ -98,16 +101,16 @@ def test_a_datastates_pickled_leaf_needs_the_opt_in_too(tmp_path: Path) -> None:
     stock = tmp_path / "stock"
     stock_checkpoint(stock, with_random=False)
     ours = convert(stock, tmp_path / "datastates", "datastates")
-    rel = layout.as_safetensors(LR_SCHEDULER)
+    rel = as_safetensors(LR_SCHEDULER)
     with DataStatesEngine(host_cache_size=1 / 64, pin_host_cache=False) as engine:
         state = engine.load(ours / rel)
         state["extra"] = complex(1, 2)  # no JSON form: a pickled leaf
         (ours / rel).unlink()
         h = engine.save(state, ours / rel, allow_pickle=True)
         h.wait_persisted()
-    doc = layout.read_manifest(ours)
-    doc["files"][rel] = layout.file_entry((ours / rel).stat().st_size, h)
-    layout.write_atomic(ours / layout.MANIFEST, json.dumps(doc))
+    doc = read_manifest(ours)
+    doc["files"][rel] = file_entry((ours / rel).stat().st_size, h)
+    write_atomic(ours / MANIFEST, json.dumps(doc))
 
     with pytest.raises(ValueError, match="allow_pickle=True"):
         convert(ours, tmp_path / "torch", "torch")

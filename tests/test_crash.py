@@ -14,7 +14,9 @@ import torch
 
 from nanotron_datastates import DataStatesEngine
 from nanotron_datastates import format as fmt
-from nanotron_datastates.nanotron.checkpoint import layout
+from nanotron_datastates.checkpoint.checksums import file_checksums
+from nanotron_datastates.checkpoint.manifest import read_manifest
+from nanotron_datastates.checkpoint.names import LATEST, MANIFEST
 
 import crash_child
 from helpers import small_config
@@ -28,12 +30,12 @@ def _expected(path: Path, step: int) -> dict:
 
 
 def _check_folder(engine: DataStatesEngine, folder: Path) -> None:
-    doc = layout.read_manifest(folder)
+    doc = read_manifest(folder)
     step = doc["step"]
     assert folder.name == str(step)
     for rel in doc["files"]:
         path = folder / rel
-        got = engine.load(path, verify=True, checksums=layout.file_checksums(doc, folder, path))
+        got = engine.load(path, verify=True, checksums=file_checksums(doc, folder, path))
         want = _expected(path, step)
         assert got.keys() == want.keys(), path
         for k, v in want.items():
@@ -43,8 +45,8 @@ def _check_folder(engine: DataStatesEngine, folder: Path) -> None:
 def _check(engine: DataStatesEngine, root: Path) -> tuple[int, int]:
     """Verifies the invariants; returns (latest step or 0, temporary files left over)."""
     latest = 0
-    if (root / layout.LATEST).exists():
-        latest = int((root / layout.LATEST).read_text())
+    if (root / LATEST).exists():
+        latest = int((root / LATEST).read_text())
         _check_folder(engine, root / str(latest))  # the checkpoint latest.txt names is whole
     temporaries = 0
     for dirpath, _, names in os.walk(root):
@@ -57,7 +59,7 @@ def _check(engine: DataStatesEngine, root: Path) -> tuple[int, int]:
                 header = fmt.read_header(path)  # whole: the header's sizes match the file
                 assert header.file_size == path.stat().st_size
                 engine.load(path, verify=True)  # embedded checksums, where the file has them
-            if name == layout.MANIFEST:
+            if name == MANIFEST:
                 _check_folder(engine, path.parent)
     return latest, temporaries
 
@@ -105,7 +107,7 @@ def test_sigkill_with_the_memory_tier_restores_from_memory_only_a_whole_committe
     else from storage: every file it reads verifies and holds that step's values, and the tier never marks a
     step storage has not committed. With one copy, each save overwrites the held step's files: kills land
     while they are half overwritten, and a restart never reads those."""
-    from nanotron_datastates.nanotron.memory_tier import MemoryTier
+    from nanotron_datastates.tier.memory import MemoryTier
 
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "nanotron_datastates", "crash_child"])
@@ -119,10 +121,10 @@ def test_sigkill_with_the_memory_tier_restores_from_memory_only_a_whole_committe
             _kill_while_saving(ctx, rng, str(root), str(base), copies)
             # A file taken over by a save in flight: a temporary in the tier (recycled files are renamed).
             mid_overwrite += any(".dstmp." in p.name for p in tier.folder.rglob("*"))
-            if not (root / layout.LATEST).exists():
+            if not (root / LATEST).exists():
                 continue
-            latest = int((root / layout.LATEST).read_text())
-            doc = layout.read_manifest(root / str(latest))
+            latest = int((root / LATEST).read_text())
+            doc = read_manifest(root / str(latest))
             held = [s for s in tier.steps() if list((tier.folder / str(s)).glob(".rank-*.json"))]
             # Never ahead of storage; two only where the kill fell between marking one and dropping the last.
             assert len(held) <= 2 and all(s <= latest for s in held), (held, latest)
@@ -131,7 +133,7 @@ def test_sigkill_with_the_memory_tier_restores_from_memory_only_a_whole_committe
             from_disk += source == root / str(latest)
             for rel in doc["files"]:
                 got = engine.load(
-                    source / rel, verify=True, checksums=layout.file_checksums(doc, source, source / rel)
+                    source / rel, verify=True, checksums=file_checksums(doc, source, source / rel)
                 )
                 want = _expected(root / str(latest) / rel, latest)
                 for k, v in want.items():

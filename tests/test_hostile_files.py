@@ -19,8 +19,8 @@ from test_convert import OPTIMIZER, stock_checkpoint
 
 from nanotron_datastates import DataStatesEngine
 from nanotron_datastates import format as fmt
+from nanotron_datastates.checkpoint.names import MANIFEST, NANOTRON_METADATA
 from nanotron_datastates.cli import main
-from nanotron_datastates.nanotron.checkpoint import layout
 
 from helpers import small_config, within, write_nanotron_checkpoint
 
@@ -133,7 +133,7 @@ def ckpt(engine, tmp_path) -> Path:
     return write_nanotron_checkpoint(engine, tmp_path / "ckpt", 40)
 
 
-NANOTRON_FILES = [layout.NANOTRON_METADATA, "config.yaml"]
+NANOTRON_FILES = [NANOTRON_METADATA, "config.yaml"]
 OPTIMIZER_OURS = "optimizer/optimizer_pp-0-of-1_tp-0-of-1.safetensors"
 
 
@@ -142,7 +142,7 @@ OPTIMIZER_OURS = "optimizer/optimizer_pp-0-of-1_tp-0-of-1.safetensors"
 @pytest.mark.parametrize("ours", [True, False], ids=["datastates", "stock"])
 def test_inspect_and_verify_fail_on_a_fifo_nanotron_file_naming_it(ckpt, fifo, capsys, name, command, ours):
     if not ours:
-        (ckpt / layout.MANIFEST).unlink()  # Nanotron's own layout
+        (ckpt / MANIFEST).unlink()  # Nanotron's own layout
     path = fifo(ckpt / name)
     for where in (ckpt, ckpt.parent):  # the checkpoint, and its checkpoints folder
         rc, out = run(capsys, command, str(where))
@@ -151,7 +151,7 @@ def test_inspect_and_verify_fail_on_a_fifo_nanotron_file_naming_it(ckpt, fifo, c
 
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 def test_a_fifo_manifest_is_never_taken_for_a_stock_checkpoint(ckpt, fifo, capsys, command):
-    path = fifo(ckpt / layout.MANIFEST)
+    path = fifo(ckpt / MANIFEST)
     for where in (ckpt, ckpt.parent):
         rc, out = run(capsys, command, str(where))
         assert rc == 1 and str(path) in out, out
@@ -178,7 +178,7 @@ def test_a_fifo_among_engine_files_is_verified_not_skipped(engine, fifo, tmp_pat
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 def test_inspect_and_verify_fail_on_a_fifo_weight_file_naming_it(ckpt, fifo, capsys, command):
     """A stock checkpoint's weights are not in a manifest: found by listing, the FIFO among them."""
-    (ckpt / layout.MANIFEST).unlink()
+    (ckpt / MANIFEST).unlink()
     path = fifo(next((ckpt / "model").rglob("*.safetensors")))
     rc, out = run(capsys, command, str(ckpt))
     assert rc == 1 and str(path) in out, out  # inspect lists the file with its error

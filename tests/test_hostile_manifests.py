@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
+from nanotron_datastates.checkpoint.manifest import MAX_MANIFEST, ManifestError, read_manifest
+from nanotron_datastates.checkpoint.names import MANIFEST
 from nanotron_datastates.checkpoint.verify import verify
-from nanotron_datastates.nanotron.checkpoint import layout
 
 from helpers import write_nanotron_checkpoint
 
@@ -79,20 +80,20 @@ def saved(tmp_path_factory):
 def test_a_hostile_manifest_is_a_manifest_error_naming_its_key(saved, how, tmp_path):
     folder = tmp_path / "20"
     folder.mkdir()
-    doc, key = _edit(json.loads((saved / "20" / layout.MANIFEST).read_text()), how)
-    (folder / layout.MANIFEST).write_text(json.dumps(doc))
-    with pytest.raises(layout.ManifestError, match=key.replace("[", r"\[")):
-        layout.read_manifest(folder)
+    doc, key = _edit(json.loads((saved / "20" / MANIFEST).read_text()), how)
+    (folder / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(ManifestError, match=key.replace("[", r"\[")):
+        read_manifest(folder)
 
 
 def test_a_manifest_nested_too_deeply_or_too_large_is_refused(tmp_path):
-    (tmp_path / layout.MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
-    with pytest.raises(layout.ManifestError):
-        layout.read_manifest(tmp_path)
-    with open(tmp_path / layout.MANIFEST, "wb") as f:
-        f.truncate(layout.MAX_MANIFEST + 1)
+    (tmp_path / MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ManifestError):
+        read_manifest(tmp_path)
+    with open(tmp_path / MANIFEST, "wb") as f:
+        f.truncate(MAX_MANIFEST + 1)
     with pytest.raises(OSError, match="more than"):
-        layout.read_manifest(tmp_path)
+        read_manifest(tmp_path)
 
 
 def test_verify_reports_each_bad_checkpoint_and_goes_on_in_bounded_time(saved, tmp_path):
@@ -105,9 +106,9 @@ def test_verify_reports_each_bad_checkpoint_and_goes_on_in_bounded_time(saved, t
     for i, how in enumerate(HOW):
         folder = root / str(100 + i)
         shutil.copytree(saved / "20", folder)
-        doc = json.loads((folder / layout.MANIFEST).read_text())
+        doc = json.loads((folder / MANIFEST).read_text())
         doc["step"] = 100 + i
-        (folder / layout.MANIFEST).write_text(json.dumps(_edit(doc, how)[0]))
+        (folder / MANIFEST).write_text(json.dumps(_edit(doc, how)[0]))
     script = (
         "import json, resource; from nanotron_datastates.checkpoint.verify import verify; "
         f"r = verify({str(root)!r}).as_dict(); "
@@ -122,7 +123,7 @@ def test_verify_reports_each_bad_checkpoint_and_goes_on_in_bounded_time(saved, t
     for i in range(len(HOW)):
         assert any(str(root / str(100 + i)) in p for p in report["problems"]), (HOW[i], report["problems"])
     assert not any(f"{root / '10'}/" in p or f"{root / '20'}/" in p for p in report["problems"])
-    assert report["files_checked"] >= 2 * len(layout.read_manifest(saved / "10")["files"])
+    assert report["files_checked"] >= 2 * len(read_manifest(saved / "10")["files"])
 
 
 def test_a_whole_checkpoint_still_verifies(saved):

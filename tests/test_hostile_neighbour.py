@@ -19,11 +19,15 @@ import pytest
 import torch
 
 from nanotron_datastates import DataStatesEngine, trust
-from nanotron_datastates.nanotron import replicas as rep
-from nanotron_datastates.nanotron.checkpoint import layout
-from nanotron_datastates.nanotron.memory_tier import MemoryTier
+from nanotron_datastates.checkpoint.file_io import write_atomic
+from nanotron_datastates.checkpoint.manifest import manifest as make_manifest
+from nanotron_datastates.checkpoint.manifest import read_manifest
+from nanotron_datastates.checkpoint.names import LATEST, MANIFEST
 from nanotron_datastates.save import housekeeping
 from nanotron_datastates.save.writer_lock import LOCK, WriterLock
+from nanotron_datastates.tier.memory import MemoryTier
+from nanotron_datastates.tier.replica_transfer import Transfer, _temporary, check_and_place
+from nanotron_datastates.tier.replicas import replica_area
 
 from helpers import small_config, write_nanotron_checkpoint
 
@@ -35,7 +39,7 @@ def _committed(root: Path, step: int) -> Path:
     folder = root / str(step)
     (folder / "model").mkdir(parents=True)
     (folder / "model" / "w.safetensors").write_bytes(b"x" * 10)
-    layout.write_atomic(folder / layout.MANIFEST, json.dumps(layout.manifest(step, {}, {})))
+    write_atomic(folder / MANIFEST, json.dumps(make_manifest(step, {}, {})))
     return folder
 
 
@@ -71,11 +75,11 @@ def test_rotation_removes_a_folder_chain_deeper_than_the_python_stack_and_keeps_
     _chain(old, DEPTH, "w.safetensors")
     for step in (20, 30):
         _committed(root, step)
-    (root / layout.LATEST).write_text("30")
+    (root / LATEST).write_text("30")
     assert sorted(int(p.name) for p in housekeeping.rotate(root, 1, committed_step=30)) == [10, 20]
     assert not old.exists()
     _committed(root, 40)
-    (root / layout.LATEST).write_text("40")
+    (root / LATEST).write_text("40")
     assert [p.name for p in housekeeping.rotate(root, 1, committed_step=40)] == ["30"]
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["40"]
 
@@ -242,7 +246,7 @@ def received(tmp_path):
     """A committed checkpoint's file (its name and manifest entry, its bytes), as a peer sends it."""
     with DataStatesEngine(small_config()) as engine:
         folder = write_nanotron_checkpoint(engine, tmp_path / "ckpt", 7)
-        doc = layout.read_manifest(folder)
+        doc = read_manifest(folder)
         rel = next(r for r in doc["files"] if r.startswith("model/"))
         yield engine, rel, doc["files"][rel], (folder / rel).read_bytes()
 
@@ -250,17 +254,17 @@ def received(tmp_path):
 def _receive(engine, into: Path, rel: str, entry: dict, raw: bytes) -> None:
     """What a rank does with a file it receives or pulls: a temporary made under `into`, filled, checked,
     renamed into place."""
-    t = rep.Transfer(0, rel, entry["bytes"])
-    with rep._temporary(into, t):
+    t = Transfer(0, rel, entry["bytes"])
+    with _temporary(into, t):
         assert t.buf is not None
         t.buf.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        rep.check_and_place(engine, t, entry)
+        check_and_place(engine, t, entry)
 
 
 def test_a_received_replica_lands_in_place(tmp_path, received):
     engine, rel, entry, raw = received
     tier = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0)
-    into = rep.replica_area(tier, 1).folder / "7"
+    into = replica_area(tier, 1).folder / "7"
     _receive(engine, into, rel, entry, raw)
     assert (into / rel).read_bytes() == raw
     assert not [n for n in os.listdir((into / rel).parent) if ".dstmp." in n]
@@ -274,7 +278,7 @@ def test_a_replica_is_never_received_through_a_linked_folder(tmp_path, received,
     outside = tmp_path / "outside"
     outside.mkdir()
     tier = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0)
-    area = rep.replica_area(tier, 1)
+    area = replica_area(tier, 1)
     into = area.folder / "7"
     if where == "step":
         os.symlink(outside, into)

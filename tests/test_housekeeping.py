@@ -5,7 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from nanotron_datastates.nanotron.checkpoint import layout
+from nanotron_datastates.checkpoint.file_io import write_atomic
+from nanotron_datastates.checkpoint.manifest import is_datastates_checkpoint
+from nanotron_datastates.checkpoint.manifest import manifest as make_manifest
+from nanotron_datastates.checkpoint.names import LATEST, MANIFEST, NANOTRON_METADATA
 from nanotron_datastates.save import housekeeping
 
 
@@ -16,7 +19,7 @@ def _folder(root: Path, step: int, committed: bool = True, stock: bool = False) 
     if committed and stock:
         (folder / "checkpoint_metadata.json").write_text("{}")
     elif committed:
-        layout.write_atomic(folder / layout.MANIFEST, json.dumps(layout.manifest(step, {}, {})))
+        write_atomic(folder / MANIFEST, json.dumps(make_manifest(step, {}, {})))
     return folder
 
 
@@ -29,7 +32,7 @@ def test_keeps_the_newest_n_committed_and_removes_the_rest(tmp_path):
         _folder(tmp_path, step)
     _folder(tmp_path, 25, committed=False)  # a save that failed or was cut short
     _folder(tmp_path, 50, committed=False)  # in flight: newer than the committed step
-    (tmp_path / layout.LATEST).write_text("40")
+    (tmp_path / LATEST).write_text("40")
     removed = housekeeping.rotate(tmp_path, 2, committed_step=40)
     assert sorted(int(p.name) for p in removed) == [10, 20, 25]
     assert _names(tmp_path) == [30, 40, 50]
@@ -38,7 +41,7 @@ def test_keeps_the_newest_n_committed_and_removes_the_rest(tmp_path):
 def test_never_removes_the_checkpoint_latest_names(tmp_path):
     for step in (10, 20, 30):
         _folder(tmp_path, step)
-    (tmp_path / layout.LATEST).write_text("10")  # e.g. moved back by hand to restart from there
+    (tmp_path / LATEST).write_text("10")  # e.g. moved back by hand to restart from there
     housekeeping.rotate(tmp_path, 1, committed_step=30)
     assert _names(tmp_path) == [10, 30]
 
@@ -47,7 +50,7 @@ def test_zero_keeps_everything_and_stock_checkpoints_count(tmp_path):
     _folder(tmp_path, 10, stock=True)
     _folder(tmp_path, 20)
     _folder(tmp_path, 15, committed=False)
-    (tmp_path / layout.LATEST).write_text("20")
+    (tmp_path / LATEST).write_text("20")
     assert housekeeping.rotate(tmp_path, 0, committed_step=20) == []
     assert _names(tmp_path) == [10, 15, 20]
     housekeeping.rotate(tmp_path, 1, committed_step=20)
@@ -57,17 +60,17 @@ def test_zero_keeps_everything_and_stock_checkpoints_count(tmp_path):
 def test_a_removal_cut_short_never_looks_committed(tmp_path, monkeypatch):
     for step in (10, 20):
         _folder(tmp_path, step)
-    (tmp_path / layout.LATEST).write_text("20")
+    (tmp_path / LATEST).write_text("20")
     monkeypatch.setattr(housekeeping.trust, "remove_tree", lambda *a, **k: False)  # the process dies here
     housekeeping.rotate(tmp_path, 1, committed_step=20)
-    assert not layout.is_datastates_checkpoint(tmp_path / "10")  # markers went first
-    assert layout.is_datastates_checkpoint(tmp_path / "20")
+    assert not is_datastates_checkpoint(tmp_path / "10")  # markers went first
+    assert is_datastates_checkpoint(tmp_path / "20")
 
 
 def test_unreadable_latest_removes_nothing(tmp_path):
     for step in (10, 20):
         _folder(tmp_path, step)
-    (tmp_path / layout.LATEST).write_text("garbage")
+    (tmp_path / LATEST).write_text("garbage")
     assert housekeeping.rotate(tmp_path, 1, committed_step=20) == []
     assert _names(tmp_path) == [10, 20]
 
@@ -99,17 +102,17 @@ def test_rotation_never_follows_a_link_named_like_a_step(tmp_path):
     it and what it points to; folders named by non-canonical numbers (`05`, `+7`, `٣`) are not steps."""
     root = tmp_path / "ckpt"
     elsewhere = _folder(tmp_path / "elsewhere", 5)
-    (elsewhere / layout.NANOTRON_METADATA).write_text("{}")
+    (elsewhere / NANOTRON_METADATA).write_text("{}")
     root.mkdir()
     (root / "5").symlink_to(elsewhere)
     for name in ("05", "+7", "٣"):
         _folder(root, 0).rename(root / name)
     for step in (10, 20, 30):
         _folder(root, step)
-    (root / layout.LATEST).write_text("30")
+    (root / LATEST).write_text("30")
     removed = housekeeping.rotate(root, 2, committed_step=30)
     assert [p.name for p in removed] == ["10"]
-    assert (elsewhere / layout.MANIFEST).is_file() and (elsewhere / layout.NANOTRON_METADATA).is_file()
+    assert (elsewhere / MANIFEST).is_file() and (elsewhere / NANOTRON_METADATA).is_file()
     assert (root / "5").is_symlink() and all((root / n).is_dir() for n in ("05", "+7", "٣", "20", "30"))
 
 
@@ -127,15 +130,15 @@ def test_latest_txt_is_read_strictly_and_never_through_a_link(tmp_path):
     from nanotron_datastates.checkpoint.folder import latest_step
 
     for text in ("١٠", "１０", "+20", "2_0", "20 x"):
-        (tmp_path / layout.LATEST).write_text(text)
+        (tmp_path / LATEST).write_text(text)
         with pytest.raises(ValueError, match="not a step number"):
             latest_step(tmp_path)
-    (tmp_path / layout.LATEST).write_text("20\n")
+    (tmp_path / LATEST).write_text("20\n")
     assert latest_step(tmp_path) == 20
     secret = tmp_path / "secret"
     secret.write_text("TOKEN-abc123")
-    (tmp_path / layout.LATEST).unlink()
-    (tmp_path / layout.LATEST).symlink_to(secret)
+    (tmp_path / LATEST).unlink()
+    (tmp_path / LATEST).symlink_to(secret)
     with pytest.raises(ValueError) as e:
         latest_step(tmp_path)
     assert "TOKEN" not in str(e.value) and "link" in str(e.value)

@@ -12,7 +12,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
-from nanotron_datastates.nanotron.checkpoint import layout
+from nanotron_datastates.checkpoint.checksums import file_checksums
+from nanotron_datastates.checkpoint.file_io import write_atomic
+from nanotron_datastates.checkpoint.manifest import manifest as make_manifest
+from nanotron_datastates.checkpoint.manifest import read_manifest
+from nanotron_datastates.checkpoint.names import LATEST, MANIFEST
 from nanotron_datastates.save.commit import Committer, PendingCheckpoint
 
 
@@ -34,8 +38,8 @@ def _worker(rank: int, world: int, init: str, root: str, out: str) -> None:
             ]
 
             def finalize(files, folder=folder, step=step):
-                layout.write_atomic(folder / layout.MANIFEST, json.dumps(layout.manifest(step, {}, files)))
-                layout.write_atomic(root_p / layout.LATEST, str(step))
+                write_atomic(folder / MANIFEST, json.dumps(make_manifest(step, {}, files)))
+                write_atomic(root_p / LATEST, str(step))
 
             committer.submit(PendingCheckpoint(step, folder, handles, finalize if rank == 0 else None))
             if step == 2:  # latest.txt is still 1 whatever happens to checkpoint 2
@@ -59,13 +63,13 @@ def test_two_ranks_commit_only_when_both_persisted(tmp_path):
     assert r0 == r1  # both ranks saw the same outcomes
     assert r0[0] == [1, True]
     assert r0[1][:3] == [2, False, 1] and r0[2] == [3, True, 0, 2]
-    assert (root / layout.LATEST).read_text() == "3"
-    assert not (root / "2" / layout.MANIFEST).exists()  # the failed checkpoint is not marked committed
-    doc = layout.read_manifest(root / "3")
+    assert (root / LATEST).read_text() == "3"
+    assert not (root / "2" / MANIFEST).exists()  # the failed checkpoint is not marked committed
+    doc = read_manifest(root / "3")
     assert set(doc["files"]) == {"model/rank0/w.safetensors", "model/rank1/w.safetensors"}
     for rank in (0, 1):
         back = DataStatesEngine(DataStatesConfig(host_cache_size=4 / 1024, chunk_size=1))
-        sums = layout.file_checksums(doc, root / "3", root / "3" / f"model/rank{rank}" / "w.safetensors")
+        sums = file_checksums(doc, root / "3", root / "3" / f"model/rank{rank}" / "w.safetensors")
         assert bool(
             (
                 back.load(root / "3" / f"model/rank{rank}" / "w.safetensors", checksums=sums)["w"]
@@ -84,10 +88,8 @@ def test_a_checkpoint_that_could_not_be_queued_is_reported_failed_and_the_next_c
 
         def finalize(step):
             def commit(files):
-                layout.write_atomic(
-                    root / str(step) / layout.MANIFEST, json.dumps(layout.manifest(step, {}, files))
-                )
-                layout.write_atomic(root / layout.LATEST, str(step))
+                write_atomic(root / str(step) / MANIFEST, json.dumps(make_manifest(step, {}, files)))
+                write_atomic(root / LATEST, str(step))
 
             return commit
 
@@ -100,5 +102,5 @@ def test_a_checkpoint_that_could_not_be_queued_is_reported_failed_and_the_next_c
         first, second = committer.take(2)
         committer.close()
     assert not first.committed and first.errors == ["rank 0: queuing its files failed: TypeError()"]
-    assert second.committed and (root / layout.LATEST).read_text() == "2"
+    assert second.committed and (root / LATEST).read_text() == "2"
     assert not (root / "1").exists()

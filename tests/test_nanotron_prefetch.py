@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanotron_datastates import DataStatesEngine, state_parts
-from nanotron_datastates.nanotron.resume.read_ahead import (
+from nanotron_datastates.resume.read_ahead import (
     Prefetch,
     fits_in_memory,
     warm_for_reshard,

@@ -176,16 +176,17 @@ def test_a_damaged_block_checksum_is_found_by_verify_and_by_the_read_over_it(tmp
 
 def test_a_file_without_checksums_in_its_header_is_read_in_part_with_those_kept_outside(tmp_path):
     """Nanotron's weight files (`exact_metadata`): the manifest keeps each one's checksums, per tensor and
-    per block (`layout.file_entry`), and a reshard reads a part of it with them."""
-    from nanotron_datastates.nanotron.checkpoint import layout
+    per block (`file_entry`), and a reshard reads a part of it with them."""
+    from nanotron_datastates.checkpoint.checksums import file_block_checksums, file_checksums, file_entry
+    from nanotron_datastates.checkpoint.manifest import ManifestError
 
     state, path = _state(), tmp_path / "model" / "w.safetensors"
     with DataStatesEngine(small_config()) as engine:
         h = engine.save(state, path, exact_metadata=True)
         h.wait_persisted()
-        doc = {"files": {"model/w.safetensors": layout.file_entry(path.stat().st_size, h)}}
-        sums = layout.file_checksums(doc, tmp_path, path)
-        blocks = layout.file_block_checksums(doc, tmp_path, path)
+        doc = {"files": {"model/w.safetensors": file_entry(path.stat().st_size, h)}}
+        sums = file_checksums(doc, tmp_path, path)
+        blocks = file_block_checksums(doc, tmp_path, path)
         assert blocks is not None and blocks[0] == MIB and sums == h.checksums()
         assert engine.verify(path, sums, blocks)
         header = fmt.read_header(path)
@@ -201,10 +202,8 @@ def test_a_file_without_checksums_in_its_header_is_read_in_part_with_those_kept_
         with pytest.raises(ChecksumError, match="the block checksums given do not fit"):
             engine.load_ranges(path, {"big": (0, 1)}, checksums=sums, block_checksums=(MIB, {"big": [1]}))
         doc["files"]["model/w.safetensors"]["crc32c_blocks"]["big"] = "1048576:xyz"
-        with pytest.raises(
-            layout.ManifestError, match="block checksums of model/w.safetensors are malformed"
-        ):
-            layout.file_block_checksums(doc, tmp_path, path)
+        with pytest.raises(ManifestError, match="block checksums of model/w.safetensors are malformed"):
+            file_block_checksums(doc, tmp_path, path)
 
 
 def test_several_ranges_of_one_tensor_come_back_in_order_and_only_their_blocks_are_read(tmp_path):

@@ -15,8 +15,8 @@ import pytest
 import replica_child as child
 import torch.multiprocessing as mp
 
-from nanotron_datastates.nanotron import replicas as rep
-from nanotron_datastates.nanotron.memory_tier import job_folder
+from nanotron_datastates.tier.memory import REPLICAS, MemoryTier, job_folder
+from nanotron_datastates.tier.replicas import placement
 
 WORLD, NODES = 4, 2
 
@@ -68,11 +68,11 @@ def ctx():
 
 def test_placement_is_a_ring_over_nodes_each_replica_on_another_node():
     nodes = ["a", "a", "b", "b", "c", "c"]
-    assert rep.placement(nodes, 1) == [[2], [3], [4], [5], [0], [1]]
-    assert rep.placement(nodes, 2) == [[2, 4], [3, 5], [4, 0], [5, 1], [0, 2], [1, 3]]
-    assert rep.placement(["a", "b", "b"], 1) == [[1], [0], [0]]  # nodes of unequal size
+    assert placement(nodes, 1) == [[2], [3], [4], [5], [0], [1]]
+    assert placement(nodes, 2) == [[2, 4], [3, 5], [4, 0], [5, 1], [0, 2], [1, 3]]
+    assert placement(["a", "b", "b"], 1) == [[1], [0], [0]]  # nodes of unequal size
     with pytest.raises(ValueError, match="memory_replicas=2 needs 3 nodes"):
-        rep.placement(["a", "a", "b", "b"], 2)
+        placement(["a", "a", "b", "b"], 2)
 
 
 @pytest.mark.slow
@@ -108,7 +108,7 @@ def test_a_node_lost_while_its_replica_is_sent_never_uses_the_partial_copy(tmp_p
     newest checkpoint's: the restart reads storage, and the temporaries are removed at its start."""
     procs = _job(ctx, child.save, tmp_path, "save", 2, 1, 0.0005, 16 << 10)
     root = tmp_path / "ckpt"
-    area = rep.MemoryTier(child.tier_root(tmp_path, 0), root, 0, area=rep.REPLICAS).folder
+    area = MemoryTier(child.tier_root(tmp_path, 0), root, 0, area=REPLICAS).folder
 
     def receiving_the_newest() -> bool:
         latest = root / "latest.txt"

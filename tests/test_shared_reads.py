@@ -13,7 +13,7 @@ import torch
 
 from nanotron_datastates import DataStatesEngine
 from nanotron_datastates import format as fmt
-from nanotron_datastates.nanotron.resume.read_ahead import Prefetch, shared_weight_reads
+from nanotron_datastates.resume.read_ahead import Prefetch, shared_weight_reads
 
 from helpers import random_tensor, same, small_config
 

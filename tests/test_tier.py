@@ -12,9 +12,12 @@ import torch
 
 from nanotron_datastates import format as fmt
 from nanotron_datastates import trust
-from nanotron_datastates.nanotron import memory_tier as tier
-from nanotron_datastates.nanotron.checkpoint import layout
-from nanotron_datastates.nanotron.memory_tier import MemoryTier
+from nanotron_datastates.checkpoint.checksums import file_checksums
+from nanotron_datastates.checkpoint.manifest import read_manifest
+from nanotron_datastates.tier.folders import tree_size
+from nanotron_datastates.tier.jobs import jobs
+from nanotron_datastates.tier.memory import MemoryTier, job_folder, tier_copy, why_not
+from nanotron_datastates.tier.memory import root as tier_root
 from nanotron_datastates.trainer_settings import TrainerSettings
 
 from helpers import forge_crc32c, write_nanotron_checkpoint
@@ -153,11 +156,11 @@ def test_a_tier_folder_not_private_to_this_user_is_refused(tmp_path, how):
     with pytest.raises(trust.UntrustedPath, match=str(base)):
         MemoryTier(base, tmp_path / "ckpt", 0)
     with pytest.raises(trust.UntrustedPath, match=str(base)):
-        tier.jobs(base)
+        jobs(base)
 
 
 def test_the_default_tier_path_is_per_user():
-    assert str(os.geteuid()) in str(tier.root(TrainerSettings().memory_tier_path))
+    assert str(os.geteuid()) in str(tier_root(TrainerSettings().memory_tier_path))
 
 
 def _planted(tmp_path: Path, engine, *, how: str) -> tuple[Path, dict, Path]:
@@ -166,9 +169,9 @@ def _planted(tmp_path: Path, engine, *, how: str) -> tuple[Path, dict, Path]:
     root is theirs, or the file is)."""
     root = tmp_path / "ckpt"
     folder = write_nanotron_checkpoint(engine, root, 7)
-    doc = layout.read_manifest(folder)
+    doc = read_manifest(folder)
     base = tmp_path / "shm"
-    planted = tier.job_folder(base, root) / "7"
+    planted = job_folder(base, root) / "7"
     for rel in doc["files"]:
         (planted / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(folder / rel, planted / rel)
@@ -185,7 +188,7 @@ def _planted(tmp_path: Path, engine, *, how: str) -> tuple[Path, dict, Path]:
                 os.chown(n, NOBODY, NOBODY)
     else:
         base.chmod(0o700)
-        tier.job_folder(base, root).chmod(0o700)
+        job_folder(base, root).chmod(0o700)
         os.chown(planted / rel, NOBODY, NOBODY)
     return folder, doc, planted / rel
 
@@ -196,13 +199,13 @@ def test_a_planted_copy_with_forged_checksums_is_never_used(tmp_path, engine, ho
     engine confirms by loading it): the tier serves a copy only from a private folder of this user's, every
     file a regular file of ours; else the resume reads storage, saying why."""
     folder, doc, rel_path = _planted(tmp_path, engine, how=how)
-    rel = rel_path.relative_to(tier.job_folder(tmp_path / "shm", folder.parent) / "7").as_posix()
-    sums = layout.file_checksums(doc, folder, folder / rel)
+    rel = rel_path.relative_to(job_folder(tmp_path / "shm", folder.parent) / "7").as_posix()
+    sums = file_checksums(doc, folder, folder / rel)
     planted = engine.load(rel_path, checksums=sums)["data"]  # passes every checksum ...
     assert not torch.equal(planted, engine.load(folder / rel, checksums=sums)["data"])  # ... yet differs
     settings = TrainerSettings(memory_tier=True, memory_tier_path=str(tmp_path / "shm"))
-    assert tier.tier_copy(settings, folder, doc, 0) is None
-    why = tier.why_not(settings, folder, doc, 0)
+    assert tier_copy(settings, folder, doc, 0) is None
+    why = why_not(settings, folder, doc, 0)
     assert why and ("uid" in why), why
 
 
@@ -233,7 +236,7 @@ def test_the_room_check_counts_what_the_tier_holds_while_other_ranks_rename_into
 
     t.check_room(1)
     monkeypatch.setattr(trust, "walk_tree", with_a_vanished_file)
-    assert tier._size(t.folder) == 10 + (t.folder / "job.json").stat().st_size + len(
+    assert tree_size(t.folder) == 10 + (t.folder / "job.json").stat().st_size + len(
         (t.folder / "10" / ".rank-0.json").read_bytes()
     )
     t.check_room(1)

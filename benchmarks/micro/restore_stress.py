@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
-from nanotron_datastates.nanotron.resume.read_ahead import Prefetch
+from nanotron_datastates.resume.read_ahead import Prefetch
 
 HIDDEN, LAYERS = 576, 30  # the 180M Llama's widths: 51 weight files
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run of the script itself

@@ -36,7 +36,7 @@ def __getattr__(name: str) -> Any:
 
         return register
     if name == "CheckpointError":
-        from .save.commit import CheckpointError
+        from ..errors import CheckpointError
 
         return CheckpointError
     if name == "NanotronUnavailable":

@@ -11,7 +11,8 @@ from typing import Any
 
 from nanotron import distributed as dist
 
-from .checkpoint.layout import Place, topology
+from ..checkpoint.names import Place
+from ..checkpoint.topology import topology
 from .compat import NanotronUnavailable
 
 # What the adapter reads from a ParallelContext; a tuple means any one of these names.

@@ -1,5 +1,6 @@
-"""The save path's mechanisms that need no Nanotron, which the adapter's `nanotron/save/` drives: `staging`
-(whether a checkpoint is copied on the GPU first), `gate` (the optimizer step waits for the snapshot, and
-nothing else does), `commit` (every rank persisted: agreed across ranks over gloo, rank 0 finalizing),
-`housekeeping` (rotation, temporaries left by dead processes, telemetry), `writer_lock` (one job per
-checkpoints folder)."""
+"""The save path's mechanisms that need no Nanotron, which the adapter's `nanotron/save/` drives:
+`optimizer_plan` (the optimizer's file, planned at each checkpoint like the last), `staging` (whether a
+checkpoint is copied on the GPU first), `gate` (the optimizer step waits for the snapshot, and nothing else
+does), `commit` (every rank persisted: agreed across ranks over gloo, rank 0 finalizing), `housekeeping`
+(rotation, temporaries left by dead processes, telemetry), `writer_lock` (one job per checkpoints
+folder)."""

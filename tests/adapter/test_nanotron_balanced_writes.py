@@ -19,8 +19,10 @@ from cpu_ranks import launch
 from nanotron.serialize.metadata import CheckpointMetadata
 
 from nanotron_datastates import DataStatesEngine, state_parts
+from nanotron_datastates.checkpoint.manifest import read_manifest
+from nanotron_datastates.checkpoint.names import MANIFEST
+from nanotron_datastates.checkpoint.reads import optimizer_files
 from nanotron_datastates.nanotron import shards
-from nanotron_datastates.nanotron.checkpoint import layout
 from nanotron_datastates.nanotron.checkpoint.convert import convert
 from nanotron_datastates.save import housekeeping
 
@@ -62,11 +64,11 @@ def test_assign_gives_the_largest_first_to_the_least_loaded_ties_to_the_lowest_r
 
 def test_every_file_has_one_writer_either_way_and_the_replicas_share_the_work(run):
     (world, tp, dp, pp, cp, zero), work, ranks = run
-    files = layout.read_manifest(work / "on" / "7")["files"]
+    files = read_manifest(work / "on" / "7")["files"]
     for mode in ("on", "off"):
         writes = [f for r in ranks for f in r[mode]]
         assert len(writes) == len(set(writes)), [f for f, n in collections.Counter(writes).items() if n > 1]
-        assert set(writes) == set(layout.read_manifest(work / mode / "7")["files"]), mode
+        assert set(writes) == set(read_manifest(work / mode / "7")["files"]), mode
     for r in ranks:  # off: as Nanotron, replica rank 0 writes what the replicas hold alike
         assert any(map(_shared, r["off"])) == (r["replica"] == 0), r
         assert any(f.startswith("model/") for f in r["on"]), r  # on: every replica writes weights
@@ -92,7 +94,7 @@ def test_every_file_has_one_writer_either_way_and_the_replicas_share_the_work(ru
 def test_the_telemetry_gives_each_ranks_bytes(run):
     _, work, ranks = run
     for mode in ("on", "off"):
-        files = layout.read_manifest(work / mode / "7")["files"]
+        files = read_manifest(work / mode / "7")["files"]
         (line,) = housekeeping.read_telemetry(work / mode)
         assert line["rank_bytes"] == [sum(files[f]["bytes"] for f in r[mode]) for r in ranks], mode
         assert sum(line["rank_bytes"]) == line["bytes"]
@@ -107,14 +109,12 @@ def test_the_checkpoint_is_the_one_rank_0_of_the_replicas_writes_byte_for_byte(r
     on, off = work / "on" / "7", work / "off" / "7"
     names = {p.relative_to(on).as_posix() for p in on.rglob("*") if p.is_file()}
     off_names = {p.relative_to(off).as_posix() for p in off.rglob("*") if p.is_file()}
-    assert layout.MANIFEST in names and any(n.startswith("model/") for n in names)
-    wholes = {
-        n: ps for n, ps in layout.optimizer_files(layout.read_manifest(on)["files"]).items() if ps != [n]
-    }
+    assert MANIFEST in names and any(n.startswith("model/") for n in names)
+    wholes = {n: ps for n, ps in optimizer_files(read_manifest(on)["files"]).items() if ps != [n]}
     assert bool(wholes) == (not zero), wholes
     in_parts = {p for ps in wholes.values() for p in ps}
     assert names - in_parts == off_names - set(wholes), names ^ off_names
-    for name in names - in_parts - {layout.MANIFEST}:
+    for name in names - in_parts - {MANIFEST}:
         assert (on / name).read_bytes() == (off / name).read_bytes(), name
     with DataStatesEngine() as engine:
         for name, parts in wholes.items():

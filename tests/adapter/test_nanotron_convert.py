@@ -17,7 +17,7 @@ from test_convert_pickles import Payload
 from torch.torch_version import TorchVersion
 
 from nanotron_datastates import DataStatesEngine
-from nanotron_datastates.nanotron.checkpoint import layout
+from nanotron_datastates.checkpoint.names import as_safetensors
 from nanotron_datastates.nanotron.checkpoint.convert import UnpicklingRefused, convert
 
 
@@ -28,7 +28,7 @@ def test_round_trip(tmp_path: Path) -> None:
     assert dstates == tmp_path / "datastates"
     check_datastates(dstates, original, with_random=True)
     with DataStatesEngine(host_cache_size=1 / 64, pin_host_cache=False) as engine:
-        saved = engine.load(dstates / layout.as_safetensors(RANDOM))
+        saved = engine.load(dstates / as_safetensors(RANDOM))
     assert set(saved) == {"nanotron"}  # no process-wide states: the stock layout never kept them
 
     back = convert(dstates, tmp_path / "torch", "torch")

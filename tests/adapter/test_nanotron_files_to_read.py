@@ -1,4 +1,4 @@
-"""Which files a rank reads on resume (`layout.files_to_read`): before the process groups exist, from the
+"""Which files a rank reads on resume (`files_to_read`): before the process groups exist, from the
 config and the manifest alone (what the read-ahead from the trainer's first line reads: only what every rank
 reads), and with a rank's place in the groups. Reading them is read_ahead.py's, tested in
 test_nanotron_prefetch.py; a GPU resume adopts the early read-ahead (the benchmarks' logs say so).
@@ -14,8 +14,11 @@ import pytest
 import torch
 import yaml
 
+from nanotron_datastates.checkpoint.manifest import ManifestError, read_manifest
+from nanotron_datastates.checkpoint.manifest import manifest as make_manifest
+from nanotron_datastates.checkpoint.names import MANIFEST, Place
+from nanotron_datastates.checkpoint.reads import files_to_read, weight_files
 from nanotron_datastates.nanotron import yaml_config as ds_config  # noqa: E402
-from nanotron_datastates.nanotron.checkpoint import layout
 from nanotron_datastates.nanotron.resume import source as target  # noqa: E402
 from nanotron_datastates.nanotron.resume.resume import Resume  # noqa: E402
 
@@ -31,8 +34,8 @@ def checkpoint(root: Path, step: int = 7, topology=None, optimizers=(OPTIMIZER,)
     files += [RANDOM]
     folder = root / str(step)
     folder.mkdir(parents=True)
-    doc = layout.manifest(step, topology or TOPOLOGY, {f: {"bytes": 1} for f in files})
-    (folder / layout.MANIFEST).write_text(json.dumps(doc))
+    doc = make_manifest(step, topology or TOPOLOGY, {f: {"bytes": 1} for f in files})
+    (folder / MANIFEST).write_text(json.dumps(doc))
     (root / "latest.txt").write_text(str(step))
     return folder
 
@@ -46,15 +49,15 @@ def config_file(tmp_path: Path, resume: Path | None, **parallelism) -> Path:
     return path
 
 
-def guess(tmp_path: Path, resume: Path | None, place: layout.Place | None = None, **parallelism):
+def guess(tmp_path: Path, resume: Path | None, place: Place | None = None, **parallelism):
     """(folder, (weights, optimizer)) the config resumes from and reads, where no process group exists."""
     ds_config.register()
     config = target.parse_config((str(config_file(tmp_path, resume, **parallelism)),), {})
     root = target.resume_folder(config)
     if root is None:
         return None, None
-    reads = layout.files_to_read(
-        layout.read_manifest(root), root, target.asked_layout(config), place, **target.loads(config)
+    reads = files_to_read(
+        read_manifest(root), root, target.asked_layout(config), place, **target.loads(config)
     )
     return root, ([], ()) if reads is None else (reads.weights, reads.optimizer)
 
@@ -79,16 +82,14 @@ def test_an_optimizer_file_in_parts_is_read_whole_by_every_replica_and_refused_w
     parts = [OPTIMIZER.replace(".safetensors", f"_part-{k}-of-2.safetensors") for k in (1, 0)]
     folder = checkpoint(tmp_path / "ckpt", topology={**TOPOLOGY, "dp": 2}, optimizers=parts)
     assert guess(tmp_path, tmp_path / "ckpt", dp=2)[1][1] == (folder / parts[1], folder / parts[0])
-    doc = layout.read_manifest(folder)
+    doc = read_manifest(folder)
     here = {**TOPOLOGY, "cp": 1, "dp": 2, "zero_stage": 0}
-    place = layout.Place(tp=(0, 1), dp=(1, 2), pp=(0, 1))
-    reads = layout.files_to_read(doc, folder, here, place, optimizer=True, scheduler=True)
+    place = Place(tp=(0, 1), dp=(1, 2), pp=(0, 1))
+    reads = files_to_read(doc, folder, here, place, optimizer=True, scheduler=True)
     assert reads.optimizer == (folder / parts[1], folder / parts[0])
     del doc["files"][parts[0]]
-    with pytest.raises(
-        layout.ManifestError, match=r"optimizer_pp-0-of-1_tp-0-of-1_exp-0-of-1.safetensors: .*\[0\]"
-    ):
-        layout.files_to_read(doc, folder, here, place, optimizer=True, scheduler=True)
+    with pytest.raises(ManifestError, match=r"optimizer_pp-0-of-1_tp-0-of-1_exp-0-of-1.safetensors: .*\[0\]"):
+        files_to_read(doc, folder, here, place, optimizer=True, scheduler=True)
 
 
 @pytest.mark.parametrize(
@@ -145,14 +146,14 @@ def test_with_its_place_a_rank_reads_its_own_optimizer_shard_and_random_states(t
     shards = [f"optimizer/optimizer_pp-0-of-1_dp-{r}-of-2_tp-0-of-1_exp-0-of-1.safetensors" for r in (0, 1)]
     folder = checkpoint(tmp_path / "ckpt", topology={**TOPOLOGY, "dp": 2, "zero_stage": 1}, optimizers=shards)
     assert guess(tmp_path, tmp_path / "ckpt", dp=2)[1][1] == ()
-    place = layout.Place(tp=(0, 1), dp=(1, 2), pp=(0, 1))
-    doc = layout.read_manifest(folder)
+    place = Place(tp=(0, 1), dp=(1, 2), pp=(0, 1))
+    doc = read_manifest(folder)
     here = {**TOPOLOGY, "cp": 1, "dp": 2, "zero_stage": 1}
-    reads = layout.files_to_read(doc, folder, here, place, optimizer=True, scheduler=True)
+    reads = files_to_read(doc, folder, here, place, optimizer=True, scheduler=True)
     assert reads.optimizer == (folder / shards[1],) and len(reads.weights) == 2
     assert folder / "random/tp-0-of-1_dp-1-of-2_pp-0-of-1.safetensors" in reads.small
     assert folder / "lr_scheduler/lr_scheduler_pp-0-of-1_tp-0-of-1_exp-0-of-1.safetensors" in reads.small
-    assert layout.files_to_read(doc, folder, here, place, optimizer=False, scheduler=True).optimizer == ()
+    assert files_to_read(doc, folder, here, place, optimizer=False, scheduler=True).optimizer == ()
 
 
 @pytest.mark.parametrize(
@@ -169,11 +170,11 @@ def test_with_its_place_a_rank_reads_its_own_optimizer_shard_and_random_states(t
 )
 def test_a_manifest_naming_anything_but_a_file_of_the_layout_is_refused(tmp_path, entry):
     folder = checkpoint(tmp_path / "ckpt")
-    doc = json.loads((folder / layout.MANIFEST).read_text())
+    doc = json.loads((folder / MANIFEST).read_text())
     doc["files"][entry] = {"bytes": 1}
-    (folder / layout.MANIFEST).write_text(json.dumps(doc))
-    with pytest.raises(layout.ManifestError, match="entry"):
-        layout.read_manifest(folder)
+    (folder / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(ManifestError, match="entry"):
+        read_manifest(folder)
 
 
 def test_a_file_of_the_manifest_linked_out_of_the_checkpoint_is_refused(tmp_path):
@@ -181,8 +182,8 @@ def test_a_file_of_the_manifest_linked_out_of_the_checkpoint_is_refused(tmp_path
     (tmp_path / "elsewhere.safetensors").write_bytes(b"")
     (folder / "model" / "model" / "lm_head").mkdir(parents=True)
     (folder / "model/model/lm_head/w.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
-    with pytest.raises(layout.ManifestError, match="link out of the checkpoint"):
-        layout.weight_files(layout.read_manifest(folder), folder)
+    with pytest.raises(ManifestError, match="link out of the checkpoint"):
+        weight_files(read_manifest(folder), folder)
 
 
 def test_context_parallel_ranks_read_the_whole_model(tmp_path):

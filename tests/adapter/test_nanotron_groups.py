@@ -9,8 +9,8 @@ import pytest
 import torch.distributed as tdist
 from cpu_ranks import parallel_context
 
+from nanotron_datastates.checkpoint.names import Place
 from nanotron_datastates.nanotron import groups
-from nanotron_datastates.nanotron.checkpoint import layout
 from nanotron_datastates.nanotron.compat import NanotronUnavailable
 
 
@@ -29,7 +29,7 @@ def test_this_nanotrons_groups_are_found(pc):
     assert groups.ep(pc) is getattr(pc, "ep_pg", None) or groups.ep(pc) is pc.expert_pg
     assert groups.dp_cp(pc) is getattr(pc, "dp_cp_pg", pc.dp_pg)
     assert (groups.cp_rank(pc), groups.cp_size(pc)) == (0, 1)
-    assert groups.place(pc) == layout.Place(tp=(0, 1), dp=(0, 1), pp=(0, 1), cp=(0, 1), ep=(0, 1))
+    assert groups.place(pc) == Place(tp=(0, 1), dp=(0, 1), pp=(0, 1), cp=(0, 1), ep=(0, 1))
     assert groups.layout_of(pc, 1) == {"tp": 1, "pp": 1, "dp": 1, "cp": 1, "expert": 1, "zero_stage": 1}
 
 

@@ -13,7 +13,7 @@ import pytest
 from cpu_ranks import differences
 from test_nanotron_save_resume import rank0, resumed, two_checkpoints  # noqa: F401 - rank0: a fixture
 
-from nanotron_datastates.nanotron.checkpoint import layout
+from nanotron_datastates.checkpoint.names import MANIFEST, NANOTRON_METADATA
 
 from helpers import within
 
@@ -33,8 +33,8 @@ FILES = {
     "optimizer file": _one("optimizer"),
     "scheduler file": _one("lr_scheduler"),
     "random states": _one("random"),
-    "training metadata": lambda folder: folder / layout.NANOTRON_METADATA,
-    "manifest": lambda folder: folder / layout.MANIFEST,
+    "training metadata": lambda folder: folder / NANOTRON_METADATA,
+    "manifest": lambda folder: folder / MANIFEST,
 }
 
 

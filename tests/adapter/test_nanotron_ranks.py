@@ -18,8 +18,10 @@ from nanotron.serialize.metadata import CheckpointMetadata
 
 from nanotron_datastates.checkpoint import folder as checkpoint
 from nanotron_datastates.checkpoint import verify
-from nanotron_datastates.checkpoint.names import whole_name
-from nanotron_datastates.nanotron.checkpoint import layout
+from nanotron_datastates.checkpoint.file_io import write_atomic
+from nanotron_datastates.checkpoint.manifest import read_manifest
+from nanotron_datastates.checkpoint.names import MANIFEST, NANOTRON_METADATA, stock_random_states, whole_name
+from nanotron_datastates.checkpoint.reads import optimizer_files
 from nanotron_datastates.nanotron.checkpoint.convert import convert
 
 HAS_CP = "cp" in {f.name for f in dataclasses.fields(CheckpointMetadata)}  # Nanotron from 2025-04 on
@@ -52,7 +54,7 @@ def stock_name(ours: str) -> str:
     """The file Nanotron's own save writes for one of ours."""
     parts = Path(ours).parts
     if parts[0] == "random":
-        name, _ = layout.stock_random_states(parts[-1])
+        name, _ = stock_random_states(parts[-1])
         return f"random/{name}"
     if parts[0] in ("optimizer", "lr_scheduler"):
         whole = whole_name(parts[-1])  # a part of the optimizer state: Nanotron's one file
@@ -66,7 +68,7 @@ def test_every_file_has_one_writer_and_stock_writes_the_same_files(run):
     writes = [f for r in ranks for f in r["writes"]]
     assert len(writes) == len(set(writes)), [f for f, n in collections.Counter(writes).items() if n > 1]
     written = {str(p.relative_to(stock)) for p in stock.rglob("*") if p.is_file()}
-    written -= {layout.NANOTRON_METADATA, "optimizer/optimizer_config.json"}  # written by the commit
+    written -= {NANOTRON_METADATA, "optimizer/optimizer_config.json"}  # written by the commit
     assert {stock_name(f) for f in writes} == written
     randoms = [f for f in writes if f.startswith("random/")]
     assert len(randoms) == world  # one per rank: context-parallel ranks each keep theirs
@@ -79,7 +81,7 @@ def test_every_rank_reads_what_was_written(run):
     writes = {f for r in ranks for f in r["writes"]}
     for r in ranks:
         optimizer, random = r["reads"]
-        assert optimizer in layout.optimizer_files(writes) and random in r["writes"]
+        assert optimizer in optimizer_files(writes) and random in r["writes"]
         assert r["weight_sources"] is not None  # every weight file where this layout reads it
         assert set(r["weight_sources"]) <= {stock_name(f) for f in writes}
 
@@ -89,7 +91,7 @@ def test_topology_and_metadata_match_nanotron(run):
     for r in ranks:
         assert r["topology"] == {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "expert": 1, "zero_stage": zero}
     # checkpoint_metadata.json as Nanotron's save_meta writes it, main's new training metadata included
-    assert ranks[0]["metadata_text"] == (stock / layout.NANOTRON_METADATA).read_text()
+    assert ranks[0]["metadata_text"] == (stock / NANOTRON_METADATA).read_text()
     meta = json.loads(ranks[0]["metadata_text"])
     assert meta.get("cp", 1) == cp and meta["metas"]["last_train_step"] == 7
     if HAS_CP:
@@ -108,7 +110,7 @@ def test_convert_and_verify_keep_every_rank(run, tmp_path):
     )
     (stock / "model_config.json").write_text("{}")
     ours = convert(stock, tmp_path / "ours", "datastates")
-    doc = layout.read_manifest(ours)
+    doc = read_manifest(ours)
     assert doc["topology"] == {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "expert": 1, "zero_stage": zero}
     assert sum(f.startswith("random/") for f in doc["files"]) == world
     report = verify.verify(ours)
@@ -126,7 +128,7 @@ def test_convert_and_verify_keep_every_rank(run, tmp_path):
     # A rank's random states missing from the manifest: verify names the rank
     last = sorted(f for f in doc["files"] if f.startswith("random/"))[-1]
     del doc["files"][last]
-    layout.write_atomic(ours / layout.MANIFEST, json.dumps(doc))
+    write_atomic(ours / MANIFEST, json.dumps(doc))
     report = verify.verify(ours)
     assert any("no file from rank" in p and last in p for p in report.problems), report.problems
     if cp > 1:

@@ -66,8 +66,8 @@ def test_a_stock_checkpoint_of_another_layout_is_refused_then_resumes_once_conve
     from cpu_ranks import config, parallel_context
 
     from nanotron_datastates.nanotron.checkpoint.convert import convert
-    from nanotron_datastates.nanotron.resume.reshard import ReshardError
     from nanotron_datastates.nanotron.resume.resume import Resume
+    from nanotron_datastates.resume.reshard_plan import ReshardError
 
     launch(tmp_path, 4, 2, 2, 1, 1, 1)  # Nanotron's own save of the state, in tmp_path/stock
     for k, v in (("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("RANK", "0")):

@@ -13,9 +13,9 @@ import pytest
 import torch
 from nanotron.parallel.parameters import SlicesPair
 
-from nanotron_datastates.nanotron.resume import reshard_plan
-from nanotron_datastates.nanotron.resume.reshard_plan import Need, Source
-from nanotron_datastates.nanotron.resume.saved_layout import Piece, zero_ranges
+from nanotron_datastates.nanotron.resume.saved_layout import zero_ranges
+from nanotron_datastates.resume import reshard_plan
+from nanotron_datastates.resume.reshard_plan import Need, Piece, Source
 
 
 def pieces_of(shape: tuple[int, ...], tp: int, split: int | None, chunks: tuple[int, ...] | None) -> dict:

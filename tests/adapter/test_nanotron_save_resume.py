@@ -29,15 +29,15 @@ from cpu_ranks import (
 from nanotron.serialize.metadata import CheckpointMetadata
 
 from nanotron_datastates import DataStatesEngine
-from nanotron_datastates.nanotron import memory_tier as tier_module
+from nanotron_datastates.checkpoint.manifest import read_manifest
+from nanotron_datastates.checkpoint.names import LATEST, MANIFEST
 from nanotron_datastates.nanotron import shards
-from nanotron_datastates.nanotron.checkpoint import layout
-from nanotron_datastates.nanotron.memory_tier import TierError
 from nanotron_datastates.nanotron.resume.resume import Resume
 from nanotron_datastates.nanotron.save.commit_files import finalizer
 from nanotron_datastates.nanotron.save.saver import Saver
 from nanotron_datastates.save import housekeeping
 from nanotron_datastates.save.commit import CheckpointError
+from nanotron_datastates.tier.memory import TierError, why_not
 from nanotron_datastates.trainer_settings import Section, TrainerSettings
 
 from helpers import wait_until
@@ -58,7 +58,7 @@ def test_every_rank_resumes_the_state_it_saved_bit_for_bit(key, tmp_path):
         assert r["differences"] == [] and r["tensors"] > 20
         assert r["events"] == ["queue_start", "queued", "committed"]
         assert r["last_train_step"] == 7 and r["flags"] == [True, True]  # Nanotron's loaders' flags back
-    assert layout.read_manifest(tmp_path / "ckpt" / "7")["topology"]["tp"] == tp
+    assert read_manifest(tmp_path / "ckpt" / "7")["topology"]["tp"] == tp
 
 
 def test_a_lost_node_resumes_every_rank_from_memory_through_its_peers_replicas(tmp_path, monkeypatch):
@@ -72,7 +72,7 @@ def test_a_lost_node_resumes_every_rank_from_memory_through_its_peers_replicas(t
         assert r["differences"] == [] and r["tensors"] > 20
         assert r["events"] == ["queue_start", "queued", "committed", "replicated"], r["events"]
         assert r["source"] and r["source"].startswith(str(tmp_path / f"node{r['node']}-shm")), r
-    doc = layout.read_manifest(tmp_path / "ckpt" / "7")
+    doc = read_manifest(tmp_path / "ckpt" / "7")
     assert doc["replicas"]["holders"] == [[2], [3], [0], [1]]
     # the bytes the checkpoint sent over the network, and the time, in rank 0's telemetry: every file once
     (line,) = [r for r in housekeeping.read_telemetry(tmp_path / "ckpt") if r.get("event") == "replicated"]
@@ -151,11 +151,11 @@ def test_commits_rotate_and_write_one_telemetry_line_each(rank0, tmp_path):
     saver.close()
     assert committed == [10, 20, 30]
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["20", "30"]
-    assert (root / layout.LATEST).read_text() == "30"
+    assert (root / LATEST).read_text() == "30"
     lines = housekeeping.read_telemetry(root)
     assert [r["step"] for r in lines] == [10, 20, 30] and all(r["committed"] for r in lines)
     assert lines[-1]["removed"] == [str(root / "10")] and lines[-1]["cache_bytes"] > 0
-    assert lines[-1]["bytes"] == sum(e["bytes"] for e in layout.read_manifest(root / "30")["files"].values())
+    assert lines[-1]["bytes"] == sum(e["bytes"] for e in read_manifest(root / "30")["files"].values())
 
 
 def test_a_failed_checkpoint_raises_at_the_next_request_and_the_next_one_commits(rank0, tmp_path):
@@ -170,7 +170,7 @@ def test_a_failed_checkpoint_raises_at_the_next_request_and_the_next_one_commits
     ask(saver, rank0, 20)  # the engine and the committer keep working
     saver.drain(lambda s: None)
     saver.close()
-    assert (root / layout.LATEST).read_text() == "20"
+    assert (root / LATEST).read_text() == "20"
     first, second = housekeeping.read_telemetry(root)
     assert not first["committed"] and first["errors"] and second["committed"]
 
@@ -461,9 +461,9 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(rank0, tmp_p
     elif damage.startswith("missing"):
         next((newest / "random").glob("*.safetensors")).unlink()
     else:
-        doc = json.loads((newest / layout.MANIFEST).read_text())
+        doc = json.loads((newest / MANIFEST).read_text())
         doc["files"]["model/../../outside.safetensors"] = {"bytes": 1}
-        (newest / layout.MANIFEST).write_text(json.dumps(doc))
+        (newest / MANIFEST).write_text(json.dumps(doc))
     resume, got, metadata = resumed(rank0, newest)
     assert resume.folder == tmp_path / "ckpt" / "5" and metadata.last_train_step == 5
     got.pop("random"), first.pop("random")
@@ -492,7 +492,7 @@ def test_the_memory_tier_holds_the_newest_checkpoint_and_a_restart_reads_it(rank
     else:  # the save of 7 took step 5's files over, and 5's folder went
         assert held == ["7"]
     assert (job / "7" / ".rank-0.json").exists()
-    for rel in layout.read_manifest(tmp_path / "ckpt" / "7")["files"]:
+    for rel in read_manifest(tmp_path / "ckpt" / "7")["files"]:
         assert (job / "7" / rel).read_bytes() == (tmp_path / "ckpt" / "7" / rel).read_bytes()
     resume, got, metadata = resumed(rank0, tmp_path / "ckpt" / "7", **tier)
     assert resume.source == job / "7" and metadata.last_train_step == 7
@@ -512,16 +512,13 @@ def test_a_damaged_memory_copy_falls_back_to_storage_and_a_partial_one_is_not_us
     assert differences(newest, got) == []
     opt = next((job / "7" / "optimizer").glob("*.safetensors"))
     opt.unlink()  # a partial copy: not even tried, and the reason said
-    manifest = layout.read_manifest(tmp_path / "ckpt" / "7")
+    manifest = read_manifest(tmp_path / "ckpt" / "7")
     settings = TrainerSettings(**tier)
-    assert (
-        tier_module.why_not(settings, tmp_path / "ckpt" / "7", manifest, 0)
-        == f"{opt}: No such file or directory"
-    )
+    assert why_not(settings, tmp_path / "ckpt" / "7", manifest, 0) == f"{opt}: No such file or directory"
     resume, _, _ = resumed(rank0, tmp_path / "ckpt" / "7", **tier)
     assert resume.source is None
     (job / "7" / ".rank-0.json").unlink()
-    why = tier_module.why_not(settings, tmp_path / "ckpt" / "7", manifest, 0)
+    why = why_not(settings, tmp_path / "ckpt" / "7", manifest, 0)
     assert why is not None and why.startswith(
         f"{len(manifest['files'])} of {len(manifest['files'])} files not marked"
     )

@@ -37,8 +37,8 @@ def test_a_stock_checkpoint_is_refused_only_for_a_change_nanotron_cannot_load(
     from nanotron.serialize.optimizer import load_lr_scheduler, load_optimizer
     from nanotron.serialize.weights import load_weights
 
-    from nanotron_datastates.nanotron.resume.reshard import ReshardError
     from nanotron_datastates.nanotron.resume.resume import Resume
+    from nanotron_datastates.resume.reshard_plan import ReshardError
 
     zero = saved[-1]
     launch(tmp_path, *saved)  # Nanotron's own save of the state, in tmp_path/stock

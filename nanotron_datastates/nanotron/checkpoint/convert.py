@@ -29,10 +29,12 @@ import os
 import shutil
 from pathlib import Path
 
+from ...checkpoint.file_io import read_json
 from ...checkpoint.folder_copy import CONFIG, MODEL, PICKLED, RANDOM, regular_files
+from ...checkpoint.manifest import is_datastates_checkpoint, read_manifest
+from ...checkpoint.names import MANIFEST, NANOTRON_METADATA
 from ...engine import DataStatesEngine
 from ...save_handle import SaveHandle
-from . import layout
 from .convert_from_stock import to_datastates
 from .convert_to_stock import to_torch
 from .stock_pickles import UnpicklingRefused
@@ -40,7 +42,7 @@ from .stock_pickles import UnpicklingRefused
 __all__ = ["CONFIG", "METADATA", "MODEL", "PICKLED", "RANDOM", "TARGETS", "UnpicklingRefused", "convert"]
 
 TARGETS = ("torch", "datastates")
-METADATA = layout.NANOTRON_METADATA
+METADATA = NANOTRON_METADATA
 
 
 def convert(
@@ -82,17 +84,17 @@ def _check_source(src: Path, to: str) -> None:
     if not os.path.lexists(src / METADATA):
         raise ValueError(f"{src} is not a Nanotron checkpoint folder (no {METADATA})")
     regular_files(src)  # an error naming any that is not a regular file, before anything is written
-    meta = layout.read_json(src / METADATA)
+    meta = read_json(src / METADATA)
     if to == "torch":
-        if not layout.is_datastates_checkpoint(src):
-            raise ValueError(f"{src} is not a datastates checkpoint (no {layout.MANIFEST})")
+        if not is_datastates_checkpoint(src):
+            raise ValueError(f"{src} is not a datastates checkpoint (no {MANIFEST})")
         try:
-            layout.read_manifest(src)
+            read_manifest(src)
         except (OSError, ValueError) as e:
             raise ValueError(f"{src}: unreadable manifest: {e}") from e
         return
-    if layout.is_datastates_checkpoint(src):
-        raise ValueError(f"{src} is already a datastates checkpoint ({layout.MANIFEST})")
+    if is_datastates_checkpoint(src):
+        raise ValueError(f"{src} is already a datastates checkpoint ({MANIFEST})")
     if not all(isinstance(meta.get(k), int) for k in ("tp", "dp")):
         raise ValueError(f"{src / METADATA}: not Nanotron's checkpoint metadata (no integer tp and dp)")
 

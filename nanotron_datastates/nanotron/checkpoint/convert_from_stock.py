@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from ... import trust
+from ...checkpoint.checksums import file_entry
+from ...checkpoint.file_io import read_json, read_yaml, write_atomic
 from ...checkpoint.folder_copy import (
     CONFIG,
     MODEL,
@@ -20,12 +22,14 @@ from ...checkpoint.folder_copy import (
     regular_files,
     sync_folders,
 )
+from ...checkpoint.manifest import manifest as make_manifest
+from ...checkpoint.names import MANIFEST, NANOTRON_METADATA, as_safetensors
+from ...checkpoint.topology import topology as make_topology
 from ...engine import DataStatesEngine
 from ...save_handle import SaveHandle
-from . import layout
 from .stock_pickles import load_stock, nanotron_random, random_state_globals, random_states_to_plain
 
-METADATA = layout.NANOTRON_METADATA
+METADATA = NANOTRON_METADATA
 
 
 def to_datastates(
@@ -33,11 +37,11 @@ def to_datastates(
 ) -> None:
     """Writes the stock checkpoint `src` into the empty folder `out` in our layout; every save started is
     appended to `handles` (for the caller to wait on if this fails)."""
-    meta = layout.read_json(src / METADATA)
+    meta = read_json(src / METADATA)
     step = _step(src, meta)
-    config = layout.read_yaml(src / CONFIG)
+    config = read_yaml(src / CONFIG)
     parallelism = config.get("parallelism") or {}
-    topology = layout.topology(
+    topology = make_topology(
         tp=meta["tp"],
         pp=int(parallelism.get("pp") or 1),
         dp=meta["dp"],
@@ -56,7 +60,7 @@ def to_datastates(
             made = [(rel, engine.save(tensors, out / rel, metadata=metadata, exact_metadata=True))]
         elif parts[0] in PICKLED and rel.endswith(".pt"):
             obj = load_stock(src / rel, allow_pickle)
-            target = layout.as_safetensors(rel)
+            target = as_safetensors(rel)
             made = [(target, engine.save(obj, out / target))]
         elif parts[0] == RANDOM and rel.endswith(".pt"):
             random_module = nanotron_random()  # unpickling needs it: fail with a clear message
@@ -77,16 +81,16 @@ def to_datastates(
     entries = {}
     for target, h in saved:
         h.wait_persisted()  # raises the save's error
-        entries[target] = layout.file_entry((out / target).stat().st_size, h)
+        entries[target] = file_entry((out / target).stat().st_size, h)
     sync_folders(out)
     # As the trainer commits: the metadata, then the manifest, which makes the folder a datastates checkpoint.
-    layout.write_atomic(out / METADATA, read_bytes(src / METADATA))
-    layout.write_atomic(out / layout.MANIFEST, json.dumps(layout.manifest(step, topology, entries), indent=1))
+    write_atomic(out / METADATA, read_bytes(src / METADATA))
+    write_atomic(out / MANIFEST, json.dumps(make_manifest(step, topology, entries), indent=1))
 
 
 def _random_targets(rel: str, cp: int) -> list[str]:
     """Our names for Nanotron's random-state file `rel`, one per context-parallel rank."""
-    base = layout.as_safetensors(rel)
+    base = as_safetensors(rel)
     if cp == 1:
         return [base]
     stem = base.removesuffix(".safetensors")

@@ -12,6 +12,8 @@ import torch
 import yaml
 
 from ... import state_parts
+from ...checkpoint.checksums import file_checksums
+from ...checkpoint.file_io import fsync_path, write_atomic
 from ...checkpoint.folder_copy import (
     CONFIG,
     MODEL,
@@ -21,35 +23,37 @@ from ...checkpoint.folder_copy import (
     regular_files,
     sync_folders,
 )
+from ...checkpoint.manifest import member, read_manifest
+from ...checkpoint.names import MANIFEST, NANOTRON_METADATA, stock_random_states
+from ...checkpoint.reads import optimizer_files
 from ...engine import DataStatesEngine
 from ...errors import FormatError
 from .. import rng_states as states
-from . import layout
 from .stock_pickles import nanotron_random
 
-METADATA = layout.NANOTRON_METADATA
+METADATA = NANOTRON_METADATA
 
 
 def to_torch(src: Path, out: Path, engine: DataStatesEngine, allow_pickle: bool) -> None:
     """Writes the datastates checkpoint `src` into the empty folder `out` in Nanotron's stock layout."""
-    doc = layout.read_manifest(src)
+    doc = read_manifest(src)
     # An optimizer file the replicas wrote in parts becomes Nanotron's one file, once its parts are read.
-    wholes = {name: ps for name, ps in layout.optimizer_files(doc["files"]).items() if ps != [name]}
+    wholes = {name: ps for name, ps in optimizer_files(doc["files"]).items() if ps != [name]}
     whole_of = {p: name for name, ps in wholes.items() for p in ps}
     parts_read: dict[str, dict[str, Any]] = {}
     for rel, entry in doc["files"].items():
-        path = layout.member(src, rel)
+        path = member(src, rel)
         size = path.stat().st_size  # FileNotFoundError names a file the manifest lists but the folder lacks
         if size != entry.get("bytes"):
             raise FormatError(f"{path}: {size} bytes, the manifest says {entry.get('bytes')}")
-        sums = layout.file_checksums(doc, src, path)
+        sums = file_checksums(doc, src, path)
         parts = Path(rel).parts
         if parts[0] == MODEL:
             # Same file in both layouts. The copy is what gets checked: a bad source and a bad copy both fail.
             copy_file(path, out / rel)
             engine.verify(out / rel, sums)
         elif parts[0] == RANDOM:
-            stock = layout.stock_random_states(parts[-1])
+            stock = stock_random_states(parts[-1])
             if stock is None:
                 raise FormatError(f"{path}: not a random-state file name of Nanotron's layout")
             name, kept = stock
@@ -76,7 +80,7 @@ def to_torch(src: Path, out: Path, engine: DataStatesEngine, allow_pickle: bool)
     _copy_rest(src, out, listed=set(doc["files"]))
     sync_folders(out)
     # Nanotron's own save is synchronous: its metadata file is what marks a whole stock checkpoint.
-    layout.write_atomic(out / METADATA, read_bytes(src / METADATA))
+    write_atomic(out / METADATA, read_bytes(src / METADATA))
 
 
 def _as_pt(rel: str) -> str:
@@ -110,10 +114,10 @@ def _copy_rest(src: Path, out: Path, listed: set[str]) -> None:
     """Nanotron's json/yaml files and anything else not converted; never the manifest or the metadata file
     (written last), nor safetensors the manifest does not list (resume ignores them: leftovers)."""
     for rel in regular_files(src):
-        if rel in listed or rel in (layout.MANIFEST, METADATA) or rel.endswith(".safetensors"):
+        if rel in listed or rel in (MANIFEST, METADATA) or rel.endswith(".safetensors"):
             continue
         if rel == CONFIG:
             (out / rel).write_text(_stock_config(read_bytes(src / rel).decode()))
-            layout.fsync_path(out / rel)
+            fsync_path(out / rel)
         else:
             copy_file(src / rel, out / rel)

@@ -1,6 +1,6 @@
 """Resume, read early: from the trainer's first line, before Nanotron sets up its process groups (0.4 to 0.7 s
 on an H100: NCCL's first communicator and a barrier per group), the files every rank reads are read ahead,
-found from the config and the manifest alone (`layout.files_to_read` without a place: all the weights where
+found from the config and the manifest alone (`files_to_read` without a place: all the weights where
 no rank holds part of the model only; the one optimizer file), from the memory tier where it holds the
 checkpoint, and the small files into the page cache first. `Resume.plan` adopts that read-ahead where it
 reads exactly the files planned with the rank's place, onto the same device; else it starts one here too."""
@@ -15,11 +15,13 @@ from typing import Any, Sequence
 
 import torch
 
+from ...checkpoint.checksums import file_checksums
+from ...checkpoint.manifest import read_manifest
+from ...checkpoint.reads import ReadSet, files_to_read
 from ...engine import DataStatesEngine
-from .. import memory_tier as tier
-from ..checkpoint import layout
+from ...resume.read_ahead import Prefetch, shared_weight_reads, warm_page_cache
+from ...tier.memory import tier_copy
 from ..yaml_config import engine_for, section
-from .read_ahead import Prefetch, shared_weight_reads, warm_page_cache
 from .source import asked_layout, loads, parse_config, resume_folder
 
 
@@ -30,12 +32,12 @@ class EarlyRead:
 
     manifest: dict[str, Any]
     source: Path  # the checkpoint's folder, or the memory tier's copy
-    reads: layout.ReadSet
+    reads: ReadSet
     device: torch.device
     topology: dict[str, int]  # the layout the config asks for
     engine: DataStatesEngine
 
-    def adoptable(self, source: Path, device: torch.device | None, reads: layout.ReadSet) -> bool:
+    def adoptable(self, source: Path, device: torch.device | None, reads: ReadSet) -> bool:
         """Whether this read-ahead reads exactly `reads`, from `source` onto `device`."""
         return self.source == source and self.device == device and same_large(self.reads, reads)
 
@@ -51,12 +53,11 @@ def find(args: Sequence[Any], kwargs: dict[str, Any]) -> EarlyRead | None:
         folder = resume_folder(config)
         if folder is None:
             return None
-        manifest = layout.read_manifest(folder)
+        manifest = read_manifest(folder)
         source = (
-            tier.tier_copy(section(config).trainer, folder, manifest, int(os.environ.get("RANK", "0")))
-            or folder
+            tier_copy(section(config).trainer, folder, manifest, int(os.environ.get("RANK", "0"))) or folder
         )
-        reads = layout.files_to_read(manifest, source, asked_layout(config), None, **loads(config))
+        reads = files_to_read(manifest, source, asked_layout(config), None, **loads(config))
         if reads is None or not (reads.weights or reads.optimizer):
             return None
         # Nanotron's ParallelContext sets this same device first thing; set now, the engine pins its cache
@@ -74,19 +75,19 @@ def read_ahead(
     engine: DataStatesEngine,
     manifest: dict[str, Any],
     folder: Path,
-    reads: layout.ReadSet,
+    reads: ReadSet,
     device: torch.device,
     topology: dict[str, int],
 ) -> Prefetch:
     """The read-ahead of `reads` (weights, optimizer) from `folder` onto `device`, each file checked against
     the manifest's checksums; weight files that several ranks of a node read (replicas on `topology`) go
     through the page cache."""
-    checksums = functools.partial(layout.file_checksums, manifest, folder)
+    checksums = functools.partial(file_checksums, manifest, folder)
     shared = shared_weight_reads(topology)
     return Prefetch(engine, device, reads.weights, reads.optimizer, checksums, shared)
 
 
-def same_large(a: layout.ReadSet, b: layout.ReadSet) -> bool:
+def same_large(a: ReadSet, b: ReadSet) -> bool:
     """Whether both read the same weight and optimizer files (the small files may differ: before the process
     groups, every rank warms them all)."""
     return (a.weights, a.optimizer) == (b.weights, b.optimizer)

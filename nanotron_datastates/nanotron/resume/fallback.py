@@ -2,7 +2,7 @@
 
 A restart reads the memory tier's copy of the checkpoint where every rank finds it whole there
 (`memory_copy`), else storage, and says why; with memory replicas, where every file each rank reads is in
-some node's memory, what its node lacks pulled from another's (replicas.py).
+some node's memory, what its node lacks pulled from another's (tier/replica_restore.py).
 
 It never dies on a damaged newest checkpoint while an older one is whole: after a Resume has loaded
 everything (reading every tensor against its checksum), the ranks agree that each read it whole
@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ...checkpoint import folder as checkpoint
+from ...checkpoint.manifest import is_datastates_checkpoint
 from ...engine import DataStatesEngine
 from ...errors import CheckpointError
-from .. import groups, replicas
+from ...tier.memory import MemoryTier, tier_copy, why_not
+from ...tier.replica_restore import restart_source
+from .. import groups
 from .. import log as say
-from .. import memory_tier as tier
-from ..checkpoint import layout
 
 
 class Reading(Protocol):
@@ -67,11 +68,11 @@ def memory_copy(resume: Reading, settings: Any) -> Path | None:
     if settings.memory_replicas:
         return _memory_of_any_node(resume, settings)
     rank = groups.rank(resume.pc.world_pg)
-    reason = tier.why_not(settings, _planned(resume), resume.manifest, rank)
+    reason = why_not(settings, _planned(resume), resume.manifest, rank)
     reasons = groups.gather(reason, resume.pc)
     step = resume.manifest.get("step")
     if not any(reasons):
-        copy = tier.tier_copy(settings, _planned(resume), resume.manifest, rank)
+        copy = tier_copy(settings, _planned(resume), resume.manifest, rank)
         say.note(f"resuming step {step} from the memory tier ({copy})")
         return copy
     r, why = next((r, why) for r, why in enumerate(reasons) if why)
@@ -81,7 +82,7 @@ def memory_copy(resume: Reading, settings: Any) -> Path | None:
 
 def _memory_of_any_node(resume: Reading, settings: Any) -> Path | None:
     """`memory_copy` with memory replicas: this rank's node's tier folder of the step once every file each
-    rank reads is there (`replicas.restart_source` pulls what a node lacks), else None. Collective."""
+    rank reads is there (`restart_source` pulls what a node lacks), else None. Collective."""
     import torch.distributed as tdist
 
     step = resume.manifest.get("step")
@@ -89,7 +90,7 @@ def _memory_of_any_node(resume: Reading, settings: Any) -> Path | None:
     try:
         rank = groups.rank(resume.pc.world_pg)
         copies = settings.memory_tier_copies
-        own = tier.MemoryTier(settings.memory_tier_path, _planned(resume).parent, rank, copies)
+        own = MemoryTier(settings.memory_tier_path, _planned(resume).parent, rank, copies)
     except OSError as e:
         problem = str(e)
     if not isinstance(step, int) or not tdist.is_initialized():
@@ -101,7 +102,7 @@ def _memory_of_any_node(resume: Reading, settings: Any) -> Path | None:
     group = tdist.new_group(backend="gloo")  # point-to-point from host memory
     # Not paced to memory_replica_gbps, which keeps replication from taking training's network: at a
     # restart nothing else runs, and every rank waits for the slowest pull.
-    source, why = replicas.restart_source(own, resume.manifest, resume.needs(), group, resume.get_engine())
+    source, why = restart_source(own, resume.manifest, resume.needs(), group, resume.get_engine())
     where = f"memory ({source}; {why})" if source else f"storage: no memory copy serves it ({why})"
     say.note(f"resuming step {step} from {where}")
     return source
@@ -149,5 +150,5 @@ def fallbacks(folder: Path, source: Path | None) -> list[tuple[Path, Path]]:
         for p in checkpoint.step_folders(folder.parent)
         if checkpoint.step_of(p) < checkpoint.step_of(folder)
     ]
-    older = [p for p in older if layout.is_datastates_checkpoint(p)]
+    older = [p for p in older if is_datastates_checkpoint(p)]
     return out + [(p, p) for p in reversed(older)]

@@ -1,6 +1,6 @@
 """Resume, the optimizer state: where the layout changed, put together from the saved shards and loaded now
-(reshard.py); else this rank's file, loaded at the first optimizer step (deferred_optimizer.py), as read ahead
-(read_ahead.py) or read then."""
+(reshard.py); else this rank's file, loaded at the first optimizer step (`nanotron_datastates.resume`'s
+deferred_optimizer.py, which logs through `log.info`), as read ahead (its read_ahead.py) or read then."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from typing import Any, Callable
 import torch
 
 from ... import state_parts
+from ...checkpoint.reads import optimizer_files
 from ...engine import DataStatesEngine
+from ...resume.deferred_optimizer import DeferredOptimizer
+from ...resume.read_ahead import Prefetch
 from .. import log as say
 from .. import shards
-from ..checkpoint import layout
 from . import reshard
-from .deferred_optimizer import DeferredOptimizer
-from .read_ahead import Prefetch
 
 Device = torch.device | None
 
@@ -45,7 +45,7 @@ def deferred(
     """This rank's optimizer file, to be loaded into `optimizer` at its first use: `read(path, device)` reads
     it (`read_file`, with the resume's read-ahead and engine of the time)."""
     path = shards.optimizer_file(pc, src, zero=shards.is_zero(optimizer))
-    return DeferredOptimizer(optimizer, functools.partial(read, path, device), device or "cpu")
+    return DeferredOptimizer(optimizer, functools.partial(read, path, device), device or "cpu", say.info)
 
 
 def read_file(
@@ -65,7 +65,7 @@ def read_file(
 
 
 def parts(manifest: dict[str, Any], path: Path) -> list[Path]:
-    """The files that hold the optimizer file `path`: itself, or its parts (`layout.optimizer_files`)."""
+    """The files that hold the optimizer file `path`: itself, or its parts (`optimizer_files`)."""
     rel = f"optimizer/{path.name}"
-    names = layout.optimizer_files(manifest.get("files", {})).get(rel, [rel])
+    names = optimizer_files(manifest.get("files", {})).get(rel, [rel])
     return [path.parent / Path(name).name for name in names]

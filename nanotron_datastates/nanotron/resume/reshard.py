@@ -6,10 +6,10 @@ Planned from metadata, as PyTorch's distributed checkpoint plans a reshard:
 - the saved layout is read from the files themselves (saved_layout.py);
 - this rank's needs are its model's and optimizer's parameters: each one's slices of the full tensor (the
   model's sharding) and, with ZeRO, its flat range;
-- for each state of each parameter, reshard_plan.py finds the ranges of the saved tensors that hold this
-  rank's piece. Only those are read, each checked against the checksums of the blocks it spans (the
-  optimizer's files hold them; a weight file is read whole and checked against the manifest), and put
-  together.
+- for each state of each parameter, `nanotron_datastates.resume.reshard_plan` finds the ranges of the saved
+  tensors that hold this rank's piece. Only those are read, each checked against the checksums of the
+  blocks it spans (the optimizer's files hold them; a weight file is read whole and checked against the
+  manifest), and put together.
 A parameter missing from the checkpoint, or of another shape, is a ReshardError naming it.
 """
 
@@ -22,21 +22,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ...checkpoint.checksums import file_block_checksums, file_checksums
+from ...checkpoint.manifest import member
 from ...engine import DataStatesEngine
 from ...restore import TensorRef
-from ..checkpoint import layout
-from . import reshard_plan
-from .reshard_plan import Need, Source
-from .saved_layout import (
-    MASTER,
-    Piece,
-    ReshardError,
-    SavedFile,
-    read_saved,
-    saved_pieces,
-    whole_pair,
-    zero_ranges,
-)
+from ...resume import reshard_plan
+from ...resume.reshard_plan import Need, Piece, ReshardError, Source
+from .saved_layout import MASTER, SavedFile, read_saved, saved_pieces, whole_pair, zero_ranges
 
 
 def load_weights(engine: DataStatesEngine, manifest: dict[str, Any], folder: Path, model: Any) -> int:
@@ -63,7 +55,7 @@ Sums = tuple[dict[str, int] | None, tuple[int, dict[str, list[int]]] | None]
 
 def _manifest_sums(manifest: dict[str, Any], folder: Path, path: Path) -> Sums:
     """A weight file's checksums, per tensor and per block, which the manifest holds for it."""
-    return layout.file_checksums(manifest, folder, path), layout.file_block_checksums(manifest, folder, path)
+    return file_checksums(manifest, folder, path), file_block_checksums(manifest, folder, path)
 
 
 def _read(
@@ -275,7 +267,7 @@ def scheduler_state(
     for rel in sorted(f for f in manifest["files"] if f.startswith("lr_scheduler/")):
         m = re.fullmatch(r"lr_scheduler_pp-(\d+)-of-\d+_tp-(\d+)-of-\d+_exp-\d+-of-\d+", Path(rel).stem)
         if m is not None:
-            schedules[(int(m[1]), int(m[2]))] = engine.load(layout.member(folder, rel))
+            schedules[(int(m[1]), int(m[2]))] = engine.load(member(folder, rel))
     if not schedules:
         raise ReshardError(f"{folder}: the checkpoint holds no LR scheduler file")
     first = next(iter(schedules.values()))

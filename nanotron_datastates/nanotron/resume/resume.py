@@ -3,7 +3,7 @@ a manifest (any other is left to Nanotron). The trainer mixin calls, in this ord
 
 1. `Resume.start(args, kwargs)`, the trainer's first line, before Nanotron sets up its process groups (0.4 to
    0.7 s on an H100: NCCL's first communicator and a barrier per group). From the config and the manifest
-   alone it starts reading ahead the files every rank reads (`layout.files_to_read` without a place: all the
+   alone it starts reading ahead the files every rank reads (`files_to_read` without a place: all the
    weights where no rank holds part of the model only; the one optimizer file), from the memory tier where
    it holds the checkpoint, and the small files into the page cache first (early.py). Never raises:
    whatever fails here, step 2 meets again and reports.
@@ -40,25 +40,28 @@ from typing import Any, Sequence
 
 import torch
 
+from ...checkpoint.manifest import ManifestError, read_manifest
+from ...checkpoint.names import MANIFEST
+from ...checkpoint.reads import ReadSet, files_to_read, optimizer_files
+from ...checkpoint.topology import topology_changes
 from ...engine import DataStatesEngine
 from ...errors import FormatError
+from ...resume.deferred_optimizer import DeferredOptimizer
+from ...resume.read_ahead import PageCacheWarmer, Prefetch, warm_for_reshard, warm_page_cache
 from .. import groups
 from .. import log as say
-from ..checkpoint import layout
 from ..yaml_config import engine_for, section
 from . import fallback as recovery
 from . import optimizer_state, saved_layout, weights
 from . import scheduler_and_rng as rest
-from .deferred_optimizer import DeferredOptimizer
 from .early import EarlyRead, find, read_ahead
-from .read_ahead import PageCacheWarmer, Prefetch, warm_for_reshard, warm_page_cache
 from .source import loads
 
 __all__ = ["READ_ERRORS", "Resume"]
 
 # What reading a checkpoint raises where a file is missing, damaged (FormatError, ChecksumError) or not of
 # the layout, or does not fit the model (ReshardError): collected on each rank, so that every rank decides.
-READ_ERRORS = (OSError, FormatError, layout.ManifestError, saved_layout.ReshardError, KeyError)
+READ_ERRORS = (OSError, FormatError, ManifestError, saved_layout.ReshardError, KeyError)
 
 
 def _device() -> torch.device | None:
@@ -137,7 +140,7 @@ class Resume:
 
         early, self._early = self._early, None
         # A manifest that is not a regular file (a FIFO): a checkpoint that cannot be read, which falls back.
-        ours = folder is not None and os.path.lexists(Path(folder) / layout.MANIFEST)
+        ours = folder is not None and os.path.lexists(Path(folder) / MANIFEST)
         if folder is None or not ours or not check_path_is_local(folder):
             self._drop_prefetch(report=False)  # not adopted: its buffers go back when its reads end
             if folder is not None and getattr(config, "uses_datastates", False):
@@ -175,20 +178,18 @@ class Resume:
             self._deferred.cancel()
         self._deferred = None
         try:
-            self.manifest = layout.read_manifest(folder)
-            layout.optimizer_files(self.manifest["files"])  # every part of a file written in parts listed
+            self.manifest = read_manifest(folder)
+            optimizer_files(self.manifest["files"])  # every part of a file written in parts listed
         except (OSError, ValueError) as e:
             self.manifest = {"files": {}, "topology": {}}
             self._failures.append(str(e))
 
-    def files(self) -> layout.ReadSet | None:
+    def files(self) -> ReadSet | None:
         """The files this rank reads (None: the layout changed). Tensor- and pipeline-parallel ranks read
         their weight files as the model says (`shards.weight_sources`), not ahead."""
         here = groups.layout_of(self._pc, int(self._config.optimizer.zero_stage))
         place = groups.place(self._pc)
-        return layout.files_to_read(
-            self.manifest, self._src(), here, place, **loads(self._config, self._flags)
-        )
+        return files_to_read(self.manifest, self._src(), here, place, **loads(self._config, self._flags))
 
     def needs(self) -> set[str]:
         """The manifest's files this rank reads: all where the layout changed; every weight file where ranks
@@ -206,7 +207,7 @@ class Resume:
 
     def topology_changes(self) -> dict[str, tuple[Any, int]]:
         here = groups.layout_of(self._pc, int(self._config.optimizer.zero_stage))
-        return layout.topology_changes(self.manifest.get("topology", {}), here)
+        return topology_changes(self.manifest.get("topology", {}), here)
 
     def get_engine(self) -> DataStatesEngine:
         if self.engine is None:

@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from ... import state_parts
+from ...checkpoint.manifest import member
+from ...checkpoint.reads import optimizer_files
+from ...checkpoint.topology import stock_topology, topology_changes
 from ...engine import DataStatesEngine
-from ...errors import DataStatesError
 from ...format import read_header
 from ...restore import TensorRef, read_structure
-from ..checkpoint import layout
+from ...resume.reshard_plan import Piece, ReshardError
 
 _OPTIMIZER = re.compile(
     r"optimizer_pp-(\d+)-of-(\d+)(?:_dp-(\d+)-of-(\d+))?_tp-(\d+)-of-(\d+)_exp-\d+-of-\d+"
@@ -29,16 +31,12 @@ _NP_INT = re.compile(
 MASTER = "gradient_accumulator"  # Nanotron's key of the fp32 master weights in its optimizer's state_dict
 
 
-class ReshardError(DataStatesError, ValueError):
-    """The checkpoint cannot be resumed on this layout (a parameter is missing or changed shape)."""
-
-
 def refuse_stock(folder: Path, config: Any, pc: Any) -> None:
     """A Nanotron checkpoint of its own (pickles, no manifest) is left to Nanotron's loaders, whose merge of
     optimizer shards across layouts is broken (its file patterns miss its own names; it drops the fp32
     master weights). Where the optimizer would be loaded on another layout, say what works instead.
 
-    What counts, of what the checkpoint's files record (`layout.stock_topology`): a change of tp or pp, of
+    What counts, of what the checkpoint's files record (`stock_topology`): a change of tp or pp, of
     the ZeRO stage, and of dp under ZeRO (each data-parallel rank's optimizer file is its shard). Not a
     change of dp at ZeRO-0 on both sides: the optimizer files are per tp and pp rank, Nanotron's to load.
     Never a change of cp (context parallelism, recorded by Nanotron main): its files carry no
@@ -47,11 +45,11 @@ def refuse_stock(folder: Path, config: Any, pc: Any) -> None:
     same names; a cp change alongside a real one is not named."""
     from .. import groups
 
-    saved = layout.stock_topology(folder)
+    saved = stock_topology(folder)
     if not saved or not config.checkpoints.load_optimizer:
         return
     here = groups.layout_of(pc, int(config.optimizer.zero_stage))
-    changed = {k: v for k, v in layout.topology_changes(saved, here).items() if k in saved and k != "cp"}
+    changed = {k: v for k, v in topology_changes(saved, here).items() if k in saved and k != "cp"}
     if set(changed) <= {"dp"} and saved.get("zero_stage") == 0 == here["zero_stage"]:
         return
     if changed:
@@ -76,15 +74,6 @@ def zero_ranges(numel: int, dp: int) -> dict[int, tuple[int, int]]:
             out[rank] = (start, start + size)
         start += size
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """Where a tensor-parallel rank's local tensor sits in the full one (and the weight file holding it)."""
-
-    local_shape: tuple[int, ...]
-    pairs: tuple[Any, ...]  # Nanotron's SlicesPair: local slices -> global slices
-    path: Path | None = None
 
 
 @dataclasses.dataclass
@@ -114,11 +103,11 @@ def _refs(tree: Any) -> list[TensorRef]:
 def read_saved(manifest: dict[str, Any], folder: Path, engine: DataStatesEngine) -> list[SavedFile]:
     """Every optimizer file of the checkpoint, described from its name and skeleton (headers only)."""
     out = []
-    for rel, parts in sorted(layout.optimizer_files(manifest["files"]).items()):
+    for rel, parts in sorted(optimizer_files(manifest["files"]).items()):
         m = _OPTIMIZER.fullmatch(Path(rel).stem)
         if m is None:
             continue
-        paths = [layout.member(folder, p) for p in parts]
+        paths = [member(folder, p) for p in parts]
         docs = [engine.read_structure(p) for p in paths]
         doc = state_parts.merge(docs)
         where = {ref.name: p for p, d in zip(paths, docs) for ref in _refs(d)} if len(paths) > 1 else {}
@@ -156,7 +145,7 @@ def saved_pieces(
         f for f in manifest["files"] if Path(f).parent == whole.parent and Path(f).stem.startswith(whole.stem)
     ]
     if str(whole) in files:
-        path = layout.member(folder, str(whole))
+        path = member(folder, str(whole))
         shape = tuple(read_structure(path)["data"].shape)
         return shape, {-1: Piece(shape, (whole_pair(shape),), path)}
     pieces, full = {}, None
@@ -164,7 +153,7 @@ def saved_pieces(
         m = _WEIGHT_TP.search(Path(rel).stem)
         if m is None:
             continue
-        path = layout.member(folder, rel)
+        path = member(folder, rel)
         header = read_header(path)
         text = {k: _NP_INT.sub(r"\1", v) for k, v in header.user_metadata().items()}
         meta = TensorMetadata.from_str_dict(text)

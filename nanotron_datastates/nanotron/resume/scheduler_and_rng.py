@@ -1,5 +1,5 @@
 """What a resume restores besides the weights and the optimizer state: the LR scheduler with the training
-metadata, and the random states, on the saved layout or another (reshard.py, layout.random_states_at)."""
+metadata, and the random states, on the saved layout or another (reshard.py, random_states_at)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from ... import trust
+from ...checkpoint.checksums import file_checksums
+from ...checkpoint.names import NANOTRON_METADATA
+from ...checkpoint.reads import random_states_at
 from ...engine import DataStatesEngine
 from .. import groups, shards
 from .. import log as say
 from .. import rng_states as states
-from ..checkpoint import layout
 from . import reshard
 
 
@@ -38,7 +40,7 @@ def load_scheduler(
         lr_scheduler.load_state_dict(reshard.scheduler_state(engine, manifest, src, optimizer, model, pc))
     else:
         lr_scheduler.load_state_dict(engine.load(shards.lr_scheduler_file(pc, src)))
-    os.close(trust.open_to_read(folder / layout.NANOTRON_METADATA))  # a FIFO: an error, not Nanotron's wait
+    os.close(trust.open_to_read(folder / NANOTRON_METADATA))  # a FIFO: an error, not Nanotron's wait
     return load_meta(parallel_context=pc, root_folder=folder).metas
 
 
@@ -58,14 +60,14 @@ def load_random_states(
     if not path.exists() and listed:
         raise FileNotFoundError(f"{path}: listed in the checkpoint's manifest, missing")
     if not path.exists() and changed:
-        path = src / "random" / layout.random_states_at(manifest, groups.place(pc))
+        path = src / "random" / random_states_at(manifest, groups.place(pc))
         say.info(
             f"random states: this layout's ranks take those of the saved ranks at the same places, "
             f"modulo the saved sizes (rank 0: {path.name})"
         )
     if not path.exists():
         return
-    saved = engine.load(path, checksums=layout.file_checksums(manifest, src, path))
+    saved = engine.load(path, checksums=file_checksums(manifest, src, path))
     for key, value in saved["nanotron"].items():
         random_states[key] = states.random_state_from_plain(value)
     if "global" in saved:  # absent from checkpoints converted from Nanotron's layout

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ...checkpoint import folder as checkpoint
-from ..checkpoint import layout
+from ...checkpoint.manifest import is_datastates_checkpoint
+from ...checkpoint.topology import topology as make_topology
 
 
 def parse_config(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -40,13 +41,13 @@ def resume_folder(config: Any) -> Path | None:
         folder = path
     else:
         return None
-    return folder if layout.is_datastates_checkpoint(folder) else None
+    return folder if is_datastates_checkpoint(folder) else None
 
 
 def asked_layout(config: Any) -> dict[str, int]:
     """The manifest's topology for the layout a config asks for (what `groups.layout_of` finds later)."""
     par = config.parallelism
-    return layout.topology(
+    return make_topology(
         tp=par.tp,
         pp=par.pp,
         dp=par.dp,

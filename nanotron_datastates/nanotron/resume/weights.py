@@ -11,12 +11,12 @@ from typing import Any, Callable
 
 import torch
 
+from ...checkpoint.checksums import file_checksums
 from ...engine import DataStatesEngine
+from ...resume.read_ahead import Prefetch, fill
 from .. import log as say
 from .. import shards
-from ..checkpoint import layout
 from . import reshard
-from .read_ahead import Prefetch, fill
 
 
 def load(
@@ -36,6 +36,6 @@ def load(
         say.info(f"resharded {n} weights in {time.perf_counter() - t0:.2f} s")
         return None
     ahead = prefetch.weights() if prefetch is not None else {}
-    checksums = functools.partial(layout.file_checksums, manifest, src)
+    checksums = functools.partial(file_checksums, manifest, src)
     fill([(tensor, path) for _, tensor, path in sources], ahead, engine(), checksums)
     return [name for name, _, _ in sources]

@@ -19,9 +19,11 @@ import yaml
 from nanotron.config.utils_config import serialize
 from nanotron.constants import CHECKPOINT_FILE_NAME, MODEL_CONFIG_FILE_NAME
 
+from ...checkpoint.file_io import write_atomic
+from ...checkpoint.manifest import manifest as make_manifest
+from ...checkpoint.names import LATEST, MANIFEST
 from ...save import housekeeping
 from .. import groups, shards
-from ..checkpoint import layout
 
 
 def finalizer(
@@ -48,15 +50,13 @@ def finalizer(
     topology = groups.layout_of(pc, int(config.optimizer.zero_stage))
 
     def finalize(files: dict[str, Any]) -> None:
-        layout.write_atomic(folder / "config.yaml", yaml.dump(config_doc))
-        layout.write_atomic(folder / MODEL_CONFIG_FILE_NAME, model_config_text)
-        layout.write_atomic(folder / "optimizer" / "optimizer_config.json", optimizer_text)
-        layout.write_atomic(folder / CHECKPOINT_FILE_NAME, meta_text)
-        layout.write_atomic(
-            folder / layout.MANIFEST, json.dumps(layout.manifest(step, topology, files, replicas), indent=1)
-        )
+        write_atomic(folder / "config.yaml", yaml.dump(config_doc))
+        write_atomic(folder / MODEL_CONFIG_FILE_NAME, model_config_text)
+        write_atomic(folder / "optimizer" / "optimizer_config.json", optimizer_text)
+        write_atomic(folder / CHECKPOINT_FILE_NAME, meta_text)
+        write_atomic(folder / MANIFEST, json.dumps(make_manifest(step, topology, files, replicas), indent=1))
         # Several jobs (or a pruning tool) may share the folder: latest.txt only moves under the lock.
         with fasteners.InterProcessLock(str(checkpoints / housekeeping.LOCK)):
-            layout.write_atomic(checkpoints / layout.LATEST, str(step))
+            write_atomic(checkpoints / LATEST, str(step))
 
     return finalize

@@ -1,6 +1,6 @@
 """A Saver's copies of its checkpoints in memory: with `memory_tier`, each file's copy in node-local shared
 memory (memory_tier.py), opened with the Saver (what a killed process left pruned); with `memory_replicas`,
-the committed steps sent to ranks of other nodes too (replicas.py). Released when training ends."""
+the committed steps sent to ranks of other nodes too (tier/replicas.py). Released when training ends."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from typing import Any, Callable
 
 from ...checkpoint import folder as checkpoint
 from ...engine import DataStatesEngine
+from ...tier.memory import MemoryTier
+from ...tier.replicas import Replicated, Replicator, node_key, placement, prune, replica_area
 from ...trainer_settings import TrainerSettings
-from .. import groups, replicas
-from ..memory_tier import MemoryTier
+from .. import groups
 
 
 @dataclasses.dataclass
@@ -20,7 +21,7 @@ class Replication:
     """The memory replicas of a Saver: its replicator, the placement recorded in each manifest, and the ranks
     whose replicas this rank keeps."""
 
-    replicator: replicas.Replicator | None = None
+    replicator: Replicator | None = None
     placement: dict[str, Any] | None = None
     sources: list[int] = dataclasses.field(default_factory=list)
 
@@ -47,7 +48,7 @@ def open_replicas(
     pc: Any,
     engine: DataStatesEngine,
     keep: int | None,
-    on_done: Callable[[replicas.Replicated], None],
+    on_done: Callable[[Replicated], None],
 ) -> Replication:
     """The replicas' placement over the nodes and the replicator, with `memory_replicas` (collective: the
     ranks gather their nodes, and the replicator's gloo group is made here); the replicas this rank keeps
@@ -56,12 +57,12 @@ def open_replicas(
 
     if tier is None or not settings.memory_replicas or not tdist.is_initialized():
         return Replication()
-    nodes = groups.gather(replicas.node_key(), pc)
-    holders = replicas.placement(nodes, settings.memory_replicas)
+    nodes = groups.gather(node_key(), pc)
+    holders = placement(nodes, settings.memory_replicas)
     me = groups.rank(pc.world_pg)
     sources = [s for s, hs in enumerate(holders) if me in hs]
-    replicas.prune(tier, sources, keep)
-    replicator = replicas.Replicator(
+    prune(tier, sources, keep)
+    replicator = Replicator(
         tier,
         holders,
         tdist.new_group(backend="gloo"),
@@ -76,5 +77,5 @@ def release(tier: MemoryTier | None, sources: list[int]) -> None:
     """At the end of training: this rank's memory tier files, and the replicas it keeps, dropped."""
     if tier is not None:
         for source in sources:
-            replicas.replica_area(tier, source).release()
+            replica_area(tier, source).release()
         tier.release()

@@ -11,9 +11,9 @@ from typing import Any
 
 from ...engine import DataStatesEngine
 from ...plan import SavePlan
+from ...save.commit import PendingCheckpoint
+from ...tier.memory import MemoryTier
 from .. import shards
-from ..memory_tier import MemoryTier
-from .commit import PendingCheckpoint
 
 Targets = tuple[list[tuple[SavePlan, str]], list[Path] | None, list[Path | None] | None]
 

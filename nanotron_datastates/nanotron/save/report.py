@@ -12,10 +12,11 @@ from ... import telemetry
 from ...engine import DataStatesEngine
 from ...save import housekeeping
 from ...save.commit import CommitResult
+from ...tier.memory import MemoryTier
+from ...tier.replicas import Replicated, Replicator, describe
 from ...trainer_settings import TrainerSettings
-from .. import groups, replicas
+from .. import groups
 from .. import log as say
-from ..memory_tier import MemoryTier
 
 Notify = Callable[..., None]  # notify(event, **fields): tells a Saver's observers
 
@@ -35,7 +36,7 @@ class Reporter:
     ) -> None:
         self.engine, self.settings, self.pc, self.checkpoints = engine, settings, pc, checkpoints
         self.tier, self.notify = tier, notify
-        self.replicator: replicas.Replicator | None = None
+        self.replicator: Replicator | None = None
 
     def committed(self, r: CommitResult) -> None:
         """On the committer thread, for every checkpoint: the memory tier's mark, rank 0's housekeeping and
@@ -63,12 +64,12 @@ class Reporter:
             say.error(f"checkpoint {r.step} NOT committed, {len(r.errors)} error(s):{listed}")
         self.notify("committed", result=r)
 
-    def replicated(self, r: replicas.Replicated) -> None:
+    def replicated(self, r: Replicated) -> None:
         """On the replicator's thread, per checkpoint replicated (or not): the log line, the observers."""
         if r.error:
-            say.error(replicas.describe(r), every_rank=True)
+            say.error(describe(r), every_rank=True)
         else:
-            say.info(replicas.describe(r))
+            say.info(describe(r))
         if r.job is not None and self.settings.telemetry and groups.rank(self.pc.world_pg) == 0:
             try:
                 housekeeping.append_telemetry(self.checkpoints, telemetry.replication(r.step, r.job))

@@ -11,9 +11,9 @@ from typing import Any, Callable
 import torch
 
 from ...engine import StagedSave
+from ...save.commit import PendingCheckpoint
 from .. import log as say
 from .. import rng_states as states
-from .commit import PendingCheckpoint
 from .rank_files import RankFiles
 
 

@@ -41,17 +41,18 @@ import torch
 
 from ...engine import DataStatesEngine
 from ...plan import SavePlan
+from ...save import staging
+from ...save.commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
+from ...save.gate import SnapshotGate
+from ...save.optimizer_plan import OptimizerPlans
+from ...save.writer_lock import WriterLock
+from ...trainer_settings import TrainerSettings
 from .. import groups
 from .. import log as say
-from ..trainer_settings import TrainerSettings
-from . import memory, staging
-from .commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
-from .gate import SnapshotGate
-from .optimizer_plan import OptimizerPlans
+from . import memory
 from .rank_files import RankFiles, cache_bytes, plan_files, targets
 from .report import Reporter
 from .request import Request, add_stall, host_values, queuing_failed
-from .writer_lock import WriterLock
 
 __all__ = [
     "MAX_IN_FLIGHT",

@@ -19,9 +19,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from ... import restore, state_parts, trust
-from ...engine import DataStatesEngine
-from ..checkpoint import layout
+from .. import restore, state_parts, trust
+from ..checkpoint.manifest import ManifestError, member
+from ..engine import DataStatesEngine
 
 log = logging.getLogger("nanotron_datastates")
 
@@ -126,8 +126,8 @@ def warm_for_reshard(manifest: dict[str, Any], folder: Path, in_memory: bool) ->
     if in_memory or share is None or not names or not fits_in_memory(nbytes):
         return None
     try:
-        paths = [layout.member(folder, f) for f in names]
-    except layout.ManifestError:
+        paths = [member(folder, f) for f in names]
+    except ManifestError:
         return None  # the reads that follow report it
     return PageCacheWarmer(paths, share)
 

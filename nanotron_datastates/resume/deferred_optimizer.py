@@ -4,7 +4,8 @@ the first optimizer step, the save mirrored (DataStates-LLM's observation: neith
 optimizer).
 
 Anything else that reads the optimizer's state first (`state_dict`: a checkpoint, a user's inspection) loads
-it too, so no caller sees the state from before the resume.
+it too, so no caller sees the state from before the resume. Imports no Nanotron: the caller passes the log
+function (the adapter's, which logs through Nanotron's logger).
 """
 
 from __future__ import annotations
@@ -14,17 +15,17 @@ import threading
 import time
 from typing import Any, Callable
 
-from .. import log as say
-
 
 class DeferredOptimizer:
     """Loads into `optimizer` the state `read()` returns (read once: `read` may be called early, to know the
     state is whole), at `load()`: before the first `step`, or before the first `state_dict` (wrapped on this
     instance; its class is untouched). A load that raises stays pending: the next call tries again, and no
-    step ever runs on the state from before the resume."""
+    step ever runs on the state from before the resume. `say` logs the line that reports the load."""
 
-    def __init__(self, optimizer: Any, read: Callable[[], Any], map_location: Any) -> None:
-        self._optimizer, self._read, self._map_location = optimizer, read, map_location
+    def __init__(
+        self, optimizer: Any, read: Callable[[], Any], map_location: Any, say: Callable[[str], None]
+    ) -> None:
+        self._optimizer, self._read, self._map_location, self._say = optimizer, read, map_location, say
         self._state: Any = None
         self.pending = True
         self._lock = threading.RLock()
@@ -60,4 +61,4 @@ class DeferredOptimizer:
                 self.pending = True
                 raise
             self._state = None
-            say.info(f"optimizer state loaded at its first use ({time.perf_counter() - t0:.2f} s)")
+            self._say(f"optimizer state loaded at its first use ({time.perf_counter() - t0:.2f} s)")

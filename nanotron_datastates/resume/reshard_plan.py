@@ -1,5 +1,6 @@
 """Which elements of which saved tensors one rank needs to rebuild its piece of one parameter's state, and
-putting them together (reshard.py plans and reads through this).
+putting them together (the adapter's nanotron/resume/reshard.py plans and reads through this). Imports no
+Nanotron: a piece's slice pairs are read by their attributes only.
 
 Everything is counted in rows, dim 0 of each tensor. The rank's piece of the full tensor (its tensor-parallel
 slices, and with ZeRO a flat range of those) lies within windows of the full tensor's rows, one per slice
@@ -14,14 +15,27 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
-from ...restore import empty
-from .saved_layout import Piece, ReshardError
+from ..errors import DataStatesError
+from ..restore import empty
 
 _CPU = torch.device("cpu")
+
+
+class ReshardError(DataStatesError, ValueError):
+    """The checkpoint cannot be resumed on this layout (a parameter is missing or changed shape)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Where a tensor-parallel rank's local tensor sits in the full one (and the weight file holding it)."""
+
+    local_shape: tuple[int, ...]
+    pairs: tuple[Any, ...]  # Nanotron's SlicesPair (`local_slices`, `global_slices`): local -> global slices
+    path: Path | None = None
 
 
 @dataclasses.dataclass(frozen=True)

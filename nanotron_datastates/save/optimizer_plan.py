@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ... import skeleton, state_parts
-from ...engine import DataStatesEngine
-from ...plan import SavePlan
+from .. import skeleton, state_parts
+from ..engine import DataStatesEngine
+from ..plan import SavePlan
 
 
 class OptimizerPlans:
