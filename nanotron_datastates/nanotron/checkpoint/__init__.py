@@ -1,4 +1,4 @@
-"""A checkpoint on disk: `layout` (the names of `nanotron_datastates.checkpoint`, where each file goes and
-the manifest, re-exported), `folder` and `verify` (what a path holds: kind, step folders, `latest.txt`;
-whether it is whole; both re-exported from `nanotron_datastates.checkpoint`), `convert` (to and from
-Nanotron's stock layout: `convert_to_stock`, `convert_from_stock`, `stock_pickles`)."""
+"""A checkpoint converted to and from Nanotron's stock layout: `convert` (either way, a folder to a new
+one), `convert_to_stock` (into Nanotron's pickles), `convert_from_stock` (from them), `stock_pickles`
+(Nanotron's `.pt` files read without unpickling). What a checkpoint on disk is (names, manifest, what a
+path holds, whether it is whole) needs no Nanotron: `nanotron_datastates.checkpoint`."""
