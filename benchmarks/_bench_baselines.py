@@ -1,0 +1,164 @@
+"""What the modes that datastates is compared with do inside the trainer: DCP's key prefixes and its
+zero-overhead stager (`dcp`, `dcp-zo`), and the raw copies of a checkpoint's bytes (`copy-*`) with the byte
+count they copy.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+
+def dcp_key_prefixes(pc: Any, zero_stage: int) -> tuple[str, str]:
+    """Prefixes that keep DCP's keys apart where ranks hold different tensors under the same name: the
+    model's by tensor- and pipeline-parallel rank (replicas share theirs, and DCP writes each once, spread
+    over the ranks that hold it), the optimizer's also by data-parallel rank under ZeRO (its states are keyed
+    by a parameter's index on the rank)."""
+    import torch.distributed as dist
+
+    tp, pp = dist.get_rank(pc.tp_pg), dist.get_rank(pc.pp_pg)
+    shard = f"pp{pp}-tp{tp}/"
+    return shard, shard + (f"dp{dist.get_rank(pc.dp_pg)}/" if zero_stage > 0 else "")
+
+
+class RawCopy:
+    """The `copy-*` modes' copy of `nbytes`, started by `issue()`:
+
+    * `d2h`: from a GPU buffer to pinned host memory on a side stream, in one copy or (`pace_s` > 0) in 64 MiB
+      pieces with GPU sleeps between them, so that it takes about `pace_s`;
+    * `h2d`: the other way, in one copy;
+    * `host`: between two host buffers, by a thread of its own (torch's copy on 4 threads: about the rate of
+      the copy engine's writes), the GPU not involved: what the memory traffic alone costs."""
+
+    PIECE = 64 << 20
+
+    def __init__(self, nbytes: int, way: str = "d2h", pace_s: float = 0.0) -> None:
+        import torch
+
+        self.way = way
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=way != "host")
+        if way == "host":
+            torch.set_num_threads(4)  # the training runs on the GPU: its own CPU ops are few
+            self.other = torch.empty(nbytes, dtype=torch.uint8)
+            self.host.fill_(1)
+            self.other.fill_(2)
+        else:
+            self.dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            self.stream = torch.cuda.Stream()
+        self.pieces = [(lo, min(lo + self.PIECE, nbytes)) for lo in range(0, nbytes, self.PIECE)]
+        self.sleep_cycles = 0
+        self.timed: list[Any] = []  # (begin, end) CUDA events of each copy, or its seconds on the host
+        self.thread: threading.Thread | None = None
+        if pace_s > 0:
+            self._issue(paced=False)
+            torch.cuda.synchronize()
+            plain_s = self.seconds()[-1]
+            probe = 10_000_000
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self.stream):
+                begin.record(self.stream)
+                torch.cuda._sleep(probe)
+                end.record(self.stream)
+            torch.cuda.synchronize()
+            gap_s = max(pace_s - plain_s, 0.0) / len(self.pieces)
+            self.sleep_cycles = int(probe * gap_s / (begin.elapsed_time(end) / 1e3))
+            self.timed.clear()
+
+    def _issue(self, paced: bool) -> None:
+        import torch
+
+        if self.way == "host":
+            self._join()
+
+            def copy() -> None:
+                t0 = time.perf_counter()
+                self.other.copy_(self.host)  # releases the GIL
+                self.timed.append(time.perf_counter() - t0)
+
+            self.thread = threading.Thread(target=copy, daemon=True)
+            self.thread.start()
+            return
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            begin.record(self.stream)
+            if self.way == "h2d":
+                self.dev.copy_(self.host, non_blocking=True)
+            elif not paced:
+                self.host.copy_(self.dev, non_blocking=True)
+            else:
+                for lo, hi in self.pieces:
+                    self.host[lo:hi].copy_(self.dev[lo:hi], non_blocking=True)
+                    torch.cuda._sleep(self.sleep_cycles)
+            end.record(self.stream)
+        self.timed.append((begin, end))
+
+    def _join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+    def issue(self) -> None:
+        self._issue(paced=self.sleep_cycles > 0)
+
+    def seconds(self) -> list[float]:
+        """Each copy's time (waits for them): on the GPU, or the host thread's."""
+        if self.way == "host":
+            self._join()
+            return list(self.timed)
+        self.stream.synchronize()
+        return [b.elapsed_time(e) / 1e3 for b, e in self.timed]
+
+
+def checkpoint_bytes(trainer: Any) -> int:
+    """The bytes of a checkpoint's tensors: the model's and the optimizer state's (moments, master
+    weights)."""
+    import torch
+
+    def tensors(x: Any) -> list[Any]:
+        if isinstance(x, torch.Tensor):
+            return [x]
+        if isinstance(x, dict):
+            return [t for v in x.values() for t in tensors(v)]
+        if isinstance(x, (list, tuple)):
+            return [t for v in x for t in tensors(v)]
+        return []
+
+    every = tensors(dict(trainer.unwrapped_model.state_dict())) + tensors(trainer.optimizer.state_dict())
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in every}.values())
+
+
+def dcp_zero_overhead_stager(pinned: bool = True) -> Any:
+    """DCP's stager in its zero-overhead configuration, made once and reused for every save (`pinned`:
+    page-locked staging and non-blocking copies, for GPU state; host state is staged into shared memory only).
+
+    torch 2.11's `DefaultStager._stage` closes its StateDictStager after each staging (pytorch/pytorch#183413,
+    a fix of a leak): `close` empties the copier table, so the second save fails with `KeyError: <class
+    'type'>` and every save would pin its host memory anew. As later releases do, the stager stays open
+    until the run ends (`close` at the end of training).
+
+    The checkpoint process joins the job's own store (`DCP_USE_PREFIX_STORE=1`) instead of a port it probes
+    for and binds later: among Nanotron's many process groups, another socket took that port in between
+    (EADDRINUSE) in the first save."""
+    os.environ.setdefault("DCP_USE_PREFIX_STORE", "1")
+    import inspect
+
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    options = StagingOptions(
+        use_pinned_memory=pinned, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=pinned
+    )
+    stager = DefaultStager(options)
+    if "_state_dict_stager.close()" in inspect.getsource(DefaultStager._stage):
+        inner = stager._state_dict_stager
+        final_close = inner.close
+        inner.close = lambda: None  # the call at the end of each staging
+        plain_close = stager.close
+
+        def close() -> None:
+            plain_close()
+            final_close()
+
+        stager.close = close
+    return stager

@@ -1,0 +1,76 @@
+"""`bench_nanotron.py resummarize` (benchmarks/_bench_summary.py) recomputes a committed result's figures
+from its per-run records: a copy of the folder, recomputed, holds the same figures and table as committed.
+The folders were written by runs of the GPU benchmark; records are its raw iteration times, saves, commits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+RESULTS = BENCH / "results"
+# The figures summarize computes from the records, apart from what the call that ran them passed in
+FIGURES = (
+    "model",
+    "layout",
+    "steps",
+    "interval",
+    "median_iteration_s",
+    "modes",
+    "restore_to_first_step_s",
+    "first_step_end_s",
+    "setup_marks_s",
+    "resume_losses",
+    "ratios",
+    "runs",
+)
+
+
+def resummarize(folder: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "bench_nanotron.py", "resummarize", str(folder)],
+        cwd=BENCH,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, f"resummarize {folder}: {r.stdout}{r.stderr}"
+
+
+def text(value: Any) -> str:
+    """JSON's own spelling, so that NaN figures compare equal."""
+    return json.dumps(value, sort_keys=True)
+
+
+def test_one_call_recomputed_as_committed(tmp_path: Path) -> None:
+    committed = RESULTS / "h200" / "multi_4xh200" / "1b-dp4-zero1"
+    folder = tmp_path / committed.name
+    shutil.copytree(committed, folder)
+    resummarize(folder)
+    old = json.loads((committed / "bench_nanotron_1b.json").read_text())
+    new = json.loads((folder / "bench_nanotron_1b.json").read_text())
+    for key in FIGURES:
+        assert text(new.get(key)) == text(old.get(key)), f"bench_nanotron_1b.json: {key} differs"
+    assert new["command"] == old["command"], "resummarize must keep the command that ran the runs"
+    assert new["resummarized"].split()[1:] == ["resummarize", str(folder)]
+    assert (folder / "bench_nanotron_1b.md").read_text() == (committed / "bench_nanotron_1b.md").read_text()
+
+
+def test_rounds_recomputed_as_committed(tmp_path: Path) -> None:
+    committed = RESULTS / "h100" / "overhead_1b_plan_after_step"
+    folder = tmp_path / committed.name
+    shutil.copytree(committed, folder)
+    resummarize(folder)
+    old = json.loads((committed / "rounds_summary.json").read_text())
+    new = json.loads((folder / "rounds_summary.json").read_text())
+    assert set(new) == set(old) | {"resummarized"}, "rounds_summary.json: keys differ"
+    for key in ("rounds", "modes", "ratios", "excess_after_s"):
+        assert text(new[key]) == text(old[key]), f"rounds_summary.json: {key} differs"
+    assert (folder / "rounds_summary.md").read_text() == (committed / "rounds_summary.md").read_text()
+    for k in range(old["rounds"]):  # each round recomputed from its own records first
+        one = json.loads((folder / f"round{k}" / "bench_nanotron_1b.json").read_text())
+        assert "resummarized" in one, f"round{k}/bench_nanotron_1b.json was not recomputed"
