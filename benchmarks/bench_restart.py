@@ -39,6 +39,9 @@ stall with replication on, against `restart-memory`'s (off), is in `stall_s`; th
 
 Writes DIR/bench_restart_<model>.json: each run's first step, the restores over scratch and their ratios,
 the comparison, the memory tier's size and each run's peak host memory.
+
+This file is the command line and the runs of a call (`run_all`, `lost_node`); each rank's run is
+`_restart_phase.py`, the result from the records `_restart_summary.py`.
 """
 
 from __future__ import annotations
@@ -52,151 +55,15 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from _nanotron import REPO, book_dummy_tokens, load_run_train, time_library_report, write_config
-from bench_nanotron import MODELS, MemorySampler, make_cold
-from nanotron_proof import capture, compare, to_host
-
-from nanotron_datastates import telemetry
-
-EVERYTHING = ("weights", "optimizer", "lr_scheduler", "random", "global_rng", "metadata", "iteration_step")
-
-
-def run_phase(args: argparse.Namespace) -> None:
-    import torch
-
-    run_train = load_run_train()
-    from nanotron.trainer import DistributedTrainer
-
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if args.incarnation is not None:  # --lose-node: the job started again, not restarted by torchrun
-        restart = args.incarnation
-    if args.lose_node:
-        # Nanotron takes a job of 8 GPUs or fewer for one node (its local group is the whole world, and
-        # LOCAL_RANK must be the rank in it); each simulated node's worker then takes the GPU of its rank.
-        os.environ["LOCAL_RANK"] = os.environ["RANK"]
-    killing = (args.kill or args.lose_node) and restart == 0
-    replicated = threading.Event()  # --lose-node: this rank's replication of the checkpoint at --step is done
-    t_start = time.perf_counter()
-    rec: dict[str, Any] = {"mode": args.mode, "restart": restart, "marks": {}}
-    if restart > 0:  # what the memory tier holds as the worker starts again
-        rec["tier_at_restart"] = sorted(
-            str(p.relative_to(args.tier_path)) for p in Path(args.tier_path).rglob(".rank-*.json")
-        )
-    memory = MemorySampler()
-    time_library_report(rec["marks"])
-    rank = int(os.environ.get("RANK", "0"))
-    reference = Path(args.work) / f"reference_{args.mode}_rank{rank}.pt"
-
-    class Trainer(DistributedTrainer):
-        def __init__(self, *a: Any, **k: Any) -> None:
-            super().__init__(*a, **k)
-            if getattr(self, "datastates", None) is not None:
-                self.datastates.observers.append(self._observe)
-
-        def save_checkpoint(self) -> Path:
-            book_dummy_tokens(self.metadata)
-            if killing and self.iteration_step == args.step:
-                torch.cuda.synchronize()
-                torch.save(capture(self), reference)  # the state this checkpoint must bring back
-            return super().save_checkpoint()
-
-        def _observe(self, event: str, fields: dict[str, Any]) -> None:
-            r = fields.get("result")
-            if event == "committed" and rank == 0:
-                rec.setdefault("stall_s", []).append(r.stall_s)
-            if event == "replicated" and rank == 0 and r.job is not None:
-                rec.setdefault("replicated", []).append(telemetry.replication(r.step, r.job))
-            if killing and r is not None and r.step == args.step:
-                if args.kill and event == "committed":
-                    keep_record()
-                    os.kill(os.getpid(), signal.SIGKILL)  # a crash, once the checkpoint is committed
-                if args.lose_node and event == "replicated":
-                    replicated.set()
-
-        def training_step(self, dataloader: Any) -> Any:
-            out = super().training_step(dataloader)
-            # After the step that follows the checkpoint: a checkpoint staged on the GPU is queued at that
-            # step's optimizer step, so waiting before it for the replication would wait forever.
-            if args.lose_node and killing and self.iteration_step == args.step + 1:
-                replicated.wait(timeout=600)  # the node is lost once its checkpoint is in the peer too
-                keep_record()
-                if os.environ.get("GROUP_RANK") == "1":
-                    shutil.rmtree(args.tier_path, ignore_errors=True)  # the node's memory, gone with it
-                    os.kill(os.getpid(), signal.SIGKILL)
-            if "first_step_end_s" not in rec["marks"]:
-                torch.cuda.synchronize()
-                rec["marks"]["first_step_end_s"] = time.perf_counter() - t_start
-            return out
-
-    def keep_record() -> None:
-        if rank == 0:  # this incarnation's memory peaks, kept for the summary
-            rec["memory"] = memory.stop()
-            Path(f"{args.record}.{restart}.json").write_text(json.dumps(rec))
-
-    trainer = Trainer(args.config)
-    rec["init_s"] = time.perf_counter() - t_start
-    resume = getattr(trainer, "_ds_resume", None)
-    here = bool(resume is not None and resume.source is not None)
-    from_memory = [here] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(from_memory, here)
-    rec["resumed_from_memory"] = all(from_memory)
-    rec["ranks_from_memory"] = sum(from_memory)
-    sources: list[Any] = [None] * torch.distributed.get_world_size()  # where each rank's files were read
-    source = str(resume.source) if resume is not None and resume.source is not None else None
-    torch.distributed.all_gather_object(sources, [os.environ.get("GROUP_RANK"), source])
-    rec["sources"] = sources
-    restored = None
-    if (args.kill or args.lose_node) and restart > 0:
-        # The restored state cloned on the GPU (left out of the time to the first step, as the report above),
-        # compared with the synchronous copy once training is over: the host stays as a restart leaves it.
-        t_clone = time.perf_counter()
-        restored = capture(trainer, on_device=True)
-        torch.cuda.synchronize()
-        from nanotron_datastates.tier.jobs import jobs
-
-        rec["tier"] = jobs(args.tier_path)
-        rec["marks"]["compare_s"] = time.perf_counter() - t_clone
-    trainer.train(run_train.get_dataloader(trainer))
-    rec["memory"] = {**memory.stop(), "gpu_max_reserved_bytes": torch.cuda.max_memory_reserved()}
-    if restored is not None:
-        ref, now = torch.load(reference, weights_only=False), to_host(restored)
-        rec["compared"] = {}
-        for part in EVERYTHING:
-            n, diffs = compare(ref[part], now[part], part)
-            rec["compared"][part] = {"tensors": n, "differences": len(diffs), "first": diffs[:10]}
-        rec["compared"] = every_rank(rec["compared"])
-    if rank == 0:
-        Path(f"{args.record}.{restart}.json").write_text(json.dumps(rec))
-
-
-def every_rank(compared: dict[str, Any]) -> dict[str, Any]:
-    """Each part's comparison summed over the ranks (each compares its own state with its own copy)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return compared
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, compared)
-    return {
-        part: {
-            "tensors": sum(e[part]["tensors"] for e in everyone),
-            "differences": sum(e[part]["differences"] for e in everyone),
-            "first": [d for e in everyone for d in e[part]["first"]][:10],
-        }
-        for part in compared
-    }
-
-
-def first_step(rec: dict[str, Any]) -> float | None:
-    marks = rec.get("marks", {})
-    if "first_step_end_s" not in marks:
-        return None
-    return marks["first_step_end_s"] - marks.get("library_report_s", 0.0) - marks.get("compare_s", 0.0)
+from _bench_checkpoints import make_cold
+from _nanotron import REPO, write_config
+from _restart_phase import run_phase
+from _restart_summary import summarize
+from bench_nanotron import MODELS
 
 
 def run_all(args: argparse.Namespace) -> int:
@@ -346,107 +213,6 @@ def lost_node(
         for _, log in agents:
             log.close()
     return max(rcs)
-
-
-def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, Any]:
-    def last(name: str) -> dict[str, Any]:
-        runs = records.get(name, {}).get("runs", [])
-        return runs[-1] if runs else {}
-
-    # Each restore against the run of the same engine built from scratch in the same call (the first run of
-    # a call also pays the machine's cold start: `none` runs first to take it).
-    restore = {}
-    for name, scratch_run in (
-        ("restore-torch", "torch"),
-        ("restore-datastates", "datastates"),
-        ("restart-memory", "datastates"),
-        ("restart-replica", "datastates"),
-    ):
-        t, scratch = first_step(last(name)), first_step(last(scratch_run))
-        restore[name] = None if t is None or scratch is None else t - scratch
-    native = restore.get("restore-torch")
-    ratios = {
-        f"native_over_{k.split('-', 1)[1]}": native / v
-        for k, v in restore.items()
-        if k != "restore-torch" and native and v and v > 0
-    }
-    repeats = [k for k in records if k.split(".")[0] == "restart-memory" and "runs" in records[k]]
-    compared = last("restart-memory").get("compared", {})
-    each = [records[k]["runs"][-1].get("compared", {}) for k in repeats]
-    if "restart-replica" in records:
-        each.append(last("restart-replica").get("compared", {}))
-    bitwise = bool(each) and all(c and all(p["differences"] == 0 for p in c.values()) for c in each)
-    replica = last("restart-replica")
-    without = (records.get("restart-memory", {}).get("runs") or [{}])[0]  # its first start: replicas off
-    lost_node = None
-    if replica:
-        first = records["restart-replica"]["runs"][0] if records["restart-replica"]["runs"] else {}
-        lost_node = {
-            "resumed_from_memory": replica.get("resumed_from_memory"),
-            "ranks_from_memory": replica.get("ranks_from_memory"),
-            "sources": replica.get("sources"),  # [GROUP_RANK, the folder its files were read from] by rank
-            "compared": {
-                k: {"tensors": v["tensors"], "differences": v["differences"]}
-                for k, v in replica.get("compared", {}).items()
-            },
-            "replicated": first.get("replicated"),
-            "stall_s": first.get("stall_s"),  # replication on; restart-memory's: off
-            "stall_without_replicas_s": without.get("stall_s"),
-        }
-    return {
-        "command": " ".join(sys.argv),
-        "model": args.model,
-        "step": args.step,
-        "dp": args.dp,
-        "zero_stage": args.zero,
-        "first_step_end_s": {k: first_step(last(k)) for k in records if "runs" in records[k]},
-        "restore_over_scratch_s": restore,
-        "ratios": ratios,
-        "repeats": repeated_restarts(records, repeats),
-        "resumed_from_memory": last("restart-memory").get("resumed_from_memory"),
-        "ranks_from_memory": last("restart-memory").get("ranks_from_memory"),
-        "compared": {
-            k: {"tensors": v["tensors"], "differences": v["differences"]} for k, v in compared.items()
-        },
-        "bitwise": bitwise,
-        "tier": last("restart-memory").get("tier"),
-        "lost_node": lost_node,
-        # Each run's peaks over its incarnations (the restart's first trains and saves, its second restores).
-        "memory": {k: peaks(records[k]["runs"]) for k in records if "runs" in records[k]},
-        "records": records,
-    }
-
-
-def repeated_restarts(records: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """Each restart from memory over the start from scratch that ran next to it (`datastates`, `.2` ...), and
-    over its own first incarnation (a start from scratch in the same torchrun): values, median, spread."""
-
-    def stats(values: list[float | None]) -> dict[str, Any]:
-        got = sorted(v for v in values if v is not None)
-        median = (got[(len(got) - 1) // 2] + got[len(got) // 2]) / 2 if got else None
-        return {"values": values, "median": median, "min": got[0] if got else None,
-                "max": got[-1] if got else None}  # fmt: skip
-
-    over_scratch, over_own_start = [], []
-    for name in names:
-        runs = records[name]["runs"]
-        scratch = records.get(name.replace("restart-memory", "datastates"), {}).get("runs", [])
-        t = first_step(runs[-1]) if runs else None
-        s = first_step(scratch[-1]) if scratch else None
-        own = first_step(runs[0]) if len(runs) > 1 else None
-        over_scratch.append(None if t is None or s is None else t - s)
-        over_own_start.append(None if t is None or own is None else t - own)
-    return {
-        "runs": names,
-        "over_scratch_s": stats(over_scratch),
-        "over_own_first_start_s": stats(over_own_start),
-    }
-
-
-def peaks(runs: list[dict[str, Any]]) -> dict[str, int] | None:
-    """The largest of each memory figure over a run's incarnations."""
-    mems = [r["memory"] for r in runs if r.get("memory")]
-    return {k: max(m[k] for m in mems) for k in mems[0]} if mems else None
 
 
 def main() -> int:

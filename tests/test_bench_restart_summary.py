@@ -1,0 +1,36 @@
+"""`bench_restart.py summarize` (benchmarks/_restart_summary.py) recomputes a committed result's summary from
+the records it holds: a copy of the lost-node result (two simulated nodes, one lost and restarted from its
+peer's replica), recomputed, is the committed file byte for byte."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+COMMITTED = BENCH / "results" / "h100" / "lost_node" / "bench_restart_180m.json"
+
+
+def test_lost_node_summary_recomputed_as_committed(tmp_path: Path) -> None:
+    path = tmp_path / COMMITTED.name
+    shutil.copy(COMMITTED, path)
+    old = json.loads(COMMITTED.read_text())
+    stale = {**old, "ratios": {}, "lost_node": None, "bitwise": not old["bitwise"]}  # recomputed, not kept
+    path.write_text(json.dumps(stale, indent=1))
+    r = subprocess.run(
+        [sys.executable, "bench_restart.py", "summarize", str(path)],
+        cwd=BENCH,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, f"summarize {path}: {r.stdout}{r.stderr}"
+    new = json.loads(path.read_text())
+    for key in sorted(set(old) | set(new)):
+        assert json.dumps(new.get(key), sort_keys=True) == json.dumps(old.get(key), sort_keys=True), (
+            f"bench_restart_180m.json: {key} differs"
+        )
+    assert path.read_text() == COMMITTED.read_text()
