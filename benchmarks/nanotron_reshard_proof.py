@@ -29,14 +29,15 @@ without the page-cache read-ahead of a reshard, for comparison.
 
 Nanotron main cannot train ZeRO-1 with fp32 gradient accumulation on more than one dp rank (its DDP hook
 raises NotImplementedError): there, `--no-fp32-grads` (no fp32 master weights to compare).
+
+This file is the command line and the runs of the cases (`config`, `launch`, `run_all`); each rank's run is
+`_reshard_phase.py`, the states put together and compared `_reshard_compare.py`.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -44,10 +45,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _nanotron import REPO, LossOnEveryStage, book_dummy_tokens, load_run_train, write_config
-from bench_nanotron import make_cold
+from _bench_checkpoints import make_cold
+from _nanotron import REPO, write_config
+from _reshard_compare import KINDS, assemble, compare_states
+from _reshard_phase import SAVE_AT, STEPS, run_phase
 
-SAVE_AT, STEPS = 6, 9
 # name: (GPUs, parallelism, ZeRO stage, micro-batches accumulated per replica)
 LAYOUTS = {
     "single": (1, {"tp": 1, "dp": 1, "pp": 1}, 0, 2),
@@ -78,269 +80,6 @@ CASES = [
     "single-to-dp2-zero1",
     "single-to-pp2",
 ]
-KINDS = ("weight", "master", "exp_avg", "exp_avg_sq", "step")
-
-
-# -- inside a run ------------------------------------------------------------------------------------------
-
-
-def parts_of(trainer: Any) -> dict[str, Any]:
-    """This rank's part of the state: each tensor with the place it takes in the full one."""
-    import torch
-    import torch.distributed as dist
-
-    model, optimizer = trainer.unwrapped_model, trainer.optimizer
-    where: dict[str, Any] = {}  # name -> (full shape, this rank's shape, [(local slices, global slices)])
-    parts: list[tuple[str, str, Any, Any]] = []  # (kind, name, tensor, ZeRO flat range or None)
-    for name, p in model.get_named_params_with_correct_tied():
-        pairs = None
-        full = tuple(p.shape)
-        if p.is_sharded:
-            info = p.get_sharded_info()
-            full = tuple(info.unsharded_shape)
-            pairs = [(x.local_slices, x.global_slices) for x in info.local_global_slices_pairs]
-        where[name] = (full, tuple(p.shape), pairs)
-        parts.append(("weight", name, p.detach().cpu().clone(), None))
-    zero, opt = None, optimizer
-    while opt is not None and zero is None:  # Nanotron's optimizers wrap one another
-        zero = getattr(opt, "param_name_to_dp_rank_offsets", None)
-        opt = getattr(opt, "optimizer", None)
-    dp_rank = dist.get_rank(trainer.parallel_context.dp_pg)
-
-    def flat_range(name: str, t: Any) -> Any:
-        if zero is None or t.numel() == torch.Size(where[name][1]).numel():
-            return None
-        start, end = zero[name][dp_rank]
-        return (int(start), int(end))
-
-    sd = optimizer.state_dict()
-    for idx, st in sd["state"].items():
-        name = sd["names"][idx]
-        for kind in ("exp_avg", "exp_avg_sq"):
-            parts.append((kind, name, st[kind].detach().cpu().clone(), flat_range(name, st[kind])))
-        parts.append(("step", name, torch.as_tensor(st["step"]).detach().cpu().clone(), None))
-    for name, t in sd.get("gradient_accumulator", {}).items():
-        # With ZeRO-1, Nanotron keeps the fp32 masters of this rank's ranges only (2cde8f6); were a whole one
-        # kept, the range this rank's optimizer updates is the one that counts.
-        rng = None
-        if zero is not None:
-            if dp_rank not in zero[name]:
-                continue
-            rng = tuple(int(x) for x in zero[name][dp_rank])
-            if t.numel() != rng[1] - rng[0]:
-                t = t.reshape(-1)[rng[0] : rng[1]]
-        parts.append(("master", name, t.detach().cpu().clone(), rng))
-    return {
-        "where": where,
-        "parts": parts,
-        "lr_scheduler": schedule(trainer.lr_scheduler.state_dict()),
-        "lrs": sorted({g["lr"] for g in optimizer.param_groups}),
-        "iteration_step": trainer.iteration_step,
-        "metadata": dataclasses.asdict(trainer.metadata),
-    }
-
-
-def schedule(sd: dict[str, Any]) -> dict[str, Any]:
-    """The scheduler's state without its per-group lists, whose length follows the parameters a rank holds
-    (pipeline stages hold different ones): the step and the distinct rates."""
-    lists = {k: sorted(set(v)) for k, v in sd.items() if isinstance(v, list) and k != "lr_lambdas"}
-    return {**{k: v for k, v in sd.items() if not isinstance(v, list)}, **lists}
-
-
-def sample_rows(
-    k: int, start: int, micro: int, acc: int, dp: tuple[int, int], cp: tuple[int, int], salt: int, shape: Any,
-    vocab: int, dtype: Any,
-) -> Any:  # fmt: skip
-    """The `micro` rows of `shape` (a rank's part of a sequence) that the rank at data-parallel place `dp` and
-    context-parallel place `cp` (rank, size) trains on in its k-th micro-batch of a run whose first step
-    follows `start` samples (micro-batches of `micro` sequences, `acc` of them a step); salt 0: inputs, 1:
-    labels. Each sequence is drawn whole from its index in the run alone. Context-parallel ranks are replicas
-    for the samples, like data-parallel ones without ZeRO for the state: those of one data-parallel rank take
-    the same samples, each its own slice of every sequence (`shape` is the slice: the sequence is `cp[1]`
-    times as long), as Nanotron main's dummy data slices them (data/dataloader.py), so that put together
-    they are the sequences a layout without context parallelism trains on."""
-    import torch
-
-    step, j = divmod(k, acc)
-    first = start + step * dp[1] * micro * acc + (j * dp[1] + dp[0]) * micro
-    *lead, length = tuple(shape)
-    whole = (*lead, length * cp[1])
-    rows = torch.stack([
-        torch.randint(0, vocab, whole, dtype=dtype,
-                      generator=torch.Generator().manual_seed(2 * (first + i) + salt))
-        for i in range(micro)
-    ])  # fmt: skip
-    return rows[..., cp[0] * length : (cp[0] + 1) * length].contiguous()
-
-
-def by_sample(trainer: Any, dataloaders: dict[str, Any]) -> dict[str, Any]:
-    """Nanotron's dummy data with each sequence drawn from its index in the run (`sample_rows`), so that a
-    resumed run, on any layout, trains on the samples that the uninterrupted one does at the same steps
-    (Nanotron's dummy stream starts over at each launch and follows the dp and pp ranks). The first stage's
-    stream keeps Nanotron's batches for their keys and placement (tensors or TensorPointers)."""
-    import torch
-    import torch.distributed as dist
-
-    from nanotron_datastates.nanotron import groups
-
-    pc = trainer.parallel_context
-    dp = (dist.get_rank(pc.dp_pg), pc.dp_pg.size())
-    cp = (groups.cp_rank(pc), groups.cp_size(pc))
-    m, acc = trainer.micro_batch_size, trainer.n_micro_batches_per_batch
-    start = trainer.metadata.consumed_train_samples
-    vocab = trainer.model_config.vocab_size
-
-    def stream(inner: Any) -> Any:
-        for k, batch in enumerate(inner):
-            batch = dict(batch)
-            for salt, key in enumerate(("input_ids", "label_ids")):
-                t = batch[key]
-                if isinstance(t, torch.Tensor):
-                    rows = sample_rows(k, start, m, acc, dp, cp, salt, t.shape[1:], vocab, t.dtype)
-                    batch[key] = rows.to(t.device)
-            yield batch
-
-    first_stage = next(iter(dataloaders))
-    return {k: stream(v) if k == first_stage else v for k, v in dataloaders.items()}
-
-
-def run_phase(args: argparse.Namespace) -> None:
-    import torch
-
-    from nanotron_datastates.nanotron.resume import resume
-    from nanotron_datastates.nanotron.resume.resume import Resume
-
-    if args.no_warm:  # the comparison: a reshard without its files read into the page cache ahead
-        resume.warm_for_reshard = lambda *a, **k: None
-
-    run_train = load_run_train()
-    from nanotron.trainer import DistributedTrainer
-
-    rank = int(os.environ.get("RANK", "0"))
-    work = Path(args.work)
-    rec: dict[str, Any] = {"name": args.name, "rank": rank, "losses": {}, "restore_s": 0.0}
-    # The adapter's restore on the training's path: reading and placing the state, the ranks' agreement,
-    # and the wait, before the first optimizer step, for what was read ahead.
-    for method in ("load_weights", "load_rest", "confirm", "before_step"):
-        original = getattr(Resume, method)
-
-        def timed(self: Any, *a: Any, _original: Any = original, **k: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return _original(self, *a, **k)
-            finally:
-                rec["restore_s"] += time.perf_counter() - t
-
-        setattr(Resume, method, timed)
-
-    def dump(trainer: Any) -> None:
-        torch.cuda.synchronize()
-        torch.save(parts_of(trainer), work / f"parts_{args.name}_rank{rank}.pt")
-
-    class Trainer(LossOnEveryStage, DistributedTrainer):
-        def save_checkpoint(self) -> Path:
-            book_dummy_tokens(self.metadata)
-            if args.name.startswith("save-") and self.iteration_step == SAVE_AT:
-                dump(self)
-            return super().save_checkpoint()
-
-        def training_step(self, dataloader: Any) -> Any:
-            out = super().training_step(dataloader)  # (outputs, loss, ...): main adds two more
-            if out[1] is not None:
-                rec["losses"][self.iteration_step] = float(out[1])
-            if "first_step_s" not in rec:
-                torch.cuda.synchronize()
-                rec["first_step_s"] = time.perf_counter() - t0 - rec.get("dump_s", 0.0)
-            return out
-
-    t0 = time.perf_counter()
-    trainer = Trainer(args.config)
-    rec["init_s"] = time.perf_counter() - t0
-    if not args.name.startswith("save-"):
-        t = time.perf_counter()
-        dump(trainer)
-        rec["dump_s"] = time.perf_counter() - t  # left out of the time to the first step
-    trainer.train(by_sample(trainer, run_train.get_dataloader(trainer)))
-    rec["last_step"] = trainer.iteration_step
-    (work / f"record_{args.name}_rank{rank}.json").write_text(json.dumps(rec))
-
-
-# -- the driver --------------------------------------------------------------------------------------------
-
-
-def assemble(name: str, work: Path) -> dict[str, Any]:
-    """The full tensors of run `name` from every rank's parts, and which elements no rank held."""
-    import torch
-
-    ranks = [torch.load(p, weights_only=False) for p in sorted(work.glob(f"parts_{name}_rank*.pt"))]
-    # First each tensor-parallel piece from its ZeRO ranges, then the full tensor from its pieces.
-    pieces: dict[tuple[str, str, str], Any] = {}  # (kind, name, tp place) -> (piece, filled, place)
-    steps: dict[str, Any] = {}
-    wrong: list[str] = []
-    for r in ranks:
-        for kind, pname, t, rng in r["parts"]:
-            full_shape, shape, pairs = r["where"][pname]
-            if kind == "step":
-                steps[pname] = t
-                continue
-            key = (kind, pname, repr(pairs))
-            if key not in pieces:
-                blank = torch.zeros(shape, dtype=t.dtype), torch.zeros(shape, dtype=torch.bool)
-                pieces[key] = (*blank, full_shape, pairs)
-            piece, filled, _, _ = pieces[key]
-            size = piece.numel() if rng is None else rng[1] - rng[0]
-            if t.numel() != size:
-                wrong.append(f"{kind} {pname}: {t.numel()} elements for a place of {size}")
-                continue
-            if rng is None:
-                piece.copy_(t.reshape(shape))
-                filled.fill_(True)
-            else:
-                piece.view(-1)[rng[0] : rng[1]] = t.reshape(-1)
-                filled.view(-1)[rng[0] : rng[1]] = True
-    full: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
-    held: dict[tuple[str, str], Any] = {}
-    for (kind, pname, _), (piece, filled, full_shape, pairs) in pieces.items():
-        if pname not in full[kind]:
-            full[kind][pname] = torch.zeros(full_shape, dtype=piece.dtype)
-            held[kind, pname] = torch.zeros(full_shape, dtype=torch.bool)
-        for local_slices, global_slices in pairs or [(..., ...)]:
-            full[kind][pname][global_slices] = piece[local_slices]
-            held[kind, pname][global_slices] = filled[local_slices]
-    full["step"] = steps
-    holes = [f"{k} {n}: {int((~h).sum())} elements held by no rank" for (k, n), h in held.items()]
-    holes = wrong + [h for h, (_, m) in zip(holes, held.items()) if not m.all()]
-    head = ranks[0]
-    return {
-        "tensors": full,
-        "holes": holes,
-        "lr_scheduler": head["lr_scheduler"],
-        "lrs": head["lrs"],
-        "iteration_step": head["iteration_step"],
-        "metadata": head["metadata"],
-    }
-
-
-def compare_states(saved: dict[str, Any], resumed: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    out: dict[str, Any] = {}
-    for kind in KINDS:
-        a, b = saved["tensors"][kind], resumed["tensors"][kind]
-        diffs = [f"{kind} {n}: missing" for n in sorted(set(a) ^ set(b))]
-        for n in sorted(set(a) & set(b)):
-            x, y = a[n], b[n]
-            same = x.dtype == y.dtype and x.shape == y.shape
-            same = same and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
-            if not same:
-                diffs.append(f"{kind} {n}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)} differ")
-        elements = sum(t.numel() for t in a.values())
-        out[kind] = {"tensors": len(a), "elements": elements, "differences": len(diffs), "first": diffs[:5]}
-    for key in ("lr_scheduler", "lrs", "iteration_step", "metadata"):
-        a, b = repr(saved[key]), repr(resumed[key])
-        out[key] = {"equal": a == b, **({} if a == b else {"saved": a, "resumed": b})}
-    out["holes"] = saved["holes"] + resumed["holes"]
-    return out
 
 
 def config(args: argparse.Namespace, name: str, layout: str, resume: Path | None) -> Path:

@@ -1,4 +1,4 @@
-"""The data of the GPU reshard harness (benchmarks/nanotron_reshard_proof.py, `sample_rows`): every layout of
+"""The data of the GPU reshard harness (benchmarks/_reshard_phase.py, `sample_rows`): every layout of
 the same global batch trains on the same whole sequences at each step. Data-parallel ranks take disjoint
 samples; context-parallel ranks of one data-parallel rank take the same samples, each its own slice of every
 sequence, as Nanotron main's dummy data gives them (data/dataloader.py), so that their slices put together
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from nanotron_reshard_proof import sample_rows  # noqa: E402 - the harness's data, drawn by sample index
+from _reshard_phase import sample_rows  # noqa: E402 - the harness's data, drawn by sample index
 
 SEQ, VOCAB, STEPS, START = 16, 50, 3, 24
 # (micro-batch, micro-batches a step, dp, cp): 8 sequences a step each
