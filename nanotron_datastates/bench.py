@@ -7,7 +7,6 @@ benchmark with every baseline and ceiling.
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -18,6 +17,7 @@ import torch
 
 from .engine import DataStatesEngine
 from .engine_settings import DataStatesConfig
+from .store import open_store
 
 
 def make_state(size_mib: int, device: str) -> dict[str, torch.Tensor]:
@@ -51,6 +51,7 @@ def run(
         raise ValueError(f"--device {device}: no CUDA device here")
     base = Path(directory) if directory else Path(tempfile.gettempdir())
     work = Path(tempfile.mkdtemp(prefix="datastates-bench-", dir=base))
+    scratch = open_store(work)  # its files removed as a checkpoint's are (store/)
     config = config or DataStatesConfig(host_cache_size=max(1 / 64, 2 * size_mib / 1024))
     state = make_state(size_mib, device)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -93,10 +94,10 @@ def run(
                     if keep:
                         raw["torch_save_s"].append(time.perf_counter() - t0)
                     bar.update()
-                for p in work.iterdir():
-                    p.unlink()
+                for p in work.iterdir():  # the next round writes on a disk as empty as this one's
+                    scratch.remove(p.name)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        open_store(work.parent).remove(work.name)
     med = {k: statistics.median(v) for k, v in raw.items() if v}
     out: dict[str, Any] = {
         "bytes": nbytes,

@@ -1,26 +1,22 @@
 """What rank 0's committer does after a checkpoint is committed, off the training thread: rotation
 (`keep_last_n`), removal of temporaries left by dead processes, and one telemetry line per checkpoint.
 
-Imports no Nanotron: the checkpoints folder is all it needs.
+Imports no Nanotron: the checkpoints folder is all it needs, and every operation on it goes through its store
+(`store/`); what is kept is decided here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 from typing import Any
 
-import fasteners
-
 from .. import telemetry, trust
-from ..checkpoint.file_io import fsync_path
-from ..checkpoint.folder import is_committed, is_temporary, latest_step, step_folders, step_of
-from ..checkpoint.names import MANIFEST, NANOTRON_METADATA
+from ..store import open_store
 
-LOCK = ".datastates.lock"  # latest.txt moves, and checkpoints are removed, only under this lock
 TELEMETRY = telemetry.FILE
-_MARKERS = (MANIFEST, NANOTRON_METADATA)  # what makes a folder a checkpoint (is_committed)
 
 
 def rotate(root: str | os.PathLike, keep_last_n: int, committed_step: int) -> list[Path]:
@@ -28,27 +24,24 @@ def rotate(root: str | os.PathLike, keep_last_n: int, committed_step: int) -> li
     than `committed_step` that were never committed (saves that failed or were cut short).
 
     Never removes the checkpoint `latest.txt` names, nor any folder newer than `committed_step` (those may
-    be in flight). Each folder loses its commit markers first (the manifest), with the directory synced, so
-    that a removal cut short never leaves something that looks committed. Returns the folders removed."""
-    root = Path(root)
+    be in flight). Under the store's lock, each folder loses its commit markers first (`Store.uncommit`,
+    made durable), so that a removal cut short never leaves something that looks committed; the trees go
+    after. Returns the folders removed."""
     if keep_last_n <= 0:
         return []
-    with fasteners.InterProcessLock(str(root / LOCK)):
+    store = open_store(root)
+    with store.locked():
         try:
-            latest = latest_step(root)
+            latest = store.latest()
         except ValueError:  # an unreadable latest.txt: remove nothing
             return []
-        folders = [f for f in step_folders(root) if step_of(f) <= committed_step]  # real folders only
-        committed = [f for f in folders if is_committed(f)]
-        keep = set(committed[-keep_last_n:]) | {root / str(latest)}
-        doomed = [f for f in folders if f not in keep and (f in committed or step_of(f) < committed_step)]
-        for folder in doomed:
-            for marker in _MARKERS:  # by name, through no link: a folder swapped for one since is left
-                with contextlib.suppress(trust.UntrustedPath):
-                    trust.unlink_in(root, f"{folder.name}/{marker}")
-            if trust.is_real_dir(folder):
-                fsync_path(folder)
-    return [folder for folder in doomed if trust.remove_tree(root, folder.name)]
+        steps = [s for s in store.steps() if s <= committed_step]  # real folders only
+        committed = [s for s in steps if store.is_committed(s)]
+        keep = set(committed[-keep_last_n:]) | {latest}
+        doomed = [s for s in steps if s not in keep and (s in committed or s < committed_step)]
+        for step in doomed:
+            store.uncommit(step)
+    return [store.path(str(step)) for step in doomed if store.remove_step(step)]
 
 
 def after_commit(result: Any, root: Path, settings: Any, cache: dict[str, Any]) -> list[Path]:
@@ -86,9 +79,13 @@ def describe(r: Any) -> str:
 def remove_temporaries(folder: str | os.PathLike) -> int:
     """Removes the temporaries in a committed checkpoint folder: every rank's files are persisted by then, so
     any left are from a process killed while saving into the same step earlier. Each is removed by name from
-    its folder's descriptor, no link followed (`trust.remove_files`); trust.UntrustedPath where a folder was
-    moved away while searched. Returns how many were removed."""
-    return trust.remove_files(folder, is_temporary)
+    its folder's descriptor, no link followed (`Store.remove_temporaries`); trust.UntrustedPath where a folder
+    was moved away while searched. Returns how many were removed."""
+    folder = Path(folder)
+    step = trust.step_number(folder.name)
+    if step is None:
+        raise ValueError(f"{folder}: not a checkpoint folder (not named by a step number)")
+    return open_store(folder.parent).remove_temporaries(step)
 
 
 def telemetry_record(result: Any, cache: dict[str, Any], removed: list[Path]) -> dict[str, Any]:
@@ -115,8 +112,7 @@ def telemetry_record(result: Any, cache: dict[str, Any], removed: list[Path]) ->
 
 def append_telemetry(root: str | os.PathLike, record: dict[str, Any]) -> None:
     """Appends one line to the checkpoints folder's telemetry file."""
-    Path(root).mkdir(parents=True, exist_ok=True)
-    telemetry.append(root, [record])
+    open_store(root).append_line(TELEMETRY, json.dumps(record))
 
 
 read_telemetry = telemetry.read

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from pathlib import Path
 
 from ...checkpoint.file_io import read_json
@@ -35,6 +34,7 @@ from ...checkpoint.manifest import is_datastates_checkpoint, read_manifest
 from ...checkpoint.names import MANIFEST, NANOTRON_METADATA
 from ...engine import DataStatesEngine
 from ...save_handle import SaveHandle
+from ...store import open_store
 from .convert_from_stock import to_datastates
 from .convert_to_stock import to_torch
 from .stock_pickles import UnpicklingRefused
@@ -113,13 +113,14 @@ def _convert(src: Path, out: Path, to: str, engine: DataStatesEngine, allow_pick
         for h in handles:
             with contextlib.suppress(Exception):
                 h.wait_persisted()
+        # What was written goes through the store (no link followed); what cannot go is left.
         if created:
-            shutil.rmtree(out, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                open_store(out.parent).remove(out.name)
         else:  # an empty folder the caller made: leave it, empty
+            store = open_store(out)
             for p in list(out.iterdir()):
-                if p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    store.remove(p.name)
         raise
     return out

@@ -11,7 +11,7 @@ from typing import Any
 
 from ... import trust
 from ...checkpoint.checksums import file_entry
-from ...checkpoint.file_io import read_json, read_yaml, write_atomic
+from ...checkpoint.file_io import read_json, read_yaml
 from ...checkpoint.folder_copy import (
     CONFIG,
     MODEL,
@@ -27,6 +27,7 @@ from ...checkpoint.names import MANIFEST, NANOTRON_METADATA, as_safetensors
 from ...checkpoint.topology import topology as make_topology
 from ...engine import DataStatesEngine
 from ...save_handle import SaveHandle
+from ...store import open_store
 from .stock_pickles import load_stock, nanotron_random, random_state_globals, random_states_to_plain
 
 METADATA = NANOTRON_METADATA
@@ -84,8 +85,9 @@ def to_datastates(
         entries[target] = file_entry((out / target).stat().st_size, h)
     sync_folders(out)
     # As the trainer commits: the metadata, then the manifest, which makes the folder a datastates checkpoint.
-    write_atomic(out / METADATA, read_bytes(src / METADATA))
-    write_atomic(out / MANIFEST, json.dumps(make_manifest(step, topology, entries), indent=1))
+    store = open_store(out)
+    store.write_atomic(METADATA, read_bytes(src / METADATA))
+    store.write_atomic(MANIFEST, json.dumps(make_manifest(step, topology, entries), indent=1))
 
 
 def _random_targets(rel: str, cp: int) -> list[str]:

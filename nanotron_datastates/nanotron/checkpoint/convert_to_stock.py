@@ -13,7 +13,7 @@ import yaml
 
 from ... import state_parts
 from ...checkpoint.checksums import file_checksums
-from ...checkpoint.file_io import fsync_path, write_atomic
+from ...checkpoint.file_io import fsync_path
 from ...checkpoint.folder_copy import (
     CONFIG,
     MODEL,
@@ -28,6 +28,7 @@ from ...checkpoint.names import MANIFEST, NANOTRON_METADATA, stock_random_states
 from ...checkpoint.reads import optimizer_files
 from ...engine import DataStatesEngine
 from ...errors import FormatError
+from ...store import open_store
 from .. import rng_states as states
 from .stock_pickles import nanotron_random
 
@@ -80,7 +81,7 @@ def to_torch(src: Path, out: Path, engine: DataStatesEngine, allow_pickle: bool)
     _copy_rest(src, out, listed=set(doc["files"]))
     sync_folders(out)
     # Nanotron's own save is synchronous: its metadata file is what marks a whole stock checkpoint.
-    write_atomic(out / METADATA, read_bytes(src / METADATA))
+    open_store(out).write_atomic(METADATA, read_bytes(src / METADATA))
 
 
 def _as_pt(rel: str) -> str:

@@ -21,6 +21,7 @@ from ...checkpoint import folder as checkpoint
 from ...checkpoint.manifest import is_datastates_checkpoint
 from ...engine import DataStatesEngine
 from ...errors import CheckpointError
+from ...store import open_store
 from ...tier.memory import MemoryTier, tier_copy, why_not
 from ...tier.replica_restore import restart_source
 from .. import groups
@@ -145,10 +146,7 @@ def fallbacks(folder: Path, source: Path | None) -> list[tuple[Path, Path]]:
     """The checkpoints to try after `folder` (read from `source`), newest first, as (folder, source): this one
     from storage where it came from memory, then every older committed one of its checkpoints folder."""
     out = [(folder, folder)] if source is not None and source != folder else []
-    older = [
-        p
-        for p in checkpoint.step_folders(folder.parent)
-        if checkpoint.step_of(p) < checkpoint.step_of(folder)
-    ]
+    store = open_store(folder.parent)
+    older = [store.path(str(s)) for s in store.steps() if s < checkpoint.step_of(folder)]
     older = [p for p in older if is_datastates_checkpoint(p)]
     return out + [(p, p) for p in reversed(older)]

@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from ...checkpoint import folder as checkpoint
 from ...checkpoint.manifest import is_datastates_checkpoint
 from ...checkpoint.topology import topology as make_topology
+from ...store import open_store
 
 
 def parse_config(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -34,9 +34,10 @@ def resume_folder(config: Any) -> Path | None:
     if path is None or not check_path_is_local(path):
         return None
     path = Path(path)
-    step = checkpoint.latest_step(path)  # ValueError, naming latest.txt, where it is not a step number
+    store = open_store(path)
+    step = store.latest()  # ValueError, naming latest.txt, where it is not a step number
     if step is not None:
-        folder = path / str(step)
+        folder = store.path(str(step))
     elif (path / "model_config.json").exists():
         folder = path
     else:

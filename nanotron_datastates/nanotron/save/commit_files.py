@@ -1,6 +1,6 @@
 """Rank 0's commit of a checkpoint, run by its committer once every rank's files are persisted: Nanotron's
 own files (`config.yaml`, `model_config.json`, `optimizer/optimizer_config.json`, `checkpoint_metadata.json`),
-the manifest, then `latest.txt`, each written atomically.
+the manifest, then `latest.txt`, each written atomically through the checkpoints folder's store (`store/`).
 
 Their texts are captured when the checkpoint is asked for (`finalizer`): training moves on while the files
 are flushed, and the metadata's counters with it.
@@ -14,15 +14,13 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-import fasteners
 import yaml
 from nanotron.config.utils_config import serialize
 from nanotron.constants import CHECKPOINT_FILE_NAME, MODEL_CONFIG_FILE_NAME
 
-from ...checkpoint.file_io import write_atomic
 from ...checkpoint.manifest import manifest as make_manifest
-from ...checkpoint.names import LATEST, MANIFEST
-from ...save import housekeeping
+from ...checkpoint.names import MANIFEST
+from ...store import open_store
 from .. import groups, shards
 
 
@@ -39,7 +37,8 @@ def finalizer(
 ) -> Callable[[dict[str, Any]], None]:
     """The commit of the checkpoint of `step` under `checkpoints`, given every rank's files (the manifest's
     entries, gathered by the committers); `replicas`: the memory replicas' placement, recorded."""
-    folder = checkpoints / str(step)
+    store = open_store(checkpoints)
+    folder = str(step)
     meta_text = shards.checkpoint_metadata_text(pc, metadata)
     config_doc = copy.deepcopy(serialize(config))  # dumping it (ms) is left to the committer
     if hasattr(model_config, "to_json_string"):
@@ -50,13 +49,13 @@ def finalizer(
     topology = groups.layout_of(pc, int(config.optimizer.zero_stage))
 
     def finalize(files: dict[str, Any]) -> None:
-        write_atomic(folder / "config.yaml", yaml.dump(config_doc))
-        write_atomic(folder / MODEL_CONFIG_FILE_NAME, model_config_text)
-        write_atomic(folder / "optimizer" / "optimizer_config.json", optimizer_text)
-        write_atomic(folder / CHECKPOINT_FILE_NAME, meta_text)
-        write_atomic(folder / MANIFEST, json.dumps(make_manifest(step, topology, files, replicas), indent=1))
-        # Several jobs (or a pruning tool) may share the folder: latest.txt only moves under the lock.
-        with fasteners.InterProcessLock(str(checkpoints / housekeeping.LOCK)):
-            write_atomic(checkpoints / LATEST, str(step))
+        store.write_atomic(f"{folder}/config.yaml", yaml.dump(config_doc))
+        store.write_atomic(f"{folder}/{MODEL_CONFIG_FILE_NAME}", model_config_text)
+        store.write_atomic(f"{folder}/optimizer/optimizer_config.json", optimizer_text)
+        store.write_atomic(f"{folder}/{CHECKPOINT_FILE_NAME}", meta_text)
+        manifest = json.dumps(make_manifest(step, topology, files, replicas), indent=1)
+        store.write_atomic(f"{folder}/{MANIFEST}", manifest)
+        # Several jobs (or a pruning tool) may share the folder: latest.txt only moves under its lock.
+        store.set_latest(step)
 
     return finalize

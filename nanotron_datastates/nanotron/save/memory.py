@@ -8,8 +8,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
-from ...checkpoint import folder as checkpoint
 from ...engine import DataStatesEngine
+from ...store import open_store
 from ...tier.memory import MemoryTier
 from ...tier.replicas import Replicated, Replicator, node_key, placement, prune, replica_area
 from ...trainer_settings import TrainerSettings
@@ -35,7 +35,7 @@ def open_tier(settings: TrainerSettings, checkpoints: Path) -> tuple[MemoryTier 
     rank = tdist.get_rank() if tdist.is_initialized() else 0
     tier = MemoryTier(settings.memory_tier_path, checkpoints, rank, settings.memory_tier_copies)
     try:
-        keep = checkpoint.latest_step(checkpoints)
+        keep = open_store(checkpoints).latest()
     except (OSError, ValueError):
         keep = None
     tier.prune(keep)  # what a killed process left besides the newest committed step

@@ -45,7 +45,7 @@ from ...save import staging
 from ...save.commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
 from ...save.gate import SnapshotGate
 from ...save.optimizer_plan import OptimizerPlans
-from ...save.writer_lock import WriterLock
+from ...store import open_store
 from ...trainer_settings import TrainerSettings
 from .. import groups
 from .. import log as say
@@ -85,8 +85,9 @@ class Saver:
 
         self.engine, self.settings, self.pc = engine, settings, pc
         self.model, self.optimizer, self.checkpoints = model, optimizer, Path(checkpoints)
+        self.store = open_store(self.checkpoints)  # the checkpoints folder's storage (store/)
         # The rank that commits holds the folder's writer lock for the job's life: a second job fails here.
-        self.writer = WriterLock(self.checkpoints).acquire() if groups.rank(pc.world_pg) == 0 else None
+        self.writer = self.store.writer_lock() if groups.rank(pc.world_pg) == 0 else None
         # A gloo group of its own: the committer's collectives run on a background thread, off the GPU.
         group = tdist.new_group(backend="gloo") if tdist.is_initialized() else None
         self.gate = SnapshotGate()
@@ -163,7 +164,7 @@ class Saver:
         and its learning rate on only after that). The training stall counted for it starts at `since`
         (`time.perf_counter()`; default: now), and includes the next step's wait for its snapshot."""
         t0 = time.perf_counter() if since is None else since
-        folder = self.checkpoints / str(step)
+        folder = self.store.path(str(step))
         self.last_step = step
         later = host_values(self.files(), lr_scheduler, random_states)
         self.outstanding += 1
