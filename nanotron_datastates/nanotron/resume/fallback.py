@@ -6,7 +6,7 @@ some node's memory, what its node lacks pulled from another's (tier/replica_rest
 
 It never dies on a damaged newest checkpoint while an older one is whole: after a Resume has loaded
 everything (reading every tensor against its checksum), the ranks agree that each read it whole
-(`confirm`); where any could not (a file missing, truncated, a flipped byte; the memory tier's copy as much
+(`everyone`); where any could not (a file missing, truncated, a flipped byte; the memory tier's copy as much
 as storage's), every rank falls back together to the next candidate: the same step from storage where it
 came from memory, then each older committed checkpoint of the folder, newest first. The log says which,
 and why.
@@ -29,8 +29,8 @@ from .. import log as say
 
 
 class Reading(Protocol):
-    """What the fallback reads of a resume (`Resume` is one) and asks of it: the checkpoint it reads, where
-    from, what failed, and to read everything again from another."""
+    """What the fallback reads of a resume (`Resume` is one): the checkpoint it reads, where from, what it
+    needs and what failed. It never reads anything again itself: `Resume.confirm` does, from a Plan."""
 
     @property
     def folder(self) -> Path | None: ...  # None only before a checkpoint is planned
@@ -44,16 +44,11 @@ class Reading(Protocol):
     @property
     def pc(self) -> Any: ...  # Nanotron's ParallelContext
 
-    @property
-    def metadata(self) -> Any: ...
-
     def failures(self) -> list[str]: ...
 
     def needs(self) -> set[str]: ...
 
     def get_engine(self) -> DataStatesEngine: ...
-
-    def reload(self, folder: Path, source: Path | None) -> None: ...
 
 
 def _planned(resume: Reading) -> Path:
@@ -109,32 +104,42 @@ def _memory_of_any_node(resume: Reading, settings: Any) -> Path | None:
     return source
 
 
-def confirm(resume: Reading) -> Any | None:
-    """`resume`'s training metadata once every rank has read one checkpoint whole (`Resume.confirm`).
-    Collective; raises CheckpointError, with the reasons, where none can be."""
-    reasons = _everyone(resume)
-    if not reasons:
-        return resume.metadata
-    tried = []
-    for folder, source in fallbacks(_planned(resume), resume.source):
-        where = "memory" if resume.source is not None else "storage"
-        tried.append(f"step {_planned(resume).name} from {where}: {reasons[0]}")
-        also = " (from storage)" if folder == _planned(resume) else ""
+class Plan:
+    """What a resume tries once some rank could not read its checkpoint whole, in order (`fallbacks`): the
+    caller (`Resume.confirm`) reads each again until every rank reads one whole. `next(reasons)` records
+    why the one read last failed and gives the next (folder, source: None for the folder itself); where
+    none is left it raises CheckpointError naming every one tried and why."""
+
+    def __init__(self, folder: Path | None, source: Path | None) -> None:
+        if folder is None:
+            raise CheckpointError("no checkpoint was planned to resume from (Resume.plan first)")
+        self.first, self.current, self.source = folder, folder, source
+        self._left = fallbacks(folder, source)
+        self._tried: list[str] = []
+
+    def next(self, reasons: list[str]) -> tuple[Path, Path | None]:
+        where = "memory" if self.source is not None else "storage"
+        self._tried.append(f"step {self.current.name} from {where}: {reasons[0]}")
+        if not self._left:
+            raise CheckpointError("no committed checkpoint could be read whole: " + "; ".join(self._tried))
+        folder, source = self._left.pop(0)
+        also = " (from storage)" if folder == self.current else ""
         say.error(
-            f"checkpoint {_planned(resume)} could not be read whole ({'; '.join(reasons[:3])}); every rank "
+            f"checkpoint {self.current} could not be read whole ({'; '.join(reasons[:3])}); every rank "
             f"falls back to {folder}{also}"
         )
-        resume.reload(folder, None if source == folder else source)
-        reasons = _everyone(resume)
-        if not reasons:
-            say.info(f"resumed from {folder} instead of the newest checkpoint")
-            return resume.metadata
-    tried.append(f"step {_planned(resume).name}: {reasons[0]}")
-    raise CheckpointError("no committed checkpoint could be read whole: " + "; ".join(tried))
+        self.current, self.source = folder, (None if source == folder else source)
+        return self.current, self.source
+
+    def done(self) -> None:
+        """Every rank read `current` whole: said where it is not the checkpoint planned first."""
+        if self.current != self.first or self._tried:
+            say.info(f"resumed from {self.current} instead of the newest checkpoint")
 
 
-def _everyone(resume: Reading) -> list[str]:
-    """Every rank's reasons (each prefixed by its rank), the same list on every rank."""
+def everyone(resume: Reading) -> list[str]:
+    """Every rank's reasons for not having read its checkpoint whole (each prefixed by its rank), the same
+    list on every rank; empty: all read it whole. Collective."""
     return [
         f"rank {r}: {why}"
         for r, mine in enumerate(groups.gather(resume.failures(), resume.pc))

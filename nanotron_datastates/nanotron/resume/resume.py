@@ -64,10 +64,6 @@ __all__ = ["READ_ERRORS", "Resume"]
 READ_ERRORS = (OSError, FormatError, ManifestError, saved_layout.ReshardError, KeyError)
 
 
-def _device() -> torch.device | None:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-
-
 class Resume:
     """One trainer's resume (see the module's docstring for the order of calls)."""
 
@@ -148,7 +144,9 @@ class Resume:
             return False
         groups.check(pc)  # at start-up, not in the middle of loading
         self._config, self._pc = config, pc
-        self._device = device or _device()
+        self._device = device or (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        )
         ck = config.checkpoints
         self._flags = (ck.load_optimizer, ck.load_lr_scheduler)
         ck.load_optimizer = ck.load_lr_scheduler = False
@@ -292,7 +290,11 @@ class Resume:
         """Waits for the optimizer state read ahead, then has the ranks agree that each read the checkpoint
         whole, or fall back together (fallback.py). Returns the training metadata to resume with (None where
         the scheduler is not loaded). Collective."""
-        return recovery.confirm(self)
+        plan = recovery.Plan(self.folder, self.source)  # what to try next, in order, where some rank failed
+        while reasons := recovery.everyone(self):
+            self.reload(*plan.next(reasons))
+        plan.done()
+        return self.metadata
 
     def failures(self) -> list[str]:
         """What this rank could not read of the checkpoint, the optimizer state read ahead included."""
