@@ -18,6 +18,10 @@
 namespace nb = nanobind;
 using namespace nb::literals;
 
+namespace ds {
+void bind_options(nb::module_& m);  // bindings_options.cpp
+}  // namespace ds
+
 namespace {
 
 void set_python_error(const ds::Error& e) {
@@ -146,6 +150,7 @@ nb::dict job_stats(ds::SaveJob& j) {
 }  // namespace
 
 NB_MODULE(_core, m) {
+  ds::bind_options(m);
   m.doc() =
       "nanotron_datastates core: host cache, copy, io_uring flush, restore (private; use the package API)";
 
@@ -186,40 +191,13 @@ NB_MODULE(_core, m) {
   nb::class_<ds::Engine>(m, "Engine")
       .def(
           "__init__",
-          [](ds::Engine* self, std::size_t cache_bytes, std::size_t chunk_bytes, int pin_device,
-             bool huge_pages, unsigned parser_threads, unsigned copy_threads, unsigned host_copy_threads,
-             unsigned flush_threads, unsigned queue_depth, std::size_t read_bytes,
-             const std::string& io_backend, bool direct_io, bool fsync, bool checksums, bool map_memory_files,
-             int flush_nice, std::size_t device_copy_bytes, double device_copy_bytes_per_s,
-             unsigned flush_depth, bool read_direct_io) {
-            ds::EngineOptions o;
-            o.cache_bytes = cache_bytes;
-            o.chunk_bytes = chunk_bytes;
-            o.pin_device = pin_device;
-            o.huge_pages = huge_pages;
-            o.parser_threads = parser_threads;
-            o.copy_threads = copy_threads;
-            o.host_copy_threads = host_copy_threads;
-            o.flush_threads = flush_threads;
-            o.queue_depth = queue_depth;
-            o.read_bytes = read_bytes;
-            o.io_backend = io_backend;
-            o.save = {direct_io, fsync, checksums};
-            o.map_memory_files = map_memory_files;
-            o.flush_nice = flush_nice;
-            o.device_copy_bytes = device_copy_bytes;
-            o.device_copy_bytes_per_s = device_copy_bytes_per_s;
-            o.flush_depth = flush_depth;
-            o.read_direct_io = read_direct_io;
+          [](ds::Engine* self, const ds::EngineOptions& options) {
             nb::gil_scoped_release release;  // allocating and pinning the cache can take seconds
-            new (self) ds::Engine(o);
+            new (self) ds::Engine(options);
           },
-          "cache_bytes"_a, "chunk_bytes"_a, "pin_device"_a, "huge_pages"_a, "parser_threads"_a,
-          "copy_threads"_a, "host_copy_threads"_a, "flush_threads"_a, "queue_depth"_a, "read_bytes"_a,
-          "io_backend"_a, "direct_io"_a, "fsync"_a, "checksums"_a, "map_memory_files"_a, "flush_nice"_a,
-          "device_copy_bytes"_a, "device_copy_bytes_per_s"_a, "flush_depth"_a, "read_direct_io"_a,
-          "Every setting passed, none defaulted here: DataStatesConfig owns the defaults "
-          "(core_setup.start_core)")
+          "options"_a,
+          "The core's engine, started with `options` (an EngineOptions: core_setup.core_options)")
+      .def_prop_ro("options", &ds::Engine::options, "The settings it was started with")
       .def(
           "save_many",
           [](ds::Engine& e, std::vector<FileArg> files, const std::vector<nb::ndarray<>>& bases,

@@ -60,6 +60,7 @@ class Engine final : public JobObserver {
  public:
   explicit Engine(const EngineOptions& opts);
   ~Engine() override;
+  const EngineOptions& options() const { return opts_; }
 
   // Queues files, each job run on the engine's threads, their device copies after one event recorded now
   // on each of the callers' `streams` (once for all the files). Returns at once; queues none of them if one

@@ -15,6 +15,36 @@ log = logging.getLogger("nanotron_datastates")
 _warned: set[str] = set()
 
 
+def core_options(config: DataStatesConfig, pin_device: int) -> _core.EngineOptions:
+    """The core's settings, every one from `config` (the core defaults none), in bytes and counts as the
+    core takes them; `pin_device`: the CUDA device whose context pins the cache (-1: none)."""
+    return _core.EngineOptions(
+        # The cache
+        cache_bytes=config.cache_bytes,
+        chunk_bytes=config.chunk_bytes,
+        pin_device=pin_device,
+        huge_pages=config.huge_pages,
+        # Saves: copy, flush, commit
+        copy_threads=config.copy_threads or 1,
+        host_copy_threads=config.copy_threads or min(4, os.cpu_count() or 1),
+        device_copy_bytes=config.device_copy_bytes,
+        device_copy_bytes_per_s=config.device_copy_gbps * 1e9,
+        flush_threads=config.flush_threads,
+        flush_nice=config.flush_nice,
+        flush_depth=config.flush_depth,
+        io_backend=config.io_backend,
+        direct_io=config.direct_io,
+        fsync=config.fsync,
+        checksums=config.checksums,
+        # Restores
+        parser_threads=config.parser_threads,
+        queue_depth=config.queue_depth,
+        read_bytes=config.read_bytes,
+        read_direct_io=config.read_direct_io,
+        map_memory_files=config.map_memory_files,
+    )
+
+
 def start_core(config: DataStatesConfig) -> _core.Engine:
     """The core's engine (threads, host cache, flush workers) for `config`; ValueError naming the setting
     when the host cache cannot fit in this machine's memory."""
@@ -22,28 +52,7 @@ def start_core(config: DataStatesConfig) -> _core.Engine:
     pin_device = -1
     if config.pin_host_cache and torch.cuda.is_available():
         pin_device = torch.cuda.current_device()
-    core = _core.Engine(
-        cache_bytes=config.cache_bytes,
-        chunk_bytes=config.chunk_bytes,
-        device_copy_bytes=config.device_copy_bytes,
-        device_copy_bytes_per_s=config.device_copy_gbps * 1e9,
-        pin_device=pin_device,
-        huge_pages=config.huge_pages,
-        parser_threads=config.parser_threads,
-        copy_threads=config.copy_threads or 1,
-        host_copy_threads=config.copy_threads or min(4, os.cpu_count() or 1),
-        flush_threads=config.flush_threads,
-        flush_depth=config.flush_depth,
-        queue_depth=config.queue_depth,
-        read_bytes=config.read_bytes,
-        io_backend=config.io_backend,
-        direct_io=config.direct_io,
-        read_direct_io=config.read_direct_io,
-        fsync=config.fsync,
-        checksums=config.checksums,
-        map_memory_files=config.map_memory_files,
-        flush_nice=config.flush_nice,
-    )
+    core = _core.Engine(core_options(config, pin_device))
     if core.fallback_reason:
         _warn_once(f"io_uring is refused here ({core.fallback_reason}); flushing with a pwrite thread pool")
     if pin_device >= 0 and not core.pinned:

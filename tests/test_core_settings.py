@@ -1,5 +1,6 @@
-"""The core takes every setting from Python: its binding defaults none, and `core_setup.start_core` passes
-each one from DataStatesConfig, so the C++ defaults can never stand in for Python's at run time."""
+"""The core takes every setting from Python in one object: `_core.EngineOptions` defaults none of them, and
+`core_setup.core_options` fills each one from DataStatesConfig, so the C++ defaults can never stand in for
+Python's at run time; the engine keeps the object it was started with, field for field."""
 
 import ast
 import re
@@ -7,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from nanotron_datastates import DataStatesConfig, _core, core_setup
+from nanotron_datastates import DataStatesConfig, DataStatesEngine, _core, core_setup
 
 
 def binding_parameters() -> dict[str, str]:
-    """The core Engine's parameters, each with its default text ('' for none), from its signature."""
-    signature = _core.Engine.__init__.__doc__.splitlines()[0]
+    """EngineOptions' parameters, each with its default text ('' for none), from its signature."""
+    signature = _core.EngineOptions.__init__.__doc__.splitlines()[0]
     inside = signature[signature.index("(") + 1 : signature.rindex(")")]
     out = {}
     for part in inside.split(", ")[1:]:  # past self
@@ -21,23 +22,44 @@ def binding_parameters() -> dict[str, str]:
     return out
 
 
-def start_core_keywords() -> set[str]:
+def core_options_keywords() -> set[str]:
     tree = ast.parse(Path(core_setup.__file__).read_text())
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "_core.Engine"]
-    assert len(calls) == 1, "one place starts the core"
+    calls = [
+        n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "_core.EngineOptions"
+    ]
+    assert len(calls) == 1, "one place builds the core's settings"
+    engines = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "_core.Engine"]
+    assert len(engines) == 1, "one place starts the core"
     return {k.arg for k in calls[0].keywords if k.arg is not None}
 
 
-def test_the_binding_defaults_no_setting_and_start_core_passes_every_one():
+def test_the_options_default_no_setting_and_core_options_passes_every_one():
     params = binding_parameters()
-    assert len(params) >= 19
+    assert len(params) >= 20
     assert {n: d for n, d in params.items() if d} == {}
-    assert start_core_keywords() == set(params)
+    assert core_options_keywords() == set(params)
 
 
 def test_a_missing_setting_is_refused_naming_none_taken_silently():
     with pytest.raises(TypeError, match=re.escape("__init__")):
-        _core.Engine(cache_bytes=1 << 20, chunk_bytes=1 << 20)  # the rest left out
-    config = DataStatesConfig(host_cache_size=1 / 1024, chunk_size=1)
-    core = core_setup.start_core(config)  # every setting given: it starts
-    core.close()
+        _core.EngineOptions(cache_bytes=1 << 20, chunk_bytes=1 << 20)  # the rest left out
+    with pytest.raises(TypeError):
+        _core.Engine(cache_bytes=1 << 20)  # settings come in one object only
+
+
+def test_the_engine_runs_with_the_very_settings_of_its_config():
+    config = DataStatesConfig(
+        host_cache_size=1 / 64, chunk_size=2, parser_threads=3, flush_depth=5, queue_depth=7, read_size=3,
+        direct_io=False, read_direct_io=True, fsync=False, checksums=False, map_memory_files=False,
+        io_backend="pwrite", flush_nice=0, device_copy_size=1, device_copy_gbps=2.5, copy_threads=2,
+    )  # fmt: skip
+    with DataStatesEngine(config) as engine:
+        got = engine._core.options
+        want = core_setup.core_options(config, pin_device=-1)
+        for name in binding_parameters():
+            assert getattr(got, name) == getattr(want, name), name
+        assert (got.cache_bytes, got.chunk_bytes, got.read_bytes) == (1 << 24, 2 << 20, 3 << 20)
+        assert (got.parser_threads, got.flush_depth, got.queue_depth) == (3, 5, 7)
+        assert (got.direct_io, got.read_direct_io, got.fsync, got.checksums) == (False, True, False, False)
+        assert (got.io_backend, got.copy_threads, got.host_copy_threads) == ("pwrite", 2, 2)
+        assert got.device_copy_bytes_per_s == 2.5e9 and not got.map_memory_files
