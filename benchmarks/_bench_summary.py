@@ -165,6 +165,7 @@ def resummarize(out: Path) -> int:
         layout=old.get("layout", "1gpu"),
         micro_batch=old.get("micro_batch"),
         no_fp32_grads=not old.get("fp32_grads", True),
+        sync=old.get("sync", "device"),  # how the runs were timed: the records' clock, not today's default
     )
     result = summarize(args, records)
     for key in ("command", "gpu", "cold_cache"):

@@ -27,6 +27,7 @@ FIGURES = (
     "resume_losses",
     "ratios",
     "runs",
+    "sync",
 )
 
 
