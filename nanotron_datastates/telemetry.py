@@ -80,16 +80,19 @@ def replication(step: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
 def append(path: str | os.PathLike, records: list[dict[str, Any]]) -> None:
     """Appends the lines to `path` (a file; in a folder, its FILE) in one write: lines never mix."""
     path = Path(path)
-    if path.is_dir():
-        path = path / FILE
+    append_text(path / FILE if path.is_dir() else path, "".join(json.dumps(r) + "\n" for r in records))
+
+
+def append_text(path: Path, text: str) -> None:
+    """Appends `text` to the regular file `path` (made with its folders where missing) in one write."""
     path.parent.mkdir(parents=True, exist_ok=True)
     # Non-blocking: a FIFO there (no reader) fails at once instead of holding the committer; a file only.
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     with os.fdopen(fd, "a") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise trust.UntrustedPath(errno.EINVAL, "not a regular file: no telemetry appended", str(path))
+            raise trust.UntrustedPath(errno.EINVAL, "not a regular file: nothing appended", str(path))
         os.set_blocking(fd, True)
-        f.write("".join(json.dumps(r) + "\n" for r in records))
+        f.write(text)
 
 
 def read(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -6,16 +6,14 @@ file `.datastates.lock` (fasteners: a POSIX record lock) and the writer lock (`s
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-import stat
 import threading
 from pathlib import Path
 from typing import Any, Iterator
 
 import fasteners
 
-from .. import trust
+from .. import telemetry, trust
 from ..checkpoint import folder as listing
 from ..checkpoint.file_io import fsync_path, write_atomic
 from ..checkpoint.names import LATEST, MANIFEST, NANOTRON_METADATA
@@ -23,7 +21,6 @@ from ..save.writer_lock import WriterLock
 
 LOCK = ".datastates.lock"  # latest.txt moves, and checkpoints are removed, only under this lock
 MARKERS = (MANIFEST, NANOTRON_METADATA)  # what makes a folder a checkpoint (`is_committed`)
-_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class FolderStore:
@@ -96,15 +93,7 @@ class FolderStore:
         return trust.remove_files(self._step(step), listing.is_temporary)
 
     def append_line(self, rel: str, text: str) -> None:
-        path = self.path(rel)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Non-blocking: a FIFO there (no reader) fails at once instead of holding the committer; a file only.
-        fd = os.open(path, _APPEND, 0o644)
-        with os.fdopen(fd, "a") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise trust.UntrustedPath(errno.EINVAL, "not a regular file: nothing appended", str(path))
-            os.set_blocking(fd, True)
-            f.write(text if text.endswith("\n") else text + "\n")
+        telemetry.append_text(self.path(rel), text if text.endswith("\n") else text + "\n")
 
     def writer_lock(self) -> WriterLock:
         return WriterLock(self.root).acquire()
