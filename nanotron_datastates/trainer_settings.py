@@ -22,7 +22,10 @@ class TrainerSettings(Settings):
         "memory_replicas": (0, 64, "expected an integer in [0, 64] (0: none)"),
         "memory_replica_gbps": (0, 1e4, "expected GB/s in [0, 10000] (0: no limit)"),
     }
-    CHOICES = {"device_snapshot": ("auto", "always", "never")}
+    CHOICES = {
+        "device_snapshot": ("auto", "always", "never"),
+        "memory_replica_transport": ("auto", "nccl", "gloo"),
+    }
 
     keep_last_n: int = 0
     """Keep the newest N committed checkpoints and remove older ones, off the training thread, once a newer
@@ -64,12 +67,17 @@ class TrainerSettings(Settings):
     the user's id; created 0700, refused if another user owns it or others may write to it)."""
     memory_replicas: int = 0
     """With the memory tier: the ranks of other nodes that keep a copy of each rank's newest committed
-    checkpoint in their memory too (a ring over nodes), sent over gloo after each commit; a job that loses a
-    node then restarts from memory, the lost ranks' state pulled from their peers. Each node then needs room
-    for two replicas per copy it holds besides its own (checked after the first step). 0: none."""
-    memory_replica_gbps: float = 2.0
+    checkpoint in their memory too (a ring over nodes), sent after each commit; a job that loses a node then
+    restarts from memory, the lost ranks' state pulled from their peers. Each node then needs room for two
+    replicas per copy it holds besides its own (checked after the first step). 0: none."""
+    memory_replica_gbps: float = 20.0
     """GB/s each rank sends its replicas at, at most, so that training's own traffic keeps the network
     (0: no limit). A restart pulls what its node lacks at full speed: nothing else runs then."""
+    memory_replica_transport: str = "auto"
+    """How replicas travel: 'nccl', GPU to GPU on an NCCL communicator and a CUDA stream of their own,
+    through 4 pinned and 4 GPU buffers of 32 MiB per peer and direction (NVLink within a node, the cluster's
+    network between nodes); 'gloo', host memory to host memory over TCP; 'auto', NCCL where every rank has a
+    GPU and PyTorch has NCCL, else gloo."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -3,7 +3,7 @@ number in GROUP_RANK as torchrun sets it), a gloo group over all. `save` commits
 trainer does (engine files into the tier, the manifest and latest.txt by rank 0) and replicates each to the
 next node, then waits to be killed; `restart` resumes the newest checkpoint through
 `replicas.restart_source` and reports where each rank read from and whether every byte is the saved one.
-Not a test."""
+`transport`: the replicas' link (tier/links.py), 'nccl' on one GPU a rank. Not a test."""
 
 from __future__ import annotations
 
@@ -32,10 +32,13 @@ def tier_root(work: Path, node: int) -> Path:
     return work / f"node{node}-shm"
 
 
-def _start(rank: int, world: int, node: int, init: str) -> Any:
+def _start(rank: int, world: int, node: int, init: str, transport: str = "gloo") -> Any:
+    import torch
     import torch.distributed as dist
 
     os.environ["GROUP_RANK"] = str(node)
+    if transport != "gloo":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     return dist
 
@@ -47,16 +50,26 @@ def _engine() -> Any:
 
 
 def save(
-    rank: int, world: int, node: int, init: str, work: str, steps: int, replicas: int, gbps: float, chunk: int
+    rank: int,
+    world: int,
+    node: int,
+    init: str,
+    work: str,
+    steps: int,
+    replicas: int,
+    gbps: float,
+    chunk: int,
+    transport: str = "gloo",
 ) -> None:
     from nanotron_datastates.checkpoint.file_io import write_atomic
     from nanotron_datastates.checkpoint.manifest import manifest as make_manifest
     from nanotron_datastates.checkpoint.names import LATEST, MANIFEST
     from nanotron_datastates.save.commit import Committer, PendingCheckpoint
     from nanotron_datastates.tier import replicas as rep
+    from nanotron_datastates.tier.links import open_link
     from nanotron_datastates.tier.memory import MemoryTier
 
-    dist = _start(rank, world, node, init)
+    dist = _start(rank, world, node, init, transport)
     root, out = Path(work) / "ckpt", Path(work)
     engine = _engine()
     tier = MemoryTier(tier_root(out, node), root, rank, copies=2)
@@ -66,8 +79,9 @@ def save(
         nodes: list[Any] = [None] * world
         dist.all_gather_object(nodes, rep.node_key())
         group = dist.new_group(backend="gloo")
+        link = open_link(group, transport, chunk)
         replicator = rep.Replicator(
-            tier, rep.placement(nodes, replicas), group, engine, gbps=gbps, chunk=chunk,
+            tier, rep.placement(nodes, replicas), group, engine, gbps=gbps, link=link,
             on_done=lambda r: (out / f"replicated{rank}-{r.step}.txt").write_text(rep.describe(r)),
         )  # fmt: skip
 
@@ -106,15 +120,18 @@ def save(
     time.sleep(3600)  # training goes on until the node is lost
 
 
-def restart(rank: int, world: int, node: int, init: str, work: str, replicas: int) -> None:
+def restart(
+    rank: int, world: int, node: int, init: str, work: str, replicas: int, transport: str = "gloo"
+) -> None:
     from nanotron_datastates.checkpoint.checksums import file_checksums
     from nanotron_datastates.checkpoint.manifest import read_manifest
     from nanotron_datastates.checkpoint.names import LATEST
     from nanotron_datastates.tier import replicas as rep
+    from nanotron_datastates.tier.links import open_link
     from nanotron_datastates.tier.memory import MemoryTier
     from nanotron_datastates.tier.replica_restore import restart_source
 
-    dist = _start(rank, world, node, init)
+    dist = _start(rank, world, node, init, transport)
     root, out = Path(work) / "ckpt", Path(work)
     step = int((root / LATEST).read_text())
     folder = root / str(step)
@@ -122,7 +139,9 @@ def restart(rank: int, world: int, node: int, init: str, work: str, replicas: in
     engine = _engine()
     tier = MemoryTier(tier_root(out, node), root, rank, copies=2)
     group = dist.new_group(backend="gloo")
-    source, why = restart_source(tier, manifest, set(files(rank)), group, engine)
+    link = open_link(group, transport)
+    source, why = restart_source(tier, manifest, set(files(rank)), group, engine, link)
+    link.close()
     if replicas:
         nodes: list[Any] = [None] * world
         dist.all_gather_object(nodes, rep.node_key())
@@ -149,3 +168,19 @@ def temporaries(root: Path) -> list[str]:
     for folder, dirs, names in os.walk(root):
         found += [os.path.join(folder, n) for n in dirs + names if fnmatch.fnmatch(n, "*.dstmp.*")]
     return found
+
+
+def links(rank: int, world: int, node: int, init: str, work: str) -> None:
+    """The link each transport setting gives this rank: its name, or the error's message."""
+    from nanotron_datastates.tier.links import open_link
+
+    dist = _start(rank, world, node, init)
+    group = dist.new_group(backend="gloo")
+    got = {}
+    for transport in ("auto", "gloo", "nccl"):
+        try:
+            got[transport] = open_link(group, transport).name
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            got[transport] = f"{type(e).__name__}: {e}"
+    (Path(work) / f"links{rank}.json").write_text(json.dumps(got))
+    dist.destroy_process_group()

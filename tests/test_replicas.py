@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import replica_child as child
+import torch
 import torch.multiprocessing as mp
 
 from nanotron_datastates.tier.memory import REPLICAS, MemoryTier, job_folder
@@ -21,15 +22,15 @@ from nanotron_datastates.tier.replicas import placement
 WORLD, NODES = 4, 2
 
 
-def _node(rank: int) -> int:
-    return rank // (WORLD // NODES)
+def _node(rank: int, world: int = WORLD) -> int:
+    return rank // (world // NODES)
 
 
-def _job(ctx, target, work: Path, incarnation: str, *args) -> list:
+def _job(ctx, target, work: Path, incarnation: str, *args, world: int = WORLD) -> list:
     init = f"file://{work / ('rendezvous-' + incarnation)}"
     procs = [
-        ctx.Process(target=target, args=(r, WORLD, _node(r), init, str(work), *args), daemon=True)
-        for r in range(WORLD)
+        ctx.Process(target=target, args=(r, world, _node(r, world), init, str(work), *args), daemon=True)
+        for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -51,12 +52,12 @@ def _lose_node(procs: list, work: Path, node: int) -> None:
     shutil.rmtree(child.tier_root(work, node))
 
 
-def _restart(ctx, work: Path, replicas: int) -> list[dict]:
-    procs = _job(ctx, child.restart, work, "restart", replicas)
+def _restart(ctx, work: Path, replicas: int, transport: str = "gloo", world: int = WORLD) -> list[dict]:
+    procs = _job(ctx, child.restart, work, "restart", replicas, transport, world=world)
     for p in procs:
         p.join(180)
         assert p.exitcode == 0, f"a restarted rank exited with {p.exitcode}"
-    return [json.loads((work / f"restart{r}.json").read_text()) for r in range(WORLD)]
+    return [json.loads((work / f"restart{r}.json").read_text()) for r in range(world)]
 
 
 @pytest.fixture
@@ -121,3 +122,57 @@ def test_a_node_lost_while_its_replica_is_sent_never_uses_the_partial_copy(tmp_p
         assert o["step"] == 2 and o["source"] is None and o["equal"] == [True, True], o
         assert "which no node holds in memory" in o["why"]
         assert not o["leftovers"], o["leftovers"]
+
+
+def test_the_link_is_nccl_where_every_rank_has_a_gpu_else_gloo_and_a_forced_nccl_names_the_setting(
+    tmp_path, ctx
+):
+    for p in _job(ctx, child.links, tmp_path, "links", world=2):
+        p.join(120)
+        assert p.exitcode == 0
+    for r in range(2):
+        got = json.loads((tmp_path / f"links{r}.json").read_text())
+        assert got["gloo"] == "gloo"
+        if torch.cuda.device_count() >= 2 and torch.distributed.is_nccl_available():
+            assert got["auto"] == got["nccl"] == "nccl"
+        else:
+            assert got["auto"] == "gloo"
+            assert got["nccl"].startswith("ReplicaError: datastates.memory_replica_transport=nccl: rank 0")
+
+
+def test_nccl_streams_lay_each_peers_files_end_to_end_in_chunks_that_cross_files():
+    """The NCCL link's waves (on the host: the slots a wave fills and empties): every byte of every file
+    reaches its place at the other end, with chunks that straddle files and files of no bytes."""
+    from nanotron_datastates.tier.link_nccl import _Stream
+    from nanotron_datastates.tier.replica_transfer import Transfer
+
+    sizes, chunk = [5000, 0, 70001, 1, 12345], 4096
+    sends = [Transfer(1 + i % 2, f"f{i}", n, torch.randint(0, 256, (n,), dtype=torch.uint8)) for i, n in
+             enumerate(sizes)]  # fmt: skip
+    recvs = [Transfer(t.peer, t.rel, t.nbytes, torch.zeros(t.nbytes, dtype=torch.uint8)) for t in sends]
+    outs, ins = _Stream.of(sends), _Stream.of(recvs)
+    assert [s.peer for s in outs] == [1, 2] and [len(s.files) for s in outs] == [3, 2]
+    slot = torch.empty(chunk, dtype=torch.uint8)
+    for a, b in zip(outs, ins):
+        assert a.total == b.total
+        for wave in range(-(-a.total // chunk)):
+            n = a.size(wave, chunk)
+            assert 0 < n <= chunk and n == b.size(wave, chunk)
+            a.copy(wave, chunk, slot, into_slot=True)
+            b.copy(wave, chunk, slot, into_slot=False)
+    for s, r in zip(sends, recvs):
+        assert torch.equal(s.buf, r.buf), s.rel
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="CUDA: NCCL between two GPUs")
+def test_a_lost_node_resumes_bit_for_bit_from_replicas_sent_through_nccl(tmp_path, ctx):
+    """Two nodes of one GPU: replicas and the restart's pull over NCCL, in chunks smaller than a file."""
+    procs = _job(ctx, child.save, tmp_path, "save", 3, 1, 0.0, 100 << 10, "nccl", world=2)
+    _wait_for(lambda: all((tmp_path / f"done{r}").exists() for r in range(2)), "the saves")
+    assert "over nccl" in (tmp_path / "replicated1-3.txt").read_text()
+    _lose_node(procs, tmp_path, 1)
+    out = _restart(ctx, tmp_path, 1, "nccl", world=2)
+    for r, o in enumerate(out):
+        assert o["step"] == 3 and o["equal"] == [True, True], (r, o)
+        assert not o["leftovers"]
+    assert "2 file(s)" in out[1]["why"] and "over nccl" in out[1]["why"]

@@ -15,8 +15,9 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import trust
+from .links import GlooLink, Link
 from .memory import MemoryTier
-from .replica_transfer import Transfer, check_and_place, gather, move, open_all
+from .replica_transfer import Transfer, check_and_place, gather, open_all
 from .replicas import node_key, replica_area
 
 
@@ -31,12 +32,19 @@ def node_copies(tier: MemoryTier, manifest: dict[str, Any]) -> dict[str, Path]:
 
 
 def restart_source(
-    tier: MemoryTier, manifest: dict[str, Any], needs: set[str], group: Any, engine: Any, gbps: float = 0.0
+    tier: MemoryTier,
+    manifest: dict[str, Any],
+    needs: set[str],
+    group: Any,
+    engine: Any,
+    link: Link | None = None,
 ) -> tuple[Path | None, str]:
     """Where this rank reads the checkpoint `manifest` describes, and why: its node's tier folder of that
     step once every file each rank `needs` is there (pulled from another node's memory, or linked in from
     this node's replicas, as needed), or None (storage) for every rank where any rank needs a file that is
-    in no node's memory. Collective over `group` (gloo, every rank)."""
+    in no node's memory. Collective over `group` (gloo, every rank); the bytes go over `link` (default: over
+    `group`), unpaced: at a restart nothing else runs, and every rank waits for the slowest pull."""
+    link = link if link is not None else GlooLink(group)
     step = int(manifest["step"])
     have = node_copies(tier, manifest)
     everyone = gather(group, {"node": node_key(), "have": sorted(have), "needs": sorted(needs)})
@@ -57,13 +65,13 @@ def restart_source(
     sends = [Transfer(r, rel, entries[rel]["bytes"]) for (_, rel), (r, q) in sorted(pulls.items()) if q == me]
     recvs = [Transfer(q, rel, entries[rel]["bytes"]) for (_, rel), (r, q) in sorted(pulls.items()) if r == me]
     here = tier.folder / str(step)
-    problem = None
+    problem, seconds = None, 0.0
     with contextlib.ExitStack() as stack:
         problems = open_all(stack, group, sends, lambda t: have[t.rel], recvs, here)
         if problems:
             return None, "; ".join(problems[:3])
         try:
-            move(group, sends, recvs, gbps)
+            seconds = link.move(sends, recvs)
             for t in recvs:
                 check_and_place(engine, t, entries[t.rel])
             for rel in links:
@@ -75,4 +83,7 @@ def restart_source(
     if problems:
         return None, "; ".join(problems[:3])
     pulled = sum(t.nbytes for t in recvs)
-    return here, f"{len(recvs)} file(s), {pulled / 1e9:.3f} GB, pulled from other nodes' memory"
+    return here, (
+        f"{len(recvs)} file(s), {pulled / 1e9:.3f} GB, pulled from other nodes' memory in {seconds:.2f} s "
+        f"over {link.name}"
+    )

@@ -9,13 +9,14 @@ After a checkpoint is committed (`Replicator`, a thread of its own on a gloo gro
 learns the others' files (their manifest entries), maps its tier files and creates the temporaries it
 receives into, and the ranks agree that all could before a byte moves; then each file goes in chunks, every
 rank sending to its holders and receiving from the ranks it holds for at once, a chunk of each per wave,
-paced to `memory_replica_gbps`. A received file is checked against its manifest entry (size and every
-tensor's checksum) before it is renamed into place and marked held for its rank (`.rank-<r>.json` in
-`<job>/replicas/<step>/`, as the tier marks its own copies); the older replica of that rank then goes. A
-file killed half received is a temporary, never marked, never read, removed at the next start.
+paced to `memory_replica_gbps`, over the job's link (links.py: NCCL through the GPUs, or gloo). A received
+file is checked against its manifest entry (size and every tensor's checksum) before it is renamed into
+place and marked held for its rank (`.rank-<r>.json` in `<job>/replicas/<step>/`, as the tier marks its own
+copies); the older replica of that rank then goes. A file killed half received is a temporary, never
+marked, never read, removed at the next start.
 
 The restart, which pulls what a node lacks from other nodes' memory: replica_restore.py; the files moved
-between ranks: replica_transfer.py.
+between ranks: replica_transfer.py, over a link (links.py).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from .links import GlooLink, Link
 from .memory import REPLICAS, MemoryTier
-from .replica_transfer import CHUNK, ReplicaError, Transfer, check_and_place, gather, move, open_all
+from .replica_transfer import CHUNK, ReplicaError, Transfer, check_and_place, gather, open_all
 
 
 def node_key() -> str:
@@ -87,9 +89,11 @@ class Replicated:
     sources: list[int]
     error: str | None = None
     job: list[dict[str, Any]] | None = None
+    transport: str = ""  # the link's name: nccl or gloo
 
     def figures(self) -> dict[str, Any]:
         return {
+            "transport": self.transport,
             "sent_bytes": self.sent_bytes,
             "received_bytes": self.received_bytes,
             "seconds": self.seconds,
@@ -102,7 +106,7 @@ class Replicator:
     """Sends this rank's tier copy of each committed checkpoint to its holders and keeps those of the ranks
     it holds for (see the module's docstring). Collective: every rank makes one, with the same `holders`,
     and submits every committed checkpoint, in order. `group`: a gloo group over every rank, used by this
-    object only."""
+    object only; `link`: how the bytes travel (default: over `group`, in messages of `chunk` bytes)."""
 
     def __init__(
         self,
@@ -113,10 +117,12 @@ class Replicator:
         gbps: float = 0.0,
         chunk: int = CHUNK,
         on_done: Callable[[Replicated], None] | None = None,
+        link: Link | None = None,
     ) -> None:
         self.tier, self.holders, self.group, self.engine = tier, holders, group, engine
         self.rank = dist.get_rank(group)
-        self.gbps, self.chunk, self.on_done = gbps, chunk, on_done
+        self.gbps, self.on_done = gbps, on_done
+        self.link = link if link is not None else GlooLink(group, chunk)
         self.sources = [s for s, hs in enumerate(holders) if self.rank in hs]
         self._queue: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue()
         self._broken: str | None = None
@@ -134,6 +140,8 @@ class Replicator:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.link.close()
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -143,7 +151,8 @@ class Replicator:
                     raise ReplicaError(f"not replicated: an earlier replication broke ({self._broken})")
                 done = self._replicate(step, files)
             except Exception as e:  # never fatal to training: storage and the local copy still hold it
-                done = Replicated(step, 0, 0, 0.0, self.holders[self.rank], self.sources, error=str(e))
+                to = self.holders[self.rank]
+                done = Replicated(step, 0, 0, 0.0, to, self.sources, str(e), transport=self.link.name)
                 if isinstance(e, RuntimeError) and not isinstance(e, ReplicaError):
                     self._broken = str(e)  # the group failed mid-transfer: it cannot be trusted again
             finally:
@@ -168,7 +177,7 @@ class Replicator:
             problems = open_all(stack, self.group, sends, lambda t: own, recvs, area)
             if problems:
                 raise ReplicaError(f"step {step} not replicated: {'; '.join(problems[:3])}")
-            seconds = move(self.group, sends, recvs, self.gbps, self.chunk)
+            seconds = self.link.move(sends, recvs, self.gbps)
             for t in recvs:
                 check_and_place(self.engine, t, everyone[t.peer][t.rel])
         for s in self.sources:
@@ -180,6 +189,7 @@ class Replicator:
             seconds,
             to,
             self.sources,
+            transport=self.link.name,
         )
 
 
@@ -190,5 +200,5 @@ def describe(r: Replicated) -> str:
     return (
         f"memory replicas of checkpoint {r.step}: {r.sent_bytes / 1e9:.3f} GB sent to rank(s) "
         f"{', '.join(map(str, r.to))}, {r.received_bytes / 1e9:.3f} GB received from rank(s) "
-        f"{', '.join(map(str, r.sources)) or '-'}, in {r.seconds:.2f} s"
+        f"{', '.join(map(str, r.sources)) or '-'}, in {r.seconds:.2f} s over {r.transport}"
     )

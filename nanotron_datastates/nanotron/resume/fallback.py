@@ -22,6 +22,7 @@ from ...checkpoint.manifest import is_datastates_checkpoint
 from ...engine import DataStatesEngine
 from ...errors import CheckpointError
 from ...store import open_store
+from ...tier.links import open_link
 from ...tier.memory import MemoryTier, tier_copy, why_not
 from ...tier.replica_restore import restart_source
 from .. import groups
@@ -95,10 +96,12 @@ def _memory_of_any_node(resume: Reading, settings: Any) -> Path | None:
     if problems or own is None:
         say.note(f"resuming step {step} from storage: the memory tier cannot serve it ({problems[0]})")
         return None
-    group = tdist.new_group(backend="gloo")  # point-to-point from host memory
-    # Not paced to memory_replica_gbps, which keeps replication from taking training's network: at a
-    # restart nothing else runs, and every rank waits for the slowest pull.
-    source, why = restart_source(own, resume.manifest, resume.needs(), group, resume.get_engine())
+    group = tdist.new_group(backend="gloo")  # the ranks' agreements; the bytes go over the link
+    link = open_link(group, settings.memory_replica_transport)
+    try:
+        source, why = restart_source(own, resume.manifest, resume.needs(), group, resume.get_engine(), link)
+    finally:
+        link.close()
     where = f"memory ({source}; {why})" if source else f"storage: no memory copy serves it ({why})"
     say.note(f"resuming step {step} from {where}")
     return source

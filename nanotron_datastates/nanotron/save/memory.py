@@ -10,10 +10,12 @@ from typing import Any, Callable
 
 from ...engine import DataStatesEngine
 from ...store import open_store
+from ...tier.links import open_link
 from ...tier.memory import MemoryTier
 from ...tier.replicas import Replicated, Replicator, node_key, placement, prune, replica_area
 from ...trainer_settings import TrainerSettings
 from .. import groups
+from .. import log as say
 
 
 @dataclasses.dataclass
@@ -51,8 +53,8 @@ def open_replicas(
     on_done: Callable[[Replicated], None],
 ) -> Replication:
     """The replicas' placement over the nodes and the replicator, with `memory_replicas` (collective: the
-    ranks gather their nodes, and the replicator's gloo group is made here); the replicas this rank keeps
-    pruned like its own tier."""
+    ranks gather their nodes, and the replicator's gloo group and link are made here, its buffers too); the
+    replicas this rank keeps pruned like its own tier."""
     import torch.distributed as tdist
 
     if tier is None or not settings.memory_replicas or not tdist.is_initialized():
@@ -62,13 +64,14 @@ def open_replicas(
     me = groups.rank(pc.world_pg)
     sources = [s for s, hs in enumerate(holders) if me in hs]
     prune(tier, sources, keep)
+    group = tdist.new_group(backend="gloo")
+    link = open_link(group, settings.memory_replica_transport)
+    reserve = getattr(link, "reserve", None)  # buffers of its own: pinned before training, not during
+    if reserve is not None:
+        reserve(len(holders[me]), len(sources))
+    say.info(f"memory replicas go over {link.name}")
     replicator = Replicator(
-        tier,
-        holders,
-        tdist.new_group(backend="gloo"),
-        engine,
-        settings.memory_replica_gbps,
-        on_done=on_done,
+        tier, holders, group, engine, settings.memory_replica_gbps, on_done=on_done, link=link
     )
     return Replication(replicator, {"nodes": nodes, "holders": holders}, sources)
 

@@ -1,0 +1,186 @@
+"""Replicas' bytes through the GPUs (`NcclLink`): NCCL send and receive on a group and a CUDA stream of their
+own, through a bounded set of buffers (`slots` of `chunk` bytes per peer and direction, pinned on the host and
+on the GPU), so that peers of one node go over NVLink and peers of other nodes over the network NCCL finds
+(RDMA where the cluster has it).
+
+Each peer's files, in the order both ends list them, are one stream of bytes cut into chunks; a wave moves
+one chunk of each stream at once (one NCCL group call). A chunk sent: copied from the tier's mapping into a
+pinned slot (threads of a pool: copies from host memory are the slowest hop), copied to the GPU on the
+stream, sent. A chunk received: received on the GPU, copied to a pinned slot on the stream, copied into the
+mapping of its temporary by the pool. The stream runs up to `slots` waves ahead of the host copies; a slot is
+filled again only once the GPU has read it, and read again only once the pool has emptied it (CUDA events).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .replica_transfer import Transfer
+
+CHUNK = 32 << 20  # bytes of a slot: NCCL moves 32 MiB messages near the link's peak
+SLOTS = 4  # waves the stream runs ahead of the host copies
+THREADS = 4  # host copies at once: one copy thread moves a few GB/s, a link tens
+
+
+@dataclasses.dataclass
+class _Stream:
+    """One peer's files in one direction, laid end to end."""
+
+    peer: int
+    files: list[Transfer]
+    starts: list[int]  # each file's offset in the stream
+    total: int
+
+    @classmethod
+    def of(cls, transfers: list[Transfer]) -> list[_Stream]:
+        out: dict[int, _Stream] = {}
+        for t in transfers:
+            s = out.setdefault(t.peer, cls(t.peer, [], [], 0))
+            s.files.append(t)
+            s.starts.append(s.total)
+            s.total += t.nbytes
+        return list(out.values())
+
+    def size(self, wave: int, chunk: int) -> int:
+        return max(0, min(chunk, self.total - wave * chunk))
+
+    def copy(self, wave: int, chunk: int, slot: torch.Tensor, into_slot: bool) -> None:
+        """The wave's bytes between the files' mappings and `slot` (into it, or out of it)."""
+        lo = wave * chunk
+        hi = lo + self.size(wave, chunk)
+        i = max(0, bisect.bisect_right(self.starts, lo) - 1)
+        while lo < hi:
+            t, start = self.files[i], self.starts[i]
+            n = min(hi, start + t.nbytes) - lo
+            if n > 0:
+                assert t.buf is not None
+                part, at = t.buf[lo - start : lo - start + n], lo - wave * chunk
+                if into_slot:
+                    slot[at : at + n].copy_(part)
+                else:
+                    part.copy_(slot[at : at + n])
+                lo += n
+            i += 1
+
+
+class NcclLink:
+    """Moves files between ranks over `group` (an NCCL group over every rank, made for this link only) on
+    `device`. One transfer at a time (the replicator's thread, or the restart)."""
+
+    name = "nccl"
+
+    def __init__(
+        self, group: Any, device: torch.device, chunk: int = CHUNK, slots: int = SLOTS, threads: int = THREADS
+    ) -> None:
+        self.group, self.device, self.chunk, self.slots = group, device, chunk, slots
+        self.stream = torch.cuda.Stream(device=device)
+        # Its threads wait on CUDA events: on this device, where a thread's default would open device 0.
+        self._pool = ThreadPoolExecutor(
+            threads, "datastates-replica-copy", initializer=torch.cuda.set_device, initargs=(device,)
+        )
+        self._buffers: dict[str, list[list[tuple[torch.Tensor, torch.Tensor]]]] = {"out": [], "in": []}
+
+    def reserve(self, outs: int, ins: int) -> None:
+        """Buffers for `outs` peers sent to and `ins` received from, made now: pinning memory holds the CUDA
+        driver's locks, which a training step would wait on, so it is done before training where it can."""
+        for way, n in (("out", outs), ("in", ins)):
+            while len(self._buffers[way]) < n:
+                self._buffers[way].append(
+                    [
+                        (
+                            torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True),
+                            torch.empty(self.chunk, dtype=torch.uint8, device=self.device),
+                        )
+                        for _ in range(self.slots)
+                    ]
+                )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def move(self, sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0) -> float:
+        """Sends and receives every transfer's bytes at once (both ends list a pair's files in the same
+        order); keeps the bytes sent under `gbps` GB/s (0: no limit). Returns the seconds it took."""
+        t0 = time.monotonic()
+        torch.cuda.set_device(self.device)  # this thread's device: NCCL calls need it
+        outs, ins = _Stream.of(sends), _Stream.of(recvs)
+        self.reserve(len(outs), len(ins))
+        c, slots = self.chunk, self.slots
+        out_bufs, in_bufs = self._buffers["out"], self._buffers["in"]
+        waves = max([-(-s.total // c) for s in outs + ins] or [0])
+        read = [torch.cuda.Event() for _ in range(slots)]  # the GPU has read the wave's pinned slots
+        written = [torch.cuda.Event() for _ in range(slots)]  # the GPU has written them
+        fills: dict[int, list[Future]] = {}
+        drains: dict[int, list[Future]] = {}
+
+        def fill(wave: int) -> None:  # the wave's chunks sent, into their slots, once the GPU has read them
+            if wave < waves:
+                k = wave % slots
+                fills[wave] = [
+                    self._pool.submit(_after, read[k], s.copy, wave, c, out_bufs[j][k][0], True)
+                    for j, s in enumerate(outs)
+                    if s.size(wave, c)
+                ]
+
+        sent = 0
+        try:
+            for wave in range(min(slots, waves)):
+                fill(wave)
+            for wave in range(waves):
+                k = wave % slots
+                for f in fills.pop(wave):
+                    f.result()
+                for f in drains.pop(wave - slots, []):  # the slots this wave's chunks received go to
+                    f.result()
+                ops = []
+                with torch.cuda.stream(self.stream):
+                    for j, s in enumerate(outs):
+                        if n := s.size(wave, c):
+                            host, gpu = out_bufs[j][k]
+                            gpu[:n].copy_(host[:n], non_blocking=True)
+                            ops.append(dist.P2POp(dist.isend, gpu[:n], s.peer, self.group))
+                            sent += n
+                    read[k].record(self.stream)
+                    fill(wave + slots)
+                    for j, s in enumerate(ins):
+                        if n := s.size(wave, c):
+                            ops.append(dist.P2POp(dist.irecv, in_bufs[j][k][1][:n], s.peer, self.group))
+                    for work in dist.batch_isend_irecv(ops) if ops else []:
+                        work.wait()  # the stream waits for NCCL's, the host does not
+                    for j, s in enumerate(ins):
+                        if n := s.size(wave, c):
+                            host, gpu = in_bufs[j][k]
+                            host[:n].copy_(gpu[:n], non_blocking=True)
+                    written[k].record(self.stream)
+                drains[wave] = [
+                    self._pool.submit(_after, written[k], s.copy, wave, c, in_bufs[j][k][0], False)
+                    for j, s in enumerate(ins)
+                    if s.size(wave, c)
+                ]
+                if gbps > 0:
+                    ahead = sent / (gbps * 1e9) - (time.monotonic() - t0)
+                    if ahead > 0:
+                        time.sleep(ahead)
+            for futures in list(drains.values()):
+                for f in futures:
+                    f.result()
+        finally:  # nothing of this move left running on the buffers
+            for futures in (*fills.values(), *drains.values()):
+                for f in futures:
+                    f.cancel()
+                    if not f.cancelled():
+                        f.exception()
+            self.stream.synchronize()
+        return time.monotonic() - t0
+
+
+def _after(event: torch.cuda.Event, copy: Any, *args: Any) -> None:
+    event.synchronize()
+    copy(*args)

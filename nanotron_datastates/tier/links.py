@@ -1,0 +1,71 @@
+"""The way replicas' bytes travel between ranks (`Link`), chosen once for the job (`open_link`,
+`memory_replica_transport`): NCCL through the GPUs (link_nccl.py) where every rank has one and PyTorch has
+NCCL, else gloo from host memory over TCP (`GlooLink`). The choice is named in the log and the telemetry.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from .replica_transfer import CHUNK, ReplicaError, Transfer, gather, move
+
+
+class Link(Protocol):
+    """Moves files' bytes between ranks, every rank of the group at once (both ends of a pair list its
+    files in the same order); paced to `gbps` GB/s sent (0: no limit); returns the seconds it took."""
+
+    name: str
+
+    def move(self, sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0) -> float: ...
+
+    def close(self) -> None: ...
+
+
+class GlooLink:
+    """Host memory to host memory over a gloo group, in messages of `chunk` bytes."""
+
+    name = "gloo"
+
+    def __init__(self, group: Any, chunk: int = CHUNK) -> None:
+        self.group, self.chunk = group, chunk
+
+    def move(self, sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0) -> float:
+        return move(self.group, sends, recvs, gbps, self.chunk)
+
+    def close(self) -> None:
+        pass
+
+
+def nccl_here() -> str | None:
+    """Why this rank cannot move replicas through NCCL (None: it can)."""
+    if not dist.is_nccl_available():
+        return "PyTorch was built without NCCL"
+    if not torch.cuda.is_available():
+        return "no GPU"
+    return None
+
+
+def open_link(gloo: Any, transport: str = "auto", chunk: int | None = None) -> Link:
+    """The job's link (collective: every rank calls it, with the same `transport`): 'nccl' makes an NCCL
+    group of its own over every rank (its communicator opened now, on this rank's current GPU, not at the
+    first transfer) and fails, naming the setting and the rank, where a rank cannot use it; 'gloo' uses
+    `gloo`, a gloo group over every rank; 'auto' takes NCCL where every rank can, else gloo. `chunk`: the
+    bytes of a message (default: each link's own)."""
+    asked = gather(gloo, nccl_here() if transport != "gloo" else "not asked for")
+    cannot = [(rank, why) for rank, why in enumerate(asked) if why]
+    if transport == "nccl" and cannot:
+        rank, why = cannot[0]
+        raise ReplicaError(f"datastates.memory_replica_transport=nccl: rank {rank} cannot use NCCL ({why})")
+    if cannot:
+        return GlooLink(gloo, chunk or CHUNK)
+    from .link_nccl import CHUNK as NCCL_CHUNK
+    from .link_nccl import NcclLink
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    group = dist.new_group(backend="nccl")
+    dist.all_reduce(torch.zeros(1, device=device), group=group)  # opens the communicator, every rank at once
+    torch.cuda.synchronize(device)
+    return NcclLink(group, device, chunk or NCCL_CHUNK)
