@@ -29,7 +29,7 @@ B=benchmarks
 run_step() {
   case "$1" in
     tests) python3 -m pytest -q -rs tests/test_gpu.py tests/test_engine.py tests/test_streaming.py \
-      tests/test_restore_from_memory.py ;;
+      tests/test_restore_from_memory.py tests/test_replicas.py ;;
     tier-read) # the memory tier's read into GPU memory: mapped against read(2), 4-16 parser threads
       python3 $B/micro/bench_tier_read.py --out "$OUT/tier-read" ;;
     dd | ddread) bash $B/disk.sh "$1" "$WORK" ;;
@@ -178,6 +178,13 @@ run_step() {
       # after a checkpoint (its tier wiped), the job started again; also each engine's restore from storage
       (cd $B && python3 bench_restart.py all --model 180m --step 20 --dp 2 --lose-node --work "$WORK/rs180n" \
         --out "$OUT/restart-180m-lost-node" ${RESTART_ONLY:+--only $RESTART_ONLY}) ;;
+    replica-link) # memory replicas between two simulated nodes of one GPU each: 14.5 GB a rank, each way at once,
+      # over gloo and NCCL (NVLink here)
+      (cd $B/micro && python3 bench_replica_link.py --out "$OUT/replica-link" ${BENCH_ARGS:-}) ;;
+    restart-1b-lost-node) # the 1.1B model on two simulated nodes of one GPU each (dp=2), replicas on, the second
+      # node lost after the checkpoint at step 10: from the peer's memory, against storage and native
+      (cd $B && python3 bench_restart.py all --model 1b --step 10 --dp 2 --lose-node --cache-gib 16 \
+        --work "$WORK/rs1bn" --out "$OUT/restart-1b-lost-node" ${RESTART_ONLY:+--only $RESTART_ONLY}) ;;
     restart-1b) (cd $B && python3 bench_restart.py all --model 1b --step 10 --cache-gib 16 --work "$WORK/rs1b" \
       --out "$OUT/restart-1b" ${RESTART_ONLY:+--only $RESTART_ONLY} ${TIER_COPIES:+--tier-copies $TIER_COPIES} \
       ${RESTART_REPEATS:+--repeats $RESTART_REPEATS}) ;;

@@ -1,0 +1,166 @@
+"""How fast memory replicas travel between two simulated nodes of one GPU each (2 GPUs): each rank holds
+`--gb` GB of checkpoint files in its own tier folder in /dev/shm (the 1.1B model's 14.5 GB a rank, in
+`--files` files) and sends them to the other while receiving the other's, as the replicator does after a
+commit: files mapped from the tier, received into new temporaries of the peer's tier (fresh pages, as in
+training), through each link (tier/links.py):
+
+* `gloo`: host memory to host memory over TCP (loopback here);
+* `nccl`: through the GPUs (NVLink between the two GPUs here, standing in for the network between nodes),
+  with its default buffers, and variants of its chunk size and copy threads.
+
+Per link and round: `move_s` (the transfer, as the telemetry's `seconds`), `gbps` (bytes one rank sends per
+second: the rate of the node pair in each direction) and whether every received byte equals the sent one.
+
+    python3 benchmarks/micro/bench_replica_link.py --out DIR [--gb 14.5 --files 8 --rounds 3]
+
+Writes DIR/bench_replica_link.json with every value and the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the helpers in benchmarks/
+from _common import command_info, host_info  # noqa: E402
+
+# name: (transport, NcclLink keyword arguments)
+LINKS: dict[str, tuple[str, dict[str, int]]] = {
+    "gloo": ("gloo", {}),
+    "nccl": ("nccl", {}),
+    "nccl-threads8": ("nccl", {"threads": 8}),
+    "nccl-chunk64m": ("nccl", {"chunk": 64 << 20}),
+}
+
+
+def _fill(folder: Path, rank: int, gb: float, files: int) -> list[tuple[str, int]]:
+    """`files` files of `gb` GB in all, each byte a function of rank, file and offset (checked at the end)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    size = int(gb * 1e9) // files
+    out = []
+    for i in range(files):
+        rel = f"f{i}.safetensors"
+        block = (torch.arange(64 << 20, dtype=torch.int64) * (rank * 31 + i * 7 + 1) % 251).to(torch.uint8)
+        with open(folder / rel, "wb") as f:
+            for lo in range(0, size, block.numel()):
+                f.write(block[: min(block.numel(), size - lo)].numpy().tobytes())
+        out.append((rel, size))
+    return out
+
+
+def _expected(rank: int, i: int, lo: int, n: int) -> torch.Tensor:
+    at = (torch.arange(lo, lo + n, dtype=torch.int64) % (64 << 20)) * (rank * 31 + i * 7 + 1) % 251
+    return at.to(torch.uint8)
+
+
+def _rank(rank: int, args: argparse.Namespace, init: str) -> None:
+    from nanotron_datastates.tier.link_nccl import NcclLink
+    from nanotron_datastates.tier.links import GlooLink
+    from nanotron_datastates.tier.replica_transfer import Transfer, open_all
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    gloo = dist.new_group(backend="gloo")
+    nccl = None
+    if torch.cuda.is_available():  # without: gloo only (a check of the benchmark itself)
+        torch.cuda.set_device(rank)
+        nccl = dist.new_group(backend="nccl")
+        dist.all_reduce(torch.zeros(1, device="cuda"), group=nccl)
+    peer = 1 - rank
+    shm = Path(args.shm) / f"node{rank}"
+    files = _fill(shm / "own", rank, args.gb, args.files)
+    results: dict[str, list[dict[str, Any]]] = {}
+    links: dict[str, Any] = {}
+    for rnd in range(args.rounds):
+        for name in args.links.split(","):
+            transport, kw = LINKS[name]
+            if transport == "gloo" and rnd > 0:
+                continue  # one round: it takes seconds a GB
+            if name not in links:
+                links[name] = (
+                    GlooLink(gloo) if transport == "gloo" else NcclLink(nccl, torch.device("cuda"), **kw)
+                )
+            link = links[name]
+            sends = [Transfer(peer, rel, n) for rel, n in files]
+            recvs = [Transfer(peer, rel, n) for rel, n in files]
+            into = shm / "replicas"
+            into.mkdir(parents=True, exist_ok=True)
+            with contextlib.ExitStack() as stack:
+                problems = open_all(stack, gloo, sends, lambda t: shm / "own", recvs, into)
+                assert not problems, problems
+                dist.barrier(group=gloo)
+                seconds = link.move(sends, recvs)
+                equal = all(
+                    torch.equal(
+                        t.buf[lo : lo + (1 << 20)], _expected(peer, i, lo, min(1 << 20, t.nbytes - lo))
+                    )
+                    for i, t in enumerate(recvs)
+                    for lo in (0, t.nbytes // 2, max(0, t.nbytes - (1 << 20)))
+                )
+            nbytes = sum(t.nbytes for t in sends)
+            results.setdefault(name, []).append(
+                {"round": rnd, "move_s": seconds, "bytes_sent": nbytes, "gbps": nbytes / seconds / 1e9,
+                 "equal": equal}
+            )  # fmt: skip
+            print(f"rank {rank} {name} round {rnd}: {nbytes / 1e9:.2f} GB in {seconds:.2f} s", flush=True)
+    for link in links.values():
+        link.close()
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier(group=gloo)
+    shutil.rmtree(shm, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--gb", type=float, default=14.5, help="GB of files a rank (default 14.5: the 1.1B model)")
+    p.add_argument("--files", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--links", default=",".join(LINKS))
+    p.add_argument("--shm", default=f"/dev/shm/bench-replica-link-{os.getuid()}")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    init = f"file://{out / 'rendezvous'}"
+    t0 = time.monotonic()
+    mp.start_processes(_rank, args=(args, init), nprocs=2, start_method="spawn")
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    summary = {}
+    for name in ranks[0]:
+        pairs = list(zip(ranks[0][name], ranks[1][name]))  # a round's slower rank sets its pace
+        summary[name] = {
+            "median_gbps": statistics.median(min(a["gbps"], b["gbps"]) for a, b in pairs),
+            "median_move_s": statistics.median(max(a["move_s"], b["move_s"]) for a, b in pairs),
+            "all_equal": all(r["equal"] for rk in ranks for r in rk[name]),
+        }
+    doc = {
+        "command": "bench_replica_link.py " + " ".join(sys.argv[1:]),
+        "invocation": command_info(),
+        "host": host_info([args.shm]),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "gb_per_rank": args.gb,
+        "files": args.files,
+        "summary": summary,
+        "ranks": ranks,
+        "wall_s": time.monotonic() - t0,
+    }
+    (out / "bench_replica_link.json").write_text(json.dumps(doc, indent=1))
+    for r in range(2):
+        (out / f"rank{r}.json").unlink()
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
