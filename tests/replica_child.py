@@ -174,7 +174,9 @@ def links(rank: int, world: int, node: int, init: str, work: str) -> None:
     """The link each transport setting gives this rank: its name, or the error's message."""
     from nanotron_datastates.tier.links import open_link
 
-    dist = _start(rank, world, node, init)
+    import torch
+
+    dist = _start(rank, world, node, init, "nccl" if torch.cuda.is_available() else "gloo")
     group = dist.new_group(backend="gloo")
     got = {}
     for transport in ("auto", "gloo", "nccl"):

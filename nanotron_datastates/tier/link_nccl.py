@@ -79,6 +79,8 @@ class NcclLink:
     def __init__(
         self, group: Any, device: torch.device, chunk: int = CHUNK, slots: int = SLOTS, threads: int = THREADS
     ) -> None:
+        if device.index is None:  # `cuda`: the current device, named (threads other than this one use it)
+            device = torch.device("cuda", torch.cuda.current_device())
         self.group, self.device, self.chunk, self.slots = group, device, chunk, slots
         self.stream = torch.cuda.Stream(device=device)
         # Its threads wait on CUDA events: on this device, where a thread's default would open device 0.
