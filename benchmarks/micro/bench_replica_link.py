@@ -42,7 +42,65 @@ LINKS: dict[str, tuple[str, dict[str, int]]] = {
     "nccl": ("nccl", {}),
     "nccl-threads8": ("nccl", {"threads": 8}),
     "nccl-chunk64m": ("nccl", {"chunk": 64 << 20}),
+    "nccl-prefaulted": ("nccl", {}),  # into temporaries whose pages exist already (as a recycled file's)
 }
+
+
+def _threads(k: int, n: int, work: Any) -> float:
+    """Seconds for `work(i)` over i < n on k threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(k) as pool:
+        list(pool.map(work, range(n)))
+    return time.monotonic() - t0
+
+
+def _probe(rank: int, shm: Path, gb: float, group: Any) -> dict[str, float]:
+    """Each hop of the NCCL link alone, GB/s: host copies into fresh and into resident tmpfs pages and out of
+    them into pinned memory (1, 4 and 8 threads), the copies to and from the GPU, NCCL's exchange."""
+    import mmap
+
+    chunk = 32 << 20
+    n = int(gb * 1e9) // chunk
+    out: dict[str, float] = {}
+    pinned = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(8)]
+    for k in (1, 4, 8):
+        path = shm / f"probe{k}"
+        with open(path, "wb+") as f:
+            f.truncate(n * chunk)
+            m = mmap.mmap(f.fileno(), n * chunk)
+        buf = torch.frombuffer(m, dtype=torch.uint8)
+        for what, into in (("fresh_write", True), ("resident_write", True), ("read_to_pinned", False)):
+
+            def work(i: int, buf: torch.Tensor = buf, into: bool = into) -> None:
+                a, b = buf[i * chunk : (i + 1) * chunk], pinned[i % 8]
+                (a.copy_(b) if into else b.copy_(a))
+
+            out[f"{what}_{k}t_gbps"] = n * chunk / _threads(k, n, work) / 1e9
+        del buf
+        m.close()
+        path.unlink()
+    gpu = [torch.empty(chunk, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    for what, src, dst in (("h2d", pinned[0], gpu[0]), ("d2h", gpu[0], pinned[0])):
+        torch.cuda.synchronize()
+        t0 = time.monotonic()
+        for _ in range(n):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        out[f"{what}_gbps"] = n * chunk / (time.monotonic() - t0) / 1e9
+    dist.barrier()
+    t0 = time.monotonic()
+    for _ in range(n):
+        ops = [
+            dist.P2POp(dist.isend, gpu[0], 1 - rank, group),
+            dist.P2POp(dist.irecv, gpu[1], 1 - rank, group),
+        ]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+    torch.cuda.synchronize()
+    out["nccl_exchange_gbps"] = n * chunk / (time.monotonic() - t0) / 1e9
+    return out
 
 
 def _fill(folder: Path, rank: int, gb: float, files: int) -> list[tuple[str, int]]:
@@ -99,6 +157,9 @@ def _rank(rank: int, args: argparse.Namespace, init: str) -> None:
             with contextlib.ExitStack() as stack:
                 problems = open_all(stack, gloo, sends, lambda t: shm / "own", recvs, into)
                 assert not problems, problems
+                if name == "nccl-prefaulted":
+                    for t in recvs:
+                        t.buf.fill_(1)
                 dist.barrier(group=gloo)
                 seconds = link.move(sends, recvs)
                 equal = all(
@@ -116,6 +177,8 @@ def _rank(rank: int, args: argparse.Namespace, init: str) -> None:
             print(f"rank {rank} {name} round {rnd}: {nbytes / 1e9:.2f} GB in {seconds:.2f} s", flush=True)
     for link in links.values():
         link.close()
+    if args.probe and nccl is not None:
+        results["probe"] = [_probe(rank, shm, args.probe, nccl)]
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier(group=gloo)
     shutil.rmtree(shm, ignore_errors=True)
@@ -130,6 +193,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--links", default=",".join(LINKS))
     p.add_argument("--shm", default=f"/dev/shm/bench-replica-link-{os.getuid()}")
+    p.add_argument("--probe", type=float, default=0.0, help="GB: each hop of the NCCL link alone (0: none)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -137,7 +201,9 @@ def main() -> None:
     t0 = time.monotonic()
     mp.start_processes(_rank, args=(args, init), nprocs=2, start_method="spawn")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    summary = {}
+    summary: dict[str, Any] = {}
+    if "probe" in ranks[0]:
+        summary["probe"] = [rk.pop("probe")[0] for rk in ranks]
     for name in ranks[0]:
         pairs = list(zip(ranks[0][name], ranks[1][name]))  # a round's slower rank sets its pace
         summary[name] = {
