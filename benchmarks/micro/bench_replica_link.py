@@ -128,6 +128,7 @@ def _rank(rank: int, args: argparse.Namespace, init: str) -> None:
     from nanotron_datastates.tier.links import GlooLink
     from nanotron_datastates.tier.replica_transfer import Transfer, open_all
 
+    torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1 leaves a trainer
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     gloo = dist.new_group(backend="gloo")
     nccl = None
