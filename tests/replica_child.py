@@ -80,10 +80,18 @@ def save(
         dist.all_gather_object(nodes, rep.node_key())
         group = dist.new_group(backend="gloo")
         link = open_link(group, transport, chunk)
-        replicator = rep.Replicator(
-            tier, rep.placement(nodes, replicas), group, engine, gbps=gbps, link=link,
-            on_done=lambda r: (out / f"replicated{rank}-{r.step}.txt").write_text(rep.describe(r)),
-        )  # fmt: skip
+        holders = rep.placement(nodes, replicas)
+
+        def done(r: Any) -> None:  # the log line, and the inode of each replica file received
+            inodes = {
+                f"{s}/{rel}": os.stat(rep.replica_area(tier, s).path(r.step, rel)).st_ino
+                for s in [s for s, hs in enumerate(holders) if rank in hs]
+                for rel in files(s)
+            }
+            (out / f"inodes{rank}-{r.step}.json").write_text(json.dumps(inodes))
+            (out / f"replicated{rank}-{r.step}.txt").write_text(rep.describe(r))
+
+        replicator = rep.Replicator(tier, holders, group, engine, gbps=gbps, link=link, on_done=done)
 
     def mark(result: Any) -> None:  # on the committer's thread, as the trainer's Saver reports
         if result.committed:
@@ -172,9 +180,9 @@ def temporaries(root: Path) -> list[str]:
 
 def links(rank: int, world: int, node: int, init: str, work: str) -> None:
     """The link each transport setting gives this rank: its name, or the error's message."""
-    from nanotron_datastates.tier.links import open_link
-
     import torch
+
+    from nanotron_datastates.tier.links import open_link
 
     dist = _start(rank, world, node, init, "nccl" if torch.cuda.is_available() else "gloo")
     group = dist.new_group(backend="gloo")

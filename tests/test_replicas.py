@@ -81,6 +81,10 @@ def test_a_lost_node_resumes_from_its_peers_memory_bit_for_bit(tmp_path, ctx):
     procs = _job(ctx, child.save, tmp_path, "save", 3, 1, 0.0, 1 << 20)
     _wait_for(lambda: all((tmp_path / f"done{r}").exists() for r in range(WORLD)), "the saves")
     assert "received from rank(s) 0" in (tmp_path / "replicated2-3.txt").read_text()
+    inodes = [json.loads((tmp_path / f"inodes2-{step}.json").read_text()) for step in (1, 2, 3)]
+    assert inodes[2] == inodes[0] != inodes[1]  # the third replica received into the first one's files
+    area = MemoryTier(child.tier_root(tmp_path, 1), tmp_path / "ckpt", 0, area=REPLICAS)
+    assert area.steps() == [2, 3]  # the spare and the newest
     _lose_node(procs, tmp_path, 1)
     out = _restart(ctx, tmp_path, 1)
     for r, o in enumerate(out):
@@ -140,12 +144,14 @@ def test_the_link_is_nccl_where_every_rank_has_a_gpu_else_gloo_and_a_forced_nccl
             assert got["nccl"].startswith("ReplicaError: datastates.memory_replica_transport=nccl: rank 0")
 
 
-def test_nccl_streams_lay_each_peers_files_end_to_end_in_chunks_that_cross_files():
+def test_nccl_streams_lay_each_peers_files_end_to_end_in_chunks_that_cross_files(monkeypatch):
     """The NCCL link's waves (on the host: the slots a wave fills and empties): every byte of every file
     reaches its place at the other end, with chunks that straddle files and files of no bytes."""
+    from nanotron_datastates.tier import link_nccl
     from nanotron_datastates.tier.link_nccl import _Stream
     from nanotron_datastates.tier.replica_transfer import Transfer
 
+    monkeypatch.setattr(link_nccl, "PIECE", 1000)  # pieces of a thread each that straddle files too
     sizes, chunk = [5000, 0, 70001, 1, 12345], 4096
     sends = [Transfer(1 + i % 2, f"f{i}", n, torch.randint(0, 256, (n,), dtype=torch.uint8)) for i, n in
              enumerate(sizes)]  # fmt: skip
@@ -158,8 +164,10 @@ def test_nccl_streams_lay_each_peers_files_end_to_end_in_chunks_that_cross_files
         for wave in range(-(-a.total // chunk)):
             n = a.size(wave, chunk)
             assert 0 < n <= chunk and n == b.size(wave, chunk)
-            a.copy(wave, chunk, slot, into_slot=True)
-            b.copy(wave, chunk, slot, into_slot=False)
+            for part in a.parts(wave, chunk):
+                a.copy(wave, chunk, slot, True, part)
+            for part in b.parts(wave, chunk):
+                b.copy(wave, chunk, slot, False, part)
     for s, r in zip(sends, recvs):
         assert torch.equal(s.buf, r.buf), s.rel
 

@@ -6,7 +6,8 @@ training), through each link (tier/links.py):
 
 * `gloo`: host memory to host memory over TCP (loopback here);
 * `nccl`: through the GPUs (NVLink between the two GPUs here, standing in for the network between nodes),
-  with its default buffers, and variants of its chunk size and copy threads.
+  with its default buffers, and variants of its chunk size and copy threads; `nccl-recycled` receives into
+  the files of an older copy (the replicator's spare, from the third checkpoint on) instead of new ones.
 
 Per link and round: `move_s` (the transfer, as the telemetry's `seconds`), `gbps` (bytes one rank sends per
 second: the rate of the node pair in each direction) and whether every received byte equals the sent one.
@@ -40,9 +41,9 @@ from _common import command_info, host_info  # noqa: E402
 LINKS: dict[str, tuple[str, dict[str, int]]] = {
     "gloo": ("gloo", {}),
     "nccl": ("nccl", {}),
-    "nccl-threads8": ("nccl", {"threads": 8}),
+    "nccl-threads4": ("nccl", {"threads": 4}),
     "nccl-chunk64m": ("nccl", {"chunk": 64 << 20}),
-    "nccl-prefaulted": ("nccl", {}),  # into temporaries whose pages exist already (as a recycled file's)
+    "nccl-recycled": ("nccl", {}),  # into an older replica's files, as the replicator does from the third on
 }
 
 
@@ -155,12 +156,13 @@ def _rank(rank: int, args: argparse.Namespace, init: str) -> None:
             recvs = [Transfer(peer, rel, n) for rel, n in files]
             into = shm / "replicas"
             into.mkdir(parents=True, exist_ok=True)
+            if name == "nccl-recycled":  # the spare's files: written before the transfer, taken over by it
+                for t in recvs:
+                    t.donor = shm / "spare" / t.rel
+                _fill(shm / "spare", peer, args.gb, args.files)
             with contextlib.ExitStack() as stack:
                 problems = open_all(stack, gloo, sends, lambda t: shm / "own", recvs, into)
                 assert not problems, problems
-                if name == "nccl-prefaulted":
-                    for t in recvs:
-                        t.buf.fill_(1)
                 dist.barrier(group=gloo)
                 seconds = link.move(sends, recvs)
                 equal = all(

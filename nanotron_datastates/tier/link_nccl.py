@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -26,7 +27,15 @@ from .replica_transfer import Transfer
 
 CHUNK = 32 << 20  # bytes of a slot: NCCL moves 32 MiB messages near the link's peak
 SLOTS = 4  # waves the stream runs ahead of the host copies
-THREADS = 4  # host copies at once: one copy thread moves a few GB/s, a link tens
+PIECE = 8 << 20  # bytes of a chunk one host thread copies: a wave's chunks spread over the threads
+
+
+def default_threads() -> int:
+    """Host copies at once: one thread copies about 5 GB/s between pinned and mapped memory, an NVLink or a
+    400 Gb/s NIC carries tens; up to 8 a rank, from the CPUs the node's ranks (torchrun's LOCAL_WORLD_SIZE)
+    share, 2 of each rank's left to training."""
+    share = len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(2, min(8, share - 2))
 
 
 @dataclasses.dataclass
@@ -51,23 +60,27 @@ class _Stream:
     def size(self, wave: int, chunk: int) -> int:
         return max(0, min(chunk, self.total - wave * chunk))
 
-    def copy(self, wave: int, chunk: int, slot: torch.Tensor, into_slot: bool) -> None:
-        """The wave's bytes between the files' mappings and `slot` (into it, or out of it)."""
-        lo = wave * chunk
-        hi = lo + self.size(wave, chunk)
+    def copy(self, wave: int, chunk: int, slot: torch.Tensor, into_slot: bool, part: tuple[int, int]) -> None:
+        """The bytes [a, b) of the wave's chunk between the files' mappings and `slot` (into it, or out)."""
+        base = wave * chunk
+        lo, hi = base + part[0], base + min(part[1], self.size(wave, chunk))
         i = max(0, bisect.bisect_right(self.starts, lo) - 1)
         while lo < hi:
             t, start = self.files[i], self.starts[i]
             n = min(hi, start + t.nbytes) - lo
             if n > 0:
                 assert t.buf is not None
-                part, at = t.buf[lo - start : lo - start + n], lo - wave * chunk
+                mapped, at = t.buf[lo - start : lo - start + n], lo - base
                 if into_slot:
-                    slot[at : at + n].copy_(part)
+                    slot[at : at + n].copy_(mapped)
                 else:
-                    part.copy_(slot[at : at + n])
+                    mapped.copy_(slot[at : at + n])
                 lo += n
             i += 1
+
+    def parts(self, wave: int, chunk: int) -> list[tuple[int, int]]:
+        """The wave's chunk in pieces a thread each (PIECE bytes)."""
+        return [(a, a + PIECE) for a in range(0, self.size(wave, chunk), PIECE)]
 
 
 class NcclLink:
@@ -77,15 +90,21 @@ class NcclLink:
     name = "nccl"
 
     def __init__(
-        self, group: Any, device: torch.device, chunk: int = CHUNK, slots: int = SLOTS, threads: int = THREADS
+        self,
+        group: Any,
+        device: torch.device,
+        chunk: int = CHUNK,
+        slots: int = SLOTS,
+        threads: int | None = None,
     ) -> None:
         if device.index is None:  # `cuda`: the current device, named (threads other than this one use it)
             device = torch.device("cuda", torch.cuda.current_device())
         self.group, self.device, self.chunk, self.slots = group, device, chunk, slots
         self.stream = torch.cuda.Stream(device=device)
         # Its threads wait on CUDA events: on this device, where a thread's default would open device 0.
+        self.threads = threads or default_threads()
         self._pool = ThreadPoolExecutor(
-            threads, "datastates-replica-copy", initializer=torch.cuda.set_device, initargs=(device,)
+            self.threads, "datastates-replica-copy", initializer=torch.cuda.set_device, initargs=(device,)
         )
         self._buffers: dict[str, list[list[tuple[torch.Tensor, torch.Tensor]]]] = {"out": [], "in": []}
 
@@ -126,9 +145,9 @@ class NcclLink:
             if wave < waves:
                 k = wave % slots
                 fills[wave] = [
-                    self._pool.submit(_after, read[k], s.copy, wave, c, out_bufs[j][k][0], True)
+                    self._pool.submit(_after, read[k], s.copy, wave, c, out_bufs[j][k][0], True, part)
                     for j, s in enumerate(outs)
-                    if s.size(wave, c)
+                    for part in s.parts(wave, c)
                 ]
 
         sent = 0
@@ -162,9 +181,9 @@ class NcclLink:
                             host[:n].copy_(gpu[:n], non_blocking=True)
                     written[k].record(self.stream)
                 drains[wave] = [
-                    self._pool.submit(_after, written[k], s.copy, wave, c, in_bufs[j][k][0], False)
+                    self._pool.submit(_after, written[k], s.copy, wave, c, in_bufs[j][k][0], False, part)
                     for j, s in enumerate(ins)
-                    if s.size(wave, c)
+                    for part in s.parts(wave, c)
                 ]
                 if gbps > 0:
                     ahead = sent / (gbps * 1e9) - (time.monotonic() - t0)

@@ -44,6 +44,7 @@ class Transfer:
     buf: torch.Tensor | None = None
     temporary: Path | None = None  # a receive's, renamed to `into/rel` once checked
     into: Path | None = None
+    donor: Path | None = None  # a receive's: an older copy's file to take over (its pages exist already)
 
 
 def _as_tensor(mapping: mmap.mmap | None) -> torch.Tensor:
@@ -85,11 +86,15 @@ def _mapped_file(folder: Path, t: Transfer) -> Iterator[None]:
 def _temporary(folder: Path, t: Transfer) -> Iterator[None]:
     """`t.buf`: a new temporary beside `folder/t.rel`, of its size, mapped to receive it; removed on the way
     out unless renamed to `t.rel` by then. Its folders are made and opened, and it is created, with no link
-    followed (trust.UntrustedPath)."""
+    followed (trust.UntrustedPath). With `t.donor` (a file of an older copy in the same tier), that file is
+    renamed to the temporary and overwritten instead: receiving into pages that exist runs at memory speed,
+    where new pages of a tmpfs are allocated one fault at a time; a new file where the donor cannot be."""
     parts = (folder.name, *trust.relative_name(t.rel, str(folder)).parts)  # from the private folder above
     tmp = Path(*parts[:-1], f".{parts[-1]}.dstmp.{os.getpid()}.{next(_temporaries)}")
     with trust.walk_dir(folder.parent, parts[:-1], create=True) as dir_fd:
-        fd = os.open(tmp.name, trust.NEW_FILE, 0o600, dir_fd=dir_fd)
+        fd = _take_over(folder.parent, t.donor, tmp, dir_fd) if t.donor is not None else None
+        if fd is None:
+            fd = os.open(tmp.name, trust.NEW_FILE, 0o600, dir_fd=dir_fd)
     mapping = None
     try:
         os.ftruncate(fd, t.nbytes)
@@ -110,6 +115,24 @@ def _temporary(folder: Path, t: Transfer) -> Iterator[None]:
         if t.temporary is not None:
             with contextlib.suppress(OSError):
                 trust.unlink_in(folder.parent, str(tmp))
+
+
+def _take_over(top: Path, donor: Path, tmp: Path, dir_fd: int) -> int | None:
+    """The donor file (under `top`) renamed to `top/tmp` and opened (`dir_fd`: tmp's folder), or None where
+    it cannot be: gone, not under `top`, or not a regular file of this user's once there (then removed)."""
+    try:
+        trust.rename_in(top, str(donor.relative_to(top)), str(tmp))
+        fd = os.open(tmp.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError):
+            os.unlink(tmp.name, dir_fd=dir_fd)
+        return None
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1:
+        return fd
+    os.close(fd)
+    os.unlink(tmp.name, dir_fd=dir_fd)
+    return None
 
 
 def move(

@@ -61,9 +61,10 @@ def placement(nodes: list[str], replicas: int) -> list[list[int]]:
     return out
 
 
-def replica_area(tier: MemoryTier, source: int) -> MemoryTier:
-    """The replicas this node keeps in `tier`'s job folder, as seen by the rank they belong to."""
-    return MemoryTier(tier.base, tier.checkpoints, source, copies=1, area=REPLICAS)
+def replica_area(tier: MemoryTier, source: int, copies: int = 1) -> MemoryTier:
+    """The replicas this node keeps in `tier`'s job folder, as seen by the rank they belong to; with 2
+    `copies`, the replica held before the newest stays as a spare whose files the next one takes over."""
+    return MemoryTier(tier.base, tier.checkpoints, source, copies=copies, area=REPLICAS)
 
 
 def prune(tier: MemoryTier, sources: list[int], keep: int | None) -> None:
@@ -124,6 +125,9 @@ class Replicator:
         self.gbps, self.on_done = gbps, on_done
         self.link = link if link is not None else GlooLink(group, chunk)
         self.sources = [s for s, hs in enumerate(holders) if self.rank in hs]
+        # The older replica of each rank stays as a spare that the next one is received into (in place of
+        # new pages, which a tmpfs allocates one fault at a time): the memory `check_room` counts anyway.
+        self.areas = {s: replica_area(tier, s, copies=2) for s in self.sources}
         self._queue: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue()
         self._broken: str | None = None
         self._thread = threading.Thread(target=self._run, name="datastates-replicator", daemon=True)
@@ -170,7 +174,11 @@ class Replicator:
         everyone: list[dict[str, dict[str, Any]]] = gather(self.group, files)
         to = self.holders[self.rank]
         sends = [Transfer(h, rel, e["bytes"]) for h in to for rel, e in sorted(files.items())]
-        recvs = [Transfer(s, rel, e["bytes"]) for s in self.sources for rel, e in sorted(everyone[s].items())]
+        recvs = []
+        for s in self.sources:
+            rels = sorted(everyone[s])
+            donors = self.areas[s].recycle(step, rels)
+            recvs += [Transfer(s, rel, everyone[s][rel]["bytes"], donor=d) for rel, d in zip(rels, donors)]
         area = replica_area(self.tier, self.rank).folder / str(step)
         with contextlib.ExitStack() as stack:
             own = self.tier.folder / str(step)
@@ -181,7 +189,7 @@ class Replicator:
             for t in recvs:
                 check_and_place(self.engine, t, everyone[t.peer][t.rel])
         for s in self.sources:
-            replica_area(self.tier, s).commit(step, everyone[s])
+            self.areas[s].commit(step, everyone[s])
         return Replicated(
             step,
             sum(t.nbytes for t in sends),
