@@ -1,14 +1,15 @@
-"""Replicas' bytes through the GPUs (`NcclLink`): NCCL send and receive on a group and a CUDA stream of their
+"""Replicas' bytes through the GPUs (`NcclLink`): NCCL send and receive on a group and CUDA streams of their
 own, through a bounded set of buffers (`slots` of `chunk` bytes per peer and direction, pinned on the host and
 on the GPU), so that peers of one node go over NVLink and peers of other nodes over the network NCCL finds
 (RDMA where the cluster has it).
 
 Each peer's files, in the order both ends list them, are one stream of bytes cut into chunks; a wave moves
 one chunk of each stream at once (one NCCL group call). A chunk sent: copied from the tier's mapping into a
-pinned slot (threads of a pool: copies from host memory are the slowest hop), copied to the GPU on the
-stream, sent. A chunk received: received on the GPU, copied to a pinned slot on the stream, copied into the
-mapping of its temporary by the pool. The stream runs up to `slots` waves ahead of the host copies; a slot is
-filled again only once the GPU has read it, and read again only once the pool has emptied it (CUDA events).
+pinned slot (in pieces, by a pool of threads: copies in host memory are the slowest hop), copied to the GPU
+on the `up` stream, sent. A chunk received: received on the GPU, copied to a pinned slot on the `down`
+stream, copied into the mapping of its temporary by the pool. The GPU runs up to `slots` waves ahead of the
+host copies; a slot is filled again only once the GPU has read it, and written again only once the pool has
+emptied it (CUDA events, and the pool's futures).
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ PIECE = 8 << 20  # bytes of a chunk one host thread copies: a wave's chunks spre
 
 def default_threads() -> int:
     """Host copies at once: one thread copies about 5 GB/s between pinned and mapped memory, an NVLink or a
-    400 Gb/s NIC carries tens; up to 8 a rank, from the CPUs the node's ranks (torchrun's LOCAL_WORLD_SIZE)
+    400 Gb/s NIC carries tens; up to 12 a rank, from the CPUs the node's ranks (torchrun's LOCAL_WORLD_SIZE)
     share, 2 of each rank's left to training."""
     share = len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return max(2, min(8, share - 2))
+    return max(2, min(12, share - 2))
 
 
 @dataclasses.dataclass
@@ -100,7 +101,9 @@ class NcclLink:
         if device.index is None:  # `cuda`: the current device, named (threads other than this one use it)
             device = torch.device("cuda", torch.cuda.current_device())
         self.group, self.device, self.chunk, self.slots = group, device, chunk, slots
-        self.stream = torch.cuda.Stream(device=device)
+        # Copies to the GPU (and NCCL's calls after them) on one stream, copies back on another: a wave's
+        # copy back overlaps the next one's copy in, each on a copy engine of its own.
+        self.up, self.down = torch.cuda.Stream(device=device), torch.cuda.Stream(device=device)
         # Its threads wait on CUDA events: on this device, where a thread's default would open device 0.
         self.threads = threads or default_threads()
         self._pool = ThreadPoolExecutor(
@@ -158,28 +161,32 @@ class NcclLink:
                 k = wave % slots
                 for f in fills.pop(wave):
                     f.result()
-                for f in drains.pop(wave - slots, []):  # the slots this wave's chunks received go to
-                    f.result()
-                ops = []
-                with torch.cuda.stream(self.stream):
+                ops, works = [], []
+                with torch.cuda.stream(self.up):
+                    self.up.wait_event(written[k])  # wave - slots: its NCCL calls and copies to the host done
                     for j, s in enumerate(outs):
                         if n := s.size(wave, c):
                             host, gpu = out_bufs[j][k]
                             gpu[:n].copy_(host[:n], non_blocking=True)
                             ops.append(dist.P2POp(dist.isend, gpu[:n], s.peer, self.group))
                             sent += n
-                    read[k].record(self.stream)
+                    read[k].record(self.up)
                     fill(wave + slots)
                     for j, s in enumerate(ins):
                         if n := s.size(wave, c):
                             ops.append(dist.P2POp(dist.irecv, in_bufs[j][k][1][:n], s.peer, self.group))
-                    for work in dist.batch_isend_irecv(ops) if ops else []:
-                        work.wait()  # the stream waits for NCCL's, the host does not
+                    if ops:
+                        works = dist.batch_isend_irecv(ops)  # after `up`'s copies, on NCCL's stream
+                with torch.cuda.stream(self.down):
+                    for work in works:
+                        work.wait()  # `down` waits for NCCL's stream; the host does not
+                    for f in drains.pop(wave - slots, []):  # the pinned slots this wave receives into
+                        f.result()
                     for j, s in enumerate(ins):
                         if n := s.size(wave, c):
                             host, gpu = in_bufs[j][k]
                             host[:n].copy_(gpu[:n], non_blocking=True)
-                    written[k].record(self.stream)
+                    written[k].record(self.down)
                 drains[wave] = [
                     self._pool.submit(_after, written[k], s.copy, wave, c, in_bufs[j][k][0], False, part)
                     for j, s in enumerate(ins)
@@ -198,7 +205,8 @@ class NcclLink:
                     f.cancel()
                     if not f.cancelled():
                         f.exception()
-            self.stream.synchronize()
+            self.up.synchronize()
+            self.down.synchronize()
         return time.monotonic() - t0
 
 
