@@ -72,8 +72,7 @@ def restart_source(
             return None, "; ".join(problems[:3])
         try:
             seconds = link.move(sends, recvs)
-            for t in recvs:
-                check_and_place(engine, t, entries[t.rel])
+            check_and_place(engine, recvs, lambda t: entries[t.rel])
             for rel in links:
                 with contextlib.suppress(FileExistsError):  # another rank of this node linked it first
                     trust.link_in(have[rel].parent, here.parent, f"{step}/{rel}")  # no link followed

@@ -1,9 +1,10 @@
-"""Files moved between ranks for the memory replicas (replicas.py, replica_restore.py), over a gloo group:
-each file sent is mapped read-only from the tier, each file received goes into a new temporary beside its
-name, mapped; the ranks agree that every rank could open all of its files before a byte moves (`open_all`);
-then every transfer goes at once, in waves of one chunk of each, paced to a rate (`move`). A received file
-is checked against its manifest entry (size and every tensor's checksum) before it is renamed into place
-(`check_and_place`); a file killed half received stays a temporary, never read, removed at the next start.
+"""Files moved between ranks for the memory replicas (replicas.py, replica_restore.py): each file sent is
+mapped read-only from the tier, each file received goes into a new temporary beside its name (or an older
+copy's file taken over), mapped; the ranks agree that every rank could open all of its files before a byte
+moves (`open_all`); then a link (links.py) moves them, gloo's by `move` here: every transfer at once, in waves
+of one chunk of each, paced to a rate. A received file is checked against its manifest entry (size and every
+tensor's checksum) before it is renamed into place (`check_and_place`, several files at once); a file killed
+half received stays a temporary, never read, removed at the next start.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import stat
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -165,16 +167,28 @@ def move(
     return time.monotonic() - t0
 
 
-def check_and_place(engine: Any, t: Transfer, entry: dict[str, Any]) -> None:
-    """Checks a received temporary against its manifest entry (size, every tensor's checksum), then renames
-    it to its name (no link followed); ChecksumError, FormatError or OSError naming it otherwise."""
-    assert t.temporary is not None and t.into is not None
+def check_and_place(
+    engine: Any, recvs: list[Transfer], entry_of: Callable[[Transfer], dict[str, Any]]
+) -> None:
+    """Checks each received temporary against its manifest entry (`entry_of(t)`: size, every tensor's
+    checksum), several files at once (the engine's checks run without the GIL), then renames each to its
+    name (no link followed); ChecksumError, FormatError or OSError naming the first file that fails, and
+    none renamed then."""
+    with ThreadPoolExecutor(max(1, min(8, len(recvs))), "datastates-replica-check") as pool:
+        for done in [pool.submit(_check, engine, t, entry_of(t)) for t in recvs]:
+            done.result()
+    for t in recvs:
+        assert t.temporary is not None and t.into is not None
+        top = t.into.parent  # as `_temporary` walked: the folder received into is no link either
+        trust.rename_in(top, str(t.temporary.relative_to(top)), f"{t.into.name}/{t.rel}")
+        t.temporary = None
+
+
+def _check(engine: Any, t: Transfer, entry: dict[str, Any]) -> None:
+    assert t.temporary is not None
     doc, top = {"files": {t.rel: entry}}, Path("/")  # the entry's checksums, looked up by its name
     sums = file_checksums(doc, top, top / t.rel)
     engine.verify(t.temporary, sums, file_block_checksums(doc, top, top / t.rel))
-    top = t.into.parent  # as `_temporary` walked: the folder received into is no link either
-    trust.rename_in(top, str(t.temporary.relative_to(top)), f"{t.into.name}/{t.rel}")
-    t.temporary = None
 
 
 def open_all(

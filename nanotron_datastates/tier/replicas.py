@@ -186,8 +186,7 @@ class Replicator:
             if problems:
                 raise ReplicaError(f"step {step} not replicated: {'; '.join(problems[:3])}")
             seconds = self.link.move(sends, recvs, self.gbps)
-            for t in recvs:
-                check_and_place(self.engine, t, everyone[t.peer][t.rel])
+            check_and_place(self.engine, recvs, lambda t: everyone[t.peer][t.rel])
         for s in self.sources:
             self.areas[s].commit(step, everyone[s])
         return Replicated(

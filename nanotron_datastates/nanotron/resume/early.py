@@ -2,8 +2,11 @@
 on an H100: NCCL's first communicator and a barrier per group), the files every rank reads are read ahead,
 found from the config and the manifest alone (`files_to_read` without a place: all the weights where
 no rank holds part of the model only; the one optimizer file), from the memory tier where it holds the
-checkpoint, and the small files into the page cache first. `Resume.plan` adopts that read-ahead where it
-reads exactly the files planned with the rank's place, onto the same device; else it starts one here too."""
+checkpoint, and the small files into the page cache first. With memory replicas, a rank whose node's tier
+lacks the checkpoint reads nothing ahead: `Resume.plan` pulls it from other nodes' memory at network speed,
+and a read of storage under way would only take the memory's and the disk's bandwidth from it.
+`Resume.plan` adopts that read-ahead where it reads exactly the files planned with the rank's place, onto the
+same device; else it starts one here too."""
 
 from __future__ import annotations
 
@@ -54,9 +57,11 @@ def find(args: Sequence[Any], kwargs: dict[str, Any]) -> EarlyRead | None:
         if folder is None:
             return None
         manifest = read_manifest(folder)
-        source = (
-            tier_copy(section(config).trainer, folder, manifest, int(os.environ.get("RANK", "0"))) or folder
-        )
+        settings = section(config).trainer
+        source = tier_copy(settings, folder, manifest, int(os.environ.get("RANK", "0")))
+        if source is None and settings.memory_tier and settings.memory_replicas:
+            return None  # other nodes' memory may hold it (`Resume.plan` pulls it): storage read now is lost
+        source = source or folder
         reads = files_to_read(manifest, source, asked_layout(config), None, **loads(config))
         if reads is None or not (reads.weights or reads.optimizer):
             return None
