@@ -47,6 +47,7 @@ BAD = {
     "memory_tier_path": ["", 3, None],
     "memory_replicas": [-1, 65, 1.0, "1", 1],
     "memory_replica_gbps": [-1, "2", None],
+    "memory_replica_transport": ["ucx", True, None],
 }
 ACCEPTS = {
     "host_cache_size": "[1/1024, 2**20]",
@@ -68,6 +69,7 @@ ACCEPTS = {
     "memory_tier_path": "a path",
     "memory_replicas": "[0, 64]",
     "memory_replica_gbps": "[0, 10000]",
+    "memory_replica_transport": "auto, nccl, gloo",
     "telemetry_path": 'a path (or "" for none)',
 }
 
