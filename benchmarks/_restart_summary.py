@@ -67,6 +67,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         "model": args.model,
         "step": args.step,
         "dp": args.dp,
+        "tp": getattr(args, "tp", 1),
         "zero_stage": args.zero,
         "first_step_end_s": {k: first_step(last(k)) for k in records if "runs" in records[k]},
         "restore_over_scratch_s": restore,

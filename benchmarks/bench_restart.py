@@ -28,7 +28,8 @@ torchrun's in-place restart of several ranks hands the new workers the dead ones
 pytorch/pytorch#167288; `micro/torchrun_restart_gloo.py`), so there the job is started again instead.
 
 With `--lose-node` (and `--dp 2`), `restart-replica` runs too: two `torchrun`s on this machine, each a node of
-one GPU (the GPU of its rank) with a memory tier of its own, `datastates.memory_replicas: 1`. Once the
+`--tp` GPUs (1 by default; each worker on the GPU of its rank, tensor parallelism inside a node, data
+parallelism across) with a memory tier of its own, `datastates.memory_replicas: 1`. Once the
 checkpoint at `--step` is committed and replicated, the worker of the second node (GROUP_RANK 1) wipes its
 node's tier and SIGKILLs itself, and the first node's worker is stopped: a node lost. The job is started
 again on both (as a scheduler puts it back on a replacement node; torchrun's own restart reads the first
@@ -86,7 +87,7 @@ def run_all(args: argparse.Namespace) -> int:
         ds = ds if tier else None
         return write_config(work / f"{name}.yaml", engine=engine, checkpoints=ck, cache_gib=args.cache_gib,
                             steps=steps, model=MODELS[args.model], run=name, datastates=ds,
-                            parallelism={"dp": args.dp}, zero=args.zero)  # fmt: skip
+                            parallelism={"dp": args.dp, "tp": args.tp}, zero=args.zero)  # fmt: skip
 
     def ckpt(name: str) -> str:
         return str(work / f"ckpt_{name}")
@@ -136,8 +137,8 @@ def run_all(args: argparse.Namespace) -> int:
         # --standalone: a rendezvous per restart (the static one keeps its store's keys across restarts). With
         # several ranks, torchrun's in-place restart still hands the workers the dead ones' addresses
         # (pytorch/pytorch#167288: a gloo group fails to connect): the job is started again instead.
-        again = kill and args.dp > 1
-        cmd = ["torchrun", "--standalone", f"--nproc_per_node={args.dp}", *([] if again else flags)]
+        again = kill and args.dp * args.tp > 1
+        cmd = ["torchrun", "--standalone", f"--nproc_per_node={args.dp * args.tp}", *([] if again else flags)]
         cmd += [__file__, "phase", "--mode", name]
         cmd += ["--config", str(cfg), "--record", str(record), "--work", str(work), "--step", str(n)]
         cmd += ["--tier-path", tier_path] + (["--kill"] if kill else [])
@@ -168,8 +169,8 @@ def run_all(args: argparse.Namespace) -> int:
 def lost_node(
     args: argparse.Namespace, name: str, work: Path, tier_path: str, record: Path, out: Path
 ) -> int:
-    """`restart-replica`: the job on two simulated nodes (a torchrun of one GPU each), the second node lost
-    once the checkpoint is replicated, then the job started again on both; the worst exit status."""
+    """`restart-replica`: the job on two simulated nodes (a torchrun of `--tp` GPUs each), the second node
+    lost once the checkpoint is replicated, then the job started again on both; the worst exit status."""
     rcs = []
     for incarnation in range(2):
         with socket.socket() as sock:  # a free port for this incarnation's rendezvous
@@ -177,7 +178,7 @@ def lost_node(
             port = sock.getsockname()[1]
         agents = []
         for k in range(2):
-            cmd = ["torchrun", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+            cmd = ["torchrun", "--nnodes=2", f"--nproc-per-node={args.tp}", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={name}-{incarnation}", "--max-restarts=0",
                    __file__, "phase", "--mode", name, "--config", str(work / f"{name}.node{k}.yaml"),
                    "--record", str(record), "--work", str(work), "--step", str(args.step),
@@ -223,6 +224,9 @@ def main() -> int:
     a.add_argument("--step", type=int, default=20, help="the checkpoint's step (default %(default)s)")
     a.add_argument("--cache-gib", type=float, default=8.0, help="host cache, GiB (default %(default)s)")
     a.add_argument("--dp", type=int, default=1, help="data-parallel GPUs (default %(default)s)")
+    a.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel GPUs, a simulated node's with --lose-node"
+    )
     a.add_argument("--tier-copies", type=int, default=2, help="memory_tier_copies (default %(default)s)")
     a.add_argument("--zero", type=int, default=0, help="ZeRO stage (default %(default)s)")
     a.add_argument("--out", required=True)
@@ -247,7 +251,7 @@ def main() -> int:
         path = Path(args.file)
         old = json.loads(path.read_text())
         args.model, args.step = old["model"], old["step"]
-        args.dp, args.zero = old.get("dp", 1), old.get("zero_stage", 0)
+        args.dp, args.tp, args.zero = old.get("dp", 1), old.get("tp", 1), old.get("zero_stage", 0)
         args.repeats = sum(1 for k in old["records"] if k.split(".")[0] == "restart-memory")
         result = {**summarize(args, old["records"]), "command": old["command"]}
         path.write_text(json.dumps(result, indent=1))

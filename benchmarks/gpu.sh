@@ -181,6 +181,10 @@ run_step() {
     replica-link) # memory replicas between two simulated nodes of one GPU each: 14.5 GB a rank, each way at once,
       # over gloo and NCCL (NVLink here)
       (cd $B/micro && python3 bench_replica_link.py --out "$OUT/replica-link" ${BENCH_ARGS:-}) ;;
+    restart-180m-lost-node-tp2) # four GPUs: two simulated nodes of two GPUs each (tp=2 inside a node, dp=2
+      # across), replicas on, the second node lost after a checkpoint: all four ranks from memory
+      (cd $B && python3 bench_restart.py all --model 180m --step 20 --dp 2 --tp 2 --lose-node \
+        --work "$WORK/rs180t" --out "$OUT/restart-180m-lost-node-tp2" ${RESTART_ONLY:+--only $RESTART_ONLY}) ;;
     restart-1b-lost-node) # the 1.1B model on two simulated nodes of one GPU each (dp=2), replicas on, the second
       # node lost after the checkpoint at step 10: from the peer's memory, against storage and native
       (cd $B && python3 bench_restart.py all --model 1b --step 10 --dp 2 --lose-node --cache-gib 16 \

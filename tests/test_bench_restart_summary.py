@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-COMMITTED = BENCH / "results" / "h100" / "lost_node" / "bench_restart_180m.json"
+COMMITTED = BENCH / "results" / "h200" / "multi_2xh200" / "restart_1b_lost_node" / "bench_restart_1b.json"
 
 
 def test_lost_node_summary_recomputed_as_committed(tmp_path: Path) -> None:
@@ -31,6 +31,6 @@ def test_lost_node_summary_recomputed_as_committed(tmp_path: Path) -> None:
     new = json.loads(path.read_text())
     for key in sorted(set(old) | set(new)):
         assert json.dumps(new.get(key), sort_keys=True) == json.dumps(old.get(key), sort_keys=True), (
-            f"bench_restart_180m.json: {key} differs"
+            f"{COMMITTED.name}: {key} differs"
         )
     assert path.read_text() == COMMITTED.read_text()
