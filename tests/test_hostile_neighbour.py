@@ -258,7 +258,7 @@ def _receive(engine, into: Path, rel: str, entry: dict, raw: bytes) -> None:
     with _temporary(into, t):
         assert t.buf is not None
         t.buf.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        check_and_place(engine, t, entry)
+        check_and_place(engine, [t], lambda _: entry)
 
 
 def test_a_received_replica_lands_in_place(tmp_path, received):
