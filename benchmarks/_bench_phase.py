@@ -20,11 +20,13 @@ from _bench_baselines import RawCopy, checkpoint_bytes, dcp_key_prefixes, dcp_ze
 from _bench_checkpoints import prune_before
 from _bench_measure import MemorySampler, Profiled, device_allocs
 from _nanotron import book_dummy_tokens, load_run_train, time_library_report
+from _nodes import take_gpu_of_rank
 
 
 def run_phase(args: argparse.Namespace) -> None:
     import torch
 
+    take_gpu_of_rank()  # a worker of a simulated node (bench_nanotron.py --nodes)
     run_train = load_run_train()
     from nanotron.trainer import DistributedTrainer
 

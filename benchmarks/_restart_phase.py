@@ -17,6 +17,7 @@ from typing import Any
 
 from _bench_measure import MemorySampler
 from _nanotron import book_dummy_tokens, load_run_train, time_library_report
+from _nodes import take_gpu_of_rank
 from nanotron_proof import capture, compare, to_host
 
 from nanotron_datastates import telemetry
@@ -33,10 +34,7 @@ def run_phase(args: argparse.Namespace) -> None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if args.incarnation is not None:  # --lose-node: the job started again, not restarted by torchrun
         restart = args.incarnation
-    if args.lose_node:
-        # Nanotron takes a job of 8 GPUs or fewer for one node (its local group is the whole world, and
-        # LOCAL_RANK must be the rank in it); each simulated node's worker then takes the GPU of its rank.
-        os.environ["LOCAL_RANK"] = os.environ["RANK"]
+    take_gpu_of_rank()  # --lose-node: a worker of a simulated node (_nodes.py)
     killing = (args.kill or args.lose_node) and restart == 0
     replicated = threading.Event()  # --lose-node: this rank's replication of the checkpoint at --step is done
     t_start = time.perf_counter()

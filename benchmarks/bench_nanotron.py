@@ -50,13 +50,11 @@ after it, of their excess over the median iteration of `none`. Each run also rec
 peak resident set; at its last step, the proportional set size of the process and of those it starts, such
 as DCP's checkpoint process; the peak of what `/dev/shm` gained: DCP's shared-memory staging, the memory
 tier) and its peak GPU memory; `--pss-every S` also reads the PSS every S seconds in the background (a load
-on the run: see `MemorySampler`). Writes
-DIR/bench_nanotron_<model>.json, a markdown table (.md) and a plot of the iteration times around
-checkpoints (.png).
-
-Nanotron main's trainer runs `torch.utils.collect_env` while it is constructed (its library report: 2 to 5
-s of subprocesses, varying from run to run, in every mode alike); the time to the first step leaves that
-report's own time out.
+on the run: see `MemorySampler`). `--nodes N` splits the layout's GPUs over N simulated nodes (`_nodes.py`;
+memory replicas go to other nodes). Writes DIR/bench_nanotron_<model>.json, a markdown table (.md) and a
+plot of the iteration times around checkpoints (.png). Nanotron main's trainer runs `torch.utils.collect_env`
+while it is constructed (2 to 5 s of subprocesses, in every mode alike): the time to the first step leaves
+that report's own time out.
 
 This file is the driver (the CLI, the runs of a call and of its rounds); each rank of a run is this file's
 `phase` under torchrun (`_bench_phase.py`), what the compared modes run beside it is `_bench_baselines.py`,
@@ -76,6 +74,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _nodes as nodes
 from _bench_baselines import dcp_zero_overhead_stager
 from _bench_checkpoints import make_cold
 from _bench_measure import MemorySampler
@@ -210,8 +209,11 @@ def run_all(args: argparse.Namespace) -> int:
         cmd += ["--interval", str(args.interval), "--sync", args.sync]
         env = {**os.environ, **({"NANOTRON_DATASTATES_AUTOLOAD": "0"} if stock else {})}
         t0 = time.perf_counter()
-        with open(out / f"{name}.log", "w") as f:
-            rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
+        if args.nodes > 1:  # simulated nodes: a torchrun and a config each (_nodes.py)
+            rc = nodes.run(cmd[2:], cfg, args.nodes, gpus, name, out / f"{name}.log", cwd=REPO, env=env)
+        else:
+            with open(out / f"{name}.log", "w") as f:
+                rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
         ranks = [rank_record(record, r) for r in range(gpus)]
         rec = merge([json.loads(p.read_text()) for p in ranks]) if all(p.exists() for p in ranks) else {}
         records[name] = {"rc": rc, "seconds": time.perf_counter() - t0, **rec}
@@ -290,6 +292,7 @@ def main() -> int:
     a.add_argument("--stress-steps", type=int, default=30)
     a.add_argument("--cache-gib", type=float, default=8.0)
     a.add_argument("--layout", choices=sorted(LAYOUTS), default="1gpu", help="GPUs and parallelism")
+    a.add_argument("--nodes", type=int, default=1, help="simulated nodes the layout's GPUs are split over")
     a.add_argument("--micro-batch", type=int, help="micro_batch_size (the example config's 4 by default)")
     a.add_argument(
         "--no-fp32-grads",

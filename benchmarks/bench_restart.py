@@ -48,18 +48,16 @@ This file is the command line and the runs of a call (`run_all`, `lost_node`); e
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import _nodes as nodes
 from _bench_checkpoints import make_cold
 from _nanotron import REPO, write_config
 from _restart_phase import run_phase
@@ -169,50 +167,23 @@ def run_all(args: argparse.Namespace) -> int:
 def lost_node(
     args: argparse.Namespace, name: str, work: Path, tier_path: str, record: Path, out: Path
 ) -> int:
-    """`restart-replica`: the job on two simulated nodes (a torchrun of `--tp` GPUs each), the second node
-    lost once the checkpoint is replicated, then the job started again on both; the worst exit status."""
+    """`restart-replica`: the job on two simulated nodes (a torchrun of `--tp` GPUs each, `_nodes.py`), the
+    second node lost once the checkpoint is replicated, then the job started again on both; the worst exit
+    status."""
     rcs = []
     for incarnation in range(2):
-        with socket.socket() as sock:  # a free port for this incarnation's rendezvous
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        agents = []
-        for k in range(2):
-            cmd = ["torchrun", "--nnodes=2", f"--nproc-per-node={args.tp}", "--rdzv-backend=c10d",
-                   f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={name}-{incarnation}", "--max-restarts=0",
-                   __file__, "phase", "--mode", name, "--config", str(work / f"{name}.node{k}.yaml"),
-                   "--record", str(record), "--work", str(work), "--step", str(args.step),
-                   "--tier-path", f"{tier_path}-node{k}", "--lose-node",
-                   "--incarnation", str(incarnation)]  # fmt: skip
-            env = dict(os.environ)
-            log = open(out / f"{name}.{incarnation}.node{k}.log", "w")  # noqa: SIM115 (closed below)
-            # A process group of its own, so that a signal stops the agent and its worker together; started
-            # in node order, so that the rendezvous (ranks by process id) makes node k GROUP_RANK k each time.
-            agent = subprocess.Popen(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
-            )
-            agents.append((agent, log))
-            time.sleep(1)
+        scripts = [
+            [__file__, "phase", "--mode", name, "--config", str(work / f"{name}.node{k}.yaml"),
+             "--record", str(record), "--work", str(work), "--step", str(args.step),
+             "--tier-path", f"{tier_path}-node{k}", "--lose-node", "--incarnation", str(incarnation)]
+            for k in range(2)
+        ]  # fmt: skip
+        logs = [out / f"{name}.{incarnation}.node{k}.log" for k in range(2)]
+        agents = nodes.start(scripts, 2, args.tp, f"{name}-{incarnation}", logs, REPO, dict(os.environ))
         if incarnation == 0:  # the lost node's worker kills itself; the other's collectives then fail or hang
-            give_up = time.monotonic() + 400
-            while all(a.poll() is None for a, _ in agents) and time.monotonic() < give_up:
-                time.sleep(0.5)
-            deadline = time.monotonic() + 15
-            while any(a.poll() is None for a, _ in agents) and time.monotonic() < deadline:
-                time.sleep(0.5)
-            for a, _ in agents:
-                for sig in (signal.SIGTERM, signal.SIGKILL):  # the agent and its worker
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(a.pid, sig)
-                    try:
-                        a.wait(timeout=30)
-                        break
-                    except subprocess.TimeoutExpired:
-                        continue
+            nodes.stop(agents)
         else:
-            rcs += [a.wait() for a, _ in agents]
-        for _, log in agents:
-            log.close()
+            rcs += nodes.wait(agents)
     return max(rcs)
 
 

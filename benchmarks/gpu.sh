@@ -189,6 +189,11 @@ run_step() {
       # node lost after the checkpoint at step 10: from the peer's memory, against storage and native
       (cd $B && python3 bench_restart.py all --model 1b --step 10 --dp 2 --lose-node --cache-gib 16 \
         --work "$WORK/rs1bn" --out "$OUT/restart-1b-lost-node" ${RESTART_ONLY:+--only $RESTART_ONLY}) ;;
+    replicas-180m) # training with memory replicas on against off (the tier alone), two simulated nodes of one GPU
+      # each (dp=2), three interleaved rounds: the iterations after each checkpoint, replication beside them
+      (cd $B && python3 bench_nanotron.py all --model 180m --layout dp2 --nodes 2 --steps 200 --interval 40 \
+        --modes datastates --variant tier:memory_tier=true --variant replicas:memory_tier=true,memory_replicas=1 \
+        --rounds 3 --work "$WORK/rp180" --out "$OUT/replicas-180m") ;;
     restart-1b) (cd $B && python3 bench_restart.py all --model 1b --step 10 --cache-gib 16 --work "$WORK/rs1b" \
       --out "$OUT/restart-1b" ${RESTART_ONLY:+--only $RESTART_ONLY} ${TIER_COPIES:+--tier-copies $TIER_COPIES} \
       ${RESTART_REPEATS:+--repeats $RESTART_REPEATS}) ;;
