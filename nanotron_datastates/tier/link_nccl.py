@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .replica_transfer import Transfer
+from .replica_transfer import Transfer, pace
 
 CHUNK = 32 << 20  # bytes of a slot: NCCL moves 32 MiB messages near the link's peak
 SLOTS = 4  # waves the stream runs ahead of the host copies
@@ -192,10 +192,7 @@ class NcclLink:
                     for j, s in enumerate(ins)
                     for part in s.parts(wave, c)
                 ]
-                if gbps > 0:
-                    ahead = sent / (gbps * 1e9) - (time.monotonic() - t0)
-                    if ahead > 0:
-                        time.sleep(ahead)
+                pace(sent, gbps, t0)
             for futures in list(drains.values()):
                 for f in futures:
                     f.result()

@@ -21,6 +21,9 @@ class Link(Protocol):
 
     def move(self, sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0) -> float: ...
 
+    def reserve(self, outs: int, ins: int) -> None:
+        """Makes now what moving to `outs` peers and from `ins` peers needs: before training, not during."""
+
     def close(self) -> None: ...
 
 
@@ -34,6 +37,9 @@ class GlooLink:
 
     def move(self, sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0) -> float:
         return move(self.group, sends, recvs, gbps, self.chunk)
+
+    def reserve(self, outs: int, ins: int) -> None:
+        pass  # gloo sends from and receives into the files' mappings: no buffers of its own
 
     def close(self) -> None:
         pass

@@ -160,11 +160,16 @@ def move(
         for r in requests:
             if r is not None:  # None: this rank is not in `group` (never here)
                 r.wait()
-        if gbps > 0:
-            ahead = sent / (gbps * 1e9) - (time.monotonic() - t0)
-            if ahead > 0:
-                time.sleep(ahead)
+        pace(sent, gbps, t0)
     return time.monotonic() - t0
+
+
+def pace(sent: int, gbps: float, t0: float) -> None:
+    """Waits as long as keeps `sent` bytes since `t0` (time.monotonic) under `gbps` GB/s (0: no limit)."""
+    if gbps > 0:
+        ahead = sent / (gbps * 1e9) - (time.monotonic() - t0)
+        if ahead > 0:
+            time.sleep(ahead)
 
 
 def check_and_place(

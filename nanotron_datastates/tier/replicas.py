@@ -12,8 +12,9 @@ rank sending to its holders and receiving from the ranks it holds for at once, a
 paced to `memory_replica_gbps`, over the job's link (links.py: NCCL through the GPUs, or gloo). A received
 file is checked against its manifest entry (size and every tensor's checksum) before it is renamed into
 place and marked held for its rank (`.rank-<r>.json` in `<job>/replicas/<step>/`, as the tier marks its own
-copies); the older replica of that rank then goes. A file killed half received is a temporary, never
-marked, never read, removed at the next start.
+copies); the older replica of that rank then becomes a spare (its marker withdrawn), whose files the next
+replica is received into. A file killed half received is a temporary, never marked, never read, removed at
+the next start.
 
 The restart, which pulls what a node lacks from other nodes' memory: replica_restore.py; the files moved
 between ranks: replica_transfer.py, over a link (links.py).

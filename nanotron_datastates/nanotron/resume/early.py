@@ -59,7 +59,7 @@ def find(args: Sequence[Any], kwargs: dict[str, Any]) -> EarlyRead | None:
         manifest = read_manifest(folder)
         settings = section(config).trainer
         source = tier_copy(settings, folder, manifest, int(os.environ.get("RANK", "0")))
-        if source is None and settings.memory_tier and settings.memory_replicas:
+        if source is None and settings.memory_replicas:
             return None  # other nodes' memory may hold it (`Resume.plan` pulls it): storage read now is lost
         source = source or folder
         reads = files_to_read(manifest, source, asked_layout(config), None, **loads(config))

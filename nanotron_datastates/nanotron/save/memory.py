@@ -66,9 +66,7 @@ def open_replicas(
     prune(tier, sources, keep)
     group = tdist.new_group(backend="gloo")
     link = open_link(group, settings.memory_replica_transport)
-    reserve = getattr(link, "reserve", None)  # buffers of its own: pinned before training, not during
-    if reserve is not None:
-        reserve(len(holders[me]), len(sources))
+    link.reserve(len(holders[me]), len(sources))  # buffers pinned before training, not during
     say.info(f"memory replicas go over {link.name}")
     replicator = Replicator(
         tier, holders, group, engine, settings.memory_replica_gbps, on_done=on_done, link=link
