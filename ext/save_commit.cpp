@@ -45,14 +45,27 @@ void SaveJob::combine_checksums() {
   crcs_ = std::move(crcs);
 }
 
-IoOp* SaveJob::header_op() {
+// The header with the combined checksums, in its page-aligned buffer and in the mirror's mapping.
+bool SaveJob::prepare_header() {
   if (opts_.checksums) combine_checksums();
   if (posix_memalign(reinterpret_cast<void**>(&header_buf_), kPage, layout_.data_start) != 0) {
     fail(Error::os(ENOMEM, "allocating the header", path_));
-    return nullptr;
+    return false;
   }
   std::memcpy(header_buf_, layout_.header.data(), layout_.data_start);
   if (map_) std::memcpy(map_->data(), header_buf_, layout_.data_start);
+  return true;
+}
+
+// A file kept in memory only: the header into the mapping, then the mirror renamed into place (finish).
+IoOp* SaveJob::commit_in_memory() {
+  prepare_header();
+  finish();
+  return nullptr;
+}
+
+IoOp* SaveJob::header_op() {
+  if (!prepare_header()) return nullptr;
   header_op_ = IoOp{};
   header_op_.kind = IoOp::Kind::Write;
   header_op_.fd = file_.fd;

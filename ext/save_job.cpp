@@ -28,6 +28,7 @@ SaveJob::SaveJob(std::shared_ptr<Storage> storage, std::string path, std::vector
       path_(std::move(path)),
       mirror_(std::move(mirror)),
       recycle_(std::move(recycle)),
+      memory_only_(!mirror_.empty() && mirror_ == path_),
       mirrors_(mirrors),
       tensors_(std::move(tensors)),
       metadata_(std::move(metadata)),
@@ -50,11 +51,23 @@ SaveJob::~SaveJob() {
 
 SaveJob::Planned SaveJob::plan() {
   Planned out;
-  if (!plan_file() || !open_temporary()) {
+  if (!plan_file() || (!memory_only_ && !open_temporary())) {
     finish();
     return out;
   }
   if (!mirror_.empty()) open_mirror();
+  if (memory_only_ && !map_) {  // no memory, no file: the save fails
+    int err = 0;
+    std::string why;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      err = mirror_errno_ ? mirror_errno_ : ENOMEM;
+      why = mirror_error_;
+    }
+    fail(Error::os(err, "kept in memory only, and its memory could not be had: " + why, path_));
+    finish();
+    return out;
+  }
   piece_ops_.resize(npieces_);
   to_capture_.store(npieces_);
   to_write_.store(npieces_);
@@ -66,8 +79,8 @@ SaveJob::Planned SaveJob::plan() {
       stats_.t_snapshot_ns = now_ns();
       cv_.notify_all();
     }
-    out.first_op = header_op();
-    if (!out.first_op) abort_commit();
+    out.first_op = memory_only_ ? commit_in_memory() : header_op();
+    if (!out.first_op && !memory_only_) abort_commit();
   }
   return out;
 }
@@ -138,6 +151,11 @@ IoOp* SaveJob::copy_piece(std::size_t i, char* chunk, PieceCopier& copier) {
     if (IoOp* op = piece_finished()) return op;  // never: the job has failed
     return nullptr;
   }
+  if (memory_only_) {  // nothing to write: summed here, in the mapping
+    sum_piece(i, chunk);
+    piece_captured();
+    return piece_finished();
+  }
   std::size_t len = hi - lo;
   if (file_.direct) {  // O_DIRECT writes whole blocks: zero the tail padding, ftruncate removes it at commit
     const std::size_t padded = align_up(len, kPage);
@@ -179,9 +197,13 @@ void SaveJob::piece_captured() {
 // -- 3. flush -----------------------------------------------------------------------------------------------
 
 void SaveJob::on_io_prepare(IoOp& op) {
-  if (&op == &header_op_ || op.kind != IoOp::Kind::Write || !opts_.checksums) return;
-  // Sum each block segment of this piece; pieces are summed on different workers and combined at commit.
-  const std::size_t i = op.tag;
+  if (&op == &header_op_ || op.kind != IoOp::Kind::Write) return;
+  sum_piece(op.tag, op.buf);
+}
+
+// Sums each block segment of piece i (at `buf`); pieces are summed on different threads, combined at commit.
+void SaveJob::sum_piece(std::size_t i, const char* buf) {
+  if (!opts_.checksums) return;
   const std::size_t lo = i * chunk_, hi = std::min(lo + chunk_, data_bytes_);
   const auto& order = layout_.order;
   for (std::size_t k = first_ending_after(lo); k < order.size() && layout_.offset[order[k]] < hi; ++k) {
@@ -189,7 +211,7 @@ void SaveJob::on_io_prepare(IoOp& op) {
     const std::size_t e = std::min(hi, off + n);
     for (std::size_t b = std::max(lo, off), next; b < e; b = next) {
       next = std::min(e, (b / block_ + 1) * block_);
-      crc_parts_[k][b / block_ - off / block_] = crc32c(0, op.buf + (b - lo), next - b);
+      crc_parts_[k][b / block_ - off / block_] = crc32c(0, buf + (b - lo), next - b);
     }
   }
 }
@@ -219,6 +241,7 @@ IoOp* SaveJob::piece_finished() {
     abort_commit();
     return nullptr;
   }
+  if (memory_only_) return commit_in_memory();
   IoOp* op = header_op();
   if (!op) abort_commit();
   return op;

@@ -21,6 +21,10 @@
 // the job counts as persisted. A mirror that cannot be had (no room) only drops the mirror: the save goes
 // through cache chunks, and mirrored() says so.
 //
+// A mirror equal to the path keeps the file in memory only (a memory checkpoint): no storage file, each piece
+// summed by its copy thread once copied, the header copied in after the last; the job is persisted once the
+// mirror is renamed into place. Without the mirror there is no save: it fails, naming why.
+//
 // An error at any step is stored (the first one wins), later pieces are dropped, the temporary file is
 // discarded, and both waits resolve: nothing is ever left at the final path, and earlier files are untouched.
 #pragma once
@@ -105,6 +109,8 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   const std::unordered_map<int, cuda::CUevent>* events() const { return &events_->events(); }
 
   void on_io_prepare(IoOp& op) override;
+  // Whether the file is kept in its mirror only (the mirror path is the path).
+  bool memory_only() const { return memory_only_; }
   IoOp* on_io_complete(IoOp& op, int err) override;
 
   // Waits: false on timeout (< 0: no timeout). Call without the GIL.
@@ -135,8 +141,11 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   IoOp* piece_written(IoOp& op, int err);
   IoOp* piece_finished();
   // 4. commit
+  void sum_piece(std::size_t i, const char* buf);
   void combine_checksums();
+  bool prepare_header();
   IoOp* header_op();
+  IoOp* commit_in_memory();
   IoOp* header_written(int err);
   IoOp* data_synced(int err);
   IoOp* rename_into_place();
@@ -154,10 +163,12 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   const std::string path_;
   const std::string mirror_;
   const std::string recycle_;  // a mirror file of an earlier save to take the new bytes, or empty
+  const bool memory_only_;     // the mirror is the file: nothing goes to storage
   MirrorFiles* const mirrors_;
   StorageFile mirror_file_;          // its descriptor handed on to map_ once mapped
   std::shared_ptr<MirrorFile> map_;  // set at plan when the mirror is the staging memory, then fixed
   std::string mirror_error_;         // guarded by mu_
+  int mirror_errno_ = 0;             // its OS error, if any; guarded by mu_
   StorageFile file_;                 // the storage file: its temporary, folder and descriptors
   std::vector<TensorSrc> tensors_;
   bool on_device_ = false;

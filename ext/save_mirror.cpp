@@ -58,7 +58,9 @@ void SaveJob::release(char* buf) {
 
 void SaveJob::mirror_fail(const Error& e) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (mirror_error_.empty()) mirror_error_ = mirror_ + ": " + e.message;
+  if (!mirror_error_.empty()) return;
+  mirror_error_ = mirror_ + ": " + e.message;
+  mirror_errno_ = e.os_errno;
 }
 
 // At the end of the job (every piece written or dropped): cut to its exact size and renamed into place if the

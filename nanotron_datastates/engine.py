@@ -82,7 +82,9 @@ class DataStatesEngine(EngineReads):
         mapped (and pinned) in place of host cache chunks, each piece copied into it and written to `path`
         from it, renamed into place once the file is persisted (not synced: a copy in memory). The mapping is
         kept for a later save to recycle (:meth:`save_plans`' `recycle`, :meth:`keep_mirrors`). A mirror that
-        cannot be had (no room) is dropped, never the save (`SaveHandle.mirrored`).
+        cannot be had (no room) is dropped, never the save (`SaveHandle.mirrored`). A mirror that is `path`
+        itself keeps the file in memory only (a memory checkpoint): nothing is written to storage, and where
+        the mirror cannot be had the save fails, naming why.
         """
         plan = self.plan(state, metadata=metadata, allow_pickle=allow_pickle, exact_metadata=exact_metadata)
         return self.save_plan(plan, path, stage=stage, mirror=mirror)

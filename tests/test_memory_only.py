@@ -1,0 +1,72 @@
+"""Files kept in memory only (a memory checkpoint's): a save whose mirror is its own path writes no storage file;
+the mirror holds the same bytes (header, checksums) a stored file would, is recycled like any mirror, and where
+it cannot be had the save fails, naming why, and the engine goes on."""
+
+import errno
+import os
+
+import pytest
+import torch
+
+from nanotron_datastates import DataStatesEngine
+
+from helpers import injected_fault, small_config
+
+
+def state(scale: float = 1.0):
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(700_000, generator=g) * scale, "b": torch.randn(17, generator=g), "step": 3}
+
+
+def save_in_memory(engine, st, path, recycle=None):
+    h = engine.save_plans([(engine.plan(st), path)], mirrors=[path], recycle=[recycle])[0]
+    h.wait_persisted()
+    return h
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_file_kept_in_memory_only_is_the_stored_file_byte_for_byte(tmp_path, direct_io):
+    with DataStatesEngine(small_config(direct_io=direct_io)) as engine:  # 1 MiB chunks: several pieces
+        engine.cache_stats(reset=True)
+        h = save_in_memory(engine, state(), tmp_path / "mem" / "f.safetensors")
+        assert h.mirrored() and h.stats["file_bytes"] == os.path.getsize(tmp_path / "mem/f.safetensors")
+        assert engine.cache_stats()["high_water"] == 0  # the mapping is the staging memory
+        stored = engine.save(state(), tmp_path / "disk" / "f.safetensors")
+        stored.wait_persisted()
+        assert (tmp_path / "mem/f.safetensors").read_bytes() == (tmp_path / "disk/f.safetensors").read_bytes()
+        assert h.checksums() == stored.checksums()  # summed by the copy threads, as the flushers sum
+        back = engine.load(tmp_path / "mem/f.safetensors", checksums=h.checksums())
+    assert torch.equal(back["w"], state()["w"]) and back["step"] == 3
+    assert sorted(os.listdir(tmp_path / "mem")) == ["f.safetensors"]  # no temporary, no second file
+
+
+def test_no_storage_write_is_made_for_a_file_kept_in_memory(tmp_path):
+    """Every storage write fails: a memory-only save does not meet it."""
+    with DataStatesEngine(small_config()) as engine:
+        with injected_fault("write", errno.EIO, "", count=1 << 30):
+            h = save_in_memory(engine, state(), tmp_path / "mem" / "f.safetensors")
+        assert h.mirrored()
+        assert torch.equal(engine.load(tmp_path / "mem/f.safetensors")["w"], state()["w"])
+
+
+def test_a_memory_only_file_recycles_an_earlier_one(tmp_path):
+    mem = tmp_path / "mem"
+    with DataStatesEngine(small_config()) as engine:
+        save_in_memory(engine, state(), mem / "1" / "f.safetensors")
+        inode = os.stat(mem / "1" / "f.safetensors").st_ino
+        h = save_in_memory(engine, state(2.0), mem / "2" / "f.safetensors", recycle=mem / "1" / "f.safetensors")
+        assert h.mirrored() and not (mem / "1" / "f.safetensors").exists()
+        assert os.stat(mem / "2" / "f.safetensors").st_ino == inode
+        assert torch.equal(engine.load(mem / "2" / "f.safetensors")["w"], state(2.0)["w"])
+
+
+def test_without_its_memory_a_memory_only_save_fails_naming_why_and_the_engine_goes_on(tmp_path):
+    (tmp_path / "blocker").write_text("a file where the folder should be")
+    path = tmp_path / "blocker" / "f.safetensors"
+    with DataStatesEngine(small_config()) as engine:
+        h = engine.save_plans([(engine.plan(state()), path)], mirrors=[path])[0]
+        with pytest.raises(OSError, match="kept in memory only") as e:
+            h.wait_persisted()
+        assert "f.safetensors" in str(e.value) and e.value.errno == errno.ENOTDIR
+        assert not os.path.exists(path)
+        save_in_memory(engine, state(), tmp_path / "ok" / "f.safetensors")  # the engine keeps working
