@@ -36,9 +36,11 @@ def record(
     removed: list[str] | None = None,
     engine_cpu_s: dict[str, float] | None = None,
     rank_bytes: list[int] | None = None,
+    memory: bool = False,
 ) -> dict[str, Any]:
     """One line. `cache`: the engine's `cache_stats` since the previous line; `engine_cpu_s`: the CPU seconds
-    the engine's threads used for it, by role (`cpu_use`); `rank_bytes`: what each rank wrote, by rank."""
+    the engine's threads used for it, by role (`cpu_use`); `rank_bytes`: what each rank wrote, by rank;
+    `memory`: a memory checkpoint (`memory_interval`: in node memory only), whose line says so."""
     return {
         "time": time.time(),
         "step": step,
@@ -59,6 +61,7 @@ def record(
         "removed": removed or [],
         "engine_cpu_s": engine_cpu_s or {},
         "rank_bytes": rank_bytes or [],
+        **({"memory": True} if memory else {}),
     }
 
 

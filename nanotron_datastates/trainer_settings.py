@@ -21,6 +21,7 @@ class TrainerSettings(Settings):
         "memory_tier_copies": (1, 2, "expected 1 or 2"),
         "memory_replicas": (0, 64, "expected an integer in [0, 64] (0: none)"),
         "memory_replica_gbps": (0, 1e4, "expected GB/s in [0, 10000] (0: no limit)"),
+        "memory_interval": (0, 1 << 30, "expected a number of steps >= 0 (0: none)"),
     }
     CHOICES = {
         "device_snapshot": ("auto", "always", "never"),
@@ -78,6 +79,11 @@ class TrainerSettings(Settings):
     through 4 pinned and 4 GPU buffers of 32 MiB per peer and direction (NVLink within a node, the cluster's
     network between nodes); 'gloo', host memory to host memory over TCP; 'auto', NCCL where every rank has a
     GPU and PyTorch has NCCL, else gloo."""
+    memory_interval: int = 0
+    """With the memory tier: also take a checkpoint into memory only (the tier, and the replicas with
+    `memory_replicas`) every N steps, between Nanotron's `checkpoint_interval` checkpoints to storage. A
+    restart resumes from the newest checkpoint, in memory or storage, that the nodes hold whole, so a failure
+    loses at most N steps. 0: none."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -85,6 +91,11 @@ class TrainerSettings(Settings):
             raise ValueError(
                 f"datastates.memory_replicas={self.memory_replicas} is invalid: expected an integer in "
                 "[0, 64], and 0 where datastates.memory_tier is false (replicas copy the memory tier's)"
+            )
+        if self.memory_interval and not self.memory_tier:
+            raise ValueError(
+                f"datastates.memory_interval={self.memory_interval} is invalid: expected 0 where "
+                "datastates.memory_tier is false (memory checkpoints go into the memory tier)"
             )
 
 

@@ -17,6 +17,8 @@ resume, the trainer is Nanotron's, unchanged.
                          once the step is launched, Saver.after_step (what was captured before it, queued)
     training_step        after the first: Resume.finish, Saver.after_first_step (plan, pin, warm staging)
     save_checkpoint      Saver.backpressure, Saver.request (capture now, queue now or at the next step)
+    _update_dataloader_based_on_training_stages  (each iteration's first call, after the last one's
+                         save_checkpoint) where a memory checkpoint is due: Saver.request(memory=...)
     post_training        Saver.drain (every commit, post-save hooks), close
 """
 
@@ -33,7 +35,7 @@ import torch
 from . import groups
 from . import log as say
 from .resume.resume import Resume
-from .save.commit_files import finalizer
+from .save.commit_files import finalizer, memory_documents
 from .save.saver import Saver
 from .yaml_config import engine_for, section
 
@@ -82,7 +84,8 @@ class DataStatesTrainerMixin(_Trainer):
         super().pre_init()  # Nanotron resolves the checkpoint to resume from
         if getattr(self.config, "uses_datastates", False):
             groups.check(self.parallel_context)  # at start-up, not at the first checkpoint
-        self._ds_resume.plan(self.config, self.parallel_context, self.init_checkpoint_path)
+        if self._ds_resume.plan(self.config, self.parallel_context, self.init_checkpoint_path):
+            self.init_checkpoint_path = self._ds_resume.folder  # a memory checkpoint's, where newer
 
     def _load_model_checkpoint(self, model: Any) -> Any:
         if not self._ds_resume.active:
@@ -150,6 +153,28 @@ class DataStatesTrainerMixin(_Trainer):
             )
         saver.request(step, self.lr_scheduler, self.random_states, commit, since=t0)
         return folder
+
+    def _update_dataloader_based_on_training_stages(self, *args: Any, **kwargs: Any) -> Any:
+        if self.datastates is not None and self._ds_stepped:  # the state after the last iteration
+            self._ds_memory_checkpoint(self.datastates)
+        return super()._update_dataloader_based_on_training_stages(*args, **kwargs)
+
+    def _ds_memory_checkpoint(self, saver: Saver) -> None:
+        """A checkpoint into node memory only, where `memory_interval` makes one due: the step the metadata
+        has counted, as `save_checkpoint` would have taken it at the end of the last iteration."""
+        step = self.metadata.last_train_step
+        if not saver.memory_due(step):
+            return
+        t0 = time.perf_counter()
+        saver.backpressure(self._ds_post_save)
+        documents = memory_documents(
+            step=step,
+            pc=self.parallel_context,
+            config=self.config,
+            metadata=self.metadata,
+            replicas=saver.placement,
+        )
+        saver.request(step, self.lr_scheduler, self.random_states, None, since=t0, memory=documents)
 
     def _ds_post_save(self, step: int) -> None:
         """Nanotron's post-save hooks (S3 upload; on main, lighteval too) for a checkpoint now committed. They

@@ -6,7 +6,8 @@ Per checkpoint, in order, on a background thread of every rank:
 2. gather every rank's outcome and file list over a dedicated gloo process group (so the main thread's NCCL
    collectives are never involved, and nothing waits on the GPU);
 3. if every rank succeeded, rank 0 runs `finalize` (writes the checkpoint's metadata, the manifest, then
-   `latest.txt`, each atomically), and broadcasts whether that worked;
+   `latest.txt`, each atomically), and broadcasts whether that worked; a memory checkpoint (files in the
+   memory tier only) has no `finalize`: its result carries every rank's files for its manifest in memory;
 4. every rank records the same outcome, so the main thread of every rank takes the same decisions at its
    next synchronization point (the next checkpoint, or the end of training).
 
@@ -46,6 +47,7 @@ class PendingCheckpoint:
     stall_s: float = 0.0  # caller's time in save plus waits for the snapshot, filled in by the trainer
     queued_s: float = 0.0  # the trainer's time queuing the files at the next step (when deferred there)
     errors: list[str] = dataclasses.field(default_factory=list)  # this rank's, before any file was queued
+    memory: bool = False  # a memory checkpoint: its files in the memory tier only, `folder` the tier's
 
 
 @dataclasses.dataclass
@@ -68,6 +70,10 @@ class CommitResult:
     # threads are idle between checkpoints; two in flight at once share theirs)
     engine_cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)
     rank_bytes: list[int] = dataclasses.field(default_factory=list)  # the bytes each rank wrote, by rank
+    memory: bool = False  # a memory checkpoint (nothing in storage)
+    entries: dict[str, dict[str, Any]] = dataclasses.field(
+        default_factory=dict
+    )  # a memory checkpoint's: every rank's files, as its manifest lists them
 
     @property
     def gbps(self) -> float:
@@ -142,6 +148,7 @@ class Committer:
                 result = CommitResult(
                     pending.step, pending.folder, False, errors, 0, 0, pending.stall_s, 0, 0, elapsed
                 )
+                result.memory = pending.memory
             now = cpu_use.thread_cpu()
             result.engine_cpu_s, cpu_mark = cpu_use.since(cpu_mark, now), now
             if self._on_result is not None:  # first: a checkpoint taken is one whose report is done
@@ -197,6 +204,8 @@ class Committer:
             queued_s=p.queued_s,
             mirrored=mirrored,
             rank_bytes=[sum(f["bytes"] for f in o["files"].values()) for o in outcomes],
+            memory=p.memory,
+            entries=all_files if p.memory and not all_errors else {},
         )
 
     def _gather(self, obj: Any) -> list[Any]:

@@ -49,7 +49,7 @@ def after_commit(result: Any, root: Path, settings: Any, cache: dict[str, Any]) 
     stale temporaries removed and rotation (`settings.keep_last_n`); then the telemetry line (with `cache`,
     the engine's cache statistics since the last one) where `settings.telemetry`. Returns what was removed."""
     removed: list[Path] = []
-    if result.committed:
+    if result.committed and not result.memory:  # a memory checkpoint: nothing in storage
         with contextlib.suppress(OSError):  # a folder moved while searched: rotation still runs
             remove_temporaries(result.folder)
         # At least 2: a restart whose newest checkpoint is damaged falls back to the one before (and an S3
@@ -107,6 +107,7 @@ def telemetry_record(result: Any, cache: dict[str, Any], removed: list[Path]) ->
         rank_bytes=result.rank_bytes,
         cache=cache,
         removed=[str(p) for p in removed],
+        memory=bool(result.memory),
     )
 
 

@@ -183,7 +183,9 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
 
     With CPU_RANKS_REPLICAS=N, the ranks are on two simulated nodes (the first half and the second, each with
     its own memory tier root), the tier on with N memory replicas; the job then ends as a crash does (no
-    release of the tier) and the second node's tier is wiped before the resume: a lost node."""
+    release of the tier) and the second node's tier is wiped before the resume: a lost node. With
+    CPU_RANKS_MEMORY=1 too (or alone: one node), a memory checkpoint of step 9 follows two steps later, and
+    the state compared is the one it captured."""
     from nanotron_datastates import DataStatesEngine
     from nanotron_datastates.nanotron.resume.resume import Resume
     from nanotron_datastates.nanotron.save.commit_files import finalizer
@@ -192,13 +194,14 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     from nanotron_datastates.trainer_settings import Section
 
     replicas = int(os.environ.get("CPU_RANKS_REPLICAS", "0"))
+    memory = os.environ.get("CPU_RANKS_MEMORY") == "1"
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    node = rank // max(1, world // 2)
-    if replicas:
+    node = rank // max(1, world // 2) if replicas else 0
+    if replicas or memory:
         os.environ["GROUP_RANK"] = str(node)
         c._datastates_section = Section.from_dict(
             {"memory_tier": True, "memory_tier_path": str(work / f"node{node}-shm"),
-             "memory_replicas": replicas, "memory_replica_gbps": 0},
+             "memory_replicas": replicas, "memory_replica_gbps": 0, "memory_interval": 3 if memory else 0},
             env=False,
         )  # fmt: skip
     state = training_state(pc, c)
@@ -227,7 +230,20 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     saver.request(7, lr_scheduler, random_states, finalize)
     saver.before_step()
     step(model, optimizer, 2)  # the checkpoint holds the state asked for, not this one
-    if not replicas:
+    if memory:  # as the trainer mixin asks at step 9 (memory_interval 3); storage keeps 7
+        from nanotron_datastates.nanotron.save.commit_files import memory_documents
+
+        assert saver.memory_due(9) and not saver.memory_due(7) and not saver.memory_due(8)
+        saver.backpressure(lambda s: None)
+        saved = snapshot(*state)
+        docs = memory_documents(
+            step=9, pc=pc, config=c, metadata=training_metadata(9), replicas=saver.placement
+        )
+        saver.request(9, lr_scheduler, random_states, None, memory=docs)
+        saver.before_step()
+        step(model, optimizer, 2)
+        assert not saver.memory_due(9)
+    if not replicas and not memory:
         saver.drain(lambda s: None)
     saver.close()
     engine.close()
@@ -254,6 +270,7 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
         "last_train_step": metadata.last_train_step,
         "flags": [c.checkpoints.load_optimizer, c.checkpoints.load_lr_scheduler],
         "source": str(resume.source) if resume.source else None,
+        "folder": str(resume.folder),
         "node": node,
     }
 

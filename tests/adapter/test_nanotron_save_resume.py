@@ -84,6 +84,28 @@ def test_a_lost_node_resumes_every_rank_from_memory_through_its_peers_replicas(t
     assert any("model" in p.parts for p in pulled) and any("optimizer" in p.parts for p in pulled), pulled
 
 
+@pytest.mark.parametrize("replicas", [0, 1])
+def test_a_restart_resumes_the_newest_memory_checkpoint_the_nodes_hold_whole(tmp_path, monkeypatch, replicas):
+    """Storage holds step 7; a memory checkpoint of step 9 (memory_interval 3) is in node memory only. The job
+    crashes (with replicas: the second node is lost too) and every rank resumes step 9, bit for bit, from
+    its node's tier (what a lost node lacks pulled from its peers'); the metadata is step 9's."""
+    monkeypatch.setenv("CPU_RANKS_MEMORY", "1")
+    monkeypatch.setenv("CPU_RANKS_REPLICAS", str(replicas))
+    out = launch(tmp_path, 4 if replicas else 2, 1, 4 if replicas else 2, 1, 1, 1, roundtrip=True)
+    for r in out:
+        assert r["differences"] == [] and r["tensors"] > 20, r["differences"]
+        assert r["last_train_step"] == 9
+        here = tmp_path / f"node{r['node']}-shm"
+        assert r["folder"].startswith(str(here)) and r["folder"].endswith("/9"), r
+        assert r["source"] == r["folder"]
+        done = ["queue_start", "queued", "committed"] + (["replicated"] if replicas else [])
+        assert sorted(r["events"]) == sorted(done * 2), r["events"]
+    assert not (tmp_path / "ckpt" / "9").exists()  # nothing of it in storage
+    assert (tmp_path / "ckpt" / "latest.txt").read_text().strip() == "7"
+    lines = housekeeping.read_telemetry(tmp_path / "ckpt")
+    assert [(x["step"], x.get("memory", False)) for x in lines if "event" not in x] == [(7, False), (9, True)]
+
+
 @pytest.fixture
 def rank0(tmp_path, monkeypatch):
     """A gloo world of one, Nanotron's ParallelContext, config and trained state; an engine."""

@@ -4,7 +4,8 @@ found from the config and the manifest alone (`files_to_read` without a place: a
 no rank holds part of the model only; the one optimizer file), from the memory tier where it holds the
 checkpoint, and the small files into the page cache first. With memory replicas, a rank whose node's tier
 lacks the checkpoint reads nothing ahead: `Resume.plan` pulls it from other nodes' memory at network speed,
-and a read of storage under way would only take the memory's and the disk's bandwidth from it.
+and a read of storage under way would only take the memory's and the disk's bandwidth from it; nor does a
+rank whose tier holds a memory checkpoint newer than storage's (`memory_interval`).
 `Resume.plan` adopts that read-ahead where it reads exactly the files planned with the rank's place, onto the
 same device; else it starts one here too."""
 
@@ -23,7 +24,8 @@ from ...checkpoint.manifest import read_manifest
 from ...checkpoint.reads import ReadSet, files_to_read
 from ...engine import DataStatesEngine
 from ...resume.read_ahead import Prefetch, shared_weight_reads, warm_page_cache
-from ...tier.memory import tier_copy
+from ...tier.memory import MemoryTier, tier_copy
+from ...tier.memory_steps import steps_with_manifest
 from ..yaml_config import engine_for, section
 from .source import asked_layout, loads, parse_config, resume_folder
 
@@ -58,6 +60,8 @@ def find(args: Sequence[Any], kwargs: dict[str, Any]) -> EarlyRead | None:
             return None
         manifest = read_manifest(folder)
         settings = section(config).trainer
+        if settings.memory_interval and newer_in_memory(settings, folder):
+            return None  # a memory checkpoint newer than storage's is resumed instead (from_memory.py)
         source = tier_copy(settings, folder, manifest, int(os.environ.get("RANK", "0")))
         if source is None and settings.memory_replicas:
             return None  # other nodes' memory may hold it (`Resume.plan` pulls it): storage read now is lost
@@ -74,6 +78,13 @@ def find(args: Sequence[Any], kwargs: dict[str, Any]) -> EarlyRead | None:
     except Exception:  # noqa: BLE001 - plan() meets the same problem and reports it
         return None
     return EarlyRead(manifest, source, reads, device, asked_layout(config), engine)
+
+
+def newer_in_memory(settings: Any, folder: Path) -> bool:
+    """Whether this rank's memory tier holds a memory checkpoint newer than the checkpoint in `folder`."""
+    rank = int(os.environ.get("RANK", "0"))
+    tier = MemoryTier(settings.memory_tier_path, folder.parent, rank, settings.memory_tier_copies)
+    return bool(steps_with_manifest(tier, int(folder.name)))
 
 
 def read_ahead(

@@ -113,11 +113,11 @@ class Plan:
     why the one read last failed and gives the next (folder, source: None for the folder itself); where
     none is left it raises CheckpointError naming every one tried and why."""
 
-    def __init__(self, folder: Path | None, source: Path | None) -> None:
+    def __init__(self, folder: Path | None, source: Path | None, checkpoints: Path | None = None) -> None:
         if folder is None:
             raise CheckpointError("no checkpoint was planned to resume from (Resume.plan first)")
         self.first, self.current, self.source = folder, folder, source
-        self._left = fallbacks(folder, source)
+        self._left = fallbacks(folder, source, checkpoints)
         self._tried: list[str] = []
 
     def next(self, reasons: list[str]) -> tuple[Path, Path | None]:
@@ -150,11 +150,12 @@ def everyone(resume: Reading) -> list[str]:
     ]
 
 
-def fallbacks(folder: Path, source: Path | None) -> list[tuple[Path, Path]]:
+def fallbacks(folder: Path, source: Path | None, checkpoints: Path | None = None) -> list[tuple[Path, Path]]:
     """The checkpoints to try after `folder` (read from `source`), newest first, as (folder, source): this one
-    from storage where it came from memory, then every older committed one of its checkpoints folder."""
+    from storage where it came from memory, then every older committed one of its checkpoints folder (for a
+    memory checkpoint, `checkpoints`: storage's, which lacks it)."""
     out = [(folder, folder)] if source is not None and source != folder else []
-    store = open_store(folder.parent)
+    store = open_store(checkpoints if checkpoints is not None else folder.parent)
     older = [store.path(str(s)) for s in store.steps() if s < checkpoint.step_of(folder)]
     older = [p for p in older if is_datastates_checkpoint(p)]
     return out + [(p, p) for p in reversed(older)]

@@ -2,28 +2,25 @@
 a manifest (any other is left to Nanotron). The trainer mixin calls, in this order:
 
 1. `Resume.start(args, kwargs)`, the trainer's first line, before Nanotron sets up its process groups (0.4 to
-   0.7 s on an H100: NCCL's first communicator and a barrier per group). From the config and the manifest
-   alone it starts reading ahead the files every rank reads (`files_to_read` without a place: all the
-   weights where no rank holds part of the model only; the one optimizer file), from the memory tier where
-   it holds the checkpoint, and the small files into the page cache first (early.py). Never raises:
-   whatever fails here, step 2 meets again and reports.
-2. `plan(config, pc, folder)`, in `pre_init`: whether this is ours to resume; where its files are read
-   (the memory tier, where every rank finds it whole there, else storage: fallback.py); the files this rank
-   reads, now with its place in the groups; the read-ahead of step 1 adopted if it reads exactly those files
-   onto this device, else one started for them (read_ahead.py). Nanotron's own loaders, which read pickles,
-   are turned off (`load_optimizer`, `load_lr_scheduler`) until they are ours to honour.
+   0.7 s on an H100): from the config and the manifest alone it starts reading ahead the files every rank
+   reads, and the small files into the page cache (early.py). Never raises: step 2 meets it again.
+2. `plan(config, pc, folder)`, in `pre_init`: whether this is ours to resume: a memory checkpoint newer than
+   `folder` that the nodes hold whole (from_memory.py), else `folder`; where its files are read (the memory
+   tier, where every rank finds it whole there, else storage: fallback.py); the files this rank reads, now
+   with its place in the groups; the read-ahead of step 1 adopted if it reads exactly those files onto this
+   device, else one started (read_ahead.py). Nanotron's own loaders, which read pickles, are turned off
+   (`load_optimizer`, `load_lr_scheduler`) until they are ours to honour.
 3. `load_weights(model)`, where Nanotron loads its weights: from the read-ahead, else read now; on another
    layout, resharded (weights.py, reshard.py).
 4. `load_rest(optimizer, lr_scheduler, random_states, model)`, once Nanotron has built them: scheduler,
    training metadata, random states; the optimizer state now, or at the first `optimizer.step` where it is
    being read ahead (neither the first forward nor backward pass needs it: optimizer_state.py).
 5. `confirm()`, at the end of the trainer's construction: the ranks agree that every one of them read the
-   checkpoint whole (every tensor checked against its checksum as it was read; the optimizer state read
-   ahead is waited for here). If any rank could not, every rank falls back together to the newest
-   committed checkpoint that reads whole (the same step from storage first, where it came from memory),
-   and the log says which and why. Returns the training metadata to resume with.
-6. `before_step()`, at each optimizer step: the deferred optimizer load, once. Anything else reading the
-   optimizer's state first (`state_dict`) loads it too, so nobody sees the state from before the resume.
+   checkpoint whole (every tensor checked against its checksum as it was read), or all fall back together
+   to the newest committed checkpoint that reads whole (fallback.py), and the log says which and why.
+   Returns the training metadata to resume with.
+6. `before_step()`, at each optimizer step: the deferred optimizer load, once (or at any earlier read of
+   the optimizer's `state_dict`, so nobody sees the state from before the resume).
 7. `finish()`, after the first step: Nanotron's `load_optimizer` flag back as the YAML had it.
 
 Errors reading a checkpoint (missing or damaged files) are collected, not raised, until `confirm`; a model
@@ -52,7 +49,7 @@ from .. import groups
 from .. import log as say
 from ..yaml_config import engine_for, section
 from . import fallback as recovery
-from . import optimizer_state, saved_layout, weights
+from . import from_memory, optimizer_state, saved_layout, weights
 from . import scheduler_and_rng as rest
 from .early import EarlyRead, find, read_ahead
 from .source import loads
@@ -71,6 +68,7 @@ class Resume:
         self._state = "idle"
         self.folder: Path | None = None  # the checkpoint resumed from, once planned
         self.source: Path | None = None  # where its files are read: the folder, or the memory tier's copy
+        self.memory_of: Path | None = None  # a memory checkpoint's: the checkpoints folder it is newer than
         self.manifest: dict[str, Any] = {}
         self.engine: DataStatesEngine | None = None  # made early or at plan; the trainer saves with it too
         self.prefetch: Prefetch | None = None
@@ -78,12 +76,12 @@ class Resume:
         self.early = False  # whether the read-ahead began with the trainer's construction
         self._early: EarlyRead | None = None  # what the trainer's first line read ahead, until plan
         self._config: Any = None
-        self._pc: Any = None
+        self.pc: Any = None
         self._device: torch.device | None = None
         self._flags = (False, False)  # the YAML's load_optimizer, load_lr_scheduler
         self._hold_optimizer_flag = False
         self._failures: list[str] = []  # what this rank could not read of the checkpoint (see confirm)
-        self._metadata: Any = None
+        self.metadata: Any = None
         self._targets: tuple[Any, ...] = ()  # optimizer, lr_scheduler, random_states, model
         self._deferred: DeferredOptimizer | None = None  # the optimizer state, loaded at the first step
 
@@ -135,24 +133,24 @@ class Resume:
         from nanotron.s3_checkpoints import check_path_is_local
 
         early, self._early = self._early, None
+        settings = section(config).trainer
         # A manifest that is not a regular file (a FIFO): a checkpoint that cannot be read, which falls back.
-        ours = folder is not None and os.path.lexists(Path(folder) / MANIFEST)
-        if folder is None or not ours or not check_path_is_local(folder):
-            self._drop_prefetch(report=False)  # not adopted: its buffers go back when its reads end
-            if folder is not None and getattr(config, "uses_datastates", False):
-                saved_layout.refuse_stock(Path(folder), config, pc)
-            return False
+        ours = folder is not None and os.path.lexists(Path(folder) / MANIFEST) and check_path_is_local(folder)
+        stored = Path(folder) if ours and folder is not None else None
+        memory = from_memory.checkpoints_of(config, settings, stored)  # whose memory checkpoints to look for
+        if stored is None and memory is None:
+            return self._nothing(config, pc, folder)
         groups.check(pc)  # at start-up, not in the middle of loading
-        self._config, self._pc = config, pc
+        self._config, self.pc = config, pc
         self._device = device or (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         )
         ck = config.checkpoints
         self._flags = (ck.load_optimizer, ck.load_lr_scheduler)
         ck.load_optimizer = ck.load_lr_scheduler = False
-        self._open(Path(folder))
-        if section(config).trainer.memory_tier:
-            self.source = recovery.memory_copy(self, section(config).trainer)
+        if not from_memory.choose(self, settings, pc, memory, stored):  # none serves, storage has none
+            ck.load_optimizer, ck.load_lr_scheduler = self._flags
+            return self._nothing(config, pc, folder)
         reads, device = (self.files() if not self._failures else None), self._device
         if reads is None or device is None:
             self._drop_prefetch(report=False)
@@ -169,7 +167,15 @@ class Resume:
             self.prefetch = read_ahead(self.get_engine(), self.manifest, self._src(), reads, device, here)
         return True
 
-    def _open(self, folder: Path, source: Path | None = None) -> None:
+    def _nothing(self, config: Any, pc: Any, folder: str | os.PathLike | None) -> bool:
+        """Nothing of ours to resume (False): a stock checkpoint refused where the engine saves."""
+        self.folder = None
+        self._drop_prefetch(report=False)  # not adopted: its buffers go back when its reads end
+        if folder is not None and getattr(config, "uses_datastates", False):
+            saved_layout.refuse_stock(Path(folder), config, pc)
+        return False
+
+    def take(self, folder: Path, source: Path | None = None) -> None:
         """Takes `folder` as the checkpoint to resume (its files read from `source`, default the folder)."""
         self.folder, self.source, self._failures, self._state = folder, source, [], "planned"
         if self._deferred is not None:
@@ -185,8 +191,8 @@ class Resume:
     def files(self) -> ReadSet | None:
         """The files this rank reads (None: the layout changed). Tensor- and pipeline-parallel ranks read
         their weight files as the model says (`shards.weight_sources`), not ahead."""
-        here = groups.layout_of(self._pc, int(self._config.optimizer.zero_stage))
-        place = groups.place(self._pc)
+        here = groups.layout_of(self.pc, int(self._config.optimizer.zero_stage))
+        place = groups.place(self.pc)
         return files_to_read(self.manifest, self._src(), here, place, **loads(self._config, self._flags))
 
     def needs(self) -> set[str]:
@@ -204,7 +210,7 @@ class Resume:
         return out & names
 
     def topology_changes(self) -> dict[str, tuple[Any, int]]:
-        here = groups.layout_of(self._pc, int(self._config.optimizer.zero_stage))
+        here = groups.layout_of(self.pc, int(self._config.optimizer.zero_stage))
         return topology_changes(self.manifest.get("topology", {}), here)
 
     def get_engine(self) -> DataStatesEngine:
@@ -220,7 +226,7 @@ class Resume:
         self._targets = (*self._targets[:3], model) if len(self._targets) == 4 else (None, None, None, model)
         t0 = time.perf_counter()
         try:
-            names = weights.load(self.get_engine, self.manifest, self._src(), model, self._pc, self.prefetch)
+            names = weights.load(self.get_engine, self.manifest, self._src(), model, self.pc, self.prefetch)
         except READ_ERRORS as e:
             self._failures.append(f"weights: {e}")
             return {}
@@ -253,7 +259,7 @@ class Resume:
 
     def _load_rest(self, optimizer: Any, lr_scheduler: Any, random_states: Any, model: Any) -> None:
         load_optimizer, load_scheduler = self._flags
-        engine, pc, src = self.get_engine(), self._pc, self._src()
+        engine, pc, src = self.get_engine(), self.pc, self._src()
         changed = self.topology_changes()
         # Optimizer state placed straight on the GPU (Nanotron's loader reads onto the CPU, and its first
         # step copies the state over, asserting it is on the CPU): its `load_optimizer` flag stays off until
@@ -270,10 +276,10 @@ class Resume:
                 self._deferred.load()  # not read ahead: loaded now
         if load_scheduler:
             args = (engine, self.manifest, self._root(), src, changed, lr_scheduler, optimizer, model, pc)
-            self._metadata = rest.load_scheduler(*args)
-            if self._config.tokens.train_steps <= self._metadata.last_train_step:
+            self.metadata = rest.load_scheduler(*args)
+            if self._config.tokens.train_steps <= self.metadata.last_train_step:
                 raise ValueError(
-                    f"the checkpoint has already trained {self._metadata.last_train_step} steps; set "
+                    f"the checkpoint has already trained {self.metadata.last_train_step} steps; set "
                     "tokens.train_steps higher"
                 )
         rest.load_random_states(engine, self.manifest, src, changed, random_states, pc)
@@ -290,7 +296,7 @@ class Resume:
         """Waits for the optimizer state read ahead, then has the ranks agree that each read the checkpoint
         whole, or fall back together (fallback.py). Returns the training metadata to resume with (None where
         the scheduler is not loaded). Collective."""
-        plan = recovery.Plan(self.folder, self.source)  # what to try next, in order, where some rank failed
+        plan = recovery.Plan(self.folder, self.source, self.memory_of)
         while reasons := recovery.everyone(self):
             self.reload(*plan.next(reasons))
         plan.done()
@@ -305,18 +311,10 @@ class Resume:
                 self._failures.append(f"optimizer: {e}")
         return list(self._failures)
 
-    @property
-    def metadata(self) -> Any:
-        return self._metadata
-
-    @property
-    def pc(self) -> Any:
-        return self._pc
-
     def reload(self, folder: Path, source: Path | None) -> None:
         """Loads everything again, from another checkpoint (or the same from storage), now."""
         self._drop_prefetch(report=False)
-        self._open(folder, source)
+        self.take(folder, source)
         optimizer, lr_scheduler, random_states, model = self._targets
         self.load_weights(model)
         self.load_rest(optimizer, lr_scheduler, random_states, model)

@@ -59,3 +59,18 @@ def finalizer(
         store.set_latest(step)
 
     return finalize
+
+
+def memory_documents(
+    *, step: int, pc: Any, config: Any, metadata: Any, replicas: dict[str, Any] | None = None
+) -> Callable[[dict[str, Any]], dict[str, str]]:
+    """What a memory checkpoint of `step` keeps beside its files in the memory tier (tier/memory_steps.py),
+    given every rank's files: its manifest and Nanotron's training metadata, the texts captured now."""
+    meta_text = shards.checkpoint_metadata_text(pc, metadata)
+    topology = groups.layout_of(pc, int(config.optimizer.zero_stage))
+
+    def documents(files: dict[str, Any]) -> dict[str, str]:
+        manifest = json.dumps(make_manifest(step, topology, files, replicas), indent=1)
+        return {MANIFEST: manifest, CHECKPOINT_FILE_NAME: meta_text}
+
+    return documents

@@ -12,6 +12,7 @@ from ...engine import DataStatesEngine
 from ...store import open_store
 from ...tier.links import open_link
 from ...tier.memory import MemoryTier
+from ...tier.memory_steps import steps_with_manifest
 from ...tier.replicas import Replicated, Replicator, node_key, placement, prune, replica_area
 from ...trainer_settings import TrainerSettings
 from .. import groups
@@ -29,7 +30,8 @@ class Replication:
 
 
 def open_tier(settings: TrainerSettings, checkpoints: Path) -> tuple[MemoryTier | None, int | None]:
-    """(this rank's memory tier, or None without `memory_tier`; the newest committed step, kept in it)."""
+    """(this rank's memory tier, or None without `memory_tier`; the newest committed step, kept in it: storage's
+    latest, or a newer memory checkpoint)."""
     import torch.distributed as tdist
 
     if not settings.memory_tier:
@@ -40,6 +42,8 @@ def open_tier(settings: TrainerSettings, checkpoints: Path) -> tuple[MemoryTier 
         keep = open_store(checkpoints).latest()
     except (OSError, ValueError):
         keep = None
+    newer = steps_with_manifest(tier, keep)  # memory checkpoints: the newest may be what training resumed
+    keep = newer[-1] if newer else keep
     tier.prune(keep)  # what a killed process left besides the newest committed step
     return tier, keep
 

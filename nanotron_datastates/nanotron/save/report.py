@@ -1,7 +1,8 @@
 """What follows each checkpoint's outcome, on the committer's thread: the step marked held in the memory tier
-and handed to the replicator, rank 0's housekeeping and telemetry (housekeeping.py), the log line, and the
-observers (`observer(event, fields)`, for benchmarks and logs); then each replication's, on the
-replicator's thread."""
+(a memory checkpoint's manifest and training metadata written beside its files first) and handed to the
+replicator, rank 0's housekeeping and telemetry (housekeeping.py), the log line, and the observers
+(`observer(event, fields)`, for benchmarks and logs); then each replication's, on the replicator's
+thread."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from ...engine import DataStatesEngine
 from ...save import housekeeping
 from ...save.commit import CommitResult
 from ...tier.memory import MemoryTier
+from ...tier.memory_steps import keep_documents
 from ...tier.replicas import Replicated, Replicator, describe
 from ...trainer_settings import TrainerSettings
 from .. import groups
@@ -37,13 +39,18 @@ class Reporter:
         self.engine, self.settings, self.pc, self.checkpoints = engine, settings, pc, checkpoints
         self.tier, self.notify = tier, notify
         self.replicator: Replicator | None = None
+        # A memory checkpoint's documents (manifest, metadata) by step, made from every rank's files
+        self.documents: dict[int, Callable[[dict[str, Any]], dict[str, str]]] = {}
 
     def committed(self, r: CommitResult) -> None:
         """On the committer thread, for every checkpoint: the memory tier's mark, rank 0's housekeeping and
         telemetry, the log line, the observers."""
+        documents = self.documents.pop(r.step, None) if r.memory else None
         if self.tier is not None and r.committed:
             held = r.mirrored
             try:
+                if documents is not None:  # before the mark: a step marked held has them
+                    keep_documents(self.tier, r.step, documents(r.entries))
                 self.tier.commit(r.step, r.mirrored)
                 self.engine.keep_mirrors(self.tier.files())  # the dropped files' memory goes back
             except OSError as e:  # a restart then reads storage
@@ -58,7 +65,7 @@ class Reporter:
             except Exception as e:  # never fatal: the checkpoint itself is committed (or reported failed)
                 say.error(f"after checkpoint {r.step}: {e!r}")
         if r.committed:
-            say.info(housekeeping.describe(r))
+            say.info(("in memory only: " if r.memory else "") + housekeeping.describe(r))
         else:
             listed = "".join(f"\n  {e}" for e in r.errors)
             say.error(f"checkpoint {r.step} NOT committed, {len(r.errors)} error(s):{listed}")

@@ -21,10 +21,9 @@
 4. `take(count)` at the next request and `drain()` at the end: the outcomes (commit.py), in order, the same
    on every rank; post-save hooks run for those committed; a failed one raises CheckpointError.
 
-With `memory_tier`, each file's copy in node-local shared memory is the save's host memory (the engine copies
-into it and flushes from it, in place of host cache chunks), and each rank marks a step as held there once it
-is committed (memory_tier.py); with `memory_replicas`, the step then goes to ranks of other nodes too
-(replicas.py), in the background.
+With `memory_tier`, each file's copy in node-local shared memory is the save's host memory (in place of host
+cache chunks), marked held once committed (tier/memory.py), and with `memory_replicas` sent to ranks of other
+nodes (replicas.py); a memory checkpoint (`memory_due`) goes there only (tier/memory_steps.py).
 
 `observers` are told of each queuing and commit (`observer(event, fields)`), for benchmarks and logs.
 """
@@ -93,7 +92,8 @@ class Saver:
         self.gate = SnapshotGate()
         self.observers: list[Observer] = []
         self.outstanding = 0  # checkpoints asked for and not taken yet
-        self.last_step: int | None = None  # the step of the last checkpoint asked for
+        self.last_step: int | None = None  # the step of the last checkpoint to storage asked for
+        self.memory_step: int | None = None  # the step of the last memory checkpoint asked for
         self._files: RankFiles | None = None
         self._nbytes: int | None = None  # this rank's weight and optimizer files, known from the first step
         self.optimizer_plans = OptimizerPlans(engine, optimizer)
@@ -118,10 +118,8 @@ class Saver:
         self._prepare_cache([plan for _, plan in self.files().weights])
 
     def _prepare_cache(self, plans: list[SavePlan]) -> None:
-        # Pinning stalls other CUDA calls (on an H100, 8 GiB pinned at start took the first step from 0.97 to
-        # 2.99 s; 80 chunks pinned after the first step, the next ten from 57-61 to 86-126 ms): only the
-        # chunks one checkpoint fills, as soon as they are known. With the memory tier, the tier's files
-        # take the bytes instead: the cache is left as it is.
+        # Pinning stalls other CUDA calls (H100: 8 GiB pinned at start, the first step 0.97 -> 2.99 s): only
+        # the chunks one checkpoint fills. With the memory tier, its files take the bytes instead.
         if self.tier is None:
             self.engine.prepare_cache(wait=False, nbytes=cache_bytes(self.engine, plans))
 
@@ -157,21 +155,26 @@ class Saver:
         random_states: Any,
         finalizer: Callable[[], Callable[[dict], None]] | None,
         since: float | None = None,
+        memory: Callable[[dict[str, Any]], dict[str, str]] | None = None,
     ) -> None:
         """Captures and queues (now or at the next step) the checkpoint of `step`. `finalizer`, rank 0's,
         makes the commit that runs once every rank's files are persisted: it is called when the files are
         queued, at the latest just after the next optimizer step is launched (Nanotron moves its counters
         and its learning rate on only after that). The training stall counted for it starts at `since`
-        (`time.perf_counter()`; default: now), and includes the next step's wait for its snapshot."""
+        (`time.perf_counter()`; default: now), and includes the next step's wait for its snapshot.
+        `memory`: a memory checkpoint (`memory_due`), into the memory tier only; this makes its manifest
+        and metadata from every rank's files (commit_files.memory_documents)."""
         t0 = time.perf_counter() if since is None else since
-        folder = self.store.path(str(step))
-        self.last_step = step
+        if memory is not None and self.tier is not None:
+            folder, self.memory_step = self.tier.folder / str(step), step
+            self.reporter.documents[step] = memory
+        else:
+            folder, self.last_step = self.store.path(str(step)), step
         later = host_values(self.files(), lr_scheduler, random_states)
         self.outstanding += 1
         stage = self._decide()[0]
-        job = Request(
-            PendingCheckpoint(step, folder, []), later, finalizer, stage and self.settings.queue_at_step
-        )
+        pending = PendingCheckpoint(step, folder, [], memory=memory is not None)
+        job = Request(pending, later, finalizer, stage and self.settings.queue_at_step)
         if job.deferred:
             self.gate.defer(
                 functools.partial(self._capture, job, stage), after=functools.partial(self._queue, job)
@@ -180,6 +183,11 @@ class Saver:
             self._capture(job, stage)
             self._queue(job)
         job.pending.stall_s += time.perf_counter() - t0
+
+    def memory_due(self, step: int) -> bool:
+        """Whether a memory checkpoint of `step` is due (`memory_interval`), not asked for yet in any form."""
+        every, asked = self.settings.memory_interval, (self.last_step, self.memory_step)
+        return bool(every) and step > 0 and step % every == 0 and step not in asked
 
     def _decide(self) -> tuple[bool, str]:
         nbytes = self._nbytes
@@ -299,9 +307,9 @@ class Saver:
         results = self.committer.take(count)
         self.outstanding -= len(results)
         for r in results:
-            if r.committed:
+            if r.committed and not r.memory:  # a memory checkpoint has no post-save hooks (S3 upload)
                 on_committed(r.step)
-        failed = [r for r in results if not r.committed]
+        failed = [r for r in results if not r.committed and not r.memory]  # a memory one is only logged
         if failed:
             r = failed[0]
             raise CheckpointError(
