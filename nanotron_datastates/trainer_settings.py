@@ -75,10 +75,11 @@ class TrainerSettings(Settings):
     """GB/s each rank sends its replicas at, at most, so that training's own traffic keeps the network
     (0: no limit). A restart pulls what its node lacks at full speed: nothing else runs then."""
     memory_replica_transport: str = "auto"
-    """How replicas travel: 'nccl', GPU to GPU on an NCCL communicator and a CUDA stream of their own,
-    through 4 pinned and 4 GPU buffers of 32 MiB per peer and direction (NVLink within a node, the cluster's
-    network between nodes); 'gloo', host memory to host memory over TCP; 'auto', NCCL where every rank has a
-    GPU and PyTorch has NCCL, else gloo."""
+    """How a restart pulls replicas: 'nccl', GPU to GPU on an NCCL communicator and CUDA streams of their
+    own, through 4 pinned and 4 GPU buffers of 32 MiB per peer and direction (NVLink within a node, the
+    cluster's network between nodes); 'gloo', host memory to host memory over TCP; 'auto', NCCL where every
+    rank has a GPU and PyTorch has NCCL, else gloo. During training replicas go over gloo: a second NCCL
+    communicator's kernels, queued among the training's own in another order on another rank, deadlock."""
     memory_interval: int = 0
     """With the memory tier: also take a checkpoint into memory only (the tier, and the replicas with
     `memory_replicas`) every N steps, between Nanotron's `checkpoint_interval` checkpoints to storage. A
@@ -94,8 +95,8 @@ class TrainerSettings(Settings):
             )
         if self.memory_interval and not self.memory_tier:
             raise ValueError(
-                f"datastates.memory_interval={self.memory_interval} is invalid: expected 0 where "
-                "datastates.memory_tier is false (memory checkpoints go into the memory tier)"
+                f"datastates.memory_interval={self.memory_interval} is invalid: expected a number of steps "
+                ">= 0, and 0 where datastates.memory_tier is false (memory checkpoints go into the tier)"
             )
 
 

@@ -48,6 +48,7 @@ BAD = {
     "memory_replicas": [-1, 65, 1.0, "1", 1],
     "memory_replica_gbps": [-1, "2", None],
     "memory_replica_transport": ["ucx", True, None],
+    "memory_interval": [-1, 1.5, "10", 10],
 }
 ACCEPTS = {
     "host_cache_size": "[1/1024, 2**20]",
@@ -70,6 +71,7 @@ ACCEPTS = {
     "memory_replicas": "[0, 64]",
     "memory_replica_gbps": "[0, 10000]",
     "memory_replica_transport": "auto, nccl, gloo",
+    "memory_interval": "a number of steps >= 0",
     "telemetry_path": 'a path (or "" for none)',
 }
 

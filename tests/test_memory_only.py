@@ -1,6 +1,6 @@
-"""Files kept in memory only (a memory checkpoint's): a save whose mirror is its own path writes no storage file;
-the mirror holds the same bytes (header, checksums) a stored file would, is recycled like any mirror, and where
-it cannot be had the save fails, naming why, and the engine goes on."""
+"""Files kept in memory only (a memory checkpoint's): a save whose mirror is its own path writes no storage
+file; the mirror holds the same bytes (header, checksums) a stored file would, is recycled like any mirror,
+and where it cannot be had the save fails, naming why, and the engine goes on."""
 
 import errno
 import os
@@ -54,7 +54,9 @@ def test_a_memory_only_file_recycles_an_earlier_one(tmp_path):
     with DataStatesEngine(small_config()) as engine:
         save_in_memory(engine, state(), mem / "1" / "f.safetensors")
         inode = os.stat(mem / "1" / "f.safetensors").st_ino
-        h = save_in_memory(engine, state(2.0), mem / "2" / "f.safetensors", recycle=mem / "1" / "f.safetensors")
+        h = save_in_memory(
+            engine, state(2.0), mem / "2" / "f.safetensors", recycle=mem / "1" / "f.safetensors"
+        )
         assert h.mirrored() and not (mem / "1" / "f.safetensors").exists()
         assert os.stat(mem / "2" / "f.safetensors").st_ino == inode
         assert torch.equal(engine.load(mem / "2" / "f.safetensors")["w"], state(2.0)["w"])

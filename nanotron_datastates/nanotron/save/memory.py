@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from ...engine import DataStatesEngine
 from ...store import open_store
-from ...tier.links import open_link
+from ...tier.links import GlooLink
 from ...tier.memory import MemoryTier
 from ...tier.memory_steps import steps_with_manifest
 from ...tier.replicas import Replicated, Replicator, node_key, placement, prune, replica_area
@@ -30,8 +30,8 @@ class Replication:
 
 
 def open_tier(settings: TrainerSettings, checkpoints: Path) -> tuple[MemoryTier | None, int | None]:
-    """(this rank's memory tier, or None without `memory_tier`; the newest committed step, kept in it: storage's
-    latest, or a newer memory checkpoint)."""
+    """(this rank's memory tier, or None without `memory_tier`; the newest committed step, kept in it:
+    storage's latest, or a newer memory checkpoint)."""
     import torch.distributed as tdist
 
     if not settings.memory_tier:
@@ -57,8 +57,8 @@ def open_replicas(
     on_done: Callable[[Replicated], None],
 ) -> Replication:
     """The replicas' placement over the nodes and the replicator, with `memory_replicas` (collective: the
-    ranks gather their nodes, and the replicator's gloo group and link are made here, its buffers too); the
-    replicas this rank keeps pruned like its own tier."""
+    ranks gather their nodes, and the replicator's gloo group is made here); the replicas this rank keeps
+    pruned like its own tier."""
     import torch.distributed as tdist
 
     if tier is None or not settings.memory_replicas or not tdist.is_initialized():
@@ -69,9 +69,11 @@ def open_replicas(
     sources = [s for s, hs in enumerate(holders) if me in hs]
     prune(tier, sources, keep)
     group = tdist.new_group(backend="gloo")
-    link = open_link(group, settings.memory_replica_transport)
-    link.reserve(len(holders[me]), len(sources))  # buffers pinned before training, not during
-    say.info(f"memory replicas go over {link.name}")
+    # Over gloo while training runs: the kernels of a second NCCL communicator, queued among the training's
+    # own in another order on another rank, deadlock them (CUDA_DEVICE_MAX_CONNECTIONS=1 runs one queue:
+    # a 180M dp2 job hung so on 2x H200). A restart pulls over `memory_replica_transport`.
+    link = GlooLink(group)
+    say.info("memory replicas go over gloo during training")
     replicator = Replicator(
         tier, holders, group, engine, settings.memory_replica_gbps, on_done=on_done, link=link
     )
