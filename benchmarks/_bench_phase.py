@@ -269,7 +269,7 @@ def run_phase(args: argparse.Namespace) -> None:
                 if r.committed and RANK == 0:
                     prune_before(Path(self.config.checkpoints.checkpoints_path), r.step)
                 keys = ("step", "bytes", "stall_s", "queued_s", "snapshot_s", "persisted_s", "committed_s")
-                keys += ("rank_bytes",)
+                keys += ("rank_bytes", "memory")
                 rec["commits"].append({**{k: getattr(r, k) for k in keys}, "engine_cpu_s": r.engine_cpu_s})
 
     restoring = args.profile and args.mode.startswith("restore")

@@ -83,13 +83,13 @@ def save(
         holders = rep.placement(nodes, replicas)
 
         def done(r: Any) -> None:  # the log line, and the inode of each replica file received
+            (out / f"replicated{rank}-{r.step}.txt").write_text(rep.describe(r))
             inodes = {
                 f"{s}/{rel}": os.stat(rep.replica_area(tier, s).path(r.step, rel)).st_ino
                 for s in [s for s, hs in enumerate(holders) if rank in hs]
                 for rel in files(s)
             }
             (out / f"inodes{rank}-{r.step}.json").write_text(json.dumps(inodes))
-            (out / f"replicated{rank}-{r.step}.txt").write_text(rep.describe(r))
 
         replicator = rep.Replicator(tier, holders, group, engine, gbps=gbps, link=link, on_done=done)
 

@@ -96,6 +96,22 @@ def test_a_lost_node_resumes_from_its_peers_memory_bit_for_bit(tmp_path, ctx):
 
 
 @pytest.mark.slow
+def test_checkpoints_that_come_faster_than_replication_send_the_newest_and_skip_the_rest(tmp_path, ctx):
+    """Paced to 0.5 MB/s, the first checkpoint's replicas take about a second; the second and third are
+    committed meanwhile. Every rank agrees to skip the second and send the third, which a lost node then
+    resumes."""
+    procs = _job(ctx, child.save, tmp_path, "save", 3, 1, 0.0005, 1 << 20)
+    _wait_for(lambda: all((tmp_path / f"done{r}").exists() for r in range(WORLD)), "the saves")
+    for r in range(WORLD):
+        assert "not sent, checkpoint 3 goes instead" in (tmp_path / f"replicated{r}-2.txt").read_text()
+        assert "received from rank(s)" in (tmp_path / f"replicated{r}-3.txt").read_text()
+    area = MemoryTier(child.tier_root(tmp_path, 1), tmp_path / "ckpt", 0, area=REPLICAS)
+    assert area.steps() == [1, 3]
+    _lose_node(procs, tmp_path, 1)
+    assert all(o["step"] == 3 and o["equal"] == [True, True] for o in _restart(ctx, tmp_path, 1))
+
+
+@pytest.mark.slow
 def test_without_replicas_a_lost_node_resumes_from_storage(tmp_path, ctx):
     procs = _job(ctx, child.save, tmp_path, "save", 2, 0, 0.0, 1 << 20)
     _wait_for(lambda: all((tmp_path / f"done{r}").exists() for r in range(WORLD)), "the saves")

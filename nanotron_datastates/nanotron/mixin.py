@@ -84,7 +84,8 @@ class DataStatesTrainerMixin(_Trainer):
         super().pre_init()  # Nanotron resolves the checkpoint to resume from
         if getattr(self.config, "uses_datastates", False):
             groups.check(self.parallel_context)  # at start-up, not at the first checkpoint
-        if self._ds_resume.plan(self.config, self.parallel_context, self.init_checkpoint_path):
+        found: Path | None = getattr(self, "init_checkpoint_path", None)
+        if self._ds_resume.plan(self.config, self.parallel_context, found):
             self.init_checkpoint_path = self._ds_resume.folder  # a memory checkpoint's, where newer
 
     def _load_model_checkpoint(self, model: Any) -> Any:

@@ -9,12 +9,13 @@ After a checkpoint is committed (`Replicator`, a thread of its own on a gloo gro
 learns the others' files (their manifest entries), maps its tier files and creates the temporaries it
 receives into, and the ranks agree that all could before a byte moves; then each file goes in chunks, every
 rank sending to its holders and receiving from the ranks it holds for at once, a chunk of each per wave,
-paced to `memory_replica_gbps`, over the job's link (links.py: NCCL through the GPUs, or gloo). A received
-file is checked against its manifest entry (size and every tensor's checksum) before it is renamed into
-place and marked held for its rank (`.rank-<r>.json` in `<job>/replicas/<step>/`, as the tier marks its own
-copies); the older replica of that rank then becomes a spare (its marker withdrawn), whose files the next
-replica is received into. A file killed half received is a temporary, never marked, never read, removed at
-the next start.
+paced to `memory_replica_gbps`, over the job's link (links.py: gloo while training runs); where checkpoints
+come faster than they are replicated, the ranks agree on the newest all have queued and skip the older. A
+received file is checked against its manifest entry (size and every tensor's checksum) before it is renamed
+into place and marked held for its rank (`.rank-<r>.json` in `<job>/replicas/<step>/`, as the tier marks its
+own copies); the older replica of that rank then becomes a spare (its marker withdrawn), whose files the
+next replica is received into. A file killed half received is a temporary, never marked, never read,
+removed at the next start.
 
 The restart, which pulls what a node lacks from other nodes' memory: replica_restore.py; the files moved
 between ranks: replica_transfer.py, over a link (links.py).
@@ -92,6 +93,7 @@ class Replicated:
     error: str | None = None
     job: list[dict[str, Any]] | None = None
     transport: str = ""  # the link's name: nccl or gloo
+    skipped_for: int | None = None  # not sent: the newer checkpoint of this step was, in its place
 
     def figures(self) -> dict[str, Any]:
         return {
@@ -148,9 +150,37 @@ class Replicator:
         if not self._thread.is_alive():
             self.link.close()
 
+    def _newest(self, step: int, backlog: list[tuple[int, dict[str, Any]] | None]) -> int:
+        """The newest step every rank has queued by now (`step` is the oldest; the others wait in `backlog`,
+        to which what is queued now is added): the one all replicate next, the same on every rank, so that
+        replication slower than the checkpoints come sends the newest and skips the rest."""
+        while backlog[-1:] != [None]:
+            try:
+                backlog.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        if self._broken is not None:
+            return step
+        try:
+            mine = [step] + [b[0] for b in backlog if b is not None]
+            return min(max(steps) for steps in gather(self.group, mine))
+        except RuntimeError as e:
+            self._broken = str(e)
+            return step
+
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
+        backlog: list[tuple[int, dict[str, Any]] | None] = []
+        while (item := backlog.pop(0) if backlog else self._queue.get()) is not None:
             step, files = item
+            newest = self._newest(step, backlog)
+            if newest > step:  # a newer checkpoint goes in its place
+                self.tier.busy.discard(step)
+                to = self.holders[self.rank]
+                skipped = Replicated(step, 0, 0, 0.0, to, self.sources, skipped_for=newest)
+                if self.on_done is not None:
+                    with contextlib.suppress(Exception):
+                        self.on_done(skipped)
+                continue
             try:
                 if self._broken is not None:
                     raise ReplicaError(f"not replicated: an earlier replication broke ({self._broken})")
@@ -205,6 +235,8 @@ def describe(r: Replicated) -> str:
     """The log line of one checkpoint's replication."""
     if r.error:
         return f"memory replicas of checkpoint {r.step}: {r.error}"
+    if r.skipped_for is not None:
+        return f"memory replicas of checkpoint {r.step}: not sent, checkpoint {r.skipped_for} goes instead"
     return (
         f"memory replicas of checkpoint {r.step}: {r.sent_bytes / 1e9:.3f} GB sent to rank(s) "
         f"{', '.join(map(str, r.to))}, {r.received_bytes / 1e9:.3f} GB received from rank(s) "
