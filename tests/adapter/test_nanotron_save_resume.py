@@ -586,3 +586,46 @@ def test_a_checkpoint_whose_files_all_fail_raises_the_first_error_and_counts_the
     assert re.search(r"; and \d+ more errors \(all in the log\)$", message), message
     assert len(message) < 1000 and message.count(str(root / "10")) <= 3, message
     saver.close()
+
+
+def test_the_trainer_takes_a_memory_checkpoint_where_due_at_the_start_of_an_iteration(rank0, tmp_path):
+    """Nanotron's real trainer class, its loop's first call of each iteration: with memory_interval 2, the
+    steps 2 and 4 its metadata has counted go into the memory tier only (with their manifest and metadata),
+    never twice, never a step storage just took, never the step a run resumed (before its first step)."""
+    from nanotron_datastates.nanotron.trainer import DataStatesTrainer
+    from nanotron_datastates.tier.memory import MemoryTier
+    from nanotron_datastates.tier.memory_steps import read_documents
+
+    pc, c, (model, optimizer, lr_scheduler, random_states), engine = rank0
+    shm, ckpt = tmp_path / "shm", tmp_path / "ckpt"
+    settings = TrainerSettings(memory_tier=True, memory_tier_path=str(shm), memory_interval=2)
+    t = DataStatesTrainer.__new__(DataStatesTrainer)
+    t.config, t.parallel_context, t.current_dataloader = c, pc, iter(())
+    c.data_stages = None
+    t.optimizer, t.lr_scheduler, t.random_states = optimizer, lr_scheduler, random_states
+    t.iteration_step, t.s3_mover = 6, None  # Nanotron's post-save hooks, for storage's checkpoint
+    t.datastates = saver = Saver(engine, settings, pc, model, optimizer, ckpt)
+    saver.start()
+    saver.after_first_step()
+    t.metadata, t._ds_stepped = training_metadata(2), False
+    t._update_dataloader_based_on_training_stages(None)  # a resumed run, before its first step: nothing
+    assert saver.memory_step is None
+    t._ds_stepped = True
+    ask(saver, rank0, 6)  # storage's checkpoint of step 6: no memory one of the same step
+    for at in (2, 3, 4, 4, 5, 6):
+        t.metadata = training_metadata(at)
+        t._update_dataloader_based_on_training_stages(None)
+        saver.before_step()
+        saver.after_step()
+    saver.take(saver.outstanding, lambda s: None)
+    tier = MemoryTier(shm, ckpt, 0)
+    assert [c["step"] for c in saver_commits(ckpt)] == [6, 2, 4]
+    for at in (2, 4):
+        docs = read_documents(tier, at)
+        assert json.loads(docs[MANIFEST])["step"] == at and not (ckpt / str(at)).exists()
+        assert json.loads(docs["checkpoint_metadata.json"])["metas"]["last_train_step"] == at
+    saver.close()
+
+
+def saver_commits(root: Path) -> list[dict[str, Any]]:
+    return [r for r in housekeeping.read_telemetry(root) if "event" not in r]
