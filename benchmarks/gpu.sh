@@ -195,10 +195,12 @@ run_step() {
         --modes datastates --variant tier:memory_tier=true --variant replicas:memory_tier=true,memory_replicas=1 \
         --rounds 3 --work "$WORK/rp180" --out "$OUT/replicas-180m") ;;
     memory-180m) # memory checkpoints every 10 steps (the tier, a replica on the other node; storage every 1000),
-      # two simulated nodes of one GPU each (dp=2), two interleaved rounds: the iterations after each, against none
+      # two simulated nodes of one GPU each (dp=2), interleaved rounds: the iterations after each, against none;
+      # MEMORY_TIER_ONLY=1 adds the same without replicas (what the copies alone cost)
       (cd $B && python3 bench_nanotron.py all --model 180m --layout dp2 --nodes 2 --steps 200 --interval 10 \
         --modes none --variant mem:checkpoint_interval=1000,memory_tier=true,memory_replicas=1,memory_interval=10 \
-        --rounds 2 --work "$WORK/mi180" --out "$OUT/memory-180m") ;;
+        ${MEMORY_TIER_ONLY:+--variant memtier:checkpoint_interval=1000,memory_tier=true,memory_interval=10} \
+        --rounds ${MEMORY_ROUNDS:-2} --work "$WORK/mi180" --out "$OUT/memory-180m") ;;
     restart-1b) (cd $B && python3 bench_restart.py all --model 1b --step 10 --cache-gib 16 --work "$WORK/rs1b" \
       --out "$OUT/restart-1b" ${RESTART_ONLY:+--only $RESTART_ONLY} ${TIER_COPIES:+--tier-copies $TIER_COPIES} \
       ${RESTART_REPEATS:+--repeats $RESTART_REPEATS}) ;;

@@ -17,7 +17,9 @@ import torch
 import torch.multiprocessing as mp
 
 from nanotron_datastates.tier.memory import REPLICAS, MemoryTier, job_folder
-from nanotron_datastates.tier.replicas import placement
+from nanotron_datastates.tier.replicas import Replicator, placement
+
+from helpers import wait_until
 
 WORLD, NODES = 4, 2
 
@@ -200,3 +202,33 @@ def test_a_lost_node_resumes_bit_for_bit_from_replicas_sent_through_nccl(tmp_pat
         assert o["step"] == 3 and o["equal"] == [True, True], (r, o)
         assert not o["leftovers"]
     assert "2 file(s)" in out[1]["why"] and "over nccl" in out[1]["why"]
+
+
+def test_only_the_newest_queued_step_and_the_one_being_sent_are_kept_from_the_saves(tmp_path):
+    """While a replication is under way, each step committed in its place frees the older queued ones for the
+    saves to recycle (they would be skipped for it); the newest stays kept until sent."""
+    import threading
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        tier = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0)
+        release, done = threading.Event(), []
+
+        def on_done(r) -> None:  # the replicator's thread, after step 1: held until the test lets it go
+            done.append((r.step, r.skipped_for))
+            release.wait(30)
+
+        replicator = Replicator(tier, [[]], dist.new_group(backend="gloo"), None, on_done=on_done)
+        replicator.submit(1, {})
+        assert wait_until(lambda: done == [(1, None)])
+        replicator.submit(2, {})
+        assert tier.busy == {2}
+        replicator.submit(3, {})
+        assert tier.busy == {3}  # 2 left to the saves: 3 goes in its place
+        release.set()
+        replicator.close()
+        assert done == [(1, None), (2, 3), (3, None)] and tier.busy == set()
+    finally:
+        dist.destroy_process_group()

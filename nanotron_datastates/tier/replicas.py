@@ -132,13 +132,17 @@ class Replicator:
         # new pages, which a tmpfs allocates one fault at a time): the memory `check_room` counts anyway.
         self.areas = {s: replica_area(tier, s, copies=2) for s in self.sources}
         self._queue: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue()
+        self._sending: int | None = None  # the step being sent
         self._broken: str | None = None
         self._thread = threading.Thread(target=self._run, name="datastates-replicator", daemon=True)
         self._thread.start()
 
     def submit(self, step: int, files: dict[str, dict[str, Any]]) -> None:
         """After `step` is committed and marked held in the tier: its files (this rank's manifest entries)
-        go to the holders. The tier keeps them from being overwritten until they are sent."""
+        go to the holders. The tier keeps them from being overwritten until they are sent; the older steps
+        still queued, which this one will be sent in place of, are left to the saves to recycle (where the
+        ranks send one of them after all, its taken-over files fail the receivers' checks: never placed)."""
+        self.tier.busy.intersection_update({self._sending})
         self.tier.busy.add(step)
         self._queue.put((step, files))
 
@@ -181,6 +185,8 @@ class Replicator:
                     with contextlib.suppress(Exception):
                         self.on_done(skipped)
                 continue
+            self._sending = step
+            self.tier.busy.add(step)
             try:
                 if self._broken is not None:
                     raise ReplicaError(f"not replicated: an earlier replication broke ({self._broken})")
@@ -191,6 +197,7 @@ class Replicator:
                 if isinstance(e, RuntimeError) and not isinstance(e, ReplicaError):
                     self._broken = str(e)  # the group failed mid-transfer: it cannot be trusted again
             finally:
+                self._sending = None
                 self.tier.busy.discard(step)
             if self._broken is None:  # every rank is here, whether its part succeeded or not
                 try:
