@@ -96,15 +96,25 @@ def _memory_of_any_node(resume: Reading, settings: Any) -> Path | None:
     if problems or own is None:
         say.note(f"resuming step {step} from storage: the memory tier cannot serve it ({problems[0]})")
         return None
-    group = tdist.new_group(backend="gloo")  # the ranks' agreements; the bytes go over the link
-    link = open_link(group, settings.memory_replica_transport)
-    try:
-        source, why = restart_source(own, resume.manifest, resume.needs(), group, resume.get_engine(), link)
-    finally:
-        link.close()
+    source, why = pull(own, resume.manifest, resume.needs(), resume.get_engine(), settings)
     where = f"memory ({source}; {why})" if source else f"storage: no memory copy serves it ({why})"
     say.note(f"resuming step {step} from {where}")
     return source
+
+
+def pull(
+    own: MemoryTier, manifest: dict[str, Any], needs: set[str], engine: Any, settings: Any
+) -> tuple[Path | None, str]:
+    """`restart_source` over a link of its own (`memory_replica_transport`), closed once pulled: (this
+    rank's tier folder of the checkpoint, or None for storage; why). Collective."""
+    import torch.distributed as tdist
+
+    group = tdist.new_group(backend="gloo")  # the ranks' agreements; the bytes go over the link
+    link = open_link(group, settings.memory_replica_transport)
+    try:
+        return restart_source(own, manifest, needs, group, engine, link)
+    finally:
+        link.close()
 
 
 class Plan:

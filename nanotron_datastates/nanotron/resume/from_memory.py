@@ -18,10 +18,8 @@ from typing import Any, Protocol
 
 from ...checkpoint import folder as checkpoint
 from ...checkpoint.manifest import ManifestError
-from ...tier.links import open_link
 from ...tier.memory import MemoryTier
 from ...tier.memory_steps import keep_documents, manifest_of, read_documents, steps_with_manifest
-from ...tier.replica_restore import restart_source
 from .. import groups
 from .. import log as say
 from . import fallback as recovery
@@ -134,12 +132,5 @@ def _pull(resume: Taking, settings: Any, pc: Any, tier: MemoryTier, step: int) -
         if bad is not None:
             return None, f"not whole in memory (rank {bad[0]}: {bad[1]})"
         return tier.folder / str(step), f"resumed from the memory tier ({tier.folder / str(step)})"
-    import torch.distributed as tdist
-
-    group = tdist.new_group(backend="gloo")  # the ranks' agreements; the bytes go over the link
-    link = open_link(group, settings.memory_replica_transport)
-    try:
-        source, why = restart_source(tier, resume.manifest, resume.needs(), group, resume.get_engine(), link)
-    finally:
-        link.close()
+    source, why = recovery.pull(tier, resume.manifest, resume.needs(), resume.get_engine(), settings)
     return source, (f"resumed from memory ({why})" if source else f"not whole in any node's memory ({why})")
