@@ -25,9 +25,11 @@ import torch
 import torch.distributed as dist
 
 from .replica_transfer import Transfer, pace
+from .step_order import StepOrder
 
 CHUNK = 32 << 20  # bytes of a slot: NCCL moves 32 MiB messages near the link's peak
 SLOTS = 4  # waves the stream runs ahead of the host copies
+TRAINING_SLOTS = 8  # while training runs, waves ready for one optimizer step to make (256 MiB a peer)
 PIECE = 8 << 20  # bytes of a chunk one host thread copies: a wave's chunks spread over the threads
 
 
@@ -86,7 +88,8 @@ class _Stream:
 
 class NcclLink:
     """Moves files between ranks over `group` (an NCCL group over every rank, made for this link only) on
-    `device`. One transfer at a time (the replicator's thread, or the restart)."""
+    `device`. One transfer at a time (the replicator's thread, or the restart). `order`: while training
+    runs, each wave's NCCL calls are made by the training thread at an optimizer step (step_order.py)."""
 
     name = "nccl"
 
@@ -97,10 +100,12 @@ class NcclLink:
         chunk: int = CHUNK,
         slots: int = SLOTS,
         threads: int | None = None,
+        order: StepOrder | None = None,
     ) -> None:
         if device.index is None:  # `cuda`: the current device, named (threads other than this one use it)
             device = torch.device("cuda", torch.cuda.current_device())
         self.group, self.device, self.chunk, self.slots = group, device, chunk, slots
+        self.order = order  # while training runs: the NCCL calls made by the training thread at its steps
         # Copies to the GPU (and NCCL's calls after them) on one stream, copies back on another: a wave's
         # copy back overlaps the next one's copy in, each on a copy engine of its own.
         self.up, self.down = torch.cuda.Stream(device=device), torch.cuda.Stream(device=device)
@@ -129,20 +134,23 @@ class NcclLink:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def move(self, sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0) -> float:
+    def move(self, sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0, waves: int = 0) -> float:
         """Sends and receives every transfer's bytes at once (both ends list a pair's files in the same
-        order); keeps the bytes sent under `gbps` GB/s (0: no limit). Returns the seconds it took."""
+        order); keeps the bytes sent under `gbps` GB/s (0: no limit). With `order`, each wave's NCCL calls
+        are made at an optimizer step (step_order.py), and `waves` (at least this rank's own) is the count
+        every rank agreed on, so that the k-th call of every rank is the same wave. Returns the seconds."""
         t0 = time.monotonic()
         torch.cuda.set_device(self.device)  # this thread's device: NCCL calls need it
         outs, ins = _Stream.of(sends), _Stream.of(recvs)
         self.reserve(len(outs), len(ins))
         c, slots = self.chunk, self.slots
         out_bufs, in_bufs = self._buffers["out"], self._buffers["in"]
-        waves = max([-(-s.total // c) for s in outs + ins] or [0])
+        waves = max([waves] + [-(-s.total // c) for s in outs + ins])
         read = [torch.cuda.Event() for _ in range(slots)]  # the GPU has read the wave's pinned slots
         written = [torch.cuda.Event() for _ in range(slots)]  # the GPU has written them
         fills: dict[int, list[Future]] = {}
         drains: dict[int, list[Future]] = {}
+        made: dict[int, Future] = {}  # each wave's NCCL calls: their works, once made
 
         def fill(wave: int) -> None:  # the wave's chunks sent, into their slots, once the GPU has read them
             if wave < waves:
@@ -153,15 +161,36 @@ class NcclLink:
                     for part in s.parts(wave, c)
                 ]
 
+        def land(wave: int) -> None:  # the wave's chunks received, back to the host, once its calls are made
+            k = wave % slots
+            works = made.pop(wave).result()
+            with torch.cuda.stream(self.down):
+                for work in works:
+                    work.wait()  # `down` waits for NCCL's stream; the host does not
+                for f in drains.pop(wave - slots, []):  # the pinned slots this wave receives into
+                    f.result()
+                for j, s in enumerate(ins):
+                    if n := s.size(wave, c):
+                        host, gpu = in_bufs[j][k]
+                        host[:n].copy_(gpu[:n], non_blocking=True)
+                written[k].record(self.down)
+            drains[wave] = [
+                self._pool.submit(_after, written[k], s.copy, wave, c, in_bufs[j][k][0], False, part)
+                for j, s in enumerate(ins)
+                for part in s.parts(wave, c)
+            ]
+
         sent = 0
         try:
             for wave in range(min(slots, waves)):
                 fill(wave)
             for wave in range(waves):
                 k = wave % slots
+                if wave >= slots:
+                    land(wave - slots)  # the slot's last wave: its copy back queued (`written`)
                 for f in fills.pop(wave):
                     f.result()
-                ops, works = [], []
+                ops = []
                 with torch.cuda.stream(self.up):
                     self.up.wait_event(written[k])  # wave - slots: its NCCL calls and copies to the host done
                     for j, s in enumerate(outs):
@@ -175,24 +204,10 @@ class NcclLink:
                     for j, s in enumerate(ins):
                         if n := s.size(wave, c):
                             ops.append(dist.P2POp(dist.irecv, in_bufs[j][k][1][:n], s.peer, self.group))
-                    if ops:
-                        works = dist.batch_isend_irecv(ops)  # after `up`'s copies, on NCCL's stream
-                with torch.cuda.stream(self.down):
-                    for work in works:
-                        work.wait()  # `down` waits for NCCL's stream; the host does not
-                    for f in drains.pop(wave - slots, []):  # the pinned slots this wave receives into
-                        f.result()
-                    for j, s in enumerate(ins):
-                        if n := s.size(wave, c):
-                            host, gpu = in_bufs[j][k]
-                            host[:n].copy_(gpu[:n], non_blocking=True)
-                    written[k].record(self.down)
-                drains[wave] = [
-                    self._pool.submit(_after, written[k], s.copy, wave, c, in_bufs[j][k][0], False, part)
-                    for j, s in enumerate(ins)
-                    for part in s.parts(wave, c)
-                ]
+                made[wave] = self._make(ops)
                 pace(sent, gbps, t0)
+            for wave in sorted(made):
+                land(wave)
             for futures in list(drains.values()):
                 for f in futures:
                     f.result()
@@ -205,6 +220,20 @@ class NcclLink:
             self.up.synchronize()
             self.down.synchronize()
         return time.monotonic() - t0
+
+    def _make(self, ops: list[Any]) -> Future:
+        """A wave's NCCL calls (after `up`'s copies, on NCCL's stream): made now, or by the training thread
+        at an optimizer step (`order`); the future holds their works."""
+
+        def call() -> list[Any]:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.up):
+                return dist.batch_isend_irecv(ops) if ops else []
+
+        if self.order is not None:
+            return self.order.submit(call)
+        done: Future = Future()
+        done.set_result(call())
+        return done
 
 
 def _after(event: torch.cuda.Event, copy: Any, *args: Any) -> None:

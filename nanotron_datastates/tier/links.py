@@ -1,6 +1,7 @@
 """The way replicas' bytes travel between ranks (`Link`), chosen once for the job (`open_link`,
 `memory_replica_transport`): NCCL through the GPUs (link_nccl.py) where every rank has one and PyTorch has
-NCCL, else gloo from host memory over TCP (`GlooLink`). The choice is named in the log and the telemetry.
+NCCL, its calls made at the optimizer steps while training runs (step_order.py), else gloo from host memory
+over TCP (`GlooLink`). The choice is named in the log and the telemetry.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .replica_transfer import CHUNK, ReplicaError, Transfer, gather, move
+from .step_order import StepOrder
 
 
 class Link(Protocol):
@@ -19,7 +21,9 @@ class Link(Protocol):
 
     name: str
 
-    def move(self, sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0) -> float: ...
+    def move(
+        self, sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0, waves: int = 0
+    ) -> float: ...
 
     def reserve(self, outs: int, ins: int) -> None:
         """Makes now what moving to `outs` peers and from `ins` peers needs: before training, not during."""
@@ -35,8 +39,8 @@ class GlooLink:
     def __init__(self, group: Any, chunk: int = CHUNK) -> None:
         self.group, self.chunk = group, chunk
 
-    def move(self, sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0) -> float:
-        return move(self.group, sends, recvs, gbps, self.chunk)
+    def move(self, sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0, waves: int = 0) -> float:
+        return move(self.group, sends, recvs, gbps, self.chunk)  # `waves`: NCCL's, at the steps
 
     def reserve(self, outs: int, ins: int) -> None:
         pass  # gloo sends from and receives into the files' mappings: no buffers of its own
@@ -54,12 +58,15 @@ def nccl_here() -> str | None:
     return None
 
 
-def open_link(gloo: Any, transport: str = "auto", chunk: int | None = None) -> Link:
+def open_link(
+    gloo: Any, transport: str = "auto", chunk: int | None = None, order: StepOrder | None = None
+) -> Link:
     """The job's link (collective: every rank calls it, with the same `transport`): 'nccl' makes an NCCL
     group of its own over every rank (its communicator opened now, on this rank's current GPU, not at the
     first transfer) and fails, naming the setting and the rank, where a rank cannot use it; 'gloo' uses
     `gloo`, a gloo group over every rank; 'auto' takes NCCL where every rank can, else gloo. `chunk`: the
-    bytes of a message (default: each link's own)."""
+    bytes of a message (default: each link's own). `order`: while training runs, NCCL's calls are made at
+    the optimizer steps (step_order.py), with TRAINING_SLOTS waves ready at most."""
     asked = gather(gloo, nccl_here() if transport != "gloo" else "not asked for")
     cannot = [(rank, why) for rank, why in enumerate(asked) if why]
     if transport == "nccl" and cannot:
@@ -68,10 +75,11 @@ def open_link(gloo: Any, transport: str = "auto", chunk: int | None = None) -> L
     if cannot:
         return GlooLink(gloo, chunk or CHUNK)
     from .link_nccl import CHUNK as NCCL_CHUNK
-    from .link_nccl import NcclLink
+    from .link_nccl import SLOTS, TRAINING_SLOTS, NcclLink
 
     device = torch.device("cuda", torch.cuda.current_device())
     group = dist.new_group(backend="nccl")
     dist.all_reduce(torch.zeros(1, device=device), group=group)  # opens the communicator, every rank at once
     torch.cuda.synchronize(device)
-    return NcclLink(group, device, chunk or NCCL_CHUNK)
+    slots = TRAINING_SLOTS if order is not None else SLOTS
+    return NcclLink(group, device, chunk or NCCL_CHUNK, slots, order=order)

@@ -208,6 +208,13 @@ class Replicator:
                 with contextlib.suppress(Exception):
                     self.on_done(done)
 
+    def _waves(self, everyone: list[dict[str, dict[str, Any]]]) -> int:
+        """The chunks of the longest stream any rank sends or receives: the waves every rank makes (an NCCL
+        link's calls at the steps pair up wave by wave)."""
+        chunk = getattr(self.link, "chunk", CHUNK)
+        sizes = [sum(e["bytes"] for e in fs.values()) for r, fs in enumerate(everyone) if self.holders[r]]
+        return max((-(-n // chunk) for n in sizes), default=0)
+
     def _replicate(self, step: int, files: dict[str, dict[str, Any]]) -> Replicated:
         everyone: list[dict[str, dict[str, Any]]] = gather(self.group, files)
         to = self.holders[self.rank]
@@ -223,7 +230,7 @@ class Replicator:
             problems = open_all(stack, self.group, sends, lambda t: own, recvs, area)
             if problems:
                 raise ReplicaError(f"step {step} not replicated: {'; '.join(problems[:3])}")
-            seconds = self.link.move(sends, recvs, self.gbps)
+            seconds = self.link.move(sends, recvs, self.gbps, self._waves(everyone))
             check_and_place(self.engine, recvs, lambda t: everyone[t.peer][t.rel])
         for s in self.sources:
             self.areas[s].commit(step, everyone[s])

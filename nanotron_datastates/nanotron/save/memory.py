@@ -10,10 +10,11 @@ from typing import Any, Callable
 
 from ...engine import DataStatesEngine
 from ...store import open_store
-from ...tier.links import GlooLink
+from ...tier.links import open_link
 from ...tier.memory import MemoryTier
 from ...tier.memory_steps import steps_with_manifest
 from ...tier.replicas import Replicated, Replicator, node_key, placement, prune, replica_area
+from ...tier.step_order import StepOrder
 from ...trainer_settings import TrainerSettings
 from .. import groups
 from .. import log as say
@@ -21,12 +22,13 @@ from .. import log as say
 
 @dataclasses.dataclass
 class Replication:
-    """The memory replicas of a Saver: its replicator, the placement recorded in each manifest, and the ranks
-    whose replicas this rank keeps."""
+    """The memory replicas of a Saver: its replicator, the placement recorded in each manifest, the ranks
+    whose replicas this rank keeps, and the calls its training thread makes at each step (NCCL's)."""
 
     replicator: Replicator | None = None
     placement: dict[str, Any] | None = None
     sources: list[int] = dataclasses.field(default_factory=list)
+    order: StepOrder | None = None  # the NCCL calls the training thread makes at each optimizer step
 
 
 def open_tier(settings: TrainerSettings, checkpoints: Path) -> tuple[MemoryTier | None, int | None]:
@@ -57,8 +59,8 @@ def open_replicas(
     on_done: Callable[[Replicated], None],
 ) -> Replication:
     """The replicas' placement over the nodes and the replicator, with `memory_replicas` (collective: the
-    ranks gather their nodes, and the replicator's gloo group is made here); the replicas this rank keeps
-    pruned like its own tier."""
+    ranks gather their nodes, and the replicator's gloo groups and link are made here, its buffers too); the
+    replicas this rank keeps pruned like its own tier."""
     import torch.distributed as tdist
 
     if tier is None or not settings.memory_replicas or not tdist.is_initialized():
@@ -69,15 +71,27 @@ def open_replicas(
     sources = [s for s, hs in enumerate(holders) if me in hs]
     prune(tier, sources, keep)
     group = tdist.new_group(backend="gloo")
-    # Over gloo while training runs: the kernels of a second NCCL communicator, queued among the training's
-    # own in another order on another rank, deadlock them (CUDA_DEVICE_MAX_CONNECTIONS=1 runs one queue:
-    # a 180M dp2 job hung so on 2x H200). A restart pulls over `memory_replica_transport`.
-    link = GlooLink(group)
-    say.info("memory replicas go over gloo during training")
+    # Over NCCL, each wave's calls are made by the training thread at an optimizer step: queued among the
+    # training's own kernels in another order on another rank, they deadlock them (a 180M dp2 job hung so).
+    order = StepOrder(tdist.new_group(backend="gloo"))
+    link = open_link(group, settings.memory_replica_transport, order=order)
+    link.reserve(len(holders[me]), len(sources))  # buffers pinned before training, not during
+    at_steps = link.name == "nccl"
+    say.info(f"memory replicas go over {link.name}" + (", at the optimizer steps" if at_steps else ""))
     replicator = Replicator(
         tier, holders, group, engine, settings.memory_replica_gbps, on_done=on_done, link=link
     )
-    return Replication(replicator, {"nodes": nodes, "holders": holders}, sources)
+    placed = {"nodes": nodes, "holders": holders}
+    return Replication(replicator, placed, sources, order if at_steps else None)
+
+
+def stop_replicas(replication: Replication, timeout: float = 600.0) -> None:
+    """After the last step (every rank at once): the replicas' NCCL calls made by their own thread from now
+    on (training's collectives are over), then the replications queued waited for (bounded)."""
+    if replication.order is not None:
+        replication.order.finish()
+    if replication.replicator is not None:
+        replication.replicator.close(timeout)
 
 
 def release(tier: MemoryTier | None, sources: list[int]) -> None:

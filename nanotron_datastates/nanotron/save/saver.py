@@ -102,13 +102,13 @@ class Saver:
         self.reporter = Reporter(engine, settings, pc, self.checkpoints, self.tier, self._notify)
         replication = memory.open_replicas(self.tier, settings, pc, engine, keep, self.reporter.replicated)
         self.replicator = self.reporter.replicator = replication.replicator
+        self.replication = replication  # with its NCCL calls made at each optimizer step (step_order.py)
         self.placement = replication.placement  # recorded in each manifest
         self._sources = replication.sources  # the ranks whose replicas this rank keeps
         self.committer = Committer(group, on_result=self.reporter.committed)
 
     @property
-    def _optimizer_plan(self) -> SavePlan | None:
-        """The optimizer's last plan, the next checkpoint's planned like it (None: planned afresh)."""
+    def _optimizer_plan(self) -> SavePlan | None:  # the optimizer's last plan (None: planned afresh)
         return self.optimizer_plans.kept
 
     # -- 0. when the trainer is built ------------------------------------------------------------------------
@@ -292,8 +292,10 @@ class Saver:
         return self.gate.wait()
 
     def after_step(self) -> None:
-        """Once the step is launched: queues what was captured before it."""
+        """Once the step is launched: queues what was captured before it; the replicas' NCCL calls ready."""
         self.gate.run_after()
+        if self.replication.order is not None:
+            self.replication.order.at_step()
 
     # -- 4. outcomes ----------------------------------------------------------------------------------------
 
@@ -326,8 +328,7 @@ class Saver:
         t0 = time.perf_counter()
         self.take(self.outstanding, on_committed)
         say.info(f"all checkpoints committed ({time.perf_counter() - t0:.2f} s waiting at the end)")
-        if self.replicator is not None:
-            self.replicator.close()
+        memory.stop_replicas(self.replication)
         memory.release(self.tier, self._sources)
 
     def close(self) -> None:
@@ -339,8 +340,7 @@ class Saver:
             say.error(f"{e}; exiting anyway")
         self.outstanding = 0
         self.committer.close()
-        if self.replicator is not None:
-            self.replicator.close(timeout=60)
+        memory.stop_replicas(self.replication, timeout=60)
         if self.writer is not None:
             self.writer.release()
 

@@ -1,0 +1,63 @@
+"""The replicas' NCCL calls made at the optimizer steps (tier/step_order.py): two ranks whose transfer threads
+hand over their calls at different moments, and whose training threads reach their steps at different
+moments, make every call at the same step, in the same order; after the last step the transfer thread makes
+its own. Real processes, a real gloo group, real threads."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+CALLS, STEPS = 12, 40
+
+
+def rank_main(rank: int, world: int, work: str) -> None:
+    import torch.distributed as dist
+
+    from nanotron_datastates.tier.step_order import StepOrder
+
+    dist.init_process_group("gloo", init_method=f"file://{work}/init", rank=rank, world_size=world)
+    order = StepOrder(dist.new_group(backend="gloo"))
+    made: list[tuple[int, int, str]] = []  # (call, the step it was made at, by which thread)
+    rng = random.Random(rank)
+
+    def transfer() -> None:  # the replicas' thread: a call ready now and then, each waited for in turn
+        for k in range(CALLS):
+            time.sleep(rng.uniform(0, 0.02))
+            done = order.submit(lambda k=k: made.append((k, order.steps, threading.current_thread().name)))
+            if k % 3 == 2:
+                done.result()  # as a link waits for a wave's works before reusing its slot
+
+    thread = threading.Thread(target=transfer, name="transfer")
+    thread.start()
+    for _ in range(STEPS // 2):  # the training thread
+        time.sleep(rng.uniform(0, 0.01))
+        order.at_step()
+    order.finish()  # the last step: the transfer thread makes what is left
+    thread.join(60)
+    Path(work, f"made{rank}.json").write_text(json.dumps(made))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_rank_makes_each_call_at_the_same_step_and_the_rest_after_the_last(tmp_path):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=rank_main, args=(r, 2, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    made = [json.loads((tmp_path / f"made{r}.json").read_text()) for r in range(2)]
+    assert [k for k, _, _ in made[0]] == list(range(CALLS)) == [k for k, _, _ in made[1]]
+    at_steps = [[(k, step) for k, step, who in m if who != "transfer"] for m in made]
+    assert at_steps[0] == at_steps[1]  # the same calls at the same steps on both ranks
+    assert at_steps[0], "no call was made at a step"
+    later = [[k for k, _, who in m if who == "transfer"] for m in made]
+    assert later[0] == later[1]  # after the last step: the same calls, by the transfer thread
