@@ -75,11 +75,12 @@ class TrainerSettings(Settings):
     """GB/s each rank sends its replicas at, at most, so that training's own traffic keeps the network
     (0: no limit). A restart pulls what its node lacks at full speed: nothing else runs then."""
     memory_replica_transport: str = "auto"
-    """How a restart pulls replicas: 'nccl', GPU to GPU on an NCCL communicator and CUDA streams of their
-    own, through 4 pinned and 4 GPU buffers of 32 MiB per peer and direction (NVLink within a node, the
-    cluster's network between nodes); 'gloo', host memory to host memory over TCP; 'auto', NCCL where every
-    rank has a GPU and PyTorch has NCCL, else gloo. During training replicas go over gloo: a second NCCL
-    communicator's kernels, queued among the training's own in another order on another rank, deadlock."""
+    """How replicas travel: 'nccl', GPU to GPU on an NCCL communicator and CUDA streams of their own (NVLink
+    within a node, the cluster's network between nodes); while training runs, each wave's calls (32 MiB a
+    peer and direction, 8 ready at most) are made by the training thread at an optimizer step, in the same
+    place of every rank's collectives (a second communicator's kernels queued in another order deadlock the
+    training's); a restart pulls unpaced. 'gloo', host memory to host memory over TCP. 'auto', NCCL where
+    every rank has a GPU and PyTorch has NCCL, else gloo."""
     memory_interval: int = 0
     """With the memory tier: also take a checkpoint into memory only (the tier, and the replicas with
     `memory_replicas`) every N steps, between Nanotron's `checkpoint_interval` checkpoints to storage. A
