@@ -77,10 +77,11 @@ class TrainerSettings(Settings):
     memory_replica_transport: str = "auto"
     """How replicas travel: 'nccl', GPU to GPU on an NCCL communicator and CUDA streams of their own (NVLink
     within a node, the cluster's network between nodes); while training runs, each wave's calls (32 MiB a
-    peer and direction, 8 ready at most) are made by the training thread at an optimizer step, in the same
-    place of every rank's collectives (a second communicator's kernels queued in another order deadlock the
-    training's); a restart pulls unpaced. 'gloo', host memory to host memory over TCP. 'auto', NCCL where
-    every rank has a GPU and PyTorch has NCCL, else gloo."""
+    peer and direction, 8 ready at most: 512 MiB of GPU memory and as much pinned per replica) are made by
+    the training thread at an optimizer step, in the same place of every rank's collectives (a second
+    communicator's kernels queued in another order deadlock the training's); a restart pulls unpaced.
+    'gloo', host memory to host memory over TCP. 'auto', NCCL where every rank has a GPU and PyTorch has
+    NCCL, else gloo."""
     memory_interval: int = 0
     """With the memory tier: also take a checkpoint into memory only (the tier, and the replicas with
     `memory_replicas`) every N steps, between Nanotron's `checkpoint_interval` checkpoints to storage. A
