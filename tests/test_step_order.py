@@ -1,7 +1,8 @@
 """The replicas' NCCL calls made at the optimizer steps (tier/step_order.py): two ranks whose transfer threads
 hand over their calls at different moments, and whose training threads reach their steps at different
-moments, make every call at the same step, in the same order; after the last step the transfer thread makes
-its own. Real processes, a real gloo group, real threads."""
+moments, make every call at the same step, in the same order; the calls left after the last step are made
+then (what is ready by the training thread, the rest by the transfer thread). Real processes, a real gloo
+group, real threads."""
 
 from __future__ import annotations
 
@@ -24,13 +25,16 @@ def rank_main(rank: int, world: int, work: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{work}/init", rank=rank, world_size=world)
     order = StepOrder(dist.new_group(backend="gloo"))
-    made: list[tuple[int, int, str]] = []  # (call, the step it was made at, by which thread)
+    made: list[tuple[int, int, str]] = []  # (call, the step it was made at, at a step or after the last)
     rng = random.Random(rank)
+    last = threading.Event()  # the training thread is past its last step
 
     def transfer() -> None:  # the replicas' thread: a call ready now and then, each waited for in turn
         for k in range(CALLS):
             time.sleep(rng.uniform(0, 0.02))
-            done = order.submit(lambda k=k: made.append((k, order.steps, threading.current_thread().name)))
+            done = order.submit(
+                lambda k=k: made.append((k, order.steps, "after" if last.is_set() else "step"))
+            )
             if k % 3 == 2:
                 done.result()  # as a link waits for a wave's works before reusing its slot
 
@@ -39,7 +43,8 @@ def rank_main(rank: int, world: int, work: str) -> None:
     for _ in range(STEPS // 2):  # the training thread
         time.sleep(rng.uniform(0, 0.01))
         order.at_step()
-    order.finish()  # the last step: the transfer thread makes what is left
+    last.set()
+    order.finish()  # after the last step: what is ready now, then the transfer thread makes its own
     thread.join(60)
     Path(work, f"made{rank}.json").write_text(json.dumps(made))
     dist.destroy_process_group()
@@ -56,8 +61,8 @@ def test_every_rank_makes_each_call_at_the_same_step_and_the_rest_after_the_last
         assert p.exitcode == 0
     made = [json.loads((tmp_path / f"made{r}.json").read_text()) for r in range(2)]
     assert [k for k, _, _ in made[0]] == list(range(CALLS)) == [k for k, _, _ in made[1]]
-    at_steps = [[(k, step) for k, step, who in m if who != "transfer"] for m in made]
+    at_steps = [[(k, step) for k, step, when in m if when == "step"] for m in made]
     assert at_steps[0] == at_steps[1]  # the same calls at the same steps on both ranks
     assert at_steps[0], "no call was made at a step"
-    later = [[k for k, _, who in m if who == "transfer"] for m in made]
-    assert later[0] == later[1]  # after the last step: the same calls, by the transfer thread
+    later = [[k for k, _, when in m if when == "after"] for m in made]
+    assert later[0] == later[1]  # after the last step: the same calls
