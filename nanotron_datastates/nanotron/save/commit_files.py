@@ -39,22 +39,21 @@ def finalizer(
     entries, gathered by the committers); `replicas`: the memory replicas' placement, recorded."""
     store = open_store(checkpoints)
     folder = str(step)
-    meta_text = shards.checkpoint_metadata_text(pc, metadata)
+    documents = memory_documents(step=step, pc=pc, config=config, metadata=metadata, replicas=replicas)
     config_doc = copy.deepcopy(serialize(config))  # dumping it (ms) is left to the committer
     if hasattr(model_config, "to_json_string"):
         model_config_text = model_config.to_json_string()
     else:
         model_config_text = json.dumps(dataclasses.asdict(model_config))
     optimizer_text = json.dumps(shards.optimizer_config(optimizer, pc))
-    topology = groups.layout_of(pc, int(config.optimizer.zero_stage))
 
     def finalize(files: dict[str, Any]) -> None:
         store.write_atomic(f"{folder}/config.yaml", yaml.dump(config_doc))
         store.write_atomic(f"{folder}/{MODEL_CONFIG_FILE_NAME}", model_config_text)
         store.write_atomic(f"{folder}/optimizer/optimizer_config.json", optimizer_text)
-        store.write_atomic(f"{folder}/{CHECKPOINT_FILE_NAME}", meta_text)
-        manifest = json.dumps(make_manifest(step, topology, files, replicas), indent=1)
-        store.write_atomic(f"{folder}/{MANIFEST}", manifest)
+        texts = documents(files)
+        store.write_atomic(f"{folder}/{CHECKPOINT_FILE_NAME}", texts[CHECKPOINT_FILE_NAME])
+        store.write_atomic(f"{folder}/{MANIFEST}", texts[MANIFEST])  # the manifest after the files it lists
         # Several jobs (or a pruning tool) may share the folder: latest.txt only moves under its lock.
         store.set_latest(step)
 
@@ -64,8 +63,9 @@ def finalizer(
 def memory_documents(
     *, step: int, pc: Any, config: Any, metadata: Any, replicas: dict[str, Any] | None = None
 ) -> Callable[[dict[str, Any]], dict[str, str]]:
-    """What a memory checkpoint of `step` keeps beside its files in the memory tier (tier/memory_steps.py),
-    given every rank's files: its manifest and Nanotron's training metadata, the texts captured now."""
+    """The manifest and Nanotron's training metadata of the checkpoint of `step`, given every rank's files
+    (the metadata's text captured now): what a memory checkpoint keeps beside its files in the memory tier
+    (tier/memory_steps.py), and what `finalizer` writes into storage's folder."""
     meta_text = shards.checkpoint_metadata_text(pc, metadata)
     topology = groups.layout_of(pc, int(config.optimizer.zero_stage))
 
