@@ -20,6 +20,8 @@ class Link(Protocol):
     files in the same order); paced to `gbps` GB/s sent (0: no limit); returns the seconds it took."""
 
     name: str
+    chunk: int  # bytes of a message (NCCL: of a wave's chunk)
+    order: StepOrder | None  # while training runs, NCCL's calls made at the optimizer steps
 
     def move(
         self, sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0, waves: int = 0
@@ -35,6 +37,7 @@ class GlooLink:
     """Host memory to host memory over a gloo group, in messages of `chunk` bytes."""
 
     name = "gloo"
+    order: StepOrder | None = None  # host to host: nothing in the GPU's queue to keep in order
 
     def __init__(self, group: Any, chunk: int = CHUNK) -> None:
         self.group, self.chunk = group, chunk
@@ -58,15 +61,14 @@ def nccl_here() -> str | None:
     return None
 
 
-def open_link(
-    gloo: Any, transport: str = "auto", chunk: int | None = None, order: StepOrder | None = None
-) -> Link:
+def open_link(gloo: Any, transport: str = "auto", chunk: int | None = None, at_steps: bool = False) -> Link:
     """The job's link (collective: every rank calls it, with the same `transport`): 'nccl' makes an NCCL
     group of its own over every rank (its communicator opened now, on this rank's current GPU, not at the
     first transfer) and fails, naming the setting and the rank, where a rank cannot use it; 'gloo' uses
     `gloo`, a gloo group over every rank; 'auto' takes NCCL where every rank can, else gloo. `chunk`: the
-    bytes of a message (default: each link's own). `order`: while training runs, NCCL's calls are made at
-    the optimizer steps (step_order.py), with TRAINING_SLOTS waves ready at most."""
+    bytes of a message (default: each link's own). `at_steps`: for replicas sent while training runs, an
+    NCCL link's calls are made at the optimizer steps (its `order`, on a gloo group of its own made here:
+    step_order.py), with TRAINING_SLOTS waves ready at most."""
     asked = gather(gloo, nccl_here() if transport != "gloo" else "not asked for")
     cannot = [(rank, why) for rank, why in enumerate(asked) if why]
     if transport == "nccl" and cannot:
@@ -81,5 +83,6 @@ def open_link(
     group = dist.new_group(backend="nccl")
     dist.all_reduce(torch.zeros(1, device=device), group=group)  # opens the communicator, every rank at once
     torch.cuda.synchronize(device)
-    slots = TRAINING_SLOTS if order is not None else SLOTS
+    order = StepOrder(dist.new_group(backend="gloo")) if at_steps else None
+    slots = TRAINING_SLOTS if at_steps else SLOTS
     return NcclLink(group, device, chunk or NCCL_CHUNK, slots, order=order)

@@ -211,7 +211,7 @@ class Replicator:
     def _waves(self, everyone: list[dict[str, dict[str, Any]]]) -> int:
         """The chunks of the longest stream any rank sends or receives: the waves every rank makes (an NCCL
         link's calls at the steps pair up wave by wave)."""
-        chunk = getattr(self.link, "chunk", CHUNK)
+        chunk = self.link.chunk
         sizes = [sum(e["bytes"] for e in fs.values()) for r, fs in enumerate(everyone) if self.holders[r]]
         return max((-(-n // chunk) for n in sizes), default=0)
 

@@ -73,16 +73,13 @@ def open_replicas(
     group = tdist.new_group(backend="gloo")
     # Over NCCL, each wave's calls are made by the training thread at an optimizer step: queued among the
     # training's own kernels in another order on another rank, they deadlock them (a 180M dp2 job hung so).
-    order = StepOrder(tdist.new_group(backend="gloo"))
-    link = open_link(group, settings.memory_replica_transport, order=order)
+    link = open_link(group, settings.memory_replica_transport, at_steps=True)
     link.reserve(len(holders[me]), len(sources))  # buffers pinned before training, not during
-    at_steps = link.name == "nccl"
-    say.info(f"memory replicas go over {link.name}" + (", at the optimizer steps" if at_steps else ""))
+    say.info(f"memory replicas go over {link.name}" + (", at the optimizer steps" if link.order else ""))
     replicator = Replicator(
         tier, holders, group, engine, settings.memory_replica_gbps, on_done=on_done, link=link
     )
-    placed = {"nodes": nodes, "holders": holders}
-    return Replication(replicator, placed, sources, order if at_steps else None)
+    return Replication(replicator, {"nodes": nodes, "holders": holders}, sources, link.order)
 
 
 def stop_replicas(replication: Replication, timeout: float = 600.0) -> None:
