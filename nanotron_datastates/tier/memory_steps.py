@@ -11,6 +11,7 @@ no link followed, and the manifest is checked like storage's (`check_manifest`).
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from .. import trust
@@ -36,8 +37,8 @@ def steps_with_manifest(tier: MemoryTier, newer_than: int | None) -> list[int]:
     for step in tier.steps():
         if newer_than is not None and step <= newer_than:
             continue
-        try:
-            trust.read_regular(tier.folder / str(step) / MANIFEST, MAX_MANIFEST, own=True)
+        try:  # there, a regular file of ours: read (and checked) only for the step a restart tries
+            os.close(trust.open_regular(tier.folder / str(step) / MANIFEST, own=True))
         except OSError:
             continue
         out.append(step)
