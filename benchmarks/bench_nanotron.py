@@ -23,9 +23,8 @@ Each mode trains the same model for the same steps in its own torchrun, on the s
   the other way (is it the direction?); `copy-host`: the same bytes copied between two host buffers by a
   thread on 4 cores, no GPU involved (is it the host memory's traffic?);
 * `datastates-NAME` (`--variant NAME:key=value,...`): datastates with other `datastates:` settings, for
-  ablations (e.g. `p1:parser_threads=1`); a NAME that starts with `idle` asks for no checkpoint, as
-  `datastates-idle`; `checkpoint_interval=N` sets the run's storage interval (memory checkpoints:
-  `mem:checkpoint_interval=1000,memory_tier=true,memory_interval=10` with `--interval 10`);
+  ablations (e.g. `p1:parser_threads=1`); a NAME that starts with `idle` asks for no checkpoint; with
+  `checkpoint_interval=N`, storage's interval is N (`mem:checkpoint_interval=1000,memory_interval=10`);
 * `restore-torch`, `restore-datastates`: new runs that resume from the last checkpoint of `torch` /
   `datastates` with the checkpoint's files evicted from the page cache (`--cold system`: the whole page
   cache, libraries included); restore cost = their time from constructing the trainer to the end
@@ -179,7 +178,8 @@ def run_all(args: argparse.Namespace) -> int:
         ("datastates-idle", config("datastates-idle", "datastates", args.steps, never), False),
     ]
     for name, settings in variants(args.variant):
-        every = settings.pop("checkpoint_interval", never if "-idle" in name else args.interval)
+        idle = name.startswith("datastates-idle")
+        every = settings.pop("checkpoint_interval", never if idle else args.interval)
         runs.append((name, config(name, "datastates", args.steps, every, datastates=settings), False))
     if args.modes:
         wanted = set(args.modes.split(",")) | {"none"} | {n for n, _ in variants(args.variant)}
