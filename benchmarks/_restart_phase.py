@@ -61,6 +61,15 @@ def run_phase(args: argparse.Namespace) -> None:
                 torch.save(capture(self), reference)  # the state this checkpoint must bring back
             return super().save_checkpoint()
 
+        def _ds_memory_checkpoint(self, saver: Any) -> None:
+            step = self.metadata.last_train_step
+            if saver.memory_due(step):
+                book_dummy_tokens(self.metadata)
+                if killing and step == args.step:
+                    torch.cuda.synchronize()
+                    torch.save(capture(self), reference)  # the state this memory checkpoint must bring back
+            super()._ds_memory_checkpoint(saver)
+
         def _observe(self, event: str, fields: dict[str, Any]) -> None:
             r = fields.get("result")
             if event == "committed" and rank == 0:
@@ -79,6 +88,11 @@ def run_phase(args: argparse.Namespace) -> None:
             # After the step that follows the checkpoint: a checkpoint staged on the GPU is queued at that
             # step's optimizer step, so waiting before it for the replication would wait forever.
             if args.lose_node and killing and self.iteration_step == args.step + 1:
+                # Training stops here on every rank: the replicas' NCCL calls, made by the training thread at
+                # its optimizer steps while it trains (step_order.py), are made by the replicas' thread now.
+                order = self.datastates.replication.order if self.datastates is not None else None
+                if order is not None:
+                    order.finish()
                 replicated.wait(timeout=600)  # the node is lost once its checkpoint is in the peer too
                 keep_record()
                 if os.environ.get("GROUP_RANK") == "1":

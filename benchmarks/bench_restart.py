@@ -36,7 +36,9 @@ again on both (as a scheduler puts it back on a replacement node; torchrun's own
 incarnation's worker addresses when two agents restart apart), resumes every rank from memory, the lost
 rank's from the replica its peer holds, and compares each state with its copy as `restart-memory` does. Its
 stall with replication on, against `restart-memory`'s (off), is in `stall_s`; the bytes sent and the time in
-`replicated`.
+`replicated`. With `--memory-interval M`, restart-replica takes memory checkpoints every M steps
+(`memory_interval`) and its storage checkpoint at `--step` - 1: the job resumes from the memory checkpoint
+at `--step`, newer than storage's.
 
 Writes DIR/bench_restart_<model>.json: each run's first step, the restores over scratch and their ratios,
 the comparison, the memory tier's size and each run's peak host memory.
@@ -77,11 +79,15 @@ def run_all(args: argparse.Namespace) -> int:
     def config(name: str, engine: str, steps: int, resume: str | None, tier: bool = False,
                node: int | None = None) -> Path:  # fmt: skip
         # `node` k of restart-replica: a tier of its own, replicas on, the run's one checkpoints folder
-        ck = {"checkpoints_path": ckpt(name.split(".node")[0]), "checkpoint_interval": n,
+        # --memory-interval: restart-replica's storage checkpoint at step n - 1, the memory one at n
+        every = n - 1 if node is not None and args.memory_interval else n
+        ck = {"checkpoints_path": ckpt(name.split(".node")[0]), "checkpoint_interval": every,
               "resume_checkpoint_path": resume}  # fmt: skip
         at = tier_path if node is None else f"{tier_path}-node{node}"
         ds = {"memory_tier": True, "memory_tier_path": at, "memory_tier_copies": args.tier_copies}
         ds = ds if node is None else {**ds, "memory_replicas": 1}
+        if node is not None and args.memory_interval:
+            ds["memory_interval"] = args.memory_interval
         ds = ds if tier else None
         return write_config(work / f"{name}.yaml", engine=engine, checkpoints=ck, cache_gib=args.cache_gib,
                             steps=steps, model=MODELS[args.model], run=name, datastates=ds,
@@ -206,6 +212,10 @@ def main() -> int:
     a.add_argument("--only", default="", help="these runs only, comma-separated (restores need their save)")
     a.add_argument("--repeats", type=int, default=1, help="restart-memory and datastates runs (default 1)")
     a.add_argument("--lose-node", action="store_true", help="also restart-replica (--dp 2): a node lost")
+    a.add_argument(
+        "--memory-interval", type=int, default=0,
+        help="restart-replica: memory checkpoints every N steps (N divides --step; storage at step - 1)",
+    )  # fmt: skip
     sm = sub.add_parser("summarize", help="recompute a result file's summary from its records")
     sm.add_argument("file")
     ph = sub.add_parser("phase")
@@ -216,6 +226,8 @@ def main() -> int:
     ph.add_argument("--lose-node", action="store_true")
     ph.add_argument("--incarnation", type=int, help="the job's start (default: torchrun's restart count)")
     args = p.parse_args()
+    if getattr(args, "memory_interval", 0) and (args.step % args.memory_interval or args.step < 3):
+        p.error(f"--memory-interval {args.memory_interval} must divide --step {args.step} (at least 3)")
     if getattr(args, "tier_path", None):
         args.tier_path = args.tier_path.replace("{uid}", str(os.geteuid()))
     if args.what == "summarize":
@@ -223,6 +235,7 @@ def main() -> int:
         old = json.loads(path.read_text())
         args.model, args.step = old["model"], old["step"]
         args.dp, args.tp, args.zero = old.get("dp", 1), old.get("tp", 1), old.get("zero_stage", 0)
+        args.memory_interval = old.get("memory_interval", 0)
         args.repeats = sum(1 for k in old["records"] if k.split(".")[0] == "restart-memory")
         result = {**summarize(args, old["records"]), "command": old["command"]}
         path.write_text(json.dumps(result, indent=1))

@@ -26,6 +26,14 @@ python3 -m pip install --no-build-isolation --no-deps -q -e . > "$OUT/build.log"
 }
 B=benchmarks
 
+memory_run() { # model steps work-folder [bench_nanotron flags]: memory-180m's and memory-1b's runs
+  local m=checkpoint_interval=1000,memory_tier=true,memory_interval=10
+  (cd $B && python3 bench_nanotron.py all --model "$1" --layout dp2 --nodes 2 --steps "$2" --interval 10 \
+    --modes none --variant mem:$m,memory_replicas=1 ${MEMORY_TIER_ONLY:+--variant memtier:$m} \
+    ${MEMORY_GLOO:+--variant memgloo:$m,memory_replicas=1,memory_replica_transport=gloo} "${@:4}" \
+    --rounds ${MEMORY_ROUNDS:-2} --work "$WORK/$3" --out "$OUT/memory-$1")
+}
+
 run_step() {
   case "$1" in
     tests) python3 -m pytest -q -rs tests/test_gpu.py tests/test_engine.py tests/test_streaming.py \
@@ -189,6 +197,10 @@ run_step() {
       # node lost after the checkpoint at step 10: from the peer's memory, against storage and native
       (cd $B && python3 bench_restart.py all --model 1b --step 10 --dp 2 --lose-node --cache-gib 16 \
         --work "$WORK/rs1bn" --out "$OUT/restart-1b-lost-node" ${RESTART_ONLY:+--only $RESTART_ONLY}) ;;
+    restart-180m-lost-node-memory) # memory checkpoints every 5 steps on two simulated nodes of one GPU each,
+      # replicas on, the second node lost after the memory checkpoint at step 20 (storage holds step 19)
+      (cd $B && python3 bench_restart.py all --model 180m --step 20 --dp 2 --lose-node --memory-interval 5 \
+        --work "$WORK/rs180m" --out "$OUT/restart-180m-lost-node-memory" ${RESTART_ONLY:+--only $RESTART_ONLY}) ;;
     replicas-180m) # training with memory replicas on against off (the tier alone), two simulated nodes of one GPU
       # each (dp=2), three interleaved rounds: the iterations after each checkpoint, replication beside them
       (cd $B && python3 bench_nanotron.py all --model 180m --layout dp2 --nodes 2 --steps 200 --interval 40 \
@@ -196,11 +208,11 @@ run_step() {
         --rounds 3 --work "$WORK/rp180" --out "$OUT/replicas-180m") ;;
     memory-180m) # memory checkpoints every 10 steps (the tier, a replica on the other node; storage every 1000),
       # two simulated nodes of one GPU each (dp=2), interleaved rounds: the iterations after each, against none;
-      # MEMORY_TIER_ONLY=1 adds the same without replicas (what the copies alone cost)
-      (cd $B && python3 bench_nanotron.py all --model 180m --layout dp2 --nodes 2 --steps 200 --interval 10 \
-        --modes none --variant mem:checkpoint_interval=1000,memory_tier=true,memory_replicas=1,memory_interval=10 \
-        ${MEMORY_TIER_ONLY:+--variant memtier:checkpoint_interval=1000,memory_tier=true,memory_interval=10} \
-        --rounds ${MEMORY_ROUNDS:-2} --work "$WORK/mi180" --out "$OUT/memory-180m") ;;
+      # MEMORY_TIER_ONLY=1 adds the same without replicas (what the copies alone cost), MEMORY_GLOO=1 the
+      # replicas over gloo (host to host) beside those over the link `auto` picks (NCCL here)
+      memory_run 180m 200 mi180 ;;
+    memory-1b) # the same with the 1.1B model (dp=2, 100 steps)
+      memory_run 1b 100 mi1b --cache-gib 4 ;;
     restart-1b) (cd $B && python3 bench_restart.py all --model 1b --step 10 --cache-gib 16 --work "$WORK/rs1b" \
       --out "$OUT/restart-1b" ${RESTART_ONLY:+--only $RESTART_ONLY} ${TIER_COPIES:+--tier-copies $TIER_COPIES} \
       ${RESTART_REPEATS:+--repeats $RESTART_REPEATS}) ;;
