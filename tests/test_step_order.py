@@ -66,3 +66,46 @@ def test_every_rank_makes_each_call_at_the_same_step_and_the_rest_after_the_last
     assert at_steps[0], "no call was made at a step"
     later = [[k for k, _, when in m if when == "after"] for m in made]
     assert later[0] == later[1]  # after the last step: the same calls
+
+
+def test_finish_makes_the_ready_calls_before_any_later_one_and_never_two_at_once():
+    """`finish` (the training thread) makes the calls ready while the replicas' thread hands over more: those
+    are made after the ready ones, in order, never while another call runs (a communicator is no
+    thread-safe: two threads queuing NCCL calls on it at once crashed a GPU run)."""
+    from nanotron_datastates.tier.step_order import StepOrder
+
+    order = StepOrder(group=None)  # no step is taken: `at_step`, the only user of the group, is not called
+    made: list[int] = []
+    running = threading.Lock()
+    overlaps = []
+
+    def call(k: int) -> int:
+        if not running.acquire(blocking=False):
+            overlaps.append(k)
+            running.acquire()
+        try:
+            time.sleep(0.002)  # long enough for the other thread to come in
+            made.append(k)
+            return k
+        finally:
+            running.release()
+
+    ready = [order.submit(lambda k=k: call(k)) for k in range(20)]  # ready before the last step
+    started = threading.Event()
+
+    def transfer() -> None:  # the replicas' thread goes on handing over calls, a few waves ahead
+        started.set()
+        later = []
+        for k in range(20, 40):
+            later.append(order.submit(lambda k=k: call(k)))
+            time.sleep(0.001)
+        assert [f.result(timeout=30) for f in later] == list(range(20, 40))
+
+    thread = threading.Thread(target=transfer)
+    thread.start()
+    started.wait(10)
+    order.finish()
+    thread.join(60)
+    assert [f.result(timeout=1) for f in ready] == list(range(20))
+    assert overlaps == []
+    assert made == list(range(40))

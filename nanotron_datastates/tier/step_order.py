@@ -31,6 +31,9 @@ class StepOrder:
         self.group = group
         self._ready: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
         self._lock = threading.Lock()
+        # Held while a call is made: a communicator takes one thread's calls at a time, and after the last
+        # step the replicas' thread's calls wait for those `finish` makes, which are older.
+        self._making = threading.Lock()
         self._direct = False
         self.steps = 0  # optimizer steps seen
         self.made = 0  # calls made
@@ -43,8 +46,9 @@ class StepOrder:
             if not self._direct:
                 self._ready.append((call, done))
                 return done
-        _make(call, done)
-        self.made += 1
+        with self._making:
+            _make(call, done)
+            self.made += 1
         return done
 
     def at_step(self) -> int:
@@ -56,22 +60,24 @@ class StepOrder:
         count = torch.tensor([mine], dtype=torch.int64)
         dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.group)
         n = int(count.item())
-        for _ in range(n):
-            with self._lock:
-                call, done = self._ready.popleft()
-            _make(call, done)
-        self.made += n
+        with self._making:
+            for _ in range(n):
+                with self._lock:
+                    call, done = self._ready.popleft()
+                _make(call, done)
+            self.made += n
         return n
 
     def finish(self) -> None:
         """After the last optimizer step (every rank at once): from now on the replicas' thread makes its
-        calls itself; those ready are made now, in order."""
-        with self._lock:
-            self._direct = True
-            ready, self._ready = list(self._ready), collections.deque()
-        for call, done in ready:
-            _make(call, done)
-        self.made += len(ready)
+        calls itself; those ready are made now, in order, before any it hands over from now on."""
+        with self._making:
+            with self._lock:
+                self._direct = True
+                ready, self._ready = list(self._ready), collections.deque()
+            for call, done in ready:
+                _make(call, done)
+            self.made += len(ready)
 
 
 def _make(call: Callable[[], Any], done: Future) -> None:
