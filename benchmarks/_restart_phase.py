@@ -67,7 +67,9 @@ def run_phase(args: argparse.Namespace) -> None:
                 book_dummy_tokens(self.metadata)
                 if killing and step == args.step:
                     torch.cuda.synchronize()
-                    torch.save(capture(self), reference)  # the state this memory checkpoint must bring back
+                    state = capture(self)  # the state this memory checkpoint must bring back
+                    state["iteration_step"] = step  # Nanotron's loop is at the next iteration already
+                    torch.save(state, reference)
             super()._ds_memory_checkpoint(saver)
 
         def _observe(self, event: str, fields: dict[str, Any]) -> None:
