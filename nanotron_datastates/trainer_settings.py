@@ -80,8 +80,10 @@ class TrainerSettings(Settings):
     peer and direction, 8 ready at most: 512 MiB of GPU memory and as much pinned per replica) are made by
     the training thread at an optimizer step, in the same place of every rank's collectives (a second
     communicator's kernels queued in another order deadlock the training's); a restart pulls unpaced.
-    'gloo', host memory to host memory over TCP. 'auto', NCCL where every rank has a GPU and PyTorch has
-    NCCL, else gloo."""
+    'gloo', host memory to host memory over TCP. 'auto': replicas sent while training runs over gloo (over
+    NCCL, with one hardware queue for every stream, their copies took turns with the step's kernels: the
+    180M's mean step +55% against +14% over gloo, benchmarks/NOTES.md), a restart's pull over NCCL where every
+    rank has a GPU and PyTorch has NCCL, else gloo."""
     memory_interval: int = 0
     """With the memory tier: also take a checkpoint into memory only (the tier, and the replicas with
     `memory_replicas`) every N steps, between Nanotron's `checkpoint_interval` checkpoints to storage. A

@@ -188,9 +188,11 @@ def links(rank: int, world: int, node: int, init: str, work: str) -> None:
     group = dist.new_group(backend="gloo")
     got = {}
     for transport in ("auto", "gloo", "nccl"):
-        try:
-            got[transport] = open_link(group, transport).name
-        except Exception as e:  # noqa: BLE001 - the test reads the message
-            got[transport] = f"{type(e).__name__}: {e}"
+        for training in (False, True):  # a restart's pull; replicas sent while training runs
+            key = transport + ("-training" if training else "")
+            try:
+                got[key] = open_link(group, transport, at_steps=training).name
+            except Exception as e:  # noqa: BLE001 - the test reads the message
+                got[key] = f"{type(e).__name__}: {e}"
     (Path(work) / f"links{rank}.json").write_text(json.dumps(got))
     dist.destroy_process_group()

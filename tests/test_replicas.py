@@ -149,17 +149,20 @@ def test_a_node_lost_while_its_replica_is_sent_never_uses_the_partial_copy(tmp_p
 def test_the_link_is_nccl_where_every_rank_has_a_gpu_else_gloo_and_a_forced_nccl_names_the_setting(
     tmp_path, ctx
 ):
+    """`auto`: a restart's pull over NCCL where every rank has a GPU, replicas sent while training runs
+    over gloo; `nccl` where a rank has none fails naming the setting and the rank."""
     for p in _job(ctx, child.links, tmp_path, "links", world=2):
         p.join(120)
         assert p.exitcode == 0
     for r in range(2):
         got = json.loads((tmp_path / f"links{r}.json").read_text())
-        assert got["gloo"] == "gloo"
+        assert got["gloo"] == got["gloo-training"] == got["auto-training"] == "gloo"
         if torch.cuda.device_count() >= 2 and torch.distributed.is_nccl_available():
-            assert got["auto"] == got["nccl"] == "nccl"
+            assert got["auto"] == got["nccl"] == got["nccl-training"] == "nccl"
         else:
             assert got["auto"] == "gloo"
-            assert got["nccl"].startswith("ReplicaError: datastates.memory_replica_transport=nccl: rank 0")
+            for key in ("nccl", "nccl-training"):
+                assert got[key].startswith("ReplicaError: datastates.memory_replica_transport=nccl: rank 0")
 
 
 def test_nccl_streams_lay_each_peers_files_end_to_end_in_chunks_that_cross_files(monkeypatch):

@@ -1,7 +1,9 @@
 """The way replicas' bytes travel between ranks (`Link`), chosen once for the job (`open_link`,
 `memory_replica_transport`): NCCL through the GPUs (link_nccl.py) where every rank has one and PyTorch has
 NCCL, its calls made at the optimizer steps while training runs (step_order.py), else gloo from host memory
-over TCP (`GlooLink`). The choice is named in the log and the telemetry.
+over TCP (`GlooLink`). `auto` sends replicas while training runs over gloo and pulls a restart's over NCCL:
+NCCL's copies and kernels take turns with the step's own on the GPU's one queue, and cost the steps more
+than gloo's host copies (benchmarks/NOTES.md). The choice is named in the log and the telemetry.
 """
 
 from __future__ import annotations
@@ -68,7 +70,9 @@ def open_link(gloo: Any, transport: str = "auto", chunk: int | None = None, at_s
     `gloo`, a gloo group over every rank; 'auto' takes NCCL where every rank can, else gloo. `chunk`: the
     bytes of a message (default: each link's own). `at_steps`: for replicas sent while training runs, an
     NCCL link's calls are made at the optimizer steps (its `order`, on a gloo group of its own made here:
-    step_order.py), with TRAINING_SLOTS waves ready at most."""
+    step_order.py), with TRAINING_SLOTS waves ready at most; 'auto' then takes gloo."""
+    if transport == "auto" and at_steps:  # every rank alike: the same setting, the same call
+        return GlooLink(gloo, chunk or CHUNK)
     asked = gather(gloo, nccl_here() if transport != "gloo" else "not asked for")
     cannot = [(rank, why) for rank, why in enumerate(asked) if why]
     if transport == "nccl" and cannot:

@@ -71,8 +71,9 @@ def open_replicas(
     sources = [s for s, hs in enumerate(holders) if me in hs]
     prune(tier, sources, keep)
     group = tdist.new_group(backend="gloo")
-    # Over NCCL, each wave's calls are made by the training thread at an optimizer step: queued among the
-    # training's own kernels in another order on another rank, they deadlock them (a 180M dp2 job hung so).
+    # Over NCCL (`nccl`; `auto` takes gloo while training runs), each wave's calls are made by the training
+    # thread at an optimizer step: queued among the training's kernels in another order on another rank,
+    # they deadlock them (a 180M dp2 job hung so).
     link = open_link(group, settings.memory_replica_transport, at_steps=True)
     link.reserve(len(holders[me]), len(sources))  # buffers pinned before training, not during
     say.info(f"memory replicas go over {link.name}" + (", at the optimizer steps" if link.order else ""))
