@@ -101,10 +101,9 @@ class Saver:
         self.tier, keep = memory.open_tier(settings, self.checkpoints)
         self.reporter = Reporter(engine, settings, pc, self.checkpoints, self.tier, self._notify)
         replication = memory.open_replicas(self.tier, settings, pc, engine, keep, self.reporter.replicated)
-        self.replicator = self.reporter.replicator = replication.replicator
-        self.replication = replication  # with its NCCL calls made at each optimizer step (step_order.py)
+        self.reporter.replicator = replication.replicator  # sends each committed step
+        self.replication = replication  # its NCCL calls made at each optimizer step (step_order.py), if any
         self.placement = replication.placement  # recorded in each manifest
-        self._sources = replication.sources  # the ranks whose replicas this rank keeps
         self.committer = Committer(group, on_result=self.reporter.committed)
 
     @property
@@ -329,7 +328,7 @@ class Saver:
         self.take(self.outstanding, on_committed)
         say.info(f"all checkpoints committed ({time.perf_counter() - t0:.2f} s waiting at the end)")
         memory.stop_replicas(self.replication)
-        memory.release(self.tier, self._sources)
+        memory.release(self.tier, self.replication.sources)
 
     def close(self) -> None:
         """Bounded (at exit after a crash, other ranks may be gone); idempotent."""
