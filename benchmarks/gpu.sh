@@ -30,7 +30,8 @@ memory_run() { # model steps work-folder [bench_nanotron flags]: memory-180m's a
   local m=checkpoint_interval=1000,memory_tier=true,memory_interval=10
   (cd $B && python3 bench_nanotron.py all --model "$1" --layout dp2 --nodes 2 --steps "$2" --interval 10 \
     --modes none --variant mem:$m,memory_replicas=1 ${MEMORY_TIER_ONLY:+--variant memtier:$m} \
-    ${MEMORY_GLOO:+--variant memgloo:$m,memory_replicas=1,memory_replica_transport=gloo} "${@:4}" ${MEMORY_EXTRA:-} \
+    ${MEMORY_GLOO:+--variant memgloo:$m,memory_replicas=1,memory_replica_transport=gloo} \
+    ${MEMORY_NCCL:+--variant memnccl:$m,memory_replicas=1,memory_replica_transport=nccl} "${@:4}" ${MEMORY_EXTRA:-} \
     --rounds ${MEMORY_ROUNDS:-2} --work "$WORK/$3" --out "$OUT/memory-$1")
 }
 
@@ -208,9 +209,9 @@ run_step() {
         --rounds 3 --work "$WORK/rp180" --out "$OUT/replicas-180m") ;;
     memory-180m) # memory checkpoints every 10 steps (the tier, a replica on the other node; storage every 1000),
       # two simulated nodes of one GPU each (dp=2), interleaved rounds: the iterations after each, against none;
-      # MEMORY_TIER_ONLY=1 adds the same without replicas (what the copies alone cost), MEMORY_GLOO=1 the
-      # replicas over gloo (host to host) beside those over the link `auto` picks (NCCL here); MEMORY_EXTRA
-      # more bench_nanotron flags (--variant NAME:key=value,...)
+      # MEMORY_TIER_ONLY=1 adds the same without replicas (what the copies alone cost), MEMORY_NCCL=1 the
+      # replicas over NCCL at the optimizer steps beside those over the link `auto` picks while training
+      # (gloo), MEMORY_GLOO=1 over gloo named; MEMORY_EXTRA more bench_nanotron flags (--variant NAME:k=v,...)
       memory_run 180m 200 mi180 ;;
     memory-1b) # the same with the 1.1B model (dp=2, 100 steps)
       memory_run 1b 100 mi1b --cache-gib 4 ;;
