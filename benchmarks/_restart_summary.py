@@ -69,7 +69,8 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         "dp": args.dp,
         "tp": getattr(args, "tp", 1),
         "zero_stage": args.zero,
-        "memory_interval": getattr(args, "memory_interval", 0),  # restart-replica's (0: storage's checkpoint)
+        # restart-replica's memory checkpoints, where it took them (absent: it resumed storage's checkpoint)
+        **({"memory_interval": args.memory_interval} if getattr(args, "memory_interval", None) else {}),
         "first_step_end_s": {k: first_step(last(k)) for k in records if "runs" in records[k]},
         "restore_over_scratch_s": restore,
         "ratios": ratios,

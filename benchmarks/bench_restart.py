@@ -235,7 +235,7 @@ def main() -> int:
         old = json.loads(path.read_text())
         args.model, args.step = old["model"], old["step"]
         args.dp, args.tp, args.zero = old.get("dp", 1), old.get("tp", 1), old.get("zero_stage", 0)
-        args.memory_interval = old.get("memory_interval", 0)
+        args.memory_interval = old.get("memory_interval")  # None where the call had no such option
         args.repeats = sum(1 for k in old["records"] if k.split(".")[0] == "restart-memory")
         result = {**summarize(args, old["records"]), "command": old["command"]}
         path.write_text(json.dumps(result, indent=1))
