@@ -193,6 +193,24 @@ def run_phase(args: argparse.Namespace) -> None:
                 prune_before(path.parent, self.iteration_step)
             return path
 
+        def _ds_memory_checkpoint(self, saver: Any) -> None:  # a memory checkpoint (memory_interval): a save
+            step = self.metadata.last_train_step
+            if not saver.memory_due(step):
+                return
+            book_dummy_tokens(self.metadata)
+            engine_s0, staged0 = engine_time[0], staged[0]
+            t0 = time.perf_counter()
+            super()._ds_memory_checkpoint(saver)
+            rec["saves"].append(
+                {
+                    "step": step,
+                    "call_s": time.perf_counter() - t0,
+                    "engine_save_s": engine_time[0] - engine_s0,
+                    "staged_files": staged[0] - staged0,
+                    "memory": True,
+                }
+            )
+
         def _dcp_save(self) -> Path:
             import torch.distributed.checkpoint as dcp
 
