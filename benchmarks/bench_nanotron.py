@@ -23,8 +23,8 @@ Each mode trains the same model for the same steps in its own torchrun, on the s
   the other way (is it the direction?); `copy-host`: the same bytes copied between two host buffers by a
   thread on 4 cores, no GPU involved (is it the host memory's traffic?);
 * `datastates-NAME` (`--variant NAME:key=value,...`): datastates with other `datastates:` settings, for
-  ablations (e.g. `p1:parser_threads=1`); a NAME that starts with `idle` asks for no checkpoint; with
-  `checkpoint_interval=N`, storage's interval is N (`mem:checkpoint_interval=1000,memory_interval=10`);
+  ablations (`p1:parser_threads=1`); a NAME starting with `idle` asks for no checkpoint; `checkpoint_interval`
+  sets storage's (memory checkpoints: `mem:checkpoint_interval=1000,memory_tier=true,memory_interval=10`);
 * `restore-torch`, `restore-datastates`: new runs that resume from the last checkpoint of `torch` /
   `datastates` with the checkpoint's files evicted from the page cache (`--cold system`: the whole page
   cache, libraries included); restore cost = their time from constructing the trainer to the end

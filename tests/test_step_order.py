@@ -70,7 +70,7 @@ def test_every_rank_makes_each_call_at_the_same_step_and_the_rest_after_the_last
 
 def test_finish_makes_the_ready_calls_before_any_later_one_and_never_two_at_once():
     """`finish` (the training thread) makes the calls ready while the replicas' thread hands over more: those
-    are made after the ready ones, in order, never while another call runs (a communicator is no
+    are made after the ready ones, in order, never while another call runs (a communicator is not
     thread-safe: two threads queuing NCCL calls on it at once crashed a GPU run)."""
     from nanotron_datastates.tier.step_order import StepOrder
 
