@@ -129,6 +129,39 @@ ds::SaveRequest to_request(FileArg& f, const std::vector<nb::ndarray<>>& bases) 
   return r;
 }
 
+// A file's layout without its bytes: path, tensor names, safetensors dtypes, item sizes, shapes, metadata,
+// embed_checksums (Engine::prepare_mirrors).
+using LayoutArg =
+    std::tuple<std::string, std::vector<std::string>, std::vector<std::string>, std::vector<std::size_t>,
+               std::vector<std::vector<std::int64_t>>, ds::Metadata, bool>;
+
+ds::SaveRequest layout_request(const LayoutArg& f) {
+  const auto& [path, names, dtypes, itemsizes, shapes, metadata, embed_checksums] = f;
+  const std::size_t n = names.size();
+  if (dtypes.size() != n || itemsizes.size() != n || shapes.size() != n)
+    throw ds::ErrorException(
+        ds::Error::value(path + ": names, dtypes, item sizes and shapes differ in length"));
+  ds::SaveRequest r;
+  for (std::size_t i = 0; i < n; ++i) {
+    ds::TensorSrc t;
+    t.name = names[i];
+    t.dtype = dtypes[i];
+    t.itemsize = itemsizes[i];
+    t.shape = shapes[i];
+    t.nbytes = t.itemsize;
+    for (std::int64_t d : t.shape) {
+      if (d < 0)
+        throw ds::ErrorException(ds::Error::value(path + ": tensor '" + names[i] + "': negative dimension"));
+      t.nbytes *= static_cast<std::size_t>(d);
+    }
+    r.tensors.push_back(std::move(t));
+  }
+  r.path = path;
+  r.metadata = metadata;
+  r.embed_checksums = embed_checksums;
+  return r;
+}
+
 ds::HostCache& open_cache(ds::Engine& e) {
   if (!e.cache()) throw ds::ErrorException(ds::Error::value("the engine is closed"));
   return *e.cache();
@@ -211,6 +244,18 @@ NB_MODULE(_core, m) {
           "files"_a, "bases"_a, "streams"_a,
           "Queues files [(path, names, dtypes, arrays, views, metadata, embed_checksums, mirror, recycle)]; "
           "one Job each")
+      .def(
+          "prepare_mirrors",
+          [](ds::Engine& e, const std::vector<LayoutArg>& files) {
+            std::vector<ds::SaveRequest> requests;
+            for (const LayoutArg& f : files) requests.push_back(layout_request(f));
+            nb::gil_scoped_release release;  // pinning takes seconds
+            return e.prepare_mirrors(requests);
+          },
+          "files"_a,
+          "Makes, maps and pins a mirror file for each of [(path, names, dtypes, itemsizes, shapes, "
+          "metadata, "
+          "embed_checksums)], laid out as a save of such tensors; kept mapped for a save to recycle")
       .def(
           "keep_mirrors",
           [](ds::Engine& e, const std::vector<std::string>& paths) {

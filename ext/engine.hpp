@@ -83,6 +83,12 @@ class Engine final : public JobObserver {
   // before returning (`wait`), or on a background thread. Otherwise a chunk is prepared when first used.
   void prepare_cache(bool wait, std::size_t chunks);
 
+  // Creates a mirror file at each request's `path` (its tensors' data is not read: their names, dtypes and
+  // shapes lay it out as a save of them would), maps, faults in and pins it before returning, and keeps it
+  // mapped for a save to recycle. Throws ErrorException naming the file that cannot be made; those made
+  // before it stay. Returns how many were made.
+  std::size_t prepare_mirrors(const std::vector<SaveRequest>& files);
+
   // Keeps the mirror files of these paths mapped for later saves to recycle; unmaps the others. Returns how
   // many stay mapped.
   std::size_t keep_mirrors(const std::vector<std::string>& paths) { return mirrors_.keep_only(paths); }

@@ -23,6 +23,16 @@ def small_config(**kw) -> DataStatesConfig:
     return DataStatesConfig(**base)
 
 
+def mapped_at(path: Path) -> list[int]:
+    """Where this process maps the file at `path` now (the kernel names a mapping by its current name)."""
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == str(path):
+            out.append(int(fields[0].split("-")[0], 16))
+    return out
+
+
 def wait_until(done: Callable[[], bool], timeout: float = 10.0) -> bool:
     """Polls `done` until it holds (True) or `timeout` seconds have passed (False)."""
     deadline = time.monotonic() + timeout

@@ -15,8 +15,9 @@ from nanotron_datastates import trust
 from nanotron_datastates.checkpoint.checksums import file_checksums
 from nanotron_datastates.checkpoint.manifest import read_manifest
 from nanotron_datastates.tier.folders import tree_size
+from nanotron_datastates.tier.held_copy import tier_copy, why_not
 from nanotron_datastates.tier.jobs import jobs
-from nanotron_datastates.tier.memory import MemoryTier, job_folder, tier_copy, why_not
+from nanotron_datastates.tier.memory import MemoryTier, job_folder
 from nanotron_datastates.tier.memory import root as tier_root
 from nanotron_datastates.trainer_settings import TrainerSettings
 
@@ -103,6 +104,60 @@ def test_with_one_copy_the_next_save_withdraws_the_held_step_before_taking_it_ov
     assert t.holds(1, doc)
     assert t.recycle(2, [rel]) == [t.path(1, rel)]
     assert not t.holds(1, doc) and "not marked held" in t.why_not(1, doc)  # a restart now reads storage
+
+
+def _made_ahead(tier: MemoryTier, i: int, rel: str) -> None:
+    tier.warm(i, rel).parent.mkdir(parents=True)
+    tier.warm(i, rel).write_bytes(b"w" * 10)
+    tier.add_warm(i, [rel])
+
+
+def _taken(tier: MemoryTier, donor: Path, step: int, rel: str) -> None:
+    """What the engine does with a file handed to a save of `step`: renamed into the step's folder."""
+    tier.path(step, rel).parent.mkdir(parents=True, exist_ok=True)
+    donor.rename(tier.path(step, rel))
+
+
+@pytest.mark.parametrize("copies", [2, 1])
+def test_the_sets_made_ahead_are_taken_over_first_then_the_steps_as_before(tmp_path, copies):
+    t = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0, copies=copies)
+    rel = "model/w_0.safetensors"
+    for i in range(copies):
+        _made_ahead(t, i, rel)
+    for step in range(1, copies + 1):  # each first checkpoint takes a set made ahead, in order
+        (donor,) = t.recycle(step, [rel])
+        assert donor == t.warm(step - 1, rel)
+        _taken(t, donor, step, rel)
+        t.commit(step, _files(t, step))
+        assert t.holds(step, {"step": step, "files": _files(t, step)})
+        assert not t.warm(step - 1, rel).parent.exists()  # its folder, emptied, removed
+    (donor,) = t.recycle(copies + 1, [rel])
+    assert donor == t.path(1, rel)  # then as without them: the spare (2 copies), the held step (1)
+    t.release()
+    assert not t.folder.exists()  # the emptied sets' folders too
+
+
+def test_after_a_restart_the_set_made_ahead_goes_first_and_the_step_held_before_then_is_the_spare(tmp_path):
+    t = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0, copies=2)
+    rel = "model/w_0.safetensors"
+    _hold(t, 5)  # what the process before held
+    assert t.held_steps() == [5]
+    _made_ahead(t, 0, rel)  # copies less the steps held: one set
+    (donor,) = t.recycle(6, [rel])
+    assert donor == t.warm(0, rel)
+    _taken(t, donor, 6, rel)
+    t.commit(6, _files(t, 6))
+    assert t.held_steps() == [6] and t.recycle(7, [rel]) == [t.path(5, rel)]
+
+
+def test_prune_removes_the_sets_an_earlier_process_of_this_rank_made_ahead_not_other_ranks(tmp_path):
+    r0, r1 = (MemoryTier(tmp_path / "shm", tmp_path / "ckpt", rank) for rank in (0, 1))
+    _made_ahead(r0, 0, "w_0.safetensors")
+    _made_ahead(r1, 0, "w_1.safetensors")
+    again = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0)  # rank 0's next process
+    again.prune(None)
+    assert not r0.warm(0, "w_0.safetensors").exists() and r1.warm(0, "w_1.safetensors").exists()
+    assert again.recycle(1, ["w_0.safetensors"]) == [None]
 
 
 # -- a hostile or careless neighbour ------------------------------------------------------------------------

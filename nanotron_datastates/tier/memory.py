@@ -25,6 +25,9 @@ folder (its resolved path's hash), so jobs of one node keep apart; `<job>/replic
 copies this node keeps for ranks of other nodes (`memory_replicas`: replicas.py), marked as the node's own
 are, by the rank they belong to.
 
+Sets of files made ahead (`warm`, `add_warm`: `<job>/.warm-<rank>-<i>/`) are the first saves' spares,
+mapped and pinned before training goes on (the engine's `prepare_mirrors`).
+
 The tier lives beside other users (`/dev/shm` is world-writable): its root is private to this user (0700,
 ours, no link: `trust.private_dir`; the default path holds the user's id), markers list file names that
 must stay inside their step's folder, every file is opened without following a link and must be a regular
@@ -45,6 +48,7 @@ from ..errors import DataStatesError
 from .folders import dead_temporary, is_ours, regular_size, remove_empty, step_numbers, tree_size
 
 MARKER = ".rank-{rank}.json"
+WARM = ".warm-{rank}-{i}"  # a set of files made ahead of the first saves (`warm`), not a step
 REPLICAS = "replicas"  # the job folder's area for other nodes' ranks' copies
 MAX_MARKER = 64 << 20  # bytes: a marker lists one rank's files
 
@@ -86,7 +90,10 @@ class MemoryTier:
         self.checkpoints = Path(checkpoints)
         self.rank = rank
         self.copies = copies
-        self._spare: tuple[int, list[str]] | None = None  # a step this rank held before, and its files
+        # Folders whose files (of this rank) the next saves take over, first first: sets made ahead (WARM),
+        # or a step this rank held before.
+        self._spares: list[tuple[str, list[str]]] = []
+        self._given: tuple[int, tuple[str, list[str]]] | None = None  # the spare handed to a step's saves
         self.busy: set[int] = set()  # steps being read (sent to a peer): never handed to a save to overwrite
 
     def path(self, step: int, rel: str | os.PathLike) -> Path:
@@ -113,25 +120,53 @@ class MemoryTier:
             self.folder, "job.json", json.dumps({"checkpoints": str(self.checkpoints.resolve())}).encode()
         )
 
+    def warm(self, i: int, rel: str | os.PathLike) -> Path:
+        """Where the `i`-th set of files made ahead of the first saves keeps `rel` (`add_warm`)."""
+        return self.folder / WARM.format(rank=self.rank, i=i) / rel
+
+    def add_warm(self, i: int, rels: list[str]) -> None:
+        """Hands the `i`-th set made ahead (its files `rels`, at `warm(i, rel)`) to the next saves to take
+        over, before any step this rank held."""
+        made_ahead = sum(not n.isdigit() for n, _ in self._spares)
+        self._spares.insert(made_ahead, (WARM.format(rank=self.rank, i=i), rels))
+
+    def _made_ahead(self) -> list[str]:
+        """The folders of this rank's sets made ahead that are not its spares (taken over, or left behind)."""
+        prefix, spares = WARM.format(rank=self.rank, i=""), {n for n, _ in self._spares}
+        return [n for n in os.listdir(self.folder) if n.startswith(prefix) and n not in spares]
+
+    def held_steps(self) -> list[int]:
+        """The steps this rank marks held here."""
+        mine = MARKER.format(rank=self.rank)
+        return [s for s in self.steps() if mine in self._markers(s)]
+
     def recycle(self, step: int, rels: list[str]) -> list[Path | None]:
-        """The files of an earlier step that the save of `step` takes over (renamed and overwritten by the
-        engine), one per name of `rels` (None: a new file): with 2 copies the rank's spare; with 1 the held
-        step's, its marker withdrawn first, so that no restart reads them while they are overwritten."""
-        donor: tuple[int, list[str]] | None = None
-        if self.copies == 1:
-            donor = self._held_before(step)
-            if donor is not None and donor[0] in self.busy:
+        """The files of an earlier step (or of a set made ahead) that the save of `step` takes over (renamed
+        and overwritten by the engine), one per name of `rels` (None: a new file): the rank's first spare that
+        is not being read; with 1 copy and no spare, the held step's, its marker withdrawn first, so that no
+        restart reads them while they are overwritten. Every call for one step draws on the same files."""
+        if self._given is not None and self._given[0] == step:
+            return self._files_of(self._given[1], rels)
+        donor = next((d for d in self._spares if not d[0].isdigit() or int(d[0]) < step), None)
+        if donor is not None and donor[0].isdigit() and int(donor[0]) in self.busy:
+            donor = None
+        if donor is not None:
+            self._spares.remove(donor)
+        elif self.copies == 1 and (held := self._held_before(step)) is not None:
+            if held[0] in self.busy:
                 return [None] * len(rels)
-            if donor is not None:
-                try:
-                    self._withdraw(donor[0])
-                except OSError:  # still marked: never overwritten
-                    return [None] * len(rels)
-        elif self._spare is not None and self._spare[0] < step and self._spare[0] not in self.busy:
-            donor, self._spare = self._spare, None
+            try:
+                self._withdraw(held[0])
+            except OSError:  # still marked: never overwritten
+                return [None] * len(rels)
+            donor = (str(held[0]), held[1])
         if donor is None:
             return [None] * len(rels)
-        folder, have = self.folder / str(donor[0]), set(donor[1])
+        self._given = (step, donor)
+        return self._files_of(donor, rels)
+
+    def _files_of(self, donor: tuple[str, list[str]], rels: list[str]) -> list[Path | None]:
+        folder, have = self.folder / donor[0], set(donor[1])
         return [folder / rel if rel in have and is_ours(folder, rel) else None for rel in rels]
 
     def commit(self, step: int, files: dict[str, dict[str, Any]]) -> None:
@@ -145,11 +180,14 @@ class MemoryTier:
         spare = self._held_before(step) if self.copies == 2 else None
         if spare is not None:
             self._withdraw(spare[0])  # first: never taken as held again
-            self._drop_spare()
-            self._spare = spare
+            self._spares.append((str(spare[0]), spare[1]))
+            self.drop_spares(keep=1)  # the first: a set made ahead is mapped and pinned already
+        kept = {n for n, _ in self._spares}
         for s in self.steps():
-            if s < step and (self._spare is None or s != self._spare[0]):
+            if s < step and str(s) not in kept:
                 self.drop(s)
+        for name in self._made_ahead():  # taken over: empty
+            remove_empty(self.folder, name)
 
     def _held_before(self, step: int) -> tuple[int, list[str]] | None:
         """The newest step below `step` that this rank marks held, with the files it marked; None: none."""
@@ -174,17 +212,15 @@ class MemoryTier:
         if not self._markers(step):
             trust.remove_tree(self.folder, str(step))
 
-    def _drop_spare(self) -> None:
-        """Removes what is left of this rank's spare (the files no save took over)."""
-        if self._spare is None:
-            return
-        step, rels = self._spare
-        self._spare = None
-        for rel in rels:
-            with contextlib.suppress(OSError):
-                trust.unlink_in(self.folder / str(step), rel)
-        if not self._markers(step):
-            remove_empty(self.folder, str(step))
+    def drop_spares(self, keep: int = 0) -> None:
+        """Removes what is left of this rank's spares but the first `keep` (the files no save took over)."""
+        dropped, self._spares = self._spares[keep:], self._spares[:keep]
+        for name, rels in dropped:
+            for rel in rels:
+                with contextlib.suppress(OSError):
+                    trust.unlink_in(self.folder / name, rel)
+            if not name.isdigit() or not self._markers(int(name)):
+                remove_empty(self.folder, name)
 
     def files(self) -> list[Path]:
         """Every file the job's folder holds now (the engine keeps those of this rank mapped)."""
@@ -199,6 +235,8 @@ class MemoryTier:
         and the unmarked folders below it. A process killed between marking a step and dropping the older
         ones leaves them behind; this keeps the tier at one checkpoint per rank plus the one in flight."""
         self._remove_dead_temporaries()
+        for name in self._made_ahead():  # by an earlier process of this rank
+            trust.remove_tree(self.folder, name)
         mine = MARKER.format(rank=self.rank)
         for step in self.steps():
             if step == keep:
@@ -271,7 +309,7 @@ class MemoryTier:
 
     def release(self) -> None:
         """At the normal end of training: this rank's steps dropped, and the job's folder once empty."""
-        self._drop_spare()
+        self.drop_spares()
         for step in self.steps():
             self.drop(step)
         if not self.steps():
@@ -310,23 +348,3 @@ class MemoryTier:
             if strict:
                 raise
             return None
-
-
-def tier_copy(settings: Any, folder: Path, manifest: dict[str, Any], rank: int) -> Path | None:
-    """The memory tier's copy of the checkpoint in `folder` (TrainerSettings `settings`), where this node's
-    tier holds it whole; None otherwise, or where the memory tier is off."""
-    if not settings.memory_tier or why_not(settings, folder, manifest, rank) is not None:
-        return None
-    tier = MemoryTier(settings.memory_tier_path, folder.parent, rank)
-    return tier.folder / str(int(manifest.get("step", -1)))
-
-
-def why_not(settings: Any, folder: Path, manifest: dict[str, Any], rank: int) -> str | None:
-    """Why the memory tier holds no whole copy of the checkpoint in `folder` (None: it does); a tier folder
-    that is not private to this user is a reason."""
-    try:
-        tier = MemoryTier(settings.memory_tier_path, folder.parent, rank)
-    except OSError as e:
-        return str(e)
-    step = manifest.get("step")
-    return tier.why_not(step, manifest) if isinstance(step, int) else "the manifest names no step"

@@ -37,10 +37,11 @@ from nanotron_datastates.nanotron.save.commit_files import finalizer
 from nanotron_datastates.nanotron.save.saver import Saver
 from nanotron_datastates.save import housekeeping
 from nanotron_datastates.save.commit import CheckpointError
-from nanotron_datastates.tier.memory import TierError, why_not
+from nanotron_datastates.tier.held_copy import why_not
+from nanotron_datastates.tier.memory import TierError
 from nanotron_datastates.trainer_settings import Section, TrainerSettings
 
-from helpers import wait_until
+from helpers import mapped_at, wait_until
 
 HAS_CP = "cp" in {f.name for f in dataclasses.fields(CheckpointMetadata)}
 LAYOUTS = [  # (world size, tp, dp, pp, cp, ZeRO stage)
@@ -520,6 +521,38 @@ def test_the_memory_tier_holds_the_newest_checkpoint_and_a_restart_reads_it(rank
     assert resume.source == job / "7" and metadata.last_train_step == 7
     got.pop("random"), newest.pop("random")
     assert differences(newest, got) == []
+
+
+@pytest.mark.parametrize("copies", [2, 1])
+def test_the_first_checkpoints_take_over_the_tier_files_made_and_mapped_after_the_first_step(
+    rank0, tmp_path, copies
+):
+    """After the first step the tier's files of the first `copies` checkpoints are made and mapped (pinned
+    on a GPU), each laid out as its checkpoint's save lays it out: the saves take those mappings over as they
+    are, weights and optimizer, so that nothing is mapped or pinned anew while training runs."""
+    pc, c, state, _ = rank0
+    tier = {"memory_tier": True, "memory_tier_path": str(tmp_path / "shm"), "memory_tier_copies": copies}
+    saver = saver_of(rank0, tmp_path / "ckpt", **tier)
+    saver.after_first_step()
+    job = saver.tier.folder
+    sets = sorted(p for p in job.iterdir() if p.name.startswith(".warm-"))
+    assert [p.name for p in sets] == [f".warm-0-{i}" for i in range(copies)]
+    rels = sorted(str(p.relative_to(sets[0])) for p in sets[0].rglob("*.safetensors"))
+    assert any(r.startswith("optimizer/") for r in rels) and any(r.startswith("model/") for r in rels)
+    ahead = [{rel: mapped_at(s / rel) for rel in rels} for s in sets]
+    assert all(len(where) == 1 for where in ahead[0].values())
+    ask(saver, rank0, 5)
+    saver.take(saver.outstanding, lambda s: None)
+    assert {rel: mapped_at(job / "5" / rel) for rel in rels} == ahead[0]
+    saver.before_step()
+    step(*state[:2], 2)
+    ask(saver, rank0, 7)
+    saver.take(saver.outstanding, lambda s: None)
+    assert {rel: mapped_at(job / "7" / rel) for rel in rels} == ahead[-1]  # with 1 copy: 5's, taken over
+    assert not any(p.name.startswith(".warm-") for p in job.iterdir())
+    for rel in read_manifest(tmp_path / "ckpt" / "7")["files"]:
+        assert (job / "7" / rel).read_bytes() == (tmp_path / "ckpt" / "7" / rel).read_bytes()
+    saver.close()
 
 
 def test_a_damaged_memory_copy_falls_back_to_storage_and_a_partial_one_is_not_used(rank0, tmp_path):

@@ -24,7 +24,8 @@ from ...checkpoint.manifest import read_manifest
 from ...checkpoint.reads import ReadSet, files_to_read
 from ...engine import DataStatesEngine
 from ...resume.read_ahead import Prefetch, shared_weight_reads, warm_page_cache
-from ...tier.memory import MemoryTier, tier_copy
+from ...tier.held_copy import tier_copy
+from ...tier.memory import MemoryTier
 from ...tier.memory_steps import steps_with_manifest
 from ..yaml_config import engine_for, section
 from .source import asked_layout, loads, parse_config, resume_folder

@@ -22,8 +22,9 @@ from ...checkpoint.manifest import is_datastates_checkpoint
 from ...engine import DataStatesEngine
 from ...errors import CheckpointError
 from ...store import open_store
+from ...tier.held_copy import tier_copy, why_not
 from ...tier.links import open_link
-from ...tier.memory import MemoryTier, tier_copy, why_not
+from ...tier.memory import MemoryTier
 from ...tier.replica_restore import restart_source
 from .. import groups
 from .. import log as say

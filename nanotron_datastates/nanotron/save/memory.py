@@ -5,10 +5,13 @@ the committed steps sent to ranks of other nodes too (tier/replicas.py). Release
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 from ...engine import DataStatesEngine
+from ...plan import SavePlan
 from ...store import open_store
 from ...tier.links import open_link
 from ...tier.memory import MemoryTier
@@ -48,6 +51,35 @@ def open_tier(settings: TrainerSettings, checkpoints: Path) -> tuple[MemoryTier 
     keep = newer[-1] if newer else keep
     tier.prune(keep)  # what a killed process left besides the newest committed step
     return tier, keep
+
+
+def prepare_tier(
+    tier: MemoryTier, engine: DataStatesEngine, settings: TrainerSettings, files: list[tuple[str, SavePlan]]
+) -> None:
+    """After the first step, `files` (this rank's state files: path in the checkpoint, plan): the tier's room
+    checked (this rank's checkpoint, as many times as the node has ranks), then the files of its first
+    `memory_tier_copies` checkpoints made, mapped and pinned now (less the steps this rank holds there
+    already), so that those checkpoints pin nothing while training runs. A set that cannot be made is left to
+    its checkpoint's save to make, as without it."""
+    nbytes = sum(plan.nbytes for _, plan in files)
+    tier.check_room(nbytes * int(os.environ.get("LOCAL_WORLD_SIZE", "1")), settings.memory_replicas)
+    t0, made = time.perf_counter(), 0
+    for i in range(tier.copies - len(tier.held_steps())):
+        try:
+            engine.prepare_mirrors([(plan, tier.warm(i, rel)) for rel, plan in files])
+        except OSError as e:
+            tier.add_warm(i, [rel for rel, _ in files])  # dropped with what it holds
+            tier.drop_spares(keep=made)
+            engine.keep_mirrors(tier.files())
+            say.error(f"memory tier: the files of a checkpoint could not be made ahead ({e}); its save will")
+            break
+        tier.add_warm(i, [rel for rel, _ in files])
+        made += 1
+    if made:
+        gb, s = made * nbytes / 1e9, time.perf_counter() - t0
+        say.info(
+            f"memory tier: the files of {made} checkpoint(s) made and pinned ahead: {gb:.2f} GB, {s:.2f} s"
+        )
 
 
 def open_replicas(

@@ -31,7 +31,6 @@ nodes (replicas.py); a memory checkpoint (`memory_due`) goes there only (tier/me
 from __future__ import annotations
 
 import functools
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -131,9 +130,9 @@ class Saver:
         plans = [plan for _, plan in files.weights] + ([optimizer] if files.optimizer else [])
         self._nbytes = sum(p.nbytes for p in plans)
         self._prepare_cache(plans)
-        if self.tier is not None:  # this rank's checkpoint, as many times as the node has ranks
-            node_bytes = self._nbytes * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            self.tier.check_room(node_bytes, self.settings.memory_replicas)
+        if self.tier is not None:  # its room, and the files of its first checkpoints made ahead
+            state = files.weights + ([(files.optimizer, optimizer)] if files.optimizer else [])
+            memory.prepare_tier(self.tier, self.engine, self.settings, [(str(p), plan) for p, plan in state])
         if self._decide()[0]:
             staging.warm(plans)
 

@@ -1,0 +1,68 @@
+"""Mirror files made ahead (`prepare_mirrors`: a memory tier's first checkpoints): laid out as the save of the
+plan lays out its file, so that the save recycling one takes its mapping as it is (same address: nothing
+mapped or pinned again while training runs) and writes the same bytes; a file that cannot be made is named,
+and a link planted where one goes is replaced, never followed."""
+
+import os
+
+import pytest
+import torch
+
+from nanotron_datastates import DataStatesEngine
+
+from helpers import mapped_at, small_config
+
+
+def state(step: int, n: int = 700_000) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(n, generator=g), "b": torch.randn(17, generator=g).half(), "step": step}
+
+
+@pytest.mark.parametrize("n", [700_000, 5])  # several chunks (pinned blocks), and under one page
+def test_a_file_made_ahead_is_the_mapping_the_save_takes_over_and_holds_its_bytes(tmp_path, n):
+    ahead = tmp_path / "mem" / ".warm" / "f.safetensors"
+    with DataStatesEngine(small_config()) as engine:
+        assert engine.prepare_mirrors([(engine.plan(state(1, n)), ahead)]) == 1
+        (where,) = mapped_at(ahead)
+        assert ahead.stat().st_size % 4096 == 0 and oct(ahead.stat().st_mode & 0o777) == "0o600"
+        # Another step's values (its header's plain values differ), the same tensors' shapes and dtypes.
+        plan = engine.plan(state(2, n))
+        mirror = tmp_path / "mem" / "2" / "f.safetensors"
+        h = engine.save_plans([(plan, tmp_path / "2.safetensors")], mirrors=[mirror], recycle=[ahead])[0]
+        h.wait_persisted()
+        assert h.mirrored() and not ahead.exists()
+        assert mapped_at(mirror) == [where]  # the mapping made ahead, taken over: nothing mapped anew
+        assert mirror.read_bytes() == (tmp_path / "2.safetensors").read_bytes()
+        back = engine.load(mirror)
+    assert torch.equal(back["w"], state(2, n)["w"]) and back["step"] == 2
+
+
+def test_a_file_that_cannot_be_made_is_named_and_those_before_it_stay_mapped(tmp_path):
+    (tmp_path / "mem").mkdir()
+    (tmp_path / "mem" / "blocked").write_text("a file where a folder goes")
+    with DataStatesEngine(small_config()) as engine:
+        plan = engine.plan(state(1))
+        first, second = (
+            tmp_path / "mem" / "a" / "f.safetensors",
+            tmp_path / "mem" / "blocked" / "f.safetensors",
+        )
+        with pytest.raises(OSError, match="blocked"):
+            engine.prepare_mirrors([(plan, first), (plan, second)])
+        assert mapped_at(first) and engine.keep_mirrors([first]) == 1
+        first.unlink()
+        assert engine.keep_mirrors([]) == 0 and not mapped_at(first)  # its memory given back
+        assert engine.save(state(3), tmp_path / "3.safetensors").wait_persisted() is None  # works on
+
+
+def test_a_link_planted_where_a_file_made_ahead_goes_is_replaced_not_followed(tmp_path):
+    """Hostile: a link stands where the file goes. The file is made under a private temporary name and renamed
+    onto the link, which it replaces: the file the link named keeps its bytes."""
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"precious" * 1000)
+    (tmp_path / "mem").mkdir()
+    (tmp_path / "mem" / "f.safetensors").symlink_to(victim)
+    with DataStatesEngine(small_config()) as engine:
+        engine.prepare_mirrors([(engine.plan(state(1)), tmp_path / "mem" / "f.safetensors")])
+    assert victim.read_bytes() == b"precious" * 1000
+    made = tmp_path / "mem" / "f.safetensors"
+    assert not made.is_symlink() and made.is_file() and os.listdir(tmp_path / "mem") == ["f.safetensors"]
