@@ -233,6 +233,8 @@ run_step() {
       (cd $B/micro && python3 bench_d2h_wait.py --out "$OUT/d2h-wait" ${BENCH_ARGS:-}) ;;
     copy-interference) # a copy to the host beside launch-bound steps, by the way it is issued (BENCH_ARGS)
       (cd $B/micro && python3 bench_copy_interference.py --out "$OUT/copy-interference" ${BENCH_ARGS:-}) ;;
+    map-interference) # moving 7 GiB between tmpfs files beside training steps: mapped, or through a buffer
+      (cd $B/micro && python3 bench_map_interference.py --out "$OUT/map-interference") ;;
     pinning) (cd $B/micro && python3 bench_pinning.py --cache-gib 16 --rounds 2 --out "$OUT/pinning") ;;
     restore-stress) python3 $B/micro/restore_stress.py --work "$WORK/rs" --procs 6 --rounds 8 --out "$OUT/restore-stress" ;;
     *) echo "unknown step $1"; return 2 ;;

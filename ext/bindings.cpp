@@ -177,6 +177,7 @@ nb::dict job_stats(ds::SaveJob& j) {
   d["t_persisted_ns"] = s.t_persisted_ns;
   d["direct_io"] = s.direct_io;
   d["mirrored"] = s.mirrored;
+  d["mirror_kept"] = s.mirror_kept;
   return d;
 }
 
@@ -246,16 +247,18 @@ NB_MODULE(_core, m) {
           "one Job each")
       .def(
           "prepare_mirrors",
-          [](ds::Engine& e, const std::vector<LayoutArg>& files) {
+          [](ds::Engine& e, const std::vector<LayoutArg>& files, bool existing) {
             std::vector<ds::SaveRequest> requests;
             for (const LayoutArg& f : files) requests.push_back(layout_request(f));
             nb::gil_scoped_release release;  // pinning takes seconds
-            return e.prepare_mirrors(requests);
+            return e.prepare_mirrors(requests, existing);
           },
-          "files"_a,
+          "files"_a, "existing"_a = false,
           "Makes, maps and pins a mirror file for each of [(path, names, dtypes, itemsizes, shapes, "
           "metadata, "
-          "embed_checksums)], laid out as a save of such tensors; kept mapped for a save to recycle")
+          "embed_checksums)], laid out as a save of such tensors (`existing`: files a save wrote, mapped as "
+          "they "
+          "are); kept mapped for a save to recycle")
       .def(
           "keep_mirrors",
           [](ds::Engine& e, const std::vector<std::string>& paths) {

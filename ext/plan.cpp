@@ -132,6 +132,15 @@ Layout plan_layout(const std::vector<TensorSrc>& tensors, const Metadata& metada
   return L;
 }
 
+void pad_header(Layout& L, std::size_t data_start) {
+  if (data_start <= L.data_start || data_start % kPage != 0) return;
+  const std::uint64_t hlen = data_start - 8;
+  L.header.resize(data_start, ' ');
+  for (int b = 0; b < 8; ++b) L.header[b] = static_cast<char>((hlen >> (8 * b)) & 0xff);
+  L.file_size += data_start - L.data_start;
+  L.data_start = data_start;
+}
+
 void patch_checksums(Layout& layout, const std::vector<std::uint32_t>& crcs,
                      const std::vector<std::vector<std::uint32_t>>& blocks) {
   if (!layout.has_crc) return;

@@ -63,6 +63,11 @@ inline std::size_t num_segments(std::size_t offset, std::size_t nbytes, std::siz
 Layout plan_layout(const std::vector<TensorSrc>& tensors, const Metadata& metadata, bool checksums,
                    std::size_t block_bytes = 0);
 
+// Pads the header with spaces so that the data starts at `data_start` (a multiple of 4096, not below the
+// layout's): a mirror file kept mapped takes a later save whose header came out shorter (its metadata's plain
+// values changed), its pinned blocks still lying where the pieces go.
+void pad_header(Layout& layout, std::size_t data_start);
+
 // JSON string body escaping (no quotes added).
 void json_escape(std::string& out, const std::string& s);
 

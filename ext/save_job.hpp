@@ -65,6 +65,7 @@ struct JobStats {
   std::uint64_t t_persisted_ns = 0;  // 0 until done
   bool direct_io = false;            // whether O_DIRECT was used for this file
   bool mirrored = false;             // whether the mirror copy was written and renamed into place
+  bool mirror_kept = false;          // whether it took over a mapping kept: nothing mapped or pinned anew
 };
 
 // Told when a job has finished (persisted or failed).

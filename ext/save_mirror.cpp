@@ -16,16 +16,26 @@ void SaveJob::open_mirror() {
   if (int e = storage_->create(mirror_, &mirror_file_, recycle_))
     return mirror_fail(Error::os(e, "creating the folder of the mirror copy", mirror_file_.folder));
   const std::string& tmp = mirror_file_.temp;
-  const std::size_t bytes = align_up(layout_.file_size, kPage);
   std::shared_ptr<MirrorFile> old;
   if (!recycle_.empty()) {
     old = mirrors_ ? mirrors_->take(recycle_) : nullptr;  // still mapped (and pinned) by this process
     if (!mirror_file_.reused) old.reset();                // gone: a new file
   }
+  // A kept mapping whose header room is larger (this header came out shorter, or the file was made with room
+  // to spare: mirror_prepare.cpp): the header is padded to it, so that the mapping is taken as it is.
+  if (old && old->origin() > layout_.data_start &&
+      old->size() == align_up(old->origin() + data_bytes_, kPage)) {
+    pad_header(layout_, old->origin());
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.file_bytes = layout_.file_size;
+  }
+  const std::size_t bytes = align_up(layout_.file_size, kPage);
   try {
     if (old && old->size() == bytes && old->origin() == layout_.data_start) {
       if (Error e = old->resize(*storage_, bytes, tmp)) throw ErrorException(e);
       map_ = std::move(old);
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.mirror_kept = true;
     } else {
       old.reset();  // another layout, or not mapped here: mapped anew
       if (int e = storage_->open(mirror_file_, Access::Mapped))

@@ -102,6 +102,7 @@ class SaveHandle:
             "persisted_s": (s["t_persisted_ns"] - t0) / 1e9 if s["t_persisted_ns"] else None,
             "direct_io": s["direct_io"],
             "mirrored": s["mirrored"],
+            "mirror_kept": s["mirror_kept"],  # took over a kept mapping: nothing mapped or pinned anew
         }
 
     def mirrored(self) -> bool:

@@ -480,11 +480,12 @@ def test_every_option_says_what_it_does_and_its_default(capsys):
 
 def test_tier_lists_and_clears_what_jobs_keep_in_memory(tmp_path, capsys):
     from nanotron_datastates.tier.memory import MemoryTier
+    from nanotron_datastates.tier.room import check_room
 
     base = tmp_path / "shm"
     for job in ("a", "b"):
         tier = MemoryTier(base, tmp_path / job, 0)
-        tier.check_room(1)
+        check_room(tier, 1)
         (tier.path(40, "model/w.safetensors")).parent.mkdir(parents=True)
         tier.path(40, "model/w.safetensors").write_bytes(b"x" * 1500)
         tier.commit(40, {"model/w.safetensors": {"bytes": 1500, "crc32c": {}}})

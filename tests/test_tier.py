@@ -19,6 +19,7 @@ from nanotron_datastates.tier.held_copy import tier_copy, why_not
 from nanotron_datastates.tier.jobs import jobs
 from nanotron_datastates.tier.memory import MemoryTier, job_folder
 from nanotron_datastates.tier.memory import root as tier_root
+from nanotron_datastates.tier.room import check_room
 from nanotron_datastates.trainer_settings import TrainerSettings
 
 from helpers import forge_crc32c, write_nanotron_checkpoint
@@ -148,6 +149,45 @@ def test_after_a_restart_the_set_made_ahead_goes_first_and_the_step_held_before_
     _taken(t, donor, 6, rel)
     t.commit(6, _files(t, 6))
     assert t.held_steps() == [6] and t.recycle(7, [rel]) == [t.path(5, rel)]
+
+
+def _committed(tier: MemoryTier, *steps: int) -> None:
+    for step in steps:
+        _hold(tier, step, mark=False)
+        tier.commit(step, _files(tier, step))
+
+
+def test_a_step_being_sent_is_never_dropped_nor_taken_over_until_sent(tmp_path):
+    """The replicas' sender reads the newest held step while training goes on: the commits after it make it a
+    spare and would drop it (the sender then finds no folder), and a save would take its files over."""
+    t = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0, copies=2)
+    rel = "model/w_0.safetensors"
+    _committed(t, 1, 2)
+    t.busy.add(2)  # being sent
+    _committed(t, 3)
+    assert t.recycle(4, [rel]) == [None]  # the only spare is being sent: new files
+    _committed(t, 4)
+    assert t.path(2, rel).read_bytes() == b"x" * 10  # kept, though neither held nor the newest spare
+    t.busy.discard(2)
+    (donor,) = t.recycle(5, [rel])
+    assert donor == t.path(2, rel)  # sent: the first spare again
+    _taken(t, donor, 5, rel)
+    _committed(t, 5)
+    assert t.steps() == [4, 5]
+
+
+@pytest.mark.parametrize("spares", [1, 2])
+def test_with_a_second_spare_a_save_takes_files_over_while_the_other_is_sent(tmp_path, spares):
+    t = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0, copies=2, spares=spares)
+    assert t.sets() == 1 + spares
+    rel = "model/w_0.safetensors"
+    _committed(t, 1, 2, 3)
+    t.busy.add(3)  # the newest, sent while the next checkpoints are taken
+    (donor,) = t.recycle(4, [rel])
+    assert donor == (t.path(1, rel) if spares == 2 else t.path(2, rel))
+    _taken(t, donor, 4, rel)
+    _committed(t, 4)  # 3 is a spare now, and being sent
+    assert t.recycle(5, [rel]) == ([t.path(2, rel)] if spares == 2 else [None])
 
 
 def test_prune_removes_the_sets_an_earlier_process_of_this_rank_made_ahead_not_other_ranks(tmp_path):
@@ -289,9 +329,9 @@ def test_the_room_check_counts_what_the_tier_holds_while_other_ranks_rename_into
                 yield fd, rel, ".job.json.123.0.tmp", False  # listed, then renamed by another rank
             yield fd, rel, entry, is_dir
 
-    t.check_room(1)
+    check_room(t, 1)
     monkeypatch.setattr(trust, "walk_tree", with_a_vanished_file)
     assert tree_size(t.folder) == 10 + (t.folder / "job.json").stat().st_size + len(
         (t.folder / "10" / ".rank-0.json").read_bytes()
     )
-    t.check_room(1)
+    check_room(t, 1)

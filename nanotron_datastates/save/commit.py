@@ -71,6 +71,7 @@ class CommitResult:
     engine_cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)
     rank_bytes: list[int] = dataclasses.field(default_factory=list)  # the bytes each rank wrote, by rank
     memory: bool = False  # a memory checkpoint (nothing in storage)
+    mapped_anew: int = 0  # this rank's memory tier files mapped (and pinned) by their save, none kept for it
     entries: dict[str, dict[str, Any]] = dataclasses.field(
         default_factory=dict
     )  # a memory checkpoint's: every rank's files, as its manifest lists them
@@ -162,6 +163,7 @@ class Committer:
     def _commit(self, p: PendingCheckpoint) -> CommitResult:
         files: dict[str, dict[str, Any]] = {}
         mirrored: dict[str, dict[str, Any]] = {}  # this rank's files also in the memory tier
+        anew = 0
         errors = [f"rank {self._rank}: {e}" for e in p.errors]  # every rank still takes part below
         snapshot_s = persisted_s = 0.0
         # One wait for all (this thread takes the GIL back once, not once per file, while training runs):
@@ -179,6 +181,7 @@ class Committer:
                 files[rel] = file_entry(stats["file_bytes"], h)
                 if stats["mirrored"]:
                     mirrored[rel] = files[rel]
+                    anew += not stats["mirror_kept"]
             except Exception as e:
                 errors.append(f"rank {self._rank}: {e}")
         outcomes = self._gather({"errors": errors, "files": files})
@@ -205,6 +208,7 @@ class Committer:
             mirrored=mirrored,
             rank_bytes=[sum(f["bytes"] for f in o["files"].values()) for o in outcomes],
             memory=p.memory,
+            mapped_anew=anew,
             entries=all_files if p.memory and not all_errors else {},
         )
 

@@ -69,6 +69,8 @@ def describe(r: Any) -> str:
     if cpu:
         roles = ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
         used = f"; the engine's threads used {sum(cpu.values()):.2f} s of CPU ({roles})"
+    if r.mapped_anew:
+        used += f"; {r.mapped_anew} memory tier files mapped anew"
     return (
         f"checkpoint {r.step}: {r.bytes / 1e9:.2f} GB in {r.files} files, "
         f"training stall {1e3 * r.stall_s:.1f} ms{queued}, snapshot {1e3 * r.snapshot_s:.1f} ms, "

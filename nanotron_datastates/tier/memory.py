@@ -45,7 +45,7 @@ from typing import Any
 
 from .. import trust
 from ..errors import DataStatesError
-from .folders import dead_temporary, is_ours, regular_size, remove_empty, step_numbers, tree_size
+from .folders import dead_temporary, is_ours, regular_size, remove_empty, step_numbers
 
 MARKER = ".rank-{rank}.json"
 WARM = ".warm-{rank}-{i}"  # a set of files made ahead of the first saves (`warm`), not a step
@@ -81,6 +81,7 @@ class MemoryTier:
         rank: int,
         copies: int = 2,
         area: str = "",
+        spares: int = 1,
     ) -> None:
         root(base)
         self.folder = trust.private_dir(job_folder(base, checkpoints), "memory tier folder")
@@ -90,6 +91,8 @@ class MemoryTier:
         self.checkpoints = Path(checkpoints)
         self.rank = rank
         self.copies = copies
+        # With 2 copies, the spares kept (2: with replicas, one may be sent while the next save takes another)
+        self.spares = spares
         # Folders whose files (of this rank) the next saves take over, first first: sets made ahead (WARM),
         # or a step this rank held before.
         self._spares: list[tuple[str, list[str]]] = []
@@ -100,25 +103,9 @@ class MemoryTier:
         """Where the tier keeps the file `rel` of the checkpoint of `step`."""
         return self.folder / str(step) / rel
 
-    def check_room(self, node_bytes: int, replicas: int = 0) -> None:
-        """Raises TierError unless the tier's file system has room for `copies` checkpoints of this node's
-        ranks, and two of each of the `replicas` copies it keeps for other nodes (the one held and the one
-        arriving), besides what this job already holds there."""
-        st = os.statvfs(self.folder)
-        free = st.f_bavail * st.f_frsize + tree_size(self.folder)
-        need = (self.copies + 2 * replicas) * node_bytes
-        if free < need:
-            also = f" and 2 x {replicas} of other nodes' (memory_replicas)" if replicas else ""
-            raise TierError(
-                f"datastates.memory_tier needs {need / 1e9:.2f} GB in {self.folder.parent} ("
-                f"{self.copies} checkpoint(s) of this node's ranks: memory_tier_copies{also}), and "
-                f"{free / 1e9:.2f} GB is free there: turn the memory tier off, set memory_tier_copies to 1"
-                f"{', lower memory_replicas' if replicas else ''}, or give the tmpfs more room (mount -o "
-                "remount,size=...)"
-            )
-        trust.write_in(
-            self.folder, "job.json", json.dumps({"checkpoints": str(self.checkpoints.resolve())}).encode()
-        )
+    def sets(self) -> int:
+        """The checkpoints of this rank the tier keeps at most between two saves: held, and spare."""
+        return self.copies + (self.spares - 1 if self.copies == 2 else 0)
 
     def warm(self, i: int, rel: str | os.PathLike) -> Path:
         """Where the `i`-th set of files made ahead of the first saves keeps `rel` (`add_warm`)."""
@@ -147,10 +134,10 @@ class MemoryTier:
         restart reads them while they are overwritten. Every call for one step draws on the same files."""
         if self._given is not None and self._given[0] == step:
             return self._files_of(self._given[1], rels)
-        donor = next((d for d in self._spares if not d[0].isdigit() or int(d[0]) < step), None)
-        if donor is not None and donor[0].isdigit() and int(donor[0]) in self.busy:
-            donor = None
-        if donor is not None:
+        free = (
+            d for d in self._spares if not d[0].isdigit() or int(d[0]) < step and int(d[0]) not in self.busy
+        )
+        if (donor := next(free, None)) is not None:
             self._spares.remove(donor)
         elif self.copies == 1 and (held := self._held_before(step)) is not None:
             if held[0] in self.busy:
@@ -181,10 +168,10 @@ class MemoryTier:
         if spare is not None:
             self._withdraw(spare[0])  # first: never taken as held again
             self._spares.append((str(spare[0]), spare[1]))
-            self.drop_spares(keep=1)  # the first: a set made ahead is mapped and pinned already
+            self.drop_spares(keep=self.spares)
         kept = {n for n, _ in self._spares}
         for s in self.steps():
-            if s < step and str(s) not in kept:
+            if s < step and str(s) not in kept and s not in self.busy:  # one being read: a later commit's
                 self.drop(s)
         for name in self._made_ahead():  # taken over: empty
             remove_empty(self.folder, name)
@@ -213,8 +200,14 @@ class MemoryTier:
             trust.remove_tree(self.folder, str(step))
 
     def drop_spares(self, keep: int = 0) -> None:
-        """Removes what is left of this rank's spares but the first `keep` (the files no save took over)."""
-        dropped, self._spares = self._spares[keep:], self._spares[:keep]
+        """Removes what is left of this rank's spares (the files no save took over) but `keep`: the sets made
+        ahead first (mapped and pinned already), then the newest steps; a step being read stays."""
+        ranked = sorted(self._spares, key=lambda d: int(d[0]) if d[0].isdigit() else 1 << 62, reverse=True)
+        kept = ranked[:keep] + [d for d in ranked[keep:] if d[0].isdigit() and int(d[0]) in self.busy]
+        dropped, self._spares = (
+            [d for d in self._spares if d not in kept],
+            [d for d in self._spares if d in kept],
+        )
         for name, rels in dropped:
             for rel in rels:
                 with contextlib.suppress(OSError):

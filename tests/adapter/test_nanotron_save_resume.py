@@ -39,6 +39,7 @@ from nanotron_datastates.save import housekeeping
 from nanotron_datastates.save.commit import CheckpointError
 from nanotron_datastates.tier.held_copy import why_not
 from nanotron_datastates.tier.memory import TierError
+from nanotron_datastates.tier.room import check_room
 from nanotron_datastates.trainer_settings import Section, TrainerSettings
 
 from helpers import mapped_at, wait_until
@@ -533,6 +534,10 @@ def test_the_first_checkpoints_take_over_the_tier_files_made_and_mapped_after_th
     pc, c, state, _ = rank0
     tier = {"memory_tier": True, "memory_tier_path": str(tmp_path / "shm"), "memory_tier_copies": copies}
     saver = saver_of(rank0, tmp_path / "ckpt", **tier)
+    anew: dict[int, int] = {}
+    saver.observers.append(
+        lambda e, f: anew.update({f["result"].step: f["result"].mapped_anew}) if e == "committed" else None
+    )
     saver.after_first_step()
     job = saver.tier.folder
     sets = sorted(p for p in job.iterdir() if p.name.startswith(".warm-"))
@@ -549,10 +554,46 @@ def test_the_first_checkpoints_take_over_the_tier_files_made_and_mapped_after_th
     ask(saver, rank0, 7)
     saver.take(saver.outstanding, lambda s: None)
     assert {rel: mapped_at(job / "7" / rel) for rel in rels} == ahead[-1]  # with 1 copy: 5's, taken over
+    # Mapped anew: only the scheduler's and random states' files, unless 5's were taken over (1 copy)
+    assert anew == {5: 2, 7: 2 if copies == 2 else 0}
     assert not any(p.name.startswith(".warm-") for p in job.iterdir())
     for rel in read_manifest(tmp_path / "ckpt" / "7")["files"]:
         assert (job / "7" / rel).read_bytes() == (tmp_path / "ckpt" / "7" / rel).read_bytes()
     saver.close()
+
+
+def test_after_a_restart_the_held_steps_files_are_mapped_as_they_are_and_taken_over_in_turn(rank0, tmp_path):
+    """A restart holding step 7 in the tier: after the first step 7's files are mapped and pinned as they are
+    (a restart may still read them), one set is made for the other copy; checkpoint 9 takes that set, 11 takes
+    7's files with the mapping made at the first step."""
+    pc, c, state, _ = rank0
+    tier = {"memory_tier": True, "memory_tier_path": str(tmp_path / "shm")}
+    two_checkpoints(rank0, tmp_path / "ckpt", **tier)
+    engine = DataStatesEngine(host_cache_size=1 / 64, chunk_size=1)  # the next process's: nothing mapped
+    model, optimizer = state[:2]
+    saver = Saver(engine, TrainerSettings(**tier), pc, model, optimizer, tmp_path / "ckpt")
+    anew: dict[int, int] = {}
+    saver.observers.append(
+        lambda e, f: anew.update({f["result"].step: f["result"].mapped_anew}) if e == "committed" else None
+    )
+    job = saver.tier.folder
+    before = {p: p.read_bytes() for p in (job / "7").rglob("*.safetensors")}
+    earlier = {p: set(mapped_at(p)) for p in before}  # the first process's (this test's other engine)
+    saver.after_first_step()
+    assert {p: p.read_bytes() for p in (job / "7").rglob("*.safetensors")} == before
+    assert sorted(p.name for p in job.iterdir() if p.name.startswith(".warm-")) == [".warm-0-0"]
+    rels = sorted(str(p.relative_to(job / ".warm-0-0")) for p in (job / ".warm-0-0").rglob("*.safetensors"))
+    held = {rel: set(mapped_at(job / "7" / rel)) - earlier[job / "7" / rel] for rel in rels}
+    assert all(len(where) == 1 for where in held.values())  # mapped by the new engine
+    for at in (9, 11):
+        saver.before_step()
+        step(*state[:2], 2)
+        ask(saver, rank0, at)
+        saver.take(saver.outstanding, lambda s: None)
+    assert all(held[rel] <= set(mapped_at(job / "11" / rel)) for rel in rels)
+    assert anew == {9: 2, 11: 2}  # the scheduler's and random states' files: each state file's taken over
+    saver.close()
+    engine.close()
 
 
 def test_a_damaged_memory_copy_falls_back_to_storage_and_a_partial_one_is_not_used(rank0, tmp_path):
@@ -585,7 +626,7 @@ def test_the_memory_tier_is_released_when_training_ends_and_refused_without_room
     saver = saver_of(rank0, tmp_path / "ckpt2", memory_tier=True, memory_tier_path=str(tmp_path / "shm"))
     saver._nbytes = 1 << 60
     with pytest.raises(TierError, match=r"memory_tier needs .* GB in .*shm"):
-        saver.tier.check_room(saver._nbytes)
+        check_room(saver.tier, saver._nbytes)
     saver.close()
 
 

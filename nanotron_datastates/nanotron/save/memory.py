@@ -17,6 +17,7 @@ from ...tier.links import open_link
 from ...tier.memory import MemoryTier
 from ...tier.memory_steps import steps_with_manifest
 from ...tier.replicas import Replicated, Replicator, node_key, placement, prune, replica_area
+from ...tier.room import check_room
 from ...tier.step_order import StepOrder
 from ...trainer_settings import TrainerSettings
 from .. import groups
@@ -42,7 +43,11 @@ def open_tier(settings: TrainerSettings, checkpoints: Path) -> tuple[MemoryTier 
     if not settings.memory_tier:
         return None, None
     rank = tdist.get_rank() if tdist.is_initialized() else 0
-    tier = MemoryTier(settings.memory_tier_path, checkpoints, rank, settings.memory_tier_copies)
+    # With replicas, a second spare: a checkpoint asked for while one is sent takes the other's files over.
+    spares = 2 if settings.memory_replicas else 1
+    tier = MemoryTier(
+        settings.memory_tier_path, checkpoints, rank, settings.memory_tier_copies, spares=spares
+    )
     try:
         keep = open_store(checkpoints).latest()
     except (OSError, ValueError):
@@ -57,19 +62,24 @@ def prepare_tier(
     tier: MemoryTier, engine: DataStatesEngine, settings: TrainerSettings, files: list[tuple[str, SavePlan]]
 ) -> None:
     """After the first step, `files` (this rank's state files: path in the checkpoint, plan): the tier's room
-    checked (this rank's checkpoint, as many times as the node has ranks), then the files of its first
-    `memory_tier_copies` checkpoints made, mapped and pinned now (less the steps this rank holds there
-    already), so that those checkpoints pin nothing while training runs. A set that cannot be made is left to
-    its checkpoint's save to make, as without it."""
+    checked (this rank's checkpoint, as many times as the node has ranks), then the files of the checkpoints
+    it keeps (`tier.sets()`: `memory_tier_copies`, and a second spare with replicas) mapped and pinned now, so
+    that no checkpoint pins new pages while training runs: those of the step this rank holds there (after a
+    restart), and new ones for the rest. A set that cannot be had is left to a save to make, as without it."""
     nbytes = sum(plan.nbytes for _, plan in files)
-    tier.check_room(nbytes * int(os.environ.get("LOCAL_WORLD_SIZE", "1")), settings.memory_replicas)
-    t0, made = time.perf_counter(), 0
-    for i in range(tier.copies - len(tier.held_steps())):
+    check_room(tier, nbytes * int(os.environ.get("LOCAL_WORLD_SIZE", "1")), settings.memory_replicas)
+    t0, made, held = time.perf_counter(), 0, tier.held_steps()
+    for step in held:  # a save wrote them: mapped as they are, never changed here
+        try:
+            made += bool(engine.prepare_mirrors([(plan, tier.path(step, rel)) for rel, plan in files], True))
+        except (OSError, ValueError) as e:  # another layout (resharded), or gone: its save maps them then
+            say.info(f"memory tier: the files of step {step} are mapped at its save ({e})")
+    for i in range(tier.sets() - len(held)):
         try:
             engine.prepare_mirrors([(plan, tier.warm(i, rel)) for rel, plan in files])
         except OSError as e:
             tier.add_warm(i, [rel for rel, _ in files])  # dropped with what it holds
-            tier.drop_spares(keep=made)
+            tier.drop_spares(keep=i)
             engine.keep_mirrors(tier.files())
             say.error(f"memory tier: the files of a checkpoint could not be made ahead ({e}); its save will")
             break
@@ -78,7 +88,7 @@ def prepare_tier(
     if made:
         gb, s = made * nbytes / 1e9, time.perf_counter() - t0
         say.info(
-            f"memory tier: the files of {made} checkpoint(s) made and pinned ahead: {gb:.2f} GB, {s:.2f} s"
+            f"memory tier: the files of {made} checkpoint(s) mapped and pinned ahead: {gb:.2f} GB, {s:.2f} s"
         )
 
 
