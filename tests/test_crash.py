@@ -107,6 +107,7 @@ def test_sigkill_with_the_memory_tier_restores_from_memory_only_a_whole_committe
     else from storage: every file it reads verifies and holds that step's values, and the tier never marks a
     step storage has not committed. With one copy, each save overwrites the held step's files: kills land
     while they are half overwritten, and a restart never reads those."""
+    from nanotron_datastates.tier.held_copy import holds
     from nanotron_datastates.tier.memory import MemoryTier
 
     ctx = multiprocessing.get_context("forkserver")
@@ -128,7 +129,7 @@ def test_sigkill_with_the_memory_tier_restores_from_memory_only_a_whole_committe
             held = [s for s in tier.steps() if list((tier.folder / str(s)).glob(".rank-*.json"))]
             # Never ahead of storage; two only where the kill fell between marking one and dropping the last.
             assert len(held) <= 2 and all(s <= latest for s in held), (held, latest)
-            source = tier.folder / str(latest) if tier.holds(latest, doc) else root / str(latest)
+            source = tier.folder / str(latest) if holds(tier, latest, doc) else root / str(latest)
             from_memory += source != root / str(latest)
             from_disk += source == root / str(latest)
             for rel in doc["files"]:

@@ -15,7 +15,7 @@ from nanotron_datastates import trust
 from nanotron_datastates.checkpoint.checksums import file_checksums
 from nanotron_datastates.checkpoint.manifest import read_manifest
 from nanotron_datastates.tier.folders import tree_size
-from nanotron_datastates.tier.held_copy import tier_copy, why_not
+from nanotron_datastates.tier.held_copy import holds, step_why_not, tier_copy, why_not
 from nanotron_datastates.tier.jobs import jobs
 from nanotron_datastates.tier.memory import MemoryTier, job_folder
 from nanotron_datastates.tier.memory import root as tier_root
@@ -102,9 +102,11 @@ def test_with_one_copy_the_next_save_withdraws_the_held_step_before_taking_it_ov
     _hold(t, 1, mark=False)
     t.commit(1, _files(t, 1))
     doc = {"step": 1, "files": _files(t, 1)}
-    assert t.holds(1, doc)
+    assert holds(t, 1, doc)
     assert t.recycle(2, [rel]) == [t.path(1, rel)]
-    assert not t.holds(1, doc) and "not marked held" in t.why_not(1, doc)  # a restart now reads storage
+    assert not holds(t, 1, doc) and "not marked held" in step_why_not(
+        t, 1, doc
+    )  # a restart now reads storage
 
 
 def _made_ahead(tier: MemoryTier, i: int, rel: str) -> None:
@@ -130,7 +132,7 @@ def test_the_sets_made_ahead_are_taken_over_first_then_the_steps_as_before(tmp_p
         assert donor == t.warm(step - 1, rel)
         _taken(t, donor, step, rel)
         t.commit(step, _files(t, step))
-        assert t.holds(step, {"step": step, "files": _files(t, step)})
+        assert holds(t, step, {"step": step, "files": _files(t, step)})
         assert not t.warm(step - 1, rel).parent.exists()  # its folder, emptied, removed
     (donor,) = t.recycle(copies + 1, [rel])
     assert donor == t.path(1, rel)  # then as without them: the spare (2 copies), the held step (1)

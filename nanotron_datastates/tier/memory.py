@@ -1,32 +1,24 @@
 """The memory tier (`datastates.memory_tier`): the newest committed checkpoint of each rank kept in node-local
-shared memory (a tmpfs: /dev/shm), so that a restart on the same node (a process killed, torchrun restarting
-it, a manual relaunch) reads it from memory instead of storage.
+shared memory (a tmpfs: /dev/shm), so that a restart on the same node reads it from memory, not storage.
 
-The tier's files are the save's host memory: the engine maps each file there and copies the GPU's bytes
-straight into it, then writes storage from it (`save(..., mirror=...)`), so the snapshot the save takes is
-the memory copy, with no host cache chunk and no second copy. Storage stays the source of truth: a rank
-marks a step as held (`.rank-<r>.json`: its files with their sizes and checksums) only once the checkpoint
-is committed to storage.
+The tier's files are the save's host memory: the engine maps each file there, copies the GPU's bytes straight
+into it and writes storage from it (`save(..., mirror=...)`): no cache chunk, no second copy. A rank marks a
+step held (`.rank-<r>.json`: its files, sizes, checksums) once the checkpoint is committed to storage.
 
 Copies (`memory_tier_copies`): with 2, the held step stays whole while the next checkpoint is taken; once
-that one is committed, the older becomes the rank's spare, whose files (still mapped and pinned) the save
-after takes over: renamed and overwritten (`recycle`). The tier then holds two checkpoints of the rank. With
-1, a new checkpoint takes over the held step's files, its marker withdrawn first so that no restart reads
-them half overwritten: the tier holds one checkpoint, the memory the host cache would take without it, and
-a crash while a checkpoint is in flight restarts from storage.
+that one is committed, the older becomes a spare, whose files (mapped and pinned) a later save takes over:
+renamed and overwritten (`recycle`); with replicas a second spare (`spares`), for a save to take while one is
+sent. With 1, a new checkpoint takes over the held step's files, its marker withdrawn first: the tier holds
+one checkpoint, and a crash while one is in flight restarts from storage. Sets made ahead (`warm`,
+`add_warm`: `<job>/.warm-<rank>-<i>/`, the engine's `prepare_mirrors`) are the first saves' spares.
 
 A restart uses a step only where every rank finds it whole: marked, every file of the manifest present with
-the manifest's size and checksums (`holds`), and the ranks agree before anyone reads; the engine checks
-every tensor's checksum as it reads. The tier is removed when training ends
-normally; `nanotron-datastates tier` lists and clears it (jobs.py).
+its size and checksums (`holds`), the ranks agreeing before anyone reads; every tensor's checksum is checked
+as it is read. The tier is removed when training ends; `nanotron-datastates tier` lists and clears it.
 
 Layout: `<memory_tier_path>/<job>/<step>/<the checkpoint's files>`, `<job>` named after the checkpoints
-folder (its resolved path's hash), so jobs of one node keep apart; `<job>/replicas/<step>/...` holds the
-copies this node keeps for ranks of other nodes (`memory_replicas`: replicas.py), marked as the node's own
-are, by the rank they belong to.
-
-Sets of files made ahead (`warm`, `add_warm`: `<job>/.warm-<rank>-<i>/`) are the first saves' spares,
-mapped and pinned before training goes on (the engine's `prepare_mirrors`).
+folder (its resolved path's hash); `<job>/replicas/<step>/...` holds the copies this node keeps for ranks of
+other nodes (`memory_replicas`: replicas.py), marked by the rank they belong to.
 
 The tier lives beside other users (`/dev/shm` is world-writable): its root is private to this user (0700,
 ours, no link: `trust.private_dir`; the default path holds the user's id), markers list file names that
@@ -37,15 +29,17 @@ file of ours, and nothing is removed but by name inside the tier (`trust`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 from .. import trust
 from ..errors import DataStatesError
-from .folders import dead_temporary, is_ours, regular_size, remove_empty, step_numbers
+from .folders import dead_temporary, is_ours, remove_empty, step_numbers
 
 MARKER = ".rank-{rank}.json"
 WARM = ".warm-{rank}-{i}"  # a set of files made ahead of the first saves (`warm`), not a step
@@ -67,6 +61,18 @@ def job_folder(base: str | os.PathLike, checkpoints: str | os.PathLike) -> Path:
     """This job's folder in the tier (not created): named after its checkpoints folder."""
     key = hashlib.sha1(str(Path(checkpoints).resolve()).encode()).hexdigest()[:16]
     return Path(str(base).replace("{uid}", str(os.geteuid()))) / key
+
+
+def _locked(method: Any) -> Any:
+    """`method` run holding the tier's lock: the spares change on the training thread (`recycle`), the
+    committer's (`commit`) and, after a restart, the thread that prepares the tier's files (`add_warm`)."""
+
+    @functools.wraps(method)
+    def run(self: MemoryTier, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class MemoryTier:
@@ -97,6 +103,8 @@ class MemoryTier:
         # or a step this rank held before.
         self._spares: list[tuple[str, list[str]]] = []
         self._given: tuple[int, tuple[str, list[str]]] | None = None  # the spare handed to a step's saves
+        self._lock = threading.RLock()
+        self.preparing: threading.Thread | None = None  # the tier's files made ahead, after a restart
         self.busy: set[int] = set()  # steps being read (sent to a peer): never handed to a save to overwrite
 
     def path(self, step: int, rel: str | os.PathLike) -> Path:
@@ -111,11 +119,16 @@ class MemoryTier:
         """Where the `i`-th set of files made ahead of the first saves keeps `rel` (`add_warm`)."""
         return self.folder / WARM.format(rank=self.rank, i=i) / rel
 
+    @_locked
     def add_warm(self, i: int, rels: list[str]) -> None:
         """Hands the `i`-th set made ahead (its files `rels`, at `warm(i, rel)`) to the next saves to take
         over, before any step this rank held."""
         made_ahead = sum(not n.isdigit() for n, _ in self._spares)
         self._spares.insert(made_ahead, (WARM.format(rank=self.rank, i=i), rels))
+
+    def remove_warm(self, i: int) -> None:
+        """Removes the `i`-th set made ahead, which could not be made whole (never handed to a save)."""
+        trust.remove_tree(self.folder, WARM.format(rank=self.rank, i=i))
 
     def _made_ahead(self) -> list[str]:
         """The folders of this rank's sets made ahead that are not its spares (taken over, or left behind)."""
@@ -125,8 +138,9 @@ class MemoryTier:
     def held_steps(self) -> list[int]:
         """The steps this rank marks held here."""
         mine = MARKER.format(rank=self.rank)
-        return [s for s in self.steps() if mine in self._markers(s)]
+        return [s for s in self.steps() if mine in self.markers(s)]
 
+    @_locked
     def recycle(self, step: int, rels: list[str]) -> list[Path | None]:
         """The files of an earlier step (or of a set made ahead) that the save of `step` takes over (renamed
         and overwritten by the engine), one per name of `rels` (None: a new file): the rank's first spare that
@@ -156,6 +170,7 @@ class MemoryTier:
         folder, have = self.folder / donor[0], set(donor[1])
         return [folder / rel if rel in have and is_ours(folder, rel) else None for rel in rels]
 
+    @_locked
     def commit(self, step: int, files: dict[str, dict[str, Any]]) -> None:
         """Marks `step` as held by this rank (its files, each with the manifest's size and checksums), after
         the checkpoint was committed to storage; then, with 2 copies, the step it held before becomes its
@@ -179,8 +194,8 @@ class MemoryTier:
     def _held_before(self, step: int) -> tuple[int, list[str]] | None:
         """The newest step below `step` that this rank marks held, with the files it marked; None: none."""
         mine = MARKER.format(rank=self.rank)
-        held = [s for s in self.steps() if s < step and mine in self._markers(s)]
-        return (held[-1], list(self._marked(held[-1], self.rank) or {})) if held else None
+        held = [s for s in self.steps() if s < step and mine in self.markers(s)]
+        return (held[-1], list(self.marked(held[-1], self.rank) or {})) if held else None
 
     def _withdraw(self, step: int) -> None:
         """Removes this rank's marker of `step`: from then on no restart takes the step as held."""
@@ -191,14 +206,15 @@ class MemoryTier:
         Only names inside the step's folder are removed, never through a link: a marker naming anything
         else is ignored."""
         name = MARKER.format(rank=self.rank)
-        files = self._marked(step, self.rank) or {}
+        files = self.marked(step, self.rank) or {}
         trust.unlink_in(self.folder, f"{step}/{name}")  # first: a half-dropped step is never taken as held
         for rel in files:
             with contextlib.suppress(trust.UntrustedPath):  # under a link: left for the folder's removal
                 trust.unlink_in(self.folder / str(step), rel)
-        if not self._markers(step):
+        if not self.markers(step):
             trust.remove_tree(self.folder, str(step))
 
+    @_locked
     def drop_spares(self, keep: int = 0) -> None:
         """Removes what is left of this rank's spares (the files no save took over) but `keep`: the sets made
         ahead first (mapped and pinned already), then the newest steps; a step being read stays."""
@@ -212,7 +228,7 @@ class MemoryTier:
             for rel in rels:
                 with contextlib.suppress(OSError):
                     trust.unlink_in(self.folder / name, rel)
-            if not name.isdigit() or not self._markers(int(name)):
+            if not name.isdigit() or not self.markers(int(name)):
                 remove_empty(self.folder, name)
 
     def files(self) -> list[Path]:
@@ -234,7 +250,7 @@ class MemoryTier:
         for step in self.steps():
             if step == keep:
                 continue
-            markers = self._markers(step)
+            markers = self.markers(step)
             if mine in markers or (keep is not None and step < keep and not markers):
                 self.drop(step)
 
@@ -248,58 +264,7 @@ class MemoryTier:
         """The steps this job's folder holds (real folders named by a step), oldest first."""
         return step_numbers(self.folder)
 
-    def holds(self, step: int, manifest: dict[str, Any]) -> bool:
-        """Whether the tier holds the whole checkpoint of `step` as the manifest describes it: marked by the
-        ranks that wrote its files (on this node), every file present with the manifest's size and the
-        checksums its writer recorded."""
-        return self.why_not(step, manifest) is None
-
-    def held(self, step: int, manifest: dict[str, Any]) -> dict[str, Path]:
-        """The files of `step` this folder holds whole, by name: marked held by some rank with the manifest's
-        entry, present with its size, each a regular file of this user's reached without a link."""
-        folder = self.folder / str(step)
-        if manifest.get("step") != step or not trust.is_real_dir(folder):
-            return {}
-        files, out = manifest.get("files", {}), {}
-        for name in self._markers(step):
-            try:
-                marked = self._marked(step, int(name[len(".rank-") : -len(".json")]), strict=True) or {}
-            except (OSError, ValueError):
-                continue
-            for rel, entry in marked.items():
-                with contextlib.suppress(OSError):
-                    if files.get(rel) == entry and regular_size(folder, rel) == entry.get("bytes"):
-                        out[rel] = folder / rel
-        return out
-
-    def why_not(self, step: int, manifest: dict[str, Any]) -> str | None:
-        """Why the tier does not hold the checkpoint of `step` whole (None: it does; see `holds`). Every
-        marker and file must be a regular file of this user's, reached without a link."""
-        folder = self.folder / str(step)
-        if not trust.is_real_dir(folder):
-            return f"no copy of step {step} in {self.folder}"
-        marked: dict[str, dict[str, Any]] = {}
-        for name in self._markers(step):
-            try:
-                files = self._marked(step, int(name[len(".rank-") : -len(".json")]), strict=True)
-            except (OSError, ValueError) as e:
-                return str(e)
-            marked.update(files or {})
-        files = manifest.get("files", {})
-        if manifest.get("step") != step:
-            return f"the manifest is of step {manifest.get('step')}, not {step}"
-        if set(marked) != set(files):
-            lacking = sorted(set(files) - set(marked))
-            return f"{len(lacking)} of {len(files)} files not marked held (first: {lacking[:1]})"
-        for rel, entry in files.items():
-            try:
-                size = regular_size(folder, rel)
-            except OSError as e:
-                return f"{folder / rel}: {e.strerror or e}"
-            if size != entry.get("bytes") or marked[rel] != entry:
-                return f"{folder / rel} differs from the manifest's entry"
-        return None
-
+    @_locked
     def release(self) -> None:
         """At the normal end of training: this rank's steps dropped, and the job's folder once empty."""
         self.drop_spares()
@@ -312,7 +277,7 @@ class MemoryTier:
         """Removes this job's folder, every rank's files (`nanotron-datastates tier clear`)."""
         trust.remove_tree(self.folder.parent, self.folder.name)
 
-    def _markers(self, step: int) -> list[str]:
+    def markers(self, step: int) -> list[str]:
         """The names of the rank markers in the folder of `step`."""
         try:
             names = os.listdir(self.folder / str(step))
@@ -320,7 +285,7 @@ class MemoryTier:
             return []
         return sorted(n for n in names if n.startswith(".rank-") and n.endswith(".json"))
 
-    def _marked(self, step: int, rank: int, strict: bool = False) -> dict[str, dict[str, Any]] | None:
+    def marked(self, step: int, rank: int, strict: bool = False) -> dict[str, dict[str, Any]] | None:
         """The files rank `rank` marked held at `step` ({name: entry}); None where there is no marker, or
         (unless `strict`, which raises naming the marker) where it is not a regular file of ours holding a
         marker of that step whose names stay inside the step's folder."""

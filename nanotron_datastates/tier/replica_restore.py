@@ -15,6 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import trust
+from .held_copy import held
 from .links import GlooLink, Link
 from .memory import MemoryTier
 from .replica_transfer import Transfer, check_and_place, gather, open_all
@@ -26,8 +27,8 @@ def node_copies(tier: MemoryTier, manifest: dict[str, Any]) -> dict[str, Path]:
     its ranks' own copies (the tier's step folder) and the replicas it keeps for other nodes' ranks."""
     step = int(manifest["step"])
     area = replica_area(tier, tier.rank)
-    out = {rel: area.folder / str(step) for rel in area.held(step, manifest)}
-    out.update({rel: tier.folder / str(step) for rel in tier.held(step, manifest)})
+    out = {rel: area.folder / str(step) for rel in held(area, step, manifest)}
+    out.update({rel: tier.folder / str(step) for rel in held(tier, step, manifest)})
     return out
 
 

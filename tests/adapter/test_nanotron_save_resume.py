@@ -539,6 +539,7 @@ def test_the_first_checkpoints_take_over_the_tier_files_made_and_mapped_after_th
         lambda e, f: anew.update({f["result"].step: f["result"].mapped_anew}) if e == "committed" else None
     )
     saver.after_first_step()
+    assert saver.tier.preparing is None  # a fresh start: done before the second step
     job = saver.tier.folder
     sets = sorted(p for p in job.iterdir() if p.name.startswith(".warm-"))
     assert [p.name for p in sets] == [f".warm-0-{i}" for i in range(copies)]
@@ -563,9 +564,9 @@ def test_the_first_checkpoints_take_over_the_tier_files_made_and_mapped_after_th
 
 
 def test_after_a_restart_the_held_steps_files_are_mapped_as_they_are_and_taken_over_in_turn(rank0, tmp_path):
-    """A restart holding step 7 in the tier: after the first step 7's files are mapped and pinned as they are
-    (a restart may still read them), one set is made for the other copy; checkpoint 9 takes that set, 11 takes
-    7's files with the mapping made at the first step."""
+    """A restart holding step 7 in the tier: after the first step, beside the next ones, 7's files are mapped
+    and pinned as they are (a restart may still read them) and one set is made for the other copy; checkpoint
+    9 takes that set, 11 takes 7's files with the mapping made then."""
     pc, c, state, _ = rank0
     tier = {"memory_tier": True, "memory_tier_path": str(tmp_path / "shm")}
     two_checkpoints(rank0, tmp_path / "ckpt", **tier)
@@ -580,6 +581,8 @@ def test_after_a_restart_the_held_steps_files_are_mapped_as_they_are_and_taken_o
     before = {p: p.read_bytes() for p in (job / "7").rglob("*.safetensors")}
     earlier = {p: set(mapped_at(p)) for p in before}  # the first process's (this test's other engine)
     saver.after_first_step()
+    assert saver.tier.preparing is not None  # beside the next steps: the restart does not wait for it
+    saver.tier.preparing.join()
     assert {p: p.read_bytes() for p in (job / "7").rglob("*.safetensors")} == before
     assert sorted(p.name for p in job.iterdir() if p.name.startswith(".warm-")) == [".warm-0-0"]
     rels = sorted(str(p.relative_to(job / ".warm-0-0")) for p in (job / ".warm-0-0").rglob("*.safetensors"))

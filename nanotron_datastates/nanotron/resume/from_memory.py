@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from ...checkpoint import folder as checkpoint
 from ...checkpoint.manifest import ManifestError
+from ...tier.held_copy import step_why_not
 from ...tier.memory import MemoryTier
 from ...tier.memory_steps import keep_documents, manifest_of, read_documents, steps_with_manifest
 from .. import groups
@@ -126,7 +127,7 @@ def _serves(
 def _pull(resume: Taking, settings: Any, pc: Any, tier: MemoryTier, step: int) -> tuple[Path | None, str]:
     """(this rank's tier folder of `step` once every rank's files are in its node's memory, or None; why)."""
     if not settings.memory_replicas:
-        reason = tier.why_not(step, resume.manifest)
+        reason = step_why_not(tier, step, resume.manifest)
         reasons = groups.gather(reason, pc)
         bad = next(((r, why) for r, why in enumerate(reasons) if why), None)
         if bad is not None:

@@ -4,8 +4,10 @@ the committed steps sent to ranks of other nodes too (tier/replicas.py). Release
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -63,11 +65,25 @@ def prepare_tier(
 ) -> None:
     """After the first step, `files` (this rank's state files: path in the checkpoint, plan): the tier's room
     checked (this rank's checkpoint, as many times as the node has ranks), then the files of the checkpoints
-    it keeps (`tier.sets()`: `memory_tier_copies`, and a second spare with replicas) mapped and pinned now, so
-    that no checkpoint pins new pages while training runs: those of the step this rank holds there (after a
-    restart), and new ones for the rest. A set that cannot be had is left to a save to make, as without it."""
+    it keeps (`tier.sets()`: `memory_tier_copies`, a second spare with replicas) mapped and pinned, so that
+    no checkpoint pins new pages while training runs: those of the step this rank holds there, and new ones
+    for the rest. Before the second step on a fresh start; after a restart (the tier holds a step of this
+    rank) beside the next steps (`tier.preparing`), so that the restart itself does not wait for it."""
     nbytes = sum(plan.nbytes for _, plan in files)
     check_room(tier, nbytes * int(os.environ.get("LOCAL_WORLD_SIZE", "1")), settings.memory_replicas)
+    if not tier.held_steps():
+        _prepare(tier, engine, files, nbytes)
+        return
+    tier.preparing = threading.Thread(
+        target=_prepare, args=(tier, engine, files, nbytes), name="datastates-tier-prepare", daemon=True
+    )
+    tier.preparing.start()
+
+
+def _prepare(
+    tier: MemoryTier, engine: DataStatesEngine, files: list[tuple[str, SavePlan]], nbytes: int
+) -> None:
+    """prepare_tier's mapping and pinning; a set that cannot be had is left to a save to make."""
     t0, made, held = time.perf_counter(), 0, tier.held_steps()
     for step in held:  # a save wrote them: mapped as they are, never changed here
         try:
@@ -77,10 +93,10 @@ def prepare_tier(
     for i in range(tier.sets() - len(held)):
         try:
             engine.prepare_mirrors([(plan, tier.warm(i, rel)) for rel, plan in files])
-        except OSError as e:
-            tier.add_warm(i, [rel for rel, _ in files])  # dropped with what it holds
-            tier.drop_spares(keep=i)
-            engine.keep_mirrors(tier.files())
+        except (OSError, ValueError) as e:  # ValueError: the engine closed meanwhile
+            with contextlib.suppress(OSError):
+                tier.remove_warm(i)
+                engine.keep_mirrors(tier.files())
             say.error(f"memory tier: the files of a checkpoint could not be made ahead ({e}); its save will")
             break
         tier.add_warm(i, [rel for rel, _ in files])
@@ -137,6 +153,8 @@ def stop_replicas(replication: Replication, timeout: float = 600.0) -> None:
 def release(tier: MemoryTier | None, sources: list[int]) -> None:
     """At the end of training: this rank's memory tier files, and the replicas it keeps, dropped."""
     if tier is not None:
+        if tier.preparing is not None:  # its files first, dropped with the rest
+            tier.preparing.join()
         for source in sources:
             replica_area(tier, source).release()
         tier.release()
