@@ -247,18 +247,16 @@ NB_MODULE(_core, m) {
           "one Job each")
       .def(
           "prepare_mirrors",
-          [](ds::Engine& e, const std::vector<LayoutArg>& files, bool existing) {
+          [](ds::Engine& e, const std::vector<LayoutArg>& files) {
             std::vector<ds::SaveRequest> requests;
             for (const LayoutArg& f : files) requests.push_back(layout_request(f));
             nb::gil_scoped_release release;  // pinning takes seconds
-            return e.prepare_mirrors(requests, existing);
+            return e.prepare_mirrors(requests);
           },
-          "files"_a, "existing"_a = false,
+          "files"_a,
           "Makes, maps and pins a mirror file for each of [(path, names, dtypes, itemsizes, shapes, "
           "metadata, "
-          "embed_checksums)], laid out as a save of such tensors (`existing`: files a save wrote, mapped as "
-          "they "
-          "are); kept mapped for a save to recycle")
+          "embed_checksums)], laid out as a save of such tensors; kept mapped for a save to recycle")
       .def(
           "keep_mirrors",
           [](ds::Engine& e, const std::vector<std::string>& paths) {

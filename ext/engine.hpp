@@ -85,10 +85,9 @@ class Engine final : public JobObserver {
 
   // Creates a mirror file at each request's `path` (its tensors' data is not read: their names, dtypes and
   // shapes lay it out as a save of them would), maps, faults in and pins it before returning, and keeps it
-  // mapped for a save to recycle. `existing`: the files are there, written by a save of such tensors (a
-  // memory tier's held step, after a restart): mapped and pinned as they are. Throws ErrorException naming
-  // the file that cannot be had; those before it stay. Returns how many were made.
-  std::size_t prepare_mirrors(const std::vector<SaveRequest>& files, bool existing = false);
+  // mapped for a save to recycle. Throws ErrorException naming the file that cannot be made; those made
+  // before it stay. Returns how many were made.
+  std::size_t prepare_mirrors(const std::vector<SaveRequest>& files);
 
   // Keeps the mirror files of these paths mapped for later saves to recycle; unmaps the others. Returns how
   // many stay mapped.

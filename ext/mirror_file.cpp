@@ -15,7 +15,7 @@
 namespace ds {
 
 MirrorFile::MirrorFile(Storage& storage, int fd, const std::string& path, std::size_t bytes,
-                       std::size_t block, std::size_t origin, int pin_device, bool keep_size)
+                       std::size_t block, std::size_t origin, int pin_device)
     : fd_(fd), bytes_(bytes), block_(block), origin_(std::min(origin, bytes)), pin_device_(pin_device) {
   // Allocated first: nothing to undo if they cannot be had.
   blocks_ = 1 + (bytes_ - origin_ + block_ - 1) / block_;
@@ -31,16 +31,10 @@ MirrorFile::MirrorFile(Storage& storage, int fd, const std::string& path, std::s
   if (fstat(fd_, &st) != 0) fail(Error::os(errno, "checking the mirror copy", path));
   if (!S_ISREG(st.st_mode) || st.st_uid != geteuid() || st.st_nlink != 1)  // a second name: not ours alone
     fail(Error::value("the mirror copy is not a regular file of this user's with one name", path));
-  const auto size = static_cast<std::size_t>(st.st_size);
-  if (keep_size && (size > bytes || size + kPage <= bytes))
-    fail(Error::value("the file is not laid out as its tensors are: " + std::to_string(size) + " bytes",
-                      path));
-  if (!keep_size) {
-    if (Error e = resize(storage, bytes, path)) fail(e);
-    // Reserved now: a tmpfs out of room then fails here, not with a SIGBUS in the middle of a copy.
-    if (int e = posix_fallocate(fd_, 0, static_cast<off_t>(bytes)); e != 0 && e != EOPNOTSUPP)
-      fail(Error::os(e, "reserving the memory of the mirror copy", path));
-  }
+  if (Error e = resize(storage, bytes, path)) fail(e);
+  // Reserved now: a tmpfs out of room then fails here, not with a SIGBUS in the middle of a copy.
+  if (int e = posix_fallocate(fd_, 0, static_cast<off_t>(bytes)); e != 0 && e != EOPNOTSUPP)
+    fail(Error::os(e, "reserving the memory of the mirror copy", path));
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
   if (p == MAP_FAILED) fail(Error::os(errno, "mapping the mirror copy", path));
   base_ = static_cast<char*>(p);

@@ -30,11 +30,9 @@ class MirrorFile {
   // memory (ENOSPC now, not a SIGBUS later) and maps it shared. Pins blocks through `pin_device`'s context
   // (-1: never): [0, origin), then `block` bytes each from `origin` on, so that a piece of the data section
   // (at origin + i * block) lies in one registration (a device copy into memory that spans two registrations
-  // fails). `keep_size`: a file a save wrote whole (a restart may still read it), mapped as it is: its size
-  // must lie in the last page of `bytes`, and it is neither resized nor reserved. Throws ErrorException
-  // naming the file, leaving `fd` to the caller; owns it once constructed.
+  // fails). Throws ErrorException naming the file, leaving `fd` to the caller; owns it once constructed.
   MirrorFile(Storage& storage, int fd, const std::string& path, std::size_t bytes, std::size_t block,
-             std::size_t origin, int pin_device, bool keep_size = false);
+             std::size_t origin, int pin_device);
   ~MirrorFile();
   MirrorFile(const MirrorFile&) = delete;
   MirrorFile& operator=(const MirrorFile&) = delete;

@@ -13,25 +13,6 @@ namespace ds {
 
 namespace {
 
-// A file a save wrote, mapped as it is (never removed here: a restart may still read it).
-std::shared_ptr<MirrorFile> map_existing(Storage& storage, const std::string& path, const Layout& layout,
-                                         std::size_t block, int pin_device) {
-  StorageFile file;
-  file.path = file.temp = path;
-  file.reused = true;  // opened, never created
-  if (int e = storage.open(file, Access::Mapped))
-    throw ErrorException(Error::os(e, "opening the mirror copy", path));
-  try {
-    auto map = std::make_shared<MirrorFile>(storage, file.fd, path, align_up(layout.file_size, kPage), block,
-                                            layout.data_start, pin_device, true);
-    file.fd = -1;  // the mapping's now
-    return map;
-  } catch (...) {
-    storage.close(file);
-    throw;
-  }
-}
-
 // One file's mirror, created under its temporary name and renamed onto `path` once mapped.
 std::shared_ptr<MirrorFile> make_mirror(Storage& storage, const std::string& path, const Layout& layout,
                                         std::size_t block, int pin_device) {
@@ -61,7 +42,7 @@ std::shared_ptr<MirrorFile> make_mirror(Storage& storage, const std::string& pat
 
 }  // namespace
 
-std::size_t Engine::prepare_mirrors(const std::vector<SaveRequest>& files, bool existing) {
+std::size_t Engine::prepare_mirrors(const std::vector<SaveRequest>& files) {
   const Work work(this);  // close() must not stop the pinning threads under us
   const std::size_t chunk = cache_->chunk_bytes();
   std::vector<std::shared_ptr<MirrorFile>> made;
@@ -70,9 +51,8 @@ std::size_t Engine::prepare_mirrors(const std::vector<SaveRequest>& files, bool 
                                 std::gcd(chunk, kBlockBytes));
     // A page of header room: the saves' headers vary with their metadata's plain values (an optimizer's
     // learning rate), and one longer than the file's would not fit its mapping.
-    if (!existing) pad_header(layout, layout.data_start + kPage);
-    made.push_back(existing ? map_existing(*storage_, f.path, layout, chunk, cache_->pin_device())
-                            : make_mirror(*storage_, f.path, layout, chunk, cache_->pin_device()));
+    pad_header(layout, layout.data_start + kPage);
+    made.push_back(make_mirror(*storage_, f.path, layout, chunk, cache_->pin_device()));
     mirrors_.put(f.path, made.back());  // kept from now on: keep_mirrors() unmaps it once its file is removed
   }
   // Every block of every file on the pinning threads at once, and waited for.

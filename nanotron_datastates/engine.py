@@ -175,20 +175,18 @@ class DataStatesEngine(EngineReads):
         removed keeps its memory until it is unmapped here (or the engine closes)."""
         return self._core.keep_mirrors([os.path.abspath(os.fspath(p)) for p in paths])
 
-    def prepare_mirrors(
-        self, files: Sequence[tuple[SavePlan, str | os.PathLike]], existing: bool = False
-    ) -> int:
-        """Makes a mirror file at each path, laid out as a save of its plan lays out its file, mapped, faulted
-        in and pinned before this returns; a later save of the plan that recycles it (`save_plans`' `recycle`)
-        then pins nothing while training runs. `existing`: the files are there, mirrors an earlier save of the
-        plan wrote, mapped and pinned as they are. Kept mapped as :meth:`keep_mirrors` says. Raises OSError
-        (ValueError: an existing file laid out otherwise) naming the file; those before it stay."""
+    def prepare_mirrors(self, files: Sequence[tuple[SavePlan, str | os.PathLike]]) -> int:
+        """Makes a mirror file at each path, laid out as a save of its plan lays out its file (with a page of
+        header room), mapped, faulted in and pinned before this returns; a later save of the plan that
+        recycles it (`save_plans`' `recycle`) then pins nothing while training runs. Kept mapped as
+        :meth:`keep_mirrors` says. Raises OSError naming a file that cannot be made (those before it stay);
+        returns how many were made."""
         described = [
             (os.path.abspath(os.fspath(path)), p.names, p.dtypes, [a.element_size() for a in p.arrays],
              [list(a.shape) for a in p.arrays], p.metadata, not p.exact_metadata)
             for p, path in files
         ]  # fmt: skip
-        return self._core.prepare_mirrors(described, existing)
+        return self._core.prepare_mirrors(described)
 
     def wait_snapshot(self, timeout: float | None = None) -> None:
         """Waits for the snapshot of every save in flight; raises the first error not yet reported."""

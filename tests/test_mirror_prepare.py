@@ -68,51 +68,6 @@ def test_a_link_planted_where_a_file_made_ahead_goes_is_replaced_not_followed(tm
     assert not made.is_symlink() and made.is_file() and os.listdir(tmp_path / "mem") == ["f.safetensors"]
 
 
-def test_a_file_a_save_wrote_is_mapped_as_it_is_and_the_next_save_takes_that_mapping(tmp_path):
-    """After a restart: the tier's held file, written by a save of another process, mapped and pinned as it is
-    (its bytes and size unchanged: a restart may still read it); the save that takes it over keeps that
-    mapping."""
-    held = tmp_path / "mem" / "1" / "f.safetensors"
-    with DataStatesEngine(small_config()) as engine:
-        engine.save(state(1), tmp_path / "1.safetensors", mirror=held).wait_persisted()
-    before = held.read_bytes()
-    with DataStatesEngine(small_config()) as engine:  # the next process
-        assert engine.prepare_mirrors([(engine.plan(state(2)), held)], existing=True) == 1
-        (where,) = mapped_at(held)
-        assert held.read_bytes() == before  # as it was: a restart may still read it
-        mirror = tmp_path / "mem" / "2" / "f.safetensors"
-        files = [(engine.plan(state(2)), tmp_path / "2.safetensors")]
-        h = engine.save_plans(files, mirrors=[mirror], recycle=[held])[0]
-        h.wait_persisted()
-        assert mapped_at(mirror) == [where] and h.stats["mirror_kept"]
-        assert mirror.read_bytes() == (tmp_path / "2.safetensors").read_bytes()
-
-
-def test_an_existing_file_laid_out_otherwise_missing_or_a_link_is_refused_and_left_as_it_is(tmp_path):
-    held = tmp_path / "mem" / "f.safetensors"
-    victim = tmp_path / "victim.bin"
-    victim.write_bytes(b"precious" * 1000)
-    (tmp_path / "mem").mkdir()
-    (tmp_path / "mem" / "link.safetensors").symlink_to(victim)
-    with DataStatesEngine(small_config()) as engine:
-        engine.save(state(1), tmp_path / "1.safetensors", mirror=held).wait_persisted()
-        assert engine.keep_mirrors([]) == 0  # the save's mapping let go: a new process's view
-        before = held.read_bytes()
-        with pytest.raises(ValueError, match="f.safetensors.*not laid out"):
-            engine.prepare_mirrors([(engine.plan(state(1, 900_000)), held)], existing=True)
-        with pytest.raises(FileNotFoundError, match="gone.safetensors"):
-            engine.prepare_mirrors(
-                [(engine.plan(state(1)), tmp_path / "mem" / "gone.safetensors")], existing=True
-            )
-        with pytest.raises(OSError, match="link.safetensors"):
-            engine.prepare_mirrors(
-                [(engine.plan(state(1)), tmp_path / "mem" / "link.safetensors")], existing=True
-            )
-        assert engine.keep_mirrors([held]) == 0  # none of them mapped
-    assert held.read_bytes() == before and victim.read_bytes() == b"precious" * 1000
-    assert sorted(os.listdir(tmp_path / "mem")) == ["f.safetensors", "link.safetensors"]
-
-
 @pytest.mark.parametrize("grows", [False, True])
 def test_a_save_whose_header_changed_length_takes_the_kept_mapping_where_its_header_fits(tmp_path, grows):
     """Headers vary with their plain values (an optimizer's learning rate). A shorter one than the recycled

@@ -64,8 +64,8 @@ def job_folder(base: str | os.PathLike, checkpoints: str | os.PathLike) -> Path:
 
 
 def _locked(method: Any) -> Any:
-    """`method` run holding the tier's lock: the spares change on the training thread (`recycle`), the
-    committer's (`commit`) and, after a restart, the thread that prepares the tier's files (`add_warm`)."""
+    """`method` run holding the tier's lock: the spares change on the training thread (`recycle`) and the
+    committer's (`commit`)."""
 
     @functools.wraps(method)
     def run(self: MemoryTier, *args: Any, **kwargs: Any) -> Any:
@@ -104,7 +104,6 @@ class MemoryTier:
         self._spares: list[tuple[str, list[str]]] = []
         self._given: tuple[int, tuple[str, list[str]]] | None = None  # the spare handed to a step's saves
         self._lock = threading.RLock()
-        self.preparing: threading.Thread | None = None  # the tier's files made ahead, after a restart
         self.busy: set[int] = set()  # steps being read (sent to a peer): never handed to a save to overwrite
 
     def path(self, step: int, rel: str | os.PathLike) -> Path:

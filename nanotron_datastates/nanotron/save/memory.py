@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -64,48 +63,31 @@ def prepare_tier(
     tier: MemoryTier, engine: DataStatesEngine, settings: TrainerSettings, files: list[tuple[str, SavePlan]]
 ) -> None:
     """After the first step, `files` (this rank's state files: path in the checkpoint, plan): the tier's room
-    checked (this rank's checkpoint, as many times as the node has ranks), then the files of the checkpoints
-    it keeps (`tier.sets()`: `memory_tier_copies`, a second spare with replicas) mapped and pinned, so that
-    no checkpoint pins new pages while training runs: those of the step this rank holds there, and new ones
-    for the rest. Before the second step on a fresh start; after a restart (the tier holds a step of this
-    rank) beside the next steps (`tier.preparing`), so that the restart itself does not wait for it."""
+    checked (this rank's checkpoint, as many times as the node has ranks), then, on a fresh start, the files
+    of the checkpoints it keeps (`tier.sets()`: `memory_tier_copies`, a second spare with replicas) made,
+    mapped and pinned before the second step, so that no checkpoint pins new pages while training runs. A
+    restart (the tier holds a step of this rank) leaves them to its saves: pinning holds the driver's locks,
+    and its 14-22 GB (1.1B) would double the restart's time to its first step. A set that cannot be made is
+    left to a save to make, as without it."""
     nbytes = sum(plan.nbytes for _, plan in files)
     check_room(tier, nbytes * int(os.environ.get("LOCAL_WORLD_SIZE", "1")), settings.memory_replicas)
-    if not tier.held_steps():
-        _prepare(tier, engine, files, nbytes)
+    if tier.held_steps():
         return
-    tier.preparing = threading.Thread(
-        target=_prepare, args=(tier, engine, files, nbytes), name="datastates-tier-prepare", daemon=True
-    )
-    tier.preparing.start()
-
-
-def _prepare(
-    tier: MemoryTier, engine: DataStatesEngine, files: list[tuple[str, SavePlan]], nbytes: int
-) -> None:
-    """prepare_tier's mapping and pinning; a set that cannot be had is left to a save to make."""
-    t0, made, held = time.perf_counter(), 0, tier.held_steps()
-    for step in held:  # a save wrote them: mapped as they are, never changed here
-        try:
-            made += bool(engine.prepare_mirrors([(plan, tier.path(step, rel)) for rel, plan in files], True))
-        except (OSError, ValueError) as e:  # another layout (resharded), or gone: its save maps them then
-            say.info(f"memory tier: the files of step {step} are mapped at its save ({e})")
-    for i in range(tier.sets() - len(held)):
+    t0 = time.perf_counter()
+    for i in range(tier.sets()):
         try:
             engine.prepare_mirrors([(plan, tier.warm(i, rel)) for rel, plan in files])
-        except (OSError, ValueError) as e:  # ValueError: the engine closed meanwhile
+        except OSError as e:
             with contextlib.suppress(OSError):
                 tier.remove_warm(i)
                 engine.keep_mirrors(tier.files())
             say.error(f"memory tier: the files of a checkpoint could not be made ahead ({e}); its save will")
-            break
+            return
         tier.add_warm(i, [rel for rel, _ in files])
-        made += 1
-    if made:
-        gb, s = made * nbytes / 1e9, time.perf_counter() - t0
-        say.info(
-            f"memory tier: the files of {made} checkpoint(s) mapped and pinned ahead: {gb:.2f} GB, {s:.2f} s"
-        )
+    gb, s = tier.sets() * nbytes / 1e9, time.perf_counter() - t0
+    say.info(
+        f"memory tier: the files of {tier.sets()} checkpoint(s) made and pinned ahead: {gb:.2f} GB, {s:.2f} s"
+    )
 
 
 def open_replicas(
@@ -153,8 +135,6 @@ def stop_replicas(replication: Replication, timeout: float = 600.0) -> None:
 def release(tier: MemoryTier | None, sources: list[int]) -> None:
     """At the end of training: this rank's memory tier files, and the replicas it keeps, dropped."""
     if tier is not None:
-        if tier.preparing is not None:  # its files first, dropped with the rest
-            tier.preparing.join()
         for source in sources:
             replica_area(tier, source).release()
         tier.release()
