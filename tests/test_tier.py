@@ -180,7 +180,7 @@ def test_a_step_being_sent_is_never_dropped_nor_taken_over_until_sent(tmp_path):
 
 @pytest.mark.parametrize("spares", [1, 2])
 def test_with_a_second_spare_a_save_takes_files_over_while_the_other_is_sent(tmp_path, spares):
-    t = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0, copies=2, spares=spares)
+    t = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0, copies=2, max_spares=spares)
     assert t.sets() == 1 + spares
     rel = "model/w_0.safetensors"
     _committed(t, 1, 2, 3)

@@ -7,7 +7,7 @@ step held (`.rank-<r>.json`: its files, sizes, checksums) once the checkpoint is
 
 Copies (`memory_tier_copies`): with 2, the held step stays whole while the next checkpoint is taken; once
 that one is committed, the older becomes a spare, whose files (mapped and pinned) a later save takes over:
-renamed and overwritten (`recycle`); with replicas a second spare (`spares`), for a save to take while one is
+renamed and overwritten (`recycle`); with replicas a second (`max_spares`), for a save to take while one is
 sent. With 1, a new checkpoint takes over the held step's files, its marker withdrawn first: the tier holds
 one checkpoint, and a crash while one is in flight restarts from storage. Sets made ahead (`warm`,
 `add_warm`: `<job>/.warm-<rank>-<i>/`, the engine's `prepare_mirrors`) are the first saves' spares.
@@ -87,7 +87,7 @@ class MemoryTier:
         rank: int,
         copies: int = 2,
         area: str = "",
-        spares: int = 1,
+        max_spares: int = 1,
     ) -> None:
         root(base)
         self.folder = trust.private_dir(job_folder(base, checkpoints), "memory tier folder")
@@ -98,7 +98,7 @@ class MemoryTier:
         self.rank = rank
         self.copies = copies
         # With 2 copies, the spares kept (2: with replicas, one may be sent while the next save takes another)
-        self.spares = spares
+        self.max_spares = max_spares
         # Folders whose files (of this rank) the next saves take over, first first: sets made ahead (WARM),
         # or a step this rank held before.
         self._spares: list[tuple[str, list[str]]] = []
@@ -112,7 +112,7 @@ class MemoryTier:
 
     def sets(self) -> int:
         """The checkpoints of this rank the tier keeps at most between two saves: held, and spare."""
-        return self.copies + (self.spares - 1 if self.copies == 2 else 0)
+        return self.copies + (self.max_spares - 1 if self.copies == 2 else 0)
 
     def warm(self, i: int, rel: str | os.PathLike) -> Path:
         """Where the `i`-th set of files made ahead of the first saves keeps `rel` (`add_warm`)."""
@@ -182,7 +182,7 @@ class MemoryTier:
         if spare is not None:
             self._withdraw(spare[0])  # first: never taken as held again
             self._spares.append((str(spare[0]), spare[1]))
-            self.drop_spares(keep=self.spares)
+            self.drop_spares(keep=self.max_spares)
         kept = {n for n, _ in self._spares}
         for s in self.steps():
             if s < step and str(s) not in kept and s not in self.busy:  # one being read: a later commit's
@@ -192,8 +192,7 @@ class MemoryTier:
 
     def _held_before(self, step: int) -> tuple[int, list[str]] | None:
         """The newest step below `step` that this rank marks held, with the files it marked; None: none."""
-        mine = MARKER.format(rank=self.rank)
-        held = [s for s in self.steps() if s < step and mine in self.markers(s)]
+        held = [s for s in self.held_steps() if s < step]
         return (held[-1], list(self.marked(held[-1], self.rank) or {})) if held else None
 
     def _withdraw(self, step: int) -> None:

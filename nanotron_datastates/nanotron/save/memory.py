@@ -47,7 +47,7 @@ def open_tier(settings: TrainerSettings, checkpoints: Path) -> tuple[MemoryTier 
     # With replicas, a second spare: a checkpoint asked for while one is sent takes the other's files over.
     spares = 2 if settings.memory_replicas else 1
     tier = MemoryTier(
-        settings.memory_tier_path, checkpoints, rank, settings.memory_tier_copies, spares=spares
+        settings.memory_tier_path, checkpoints, rank, settings.memory_tier_copies, max_spares=spares
     )
     try:
         keep = open_store(checkpoints).latest()
