@@ -165,6 +165,20 @@ def test_the_link_is_nccl_where_every_rank_has_a_gpu_else_gloo_and_a_forced_nccl
                 assert got[key].startswith("ReplicaError: datastates.memory_replica_transport=nccl: rank 0")
 
 
+@pytest.mark.parametrize("n", [0, 1, 4095, 1 << 16, (1 << 20) + 3, 5 << 20])
+def test_a_gloo_chunk_is_split_over_the_streams_in_aligned_pieces_that_cover_it_once(n):
+    """Each chunk of a gloo link travels as pieces on its streams: the pieces cover [lo, lo + n) end to
+    end, one a stream at most, each but the last a multiple of 64 KiB, none for an empty chunk."""
+    from nanotron_datastates.tier.replica_transfer import pieces
+
+    lo, groups = 7 << 20, ["a", "b", "c"]
+    got = pieces(groups, lo, n)
+    assert [a for _, a, _ in got] == ([lo] + [b for _, _, b in got[:-1]] if n else [])
+    assert (got[-1][2] if got else lo) == lo + n
+    assert len(got) <= len(groups) and [g for g, _, _ in got] == groups[: len(got)]
+    assert all((b - a) % (1 << 16) == 0 and b > a for _, a, b in got[:-1])
+
+
 def test_nccl_streams_lay_each_peers_files_end_to_end_in_chunks_that_cross_files(monkeypatch):
     """The NCCL link's waves (on the host: the slots a wave fills and empties): every byte of every file
     reaches its place at the other end, with chunks that straddle files and files of no bytes."""

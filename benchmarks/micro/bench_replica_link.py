@@ -4,7 +4,9 @@
 commit: files mapped from the tier, received into new temporaries of the peer's tier (fresh pages, as in
 training), through each link (tier/links.py):
 
-* `gloo`: host memory to host memory over TCP (loopback here);
+* `gloo`: host memory to host memory over TCP (loopback here), one stream; `gloo-streams4`, `-streams8`:
+  each chunk split over 4 or 8 gloo groups at once (their own connections and I/O threads);
+  `gloo-streams4-recycled` into an older copy's files as below;
 * `nccl`: through the GPUs (NVLink between the two GPUs here, standing in for the network between nodes),
   with its default buffers, and variants of its chunk size and copy threads; `nccl-recycled` receives into
   the files of an older copy (the replicator's spare, from the third checkpoint on) instead of new ones.
@@ -39,7 +41,10 @@ from _common import command_info, host_info  # noqa: E402
 
 # name: (transport, NcclLink keyword arguments)
 LINKS: dict[str, tuple[str, dict[str, int]]] = {
-    "gloo": ("gloo", {}),
+    "gloo": ("gloo", {"streams": 1}),
+    "gloo-streams4": ("gloo", {"streams": 4}),
+    "gloo-streams8": ("gloo", {"streams": 8}),
+    "gloo-streams4-recycled": ("gloo", {"streams": 4}),
     "nccl": ("nccl", {}),
     "nccl-threads4": ("nccl", {"threads": 4}),
     "nccl-chunk64m": ("nccl", {"chunk": 64 << 20}),
@@ -126,7 +131,7 @@ def _expected(rank: int, i: int, lo: int, n: int) -> torch.Tensor:
 
 def _rank(rank: int, args: argparse.Namespace, init: str) -> None:
     from nanotron_datastates.tier.link_nccl import NcclLink
-    from nanotron_datastates.tier.links import GlooLink
+    from nanotron_datastates.tier.links import gloo_link
     from nanotron_datastates.tier.replica_transfer import Transfer, open_all
 
     torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1 leaves a trainer
@@ -145,18 +150,20 @@ def _rank(rank: int, args: argparse.Namespace, init: str) -> None:
     for rnd in range(args.rounds):
         for name in args.links.split(","):
             transport, kw = LINKS[name]
-            if transport == "gloo" and rnd > 0:
+            if name == "gloo" and rnd > 0:
                 continue  # one round: it takes seconds a GB
-            if name not in links:
+            if name not in links:  # both ranks make the links in the same order (new groups: collective)
                 links[name] = (
-                    GlooLink(gloo) if transport == "gloo" else NcclLink(nccl, torch.device("cuda"), **kw)
+                    gloo_link(gloo, streams=kw["streams"])
+                    if transport == "gloo"
+                    else NcclLink(nccl, torch.device("cuda"), **kw)
                 )
             link = links[name]
             sends = [Transfer(peer, rel, n) for rel, n in files]
             recvs = [Transfer(peer, rel, n) for rel, n in files]
             into = shm / "replicas"
             into.mkdir(parents=True, exist_ok=True)
-            if name == "nccl-recycled":  # the spare's files: written before the transfer, taken over by it
+            if name.endswith("-recycled"):  # the spare's files: written before the transfer, taken over by it
                 for t in recvs:
                     t.donor = shm / "spare" / t.rel
                 _fill(shm / "spare", peer, args.gb, args.files)

@@ -16,6 +16,10 @@ import torch.distributed as dist
 from .replica_transfer import CHUNK, ReplicaError, Transfer, gather, move
 from .step_order import StepOrder
 
+# gloo groups a gloo link sends over at once: one TCP stream and I/O thread each (one stream moved 0.58 GB/s
+# into new tmpfs pages between two ranks of one host, benchmarks/NOTES.md)
+GLOO_STREAMS = 4
+
 
 class Link(Protocol):
     """Moves files' bytes between ranks, every rank of the group at once (both ends of a pair list its
@@ -36,16 +40,18 @@ class Link(Protocol):
 
 
 class GlooLink:
-    """Host memory to host memory over a gloo group, in messages of `chunk` bytes."""
+    """Host memory to host memory over gloo groups of the same ranks (`streams`: one, or a list whose
+    pieces of each chunk travel side by side, each group over its own connections), `chunk` bytes a wave."""
 
     name = "gloo"
     order: StepOrder | None = None  # host to host: nothing in the GPU's queue to keep in order
 
-    def __init__(self, group: Any, chunk: int = CHUNK) -> None:
-        self.group, self.chunk = group, chunk
+    def __init__(self, streams: Any, chunk: int = CHUNK) -> None:
+        self.groups = list(streams) if isinstance(streams, (list, tuple)) else [streams]
+        self.chunk = chunk
 
     def move(self, sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0, waves: int = 0) -> float:
-        return move(self.group, sends, recvs, gbps, self.chunk)  # `waves`: NCCL's, at the steps
+        return move(self.groups, sends, recvs, gbps, self.chunk)  # `waves`: NCCL's, at the steps
 
     def reserve(self, outs: int, ins: int) -> None:
         pass  # gloo sends from and receives into the files' mappings: no buffers of its own
@@ -63,23 +69,37 @@ def nccl_here() -> str | None:
     return None
 
 
-def open_link(gloo: Any, transport: str = "auto", chunk: int | None = None, at_steps: bool = False) -> Link:
+def gloo_link(gloo: Any, chunk: int | None = None, streams: int = GLOO_STREAMS) -> GlooLink:
+    """A gloo link over `gloo` and `streams` - 1 gloo groups more over every rank, made now (collective
+    over every rank: `gloo` is over every rank too)."""
+    more = [dist.new_group(backend="gloo") for _ in range(streams - 1)]
+    return GlooLink([gloo, *more], chunk or CHUNK)
+
+
+def open_link(
+    gloo: Any,
+    transport: str = "auto",
+    chunk: int | None = None,
+    at_steps: bool = False,
+    streams: int = GLOO_STREAMS,
+) -> Link:
     """The job's link (collective: every rank calls it, with the same `transport`): 'nccl' makes an NCCL
     group of its own over every rank (its communicator opened now, on this rank's current GPU, not at the
     first transfer) and fails, naming the setting and the rank, where a rank cannot use it; 'gloo' uses
-    `gloo`, a gloo group over every rank; 'auto' takes NCCL where every rank can, else gloo. `chunk`: the
-    bytes of a message (default: each link's own). `at_steps`: for replicas sent while training runs, an
-    NCCL link's calls are made at the optimizer steps (its `order`, on a gloo group of its own made here:
-    step_order.py), with TRAINING_SLOTS waves ready at most; 'auto' then takes gloo."""
+    `gloo`, a gloo group over every rank, and `streams` - 1 more made here (`gloo_link`); 'auto' takes NCCL
+    where every rank can, else gloo. `chunk`: the bytes of a message (default: each link's own).
+    `at_steps`: for replicas sent while training runs, an NCCL link's calls are made at the optimizer
+    steps (its `order`, on a gloo group of its own made here: step_order.py), with TRAINING_SLOTS waves
+    ready at most; 'auto' then takes gloo."""
     if transport == "auto" and at_steps:  # every rank alike: the same setting, the same call
-        return GlooLink(gloo, chunk or CHUNK)
+        return gloo_link(gloo, chunk, streams)
     asked = gather(gloo, nccl_here() if transport != "gloo" else "not asked for")
     cannot = [(rank, why) for rank, why in enumerate(asked) if why]
     if transport == "nccl" and cannot:
         rank, why = cannot[0]
         raise ReplicaError(f"datastates.memory_replica_transport=nccl: rank {rank} cannot use NCCL ({why})")
     if cannot:
-        return GlooLink(gloo, chunk or CHUNK)
+        return gloo_link(gloo, chunk, streams)
     from .link_nccl import CHUNK as NCCL_CHUNK
     from .link_nccl import SLOTS, TRAINING_SLOTS, NcclLink
 

@@ -1,10 +1,11 @@
 """Files moved between ranks for the memory replicas (replicas.py, replica_restore.py): each file sent is
 mapped read-only from the tier, each file received goes into a new temporary beside its name (or an older
 copy's file taken over), mapped; the ranks agree that every rank could open all of its files before a byte
-moves (`open_all`); then a link (links.py) moves them, gloo's by `move` here: every transfer at once, in waves
-of one chunk of each, paced to a rate. A received file is checked against its manifest entry (size and every
-tensor's checksum) before it is renamed into place (`check_and_place`, several files at once); a file killed
-half received stays a temporary, never read, removed at the next start.
+moves (`open_all`); then a link (links.py) moves them, gloo's by `move` here: every transfer at once, in
+waves of one chunk of each split over several gloo groups, paced to a rate. A received file is checked
+against its manifest entry (size and every tensor's checksum) before it is renamed into place
+(`check_and_place`, several files at once); a file killed half received stays a temporary, never read,
+removed at the next start.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -138,30 +139,39 @@ def _take_over(top: Path, donor: Path, tmp: Path, dir_fd: int) -> int | None:
 
 
 def move(
-    group: Any, sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0, chunk: int = CHUNK
+    groups: Sequence[Any], sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0, chunk: int = CHUNK
 ) -> float:
-    """Sends and receives every transfer's bytes at once, in waves of one chunk of each (both ends list a
-    pair's files in the same order, so gloo matches them in order); after each wave, waits as long as
-    keeps the bytes sent under `gbps` GB/s (0: no limit). Returns the seconds it took."""
+    """Sends and receives every transfer's bytes at once, in waves of one chunk of each, each chunk split
+    over `groups` (gloo groups over the same ranks: each has its own connections and I/O thread, so the
+    pieces travel side by side); both ends list a pair's files in the same order and split alike, so gloo
+    matches them in order. After each wave, waits as long as keeps the bytes sent under `gbps` GB/s (0: no
+    limit). Returns the seconds it took."""
     t0 = time.monotonic()
     sent = 0
     waves = max([-(-t.nbytes // chunk) for t in sends + recvs] or [0])
     for i in range(waves):
         lo, requests = i * chunk, []
-        for t in sends:
-            if lo < t.nbytes:
+        for ts, post in ((sends, dist.isend), (recvs, dist.irecv)):
+            for t in ts:
                 assert t.buf is not None
-                requests.append(dist.isend(t.buf[lo : lo + chunk], dst=t.peer, group=group))
-                sent += min(chunk, t.nbytes - lo)
-        for t in recvs:
-            if lo < t.nbytes:
-                assert t.buf is not None
-                requests.append(dist.irecv(t.buf[lo : lo + chunk], src=t.peer, group=group))
+                for group, a, b in pieces(groups, lo, min(chunk, t.nbytes - lo)):
+                    requests.append(post(t.buf[a:b], t.peer, group=group))
+                    sent += (b - a) if post is dist.isend else 0
         for r in requests:
             if r is not None:  # None: this rank is not in `group` (never here)
                 r.wait()
         pace(sent, gbps, t0)
     return time.monotonic() - t0
+
+
+def pieces(groups: Sequence[Any], lo: int, n: int, align: int = 1 << 16) -> list[tuple[Any, int, int]]:
+    """The bytes [lo, lo + n) split over `groups` as (group, start, end), in pieces of a multiple of `align`
+    bytes but the last (fewer pieces than groups where `n` is small; none where n <= 0)."""
+    if n <= 0:
+        return []
+    size = -(-n // len(groups))
+    size = -(-size // align) * align
+    return [(g, lo + a, lo + min(n, a + size)) for g, a in zip(groups, range(0, n, size))]
 
 
 def pace(sent: int, gbps: float, t0: float) -> None:
