@@ -6,6 +6,7 @@ place, and nothing of it is left."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 
 from nanotron_datastates import ChecksumError, DataStatesConfig, DataStatesEngine
 from nanotron_datastates.checkpoint.checksums import file_entry
-from nanotron_datastates.tier.replica_transfer import Transfer, _temporary, check_and_place
+from nanotron_datastates.tier.replica_transfer import Transfer, _temporary, check_and_place, reserve
 
 
 def _area(tmp_path: Path) -> tuple[Path, Path]:
@@ -70,6 +71,20 @@ def test_a_donor_with_a_second_name_is_not_overwritten(tmp_path):
     os.link(other, donor)
     _receive(into, Transfer(0, "w.bin", 6, donor=donor), b"newbie")
     assert other.read_bytes() == b"precious"
+
+
+def test_a_receive_into_a_tier_without_room_fails_before_a_byte_moves_naming_the_file(small_tmpfs):
+    """A tier out of room (here a 4 MiB tmpfs, 8 MiB to receive) fails where the temporary is made, with
+    ENOSPC naming it, and leaves nothing: a copy into a mapping with no page behind it would be a SIGBUS
+    that kills the rank in the middle of a transfer."""
+    top = small_tmpfs / "tier"
+    (top / "replicas").mkdir(parents=True, mode=0o700)
+    t = Transfer(0, "model/w.bin", 8 << 20)
+    with pytest.raises(OSError, match=r"model/\.w\.bin\.dstmp") as e, contextlib.ExitStack() as stack:
+        stack.enter_context(_temporary(top / "replicas", t))
+        reserve([t])
+    assert e.value.errno == errno.ENOSPC
+    assert not any(f.is_file() for f in top.rglob("*")) and t.buf is None
 
 
 @pytest.mark.parametrize("corrupt", [False, True])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import itertools
 import mmap
 import os
@@ -48,6 +49,7 @@ class Transfer:
     temporary: Path | None = None  # a receive's, renamed to `into/rel` once checked
     into: Path | None = None
     donor: Path | None = None  # a receive's: an older copy's file to take over (its pages exist already)
+    fd: int | None = None  # a receive's temporary, open while it is received into
 
 
 def _as_tensor(mapping: mmap.mmap | None) -> torch.Tensor:
@@ -106,18 +108,40 @@ def _temporary(folder: Path, t: Transfer) -> Iterator[None]:
         os.close(fd)
         trust.unlink_in(folder.parent, str(tmp))
         raise
-    os.close(fd)
-    t.buf, t.temporary, t.into = _as_tensor(mapping), folder.parent / tmp, folder
+    t.buf, t.temporary, t.into, t.fd = _as_tensor(mapping), folder.parent / tmp, folder, fd
     try:
         yield
     finally:
-        t.buf = None
+        t.buf, t.fd = None, None
+        os.close(fd)
         if mapping is not None:
             with contextlib.suppress(BufferError):
                 mapping.close()
         if t.temporary is not None:
             with contextlib.suppress(OSError):
                 trust.unlink_in(folder.parent, str(tmp))
+
+
+def reserve(recvs: list[Transfer]) -> None:
+    """The memory of every temporary received into, taken now, several files at once: a tier out of room
+    fails here, with an OSError naming the file, not with a SIGBUS in the middle of a transfer into its
+    mapping; and the transfer then writes into pages that exist, where new pages of a tmpfs are allocated
+    one fault at a time on the receiving thread."""
+    todo = [t for t in recvs if t.fd is not None and t.nbytes]
+    with ThreadPoolExecutor(max(1, min(8, len(todo))), "datastates-replica-reserve") as pool:
+        for done in [pool.submit(_reserve, t) for t in todo]:
+            done.result()
+
+
+def _reserve(t: Transfer) -> None:
+    assert t.fd is not None
+    try:
+        os.posix_fallocate(t.fd, 0, t.nbytes)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system that cannot: pages at first use
+            raise OSError(
+                e.errno, f"reserving the memory of a replica file: {e.strerror}", str(t.temporary)
+            ) from None
 
 
 def _take_over(top: Path, donor: Path, tmp: Path, dir_fd: int) -> int | None:
@@ -215,14 +239,16 @@ def open_all(
     into: Path,
 ) -> list[str]:
     """Maps every file sent (from `folder_of(t)`) and creates every temporary received into (under `into`),
-    held open by `stack`; then the ranks agree: every rank's problems, the same list on all (empty: go).
-    Everything is opened before any byte moves: a rank that could not would leave the others waiting."""
+    its memory reserved (`reserve`), held open by `stack`; then the ranks agree: every rank's problems, the
+    same list on all (empty: go). Everything is opened before any byte moves: a rank that could not would
+    leave the others waiting."""
     problem = None
     try:
         for t in sends:
             stack.enter_context(_mapped_file(folder_of(t), t))
         for t in recvs:
             stack.enter_context(_temporary(into, t))
+        reserve(recvs)
     except (OSError, ValueError, ReplicaError) as e:
         problem = f"rank {dist.get_rank(group)}: {e}"
     return [p for p in gather(group, problem) if p]
