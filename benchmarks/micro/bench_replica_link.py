@@ -11,8 +11,10 @@ training), through each link (tier/links.py):
   with its default buffers, and variants of its chunk size and copy threads; `nccl-recycled` receives into
   the files of an older copy (the replicator's spare, from the third checkpoint on) instead of new ones.
 
-Per link and round: `move_s` (the transfer, as the telemetry's `seconds`), `gbps` (bytes one rank sends per
-second: the rate of the node pair in each direction) and whether every received byte equals the sent one.
+Per link and round: `open_s` (the files opened and the received ones' memory reserved, `open_all`), `move_s`
+(the transfer, as the telemetry's `seconds`), `gbps` (bytes one rank sends per second of `move_s`: the rate of
+the node pair in each direction; `gbps_with_open` over both) and whether every received byte equals the sent
+one.
 
     python3 benchmarks/micro/bench_replica_link.py --out DIR [--gb 14.5 --files 8 --rounds 3]
 
@@ -168,7 +170,9 @@ def _rank(rank: int, args: argparse.Namespace, init: str) -> None:
                     t.donor = shm / "spare" / t.rel
                 _fill(shm / "spare", peer, args.gb, args.files)
             with contextlib.ExitStack() as stack:
+                t0 = time.monotonic()
                 problems = open_all(stack, gloo, sends, lambda t: shm / "own", recvs, into)
+                opened = time.monotonic() - t0
                 assert not problems, problems
                 dist.barrier(group=gloo)
                 seconds = link.move(sends, recvs)
@@ -181,7 +185,8 @@ def _rank(rank: int, args: argparse.Namespace, init: str) -> None:
                 )
             nbytes = sum(t.nbytes for t in sends)
             results.setdefault(name, []).append(
-                {"round": rnd, "move_s": seconds, "bytes_sent": nbytes, "gbps": nbytes / seconds / 1e9,
+                {"round": rnd, "open_s": opened, "move_s": seconds, "bytes_sent": nbytes,
+                 "gbps": nbytes / seconds / 1e9, "gbps_with_open": nbytes / (opened + seconds) / 1e9,
                  "equal": equal}
             )  # fmt: skip
             print(f"rank {rank} {name} round {rnd}: {nbytes / 1e9:.2f} GB in {seconds:.2f} s", flush=True)
@@ -219,6 +224,10 @@ def main() -> None:
         summary[name] = {
             "median_gbps": statistics.median(min(a["gbps"], b["gbps"]) for a, b in pairs),
             "median_move_s": statistics.median(max(a["move_s"], b["move_s"]) for a, b in pairs),
+            "median_open_s": statistics.median(max(a.get("open_s", 0), b.get("open_s", 0)) for a, b in pairs),
+            "median_gbps_with_open": statistics.median(
+                min(a.get("gbps_with_open", 0), b.get("gbps_with_open", 0)) for a, b in pairs
+            ),
             "all_equal": all(r["equal"] for rk in ranks for r in rk[name]),
         }
     doc = {

@@ -9,6 +9,7 @@ was missing.
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +67,17 @@ def restart_source(
     sends = [Transfer(r, rel, entries[rel]["bytes"]) for (_, rel), (r, q) in sorted(pulls.items()) if q == me]
     recvs = [Transfer(q, rel, entries[rel]["bytes"]) for (_, rel), (r, q) in sorted(pulls.items()) if r == me]
     here = tier.folder / str(step)
-    problem, seconds = None, 0.0
+    problem, seconds, t0 = None, 0.0, time.monotonic()
     with contextlib.ExitStack() as stack:
         problems = open_all(stack, group, sends, lambda t: have[t.rel], recvs, here)
         if problems:
             return None, "; ".join(problems[:3])
+        opened = time.monotonic() - t0
         try:
             seconds = link.move(sends, recvs)
+            t1 = time.monotonic()
             check_and_place(engine, recvs, lambda t: entries[t.rel])
+            checked = time.monotonic() - t1
             for rel in links:
                 with contextlib.suppress(FileExistsError):  # another rank of this node linked it first
                     trust.link_in(have[rel].parent, here.parent, f"{step}/{rel}")  # no link followed
@@ -85,5 +89,5 @@ def restart_source(
     pulled = sum(t.nbytes for t in recvs)
     return here, (
         f"{len(recvs)} file(s), {pulled / 1e9:.3f} GB, pulled from other nodes' memory in {seconds:.2f} s "
-        f"over {link.name}"
+        f"over {link.name}; opened and reserved in {opened:.2f} s, checked in {checked:.2f} s"
     )

@@ -14,6 +14,7 @@ and why.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -110,10 +111,13 @@ def pull(
     rank's tier folder of the checkpoint, or None for storage; why). Collective."""
     import torch.distributed as tdist
 
+    t0 = time.monotonic()
     group = tdist.new_group(backend="gloo")  # the ranks' agreements; the bytes go over the link
     link = open_link(group, settings.memory_replica_transport)
+    opened = time.monotonic() - t0
     try:
-        return restart_source(own, manifest, needs, group, engine, link)
+        source, why = restart_source(own, manifest, needs, group, engine, link)
+        return source, f"{why}; the link opened in {opened:.2f} s"
     finally:
         link.close()
 
