@@ -67,7 +67,7 @@ def restart_source(
     sends = [Transfer(r, rel, entries[rel]["bytes"]) for (_, rel), (r, q) in sorted(pulls.items()) if q == me]
     recvs = [Transfer(q, rel, entries[rel]["bytes"]) for (_, rel), (r, q) in sorted(pulls.items()) if r == me]
     here = tier.folder / str(step)
-    problem, seconds, t0 = None, 0.0, time.monotonic()
+    problem, seconds, checked, t0 = None, 0.0, 0.0, time.monotonic()
     with contextlib.ExitStack() as stack:
         problems = open_all(stack, group, sends, lambda t: have[t.rel], recvs, here)
         if problems:
@@ -83,11 +83,13 @@ def restart_source(
                     trust.link_in(have[rel].parent, here.parent, f"{step}/{rel}")  # no link followed
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             problem = f"rank {me}: {e}"
+    t2 = time.monotonic()
     problems = [p for p in gather(group, problem) if p]
     if problems:
         return None, "; ".join(problems[:3])
-    pulled = sum(t.nbytes for t in recvs)
+    pulled, waited = sum(t.nbytes for t in recvs), time.monotonic() - t2
     return here, (
         f"{len(recvs)} file(s), {pulled / 1e9:.3f} GB, pulled from other nodes' memory in {seconds:.2f} s "
-        f"over {link.name}; opened and reserved in {opened:.2f} s, checked in {checked:.2f} s"
+        f"over {link.name}; opened and reserved in {opened:.2f} s, checked in {checked:.2f} s, "
+        f"every rank done {waited:.2f} s later"
     )
