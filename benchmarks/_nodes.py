@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,10 +26,23 @@ TIER_DEFAULT = "/dev/shm/nanotron-datastates-{uid}"  # TrainerSettings.memory_ti
 Agent = tuple[subprocess.Popen, IO[str]]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port(tries: int = 200) -> int:
+    """A port free now, below the kernel's range of ephemeral ports: between this check and torchrun's bind,
+    no connection's local port takes it (a job's gloo groups hold dozens of connections; a rendezvous port
+    taken so leaves both agents clients of a store that no agent serves, and they time out)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(tries):
+        port = random.randrange(10000, max(10001, low))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low} in {tries} tries")
 
 
 def node_config(cfg: Path, node: int) -> Path:

@@ -52,3 +52,11 @@ def test_two_simulated_nodes_of_two_workers(tmp_path):
     assert [g["GROUP_RANK"] for g in got] == ["0", "0", "1", "1"]
     assert [g["LOCAL_RANK"] for g in got] == ["0", "1", "2", "3"]  # each worker a GPU of its own
     assert [g["tier"] for g in got] == ["/dev/shm/t-node0"] * 2 + ["/dev/shm/t-node1"] * 2
+
+
+def test_the_rendezvous_port_is_free_and_below_the_ephemeral_range():
+    """No connection's local port can take the rendezvous port between its check and torchrun's bind."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        port = nodes.free_port()
+        assert 10000 <= port < low
