@@ -16,8 +16,9 @@ import torch.distributed as dist
 from .replica_transfer import CHUNK, ReplicaError, Transfer, gather, move
 from .step_order import StepOrder
 
-# gloo groups a gloo link sends over at once: one TCP stream and I/O thread each (one stream moved 0.58 GB/s
-# into new tmpfs pages between two ranks of one host, benchmarks/NOTES.md)
+# gloo groups a gloo link sends over at once, one TCP stream and I/O thread each: between two ranks of one
+# host, into new tmpfs pages, one moved 0.52 GB/s a rank, four 1.82, eight 2.76 (benchmarks/NOTES.md); four
+# keep fewer threads copying beside the training's own
 GLOO_STREAMS = 4
 
 
