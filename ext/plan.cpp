@@ -48,6 +48,12 @@ void put_string(std::string& out, const std::string& s) {
 
 constexpr std::size_t kMaxHeader = 100'000'000;  // safetensors refuses larger headers
 
+// The header's first 8 bytes: the length of the JSON after them (the rest of `header`), little-endian.
+void write_header_length(std::string& header) {
+  const std::uint64_t hlen = header.size() - 8;
+  for (int b = 0; b < 8; ++b) header[b] = static_cast<char>((hlen >> (8 * b)) & 0xff);
+}
+
 }  // namespace
 
 Layout plan_layout(const std::vector<TensorSrc>& tensors, const Metadata& metadata, bool checksums,
@@ -124,9 +130,8 @@ Layout plan_layout(const std::vector<TensorSrc>& tensors, const Metadata& metada
                                       " bytes exceeds the format's 100 MB limit; split the state"));
 
   L.data_start = align_up(8 + j.size(), kPage);
-  const std::uint64_t hlen = L.data_start - 8;
   L.header.assign(L.data_start, ' ');
-  for (int b = 0; b < 8; ++b) L.header[b] = static_cast<char>((hlen >> (8 * b)) & 0xff);
+  write_header_length(L.header);
   std::memcpy(&L.header[8], j.data(), j.size());
   L.file_size = L.data_start + data_bytes;
   return L;
@@ -134,9 +139,8 @@ Layout plan_layout(const std::vector<TensorSrc>& tensors, const Metadata& metada
 
 void pad_header(Layout& L, std::size_t data_start) {
   if (data_start <= L.data_start || data_start % kPage != 0) return;
-  const std::uint64_t hlen = data_start - 8;
   L.header.resize(data_start, ' ');
-  for (int b = 0; b < 8; ++b) L.header[b] = static_cast<char>((hlen >> (8 * b)) & 0xff);
+  write_header_length(L.header);
   L.file_size += data_start - L.data_start;
   L.data_start = data_start;
 }

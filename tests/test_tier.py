@@ -104,9 +104,8 @@ def test_with_one_copy_the_next_save_withdraws_the_held_step_before_taking_it_ov
     doc = {"step": 1, "files": _files(t, 1)}
     assert holds(t, 1, doc)
     assert t.recycle(2, [rel]) == [t.path(1, rel)]
-    assert not holds(t, 1, doc) and "not marked held" in step_why_not(
-        t, 1, doc
-    )  # a restart now reads storage
+    # a restart now reads storage
+    assert not holds(t, 1, doc) and "not marked held" in step_why_not(t, 1, doc)
 
 
 def _made_ahead(tier: MemoryTier, i: int, rel: str) -> None:

@@ -8,7 +8,7 @@ it run beside it until it ends:
 
 * `nothing`: the reference;
 * `mapped_new`: `--gib` GiB copied from a mapped tmpfs file into a new tmpfs file, mapped (each page faulted
-  in by the copy, as a replica received into a new temporary), both mappings then closed (munmap);
+  in by the copy: a new file whose memory was not reserved), both mappings then closed (munmap);
 * `mapped_donor`: the same into an existing file whose pages exist (a replica received into an older one's);
 * `buffered_new`: the same bytes read with pread into a 64 MiB buffer and written with pwrite to a new file;
 * `buffered_donor`: the same into an existing file.

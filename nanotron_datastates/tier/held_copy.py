@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import trust
 from .folders import regular_size
-from .memory import MemoryTier
+from .memory import MemoryTier, marker_rank
 
 
 def holds(tier: MemoryTier, step: int, manifest: dict[str, Any]) -> bool:
@@ -30,7 +30,7 @@ def held(tier: MemoryTier, step: int, manifest: dict[str, Any]) -> dict[str, Pat
     files, out = manifest.get("files", {}), {}
     for name in tier.markers(step):
         try:
-            marked = tier.marked(step, int(name[len(".rank-") : -len(".json")]), strict=True) or {}
+            marked = tier.marked(step, marker_rank(name), strict=True) or {}
         except (OSError, ValueError):
             continue
         for rel, entry in marked.items():
@@ -48,7 +48,7 @@ def step_why_not(tier: MemoryTier, step: int, manifest: dict[str, Any]) -> str |
     marked: dict[str, dict[str, Any]] = {}
     for name in tier.markers(step):
         try:
-            files = tier.marked(step, int(name[len(".rank-") : -len(".json")]), strict=True)
+            files = tier.marked(step, marker_rank(name), strict=True)
         except (OSError, ValueError) as e:
             return str(e)
         marked.update(files or {})

@@ -57,6 +57,11 @@ def root(base: str | os.PathLike) -> Path:
     return trust.private_dir(str(base).replace("{uid}", str(os.geteuid())), "memory tier folder")
 
 
+def marker_rank(name: str) -> int:
+    """The rank whose marker (MARKER) `name` is; ValueError where it names no rank."""
+    return int(name[len(".rank-") : -len(".json")])
+
+
 def job_folder(base: str | os.PathLike, checkpoints: str | os.PathLike) -> Path:
     """This job's folder in the tier (not created): named after its checkpoints folder."""
     key = hashlib.sha1(str(Path(checkpoints).resolve()).encode()).hexdigest()[:16]
