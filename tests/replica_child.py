@@ -164,6 +164,7 @@ def restart(
         equal.append(bool(got.equal(want["w" if key == "data" else "m"])))
     leftovers = temporaries(tier.folder.parent)
     report = {"source": str(source) if source else None, "why": why, "equal": equal, "step": step}
+    report["held"] = tier.held_steps()
     (out / f"restart{rank}.json").write_text(json.dumps({**report, "leftovers": leftovers}))
     engine.close()
     dist.destroy_process_group()

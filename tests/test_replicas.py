@@ -93,6 +93,7 @@ def test_a_lost_node_resumes_from_its_peers_memory_bit_for_bit(tmp_path, ctx):
         assert o["step"] == 3 and o["equal"] == [True, True], (r, o)
         assert o["source"] == str(job_folder(child.tier_root(tmp_path, _node(r)), tmp_path / "ckpt") / "3")
         assert not o["leftovers"]
+        assert o["held"] == [3], (r, o)  # the pulled files marked held too, as a save marks them
     assert "2 file(s)" in out[2]["why"] and "pulled" in out[2]["why"]  # the lost ranks: from the peers
     assert out[0]["why"].startswith("0 file(s)")  # the others: their own node's copies
 

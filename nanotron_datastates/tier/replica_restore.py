@@ -88,8 +88,19 @@ def restart_source(
     if problems:
         return None, "; ".join(problems[:3])
     pulled, waited = sum(t.nbytes for t in recvs), time.monotonic() - t2
+    mark_held(tier, step, {rel: entries[rel] for rel in needs})
     return here, (
         f"{len(recvs)} file(s), {pulled / 1e9:.3f} GB, pulled from other nodes' memory in {seconds:.2f} s "
         f"over {link.name}; opened and reserved in {opened:.2f} s, checked in {checked:.2f} s, "
         f"every rank done {waited:.2f} s later"
     )
+
+
+def mark_held(tier: MemoryTier, step: int, files: dict[str, dict[str, Any]]) -> None:
+    """This rank's files of `step`, now whole in its node's tier (pulled, linked in, or its own), marked held
+    by it, as its save would have: a second restart finds them, and the rank's first step does not make new
+    files ahead as on a fresh start (save/memory.prepare_tier). After every rank's pull: a node-mate may have
+    pulled some of them."""
+    mine = tier.marked(step, tier.rank) or {}
+    if not files.keys() <= mine.keys():
+        tier.commit(step, {**mine, **files})

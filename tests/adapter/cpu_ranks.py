@@ -263,7 +263,13 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     metadata = resume.confirm()
     resume.before_step()
     resume.finish(close_engine=True)
+    held = None
+    if replicas or memory:  # the steps this rank's tier marks held after the resume (a pull marks them too)
+        from nanotron_datastates.tier.memory import MemoryTier
+
+        held = MemoryTier(work / f"node{node}-shm", ckpt, rank).held_steps()
     return {
+        "held": held,
         "events": events,
         "differences": differences(saved, snapshot(*fresh)),
         "tensors": count_tensors(saved),

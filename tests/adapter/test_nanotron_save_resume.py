@@ -74,6 +74,7 @@ def test_a_lost_node_resumes_every_rank_from_memory_through_its_peers_replicas(t
         assert r["differences"] == [] and r["tensors"] > 20
         assert r["events"] == ["queue_start", "queued", "committed", "replicated"], r["events"]
         assert r["source"] and r["source"].startswith(str(tmp_path / f"node{r['node']}-shm")), r
+        assert r["held"] == [7], r  # the lost node's ranks mark what they pulled, as their saves did
     doc = read_manifest(tmp_path / "ckpt" / "7")
     assert doc["replicas"]["holders"] == [[2], [3], [0], [1]]
     # the bytes the checkpoint sent over the network, and the time, in rank 0's telemetry: every file once
@@ -99,7 +100,7 @@ def test_a_restart_resumes_the_newest_memory_checkpoint_the_nodes_hold_whole(tmp
         assert r["last_train_step"] == 9
         here = tmp_path / f"node{r['node']}-shm"
         assert r["folder"].startswith(str(here)) and r["folder"].endswith("/9"), r
-        assert r["source"] == r["folder"]
+        assert r["source"] == r["folder"] and 9 in r["held"], r
         done = ["queue_start", "queued", "committed"] + (["replicated"] if replicas else [])
         assert sorted(r["events"]) == sorted(done * 2), r["events"]
     assert not (tmp_path / "ckpt" / "9").exists()  # nothing of it in storage
