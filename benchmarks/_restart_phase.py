@@ -102,6 +102,9 @@ def run_phase(args: argparse.Namespace) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
             if "first_step_end_s" not in rec["marks"]:
                 torch.cuda.synchronize()
+                # Every rank's first step done: the job's, not rank 0's alone (a rank still busy after its
+                # step holds the next one at Nanotron's barrier).
+                torch.distributed.barrier()
                 rec["marks"]["first_step_end_s"] = time.perf_counter() - t_start
             return out
 

@@ -84,14 +84,17 @@ class EngineReads:
         path: str | os.PathLike,
         checksums: Mapping[str, int] | None = None,
         block_checksums: tuple[int, Mapping[str, Sequence[int]]] | None = None,
+        *,
+        callers: int = 1,
     ) -> bool:
         """Checks a file end to end: its header, its size, and every tensor's CRC-32C (stored in the file, or
         `checksums`, with their `block_checksums`). Raises FormatError, ChecksumError or OSError naming the
         file; returns whether any checksum was checked (False: a file without checksums, whose structure
-        alone is sound)."""
+        alone is sound). `callers` > 1: the tensors read in that many runs at once, for a large file when
+        more CPUs are free than the engine's parser threads."""
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
-        header = verify_file(self._core, path, checksums, block_checksums)
+        header = verify_file(self._core, path, checksums, block_checksums, callers)
         return checksums is not None or header.checksums() is not None
 
     def load_tensors(

@@ -16,6 +16,7 @@ against). Their names stay importable from here.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -90,16 +91,25 @@ def verify_file(
     path: str | os.PathLike,
     checksums: Mapping[str, int] | None = None,
     block_checksums: tuple[int, Mapping[str, Sequence[int]]] | None = None,
+    callers: int = 1,
 ) -> fmt.Header:
     """Reads every byte of the file and checks each tensor against its checksum (stored in the file or
     given), and that its block checksums (likewise) combine to it; FormatError, ChecksumError or OSError
     name the file. Returns the header; a file with no checksums, and none given, is only checked for
-    structure."""
+    structure. `callers`: the tensors split into that many runs of about equal bytes, read at once (each
+    over the core's parser threads too): a large file checked by more threads than the core has."""
     path = os.fspath(path)
     with _opened(path) as (fd, header):
         _check_structure(header, path)
         if checksums is not None or header.checksums() is not None:
-            _read_to_host(core, path, fd, header, True, checksums)
+            runs = _runs(header.tensors, callers)
+            if len(runs) == 1:
+                _read_to_host(core, path, fd, header, True, checksums)
+            else:
+                with ThreadPoolExecutor(len(runs), "datastates-verify") as pool:
+                    for done in [pool.submit(_read_to_host, core, path, fd, header, True, checksums, run)
+                                 for run in runs]:  # fmt: skip
+                        done.result()
     if checksums is None:
         blocks, whole = header.block_checksums(), header.checksums()
     else:
@@ -113,6 +123,17 @@ def verify_file(
                 "header is corrupt"
             )
     return header
+
+
+def _runs(entries: Sequence[fmt.TensorEntry], n: int) -> list[list[fmt.TensorEntry]]:
+    """`entries` (in file order) cut into at most `n` runs of about equal bytes, none empty (one at least)."""
+    total, runs, size = sum(e.nbytes for e in entries), [[]], 0  # type: ignore[var-annotated]
+    for e in entries:
+        if runs[-1] and size >= total * len(runs) / max(1, n):
+            runs.append([])
+        runs[-1].append(e)
+        size += e.nbytes
+    return runs
 
 
 def load_into_tensors(

@@ -26,7 +26,8 @@ from nanotron_datastates.checkpoint.names import LATEST, MANIFEST
 from nanotron_datastates.save import housekeeping
 from nanotron_datastates.save.writer_lock import LOCK, WriterLock
 from nanotron_datastates.tier.memory import MemoryTier
-from nanotron_datastates.tier.replica_transfer import Transfer, _temporary, check_and_place
+from nanotron_datastates.tier.replica_check import check_and_place
+from nanotron_datastates.tier.replica_transfer import Transfer, _temporary
 from nanotron_datastates.tier.replicas import replica_area
 
 from helpers import small_config, write_nanotron_checkpoint

@@ -15,7 +15,8 @@ import torch
 
 from nanotron_datastates import ChecksumError, DataStatesConfig, DataStatesEngine
 from nanotron_datastates.checkpoint.checksums import file_entry
-from nanotron_datastates.tier.replica_transfer import Transfer, _temporary, check_and_place, reserve
+from nanotron_datastates.tier.replica_check import check_and_place
+from nanotron_datastates.tier.replica_transfer import Transfer, _temporary, reserve
 
 
 def _area(tmp_path: Path) -> tuple[Path, Path]:
@@ -113,3 +114,90 @@ def test_a_received_file_is_placed_only_where_every_byte_matches_its_entry(tmp_p
     assert placed == ([] if corrupt else ["b.safetensors", "w.safetensors"])
     if not corrupt:
         assert (into / "model" / "w.safetensors").read_bytes() == bytes(data)
+
+
+def test_a_file_checked_as_it_lands_while_another_is_still_received_is_placed_with_it(tmp_path):
+    """`Checks.landed` starts a file's check while the other file's bytes are still to come (as a link
+    reports files received whole mid-transfer); `place` waits for both checks and places both, and a file
+    damaged after its bytes landed but before its check fails by name."""
+    from nanotron_datastates.tier.replica_check import Checks
+
+    top, into = _area(tmp_path)
+    src = tmp_path / "src.safetensors"
+    with DataStatesEngine(DataStatesConfig(host_cache_size=4 / 1024, chunk_size=1)) as engine:
+        handle = engine.save({"w": torch.arange(50_000, dtype=torch.float32)}, src)
+        handle.wait_persisted()
+        data = torch.frombuffer(bytearray(src.read_bytes()), dtype=torch.uint8)
+        entry = file_entry(len(data), handle)
+        ts = [Transfer(0, "model/a.safetensors", len(data)), Transfer(0, "model/b.safetensors", len(data))]
+        with contextlib.ExitStack() as stack:
+            for t in ts:
+                stack.enter_context(_temporary(into, t))
+            checks = stack.enter_context(Checks(engine, ts, lambda t: entry))
+            assert ts[0].buf is not None and ts[1].buf is not None
+            ts[0].buf.copy_(data)
+            checks.landed(ts[0])
+            checks.landed(ts[0])  # reported twice: checked once
+            ts[1].buf.copy_(data)
+            checks.place()
+    assert sorted(p.name for p in (into / "model").iterdir()) == ["a.safetensors", "b.safetensors"]
+    assert (into / "model" / "b.safetensors").read_bytes() == src.read_bytes()
+
+
+def test_a_received_file_is_reported_whole_only_once_every_chunk_up_to_its_end_is_in():
+    """The NCCL link's waves land out of order on its copying threads: one peer's files, laid end to end in
+    chunks of 128 bytes, are reported (to be checked) only once every chunk up to each one's end is in its
+    mapping; a chunk whose copy failed holds back every file from it on."""
+    from concurrent.futures import Future
+
+    from nanotron_datastates.tier.link_nccl import _Drained
+    from nanotron_datastates.tier.replica_transfer import Landing
+
+    sizes = [0, 100, 50, 0, 300, 10]
+    files = [Transfer(1, f"f{i}", n) for i, n in enumerate(sizes)]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    got: list[str] = []
+    ends = Landing([(a + t.nbytes, t) for t, a in zip(files, starts)], lambda t: got.append(t.rel))
+    drained = _Drained([ends], 128)
+    assert got == ["f0"]  # no bytes: whole at once
+    waves = [[Future(), Future()] for _ in range(4)]  # 460 bytes: 4 chunks, each copied in 2 pieces
+    for w, fs in enumerate(waves):
+        drained.watch(w, fs)
+    for f in waves[1]:
+        f.set_result(None)
+    assert got == ["f0"]  # the second chunk before the first: nothing more yet
+    waves[0][0].set_result(None)
+    assert got == ["f0"]
+    waves[0][1].set_result(None)  # bytes [0, 256): f1 ends at 100, f2 at 150, f3 (empty) at 150
+    assert got == ["f0", "f1", "f2", "f3"]
+    waves[2][0].set_exception(OSError("copy failed"))
+    waves[2][1].set_result(None)
+    for f in waves[3]:
+        f.set_result(None)
+    assert got == ["f0", "f1", "f2", "f3"]  # f4 and f5 reach into the failed chunk: never reported
+
+
+@pytest.mark.parametrize("corrupt", [None, 0, 5])
+def test_a_file_checked_in_runs_at_once_checks_every_tensor(tmp_path, corrupt):
+    """`verify(callers=3)` splits a file's tensors into runs read at once: every tensor is checked, the
+    first and a later run's alike, and a damaged byte fails naming the file and the tensor."""
+    from nanotron_datastates.errors import ChecksumError
+
+    path = tmp_path / "w.safetensors"
+    with DataStatesEngine(DataStatesConfig(host_cache_size=4 / 1024, chunk_size=1)) as engine:
+        handle = engine.save({f"t{i}": torch.full((1000 + i,), float(i)) for i in range(7)}, path)
+        handle.wait_persisted()
+        sums = handle.checksums()
+        if corrupt is not None:
+            from nanotron_datastates.format import read_header
+
+            entry = next(e for e in read_header(path).tensors if e.name.endswith(f"t{corrupt}"))
+            with open(path, "r+b") as f:
+                f.seek(read_header(path).data_start + entry.begin + 3)
+                byte = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([byte[0] ^ 0x40]))
+            with pytest.raises(ChecksumError, match=rf"w\.safetensors.*t{corrupt}"):
+                engine.verify(path, sums, callers=3)
+        else:
+            assert engine.verify(path, sums, callers=3)

@@ -17,14 +17,15 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from .replica_transfer import Transfer, pace
+from .replica_transfer import Landing, Transfer, pace
 from .step_order import StepOrder
 
 CHUNK = 32 << 20  # bytes of a slot: NCCL moves 32 MiB messages near the link's peak
@@ -134,11 +135,19 @@ class NcclLink:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def move(self, sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0, waves: int = 0) -> float:
+    def move(
+        self,
+        sends: list[Transfer],
+        recvs: list[Transfer],
+        gbps: float = 0.0,
+        waves: int = 0,
+        landed: Callable[[Transfer], None] | None = None,
+    ) -> float:
         """Sends and receives every transfer's bytes at once (both ends list a pair's files in the same
         order); keeps the bytes sent under `gbps` GB/s (0: no limit). With `order`, each wave's NCCL calls
         are made at an optimizer step (step_order.py), and `waves` (at least this rank's own) is the count
-        every rank agreed on, so that the k-th call of every rank is the same wave. Returns the seconds."""
+        every rank agreed on, so that the k-th call of every rank is the same wave. `landed(t)` is called
+        (from a copying thread) for each file received whole, as soon as it is. Returns the seconds."""
         t0 = time.monotonic()
         torch.cuda.set_device(self.device)  # this thread's device: NCCL calls need it
         outs, ins = _Stream.of(sends), _Stream.of(recvs)
@@ -151,6 +160,9 @@ class NcclLink:
         fills: dict[int, list[Future]] = {}
         drains: dict[int, list[Future]] = {}
         made: dict[int, Future] = {}  # each wave's NCCL calls: their works, once made
+        drained = _Drained(
+            [Landing([(a + t.nbytes, t) for t, a in zip(s.files, s.starts)], landed) for s in ins], c
+        )
 
         def fill(wave: int) -> None:  # the wave's chunks sent, into their slots, once the GPU has read them
             if wave < waves:
@@ -179,6 +191,7 @@ class NcclLink:
                 for j, s in enumerate(ins)
                 for part in s.parts(wave, c)
             ]
+            drained.watch(wave, drains[wave])
 
         sent = 0
         try:
@@ -234,6 +247,42 @@ class NcclLink:
         done: Future = Future()
         done.set_result(call())
         return done
+
+
+class _Drained:
+    """The waves whose received chunks are in the files' mappings: once waves 0..n-1 all are, each stream's
+    files that end within its first n chunks are reported landed (`Landing`)."""
+
+    def __init__(self, ends: list[Landing], chunk: int) -> None:
+        self.ends, self.chunk, self.done, self.prefix = ends, chunk, set[int](), 0
+        self._lock = threading.Lock()
+        self._advance(-1)  # files of no bytes at the start of a stream
+
+    def watch(self, wave: int, copies: list[Future]) -> None:
+        """`copies`: the wave's copies into the mappings (none: it received nothing)."""
+        left = [len(copies)]
+
+        def one(f: Future) -> None:
+            if not f.cancelled() and f.exception() is None:
+                with self._lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        self._advance(wave)
+
+        if not copies:
+            with self._lock:
+                self._advance(wave)
+        for f in copies:
+            f.add_done_callback(one)
+
+    def _advance(self, wave: int) -> None:  # holding the lock
+        if wave >= 0:
+            self.done.add(wave)
+        while self.prefix in self.done:
+            self.done.remove(self.prefix)
+            self.prefix += 1
+        for e in self.ends:
+            e.upto(self.prefix * self.chunk)
 
 
 def _after(event: torch.cuda.Event, copy: Any, *args: Any) -> None:

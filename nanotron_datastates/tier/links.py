@@ -8,7 +8,7 @@ than gloo's host copies (benchmarks/NOTES.md). The choice is named in the log an
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,14 @@ class Link(Protocol):
     order: StepOrder | None  # while training runs, NCCL's calls made at the optimizer steps
 
     def move(
-        self, sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0, waves: int = 0
-    ) -> float: ...
+        self,
+        sends: list[Transfer],
+        recvs: list[Transfer],
+        gbps: float = 0.0,
+        waves: int = 0,
+        landed: Callable[[Transfer], None] | None = None,
+    ) -> float:
+        """`landed(t)`: called, from any thread, for each file received whole, as soon as it is."""
 
     def reserve(self, outs: int, ins: int) -> None:
         """Makes now what moving to `outs` peers and from `ins` peers needs: before training, not during."""
@@ -51,8 +57,15 @@ class GlooLink:
         self.groups = list(streams) if isinstance(streams, (list, tuple)) else [streams]
         self.chunk = chunk
 
-    def move(self, sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0, waves: int = 0) -> float:
-        return move(self.groups, sends, recvs, gbps, self.chunk)  # `waves`: NCCL's, at the steps
+    def move(
+        self,
+        sends: list[Transfer],
+        recvs: list[Transfer],
+        gbps: float = 0.0,
+        waves: int = 0,
+        landed: Callable[[Transfer], None] | None = None,
+    ) -> float:
+        return move(self.groups, sends, recvs, gbps, self.chunk, landed)  # `waves`: NCCL's, at the steps
 
     def reserve(self, outs: int, ins: int) -> None:
         pass  # gloo sends from and receives into the files' mappings: no buffers of its own

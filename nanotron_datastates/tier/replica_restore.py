@@ -19,7 +19,8 @@ from .. import trust
 from .held_copy import held
 from .links import GlooLink, Link
 from .memory import MemoryTier
-from .replica_transfer import Transfer, check_and_place, gather, open_all
+from .replica_check import Checks
+from .replica_transfer import Transfer, gather, open_all
 from .replicas import node_key, replica_area
 
 
@@ -67,32 +68,36 @@ def restart_source(
     sends = [Transfer(r, rel, entries[rel]["bytes"]) for (_, rel), (r, q) in sorted(pulls.items()) if q == me]
     recvs = [Transfer(q, rel, entries[rel]["bytes"]) for (_, rel), (r, q) in sorted(pulls.items()) if r == me]
     here = tier.folder / str(step)
-    problem, seconds, checked, t0 = None, 0.0, 0.0, time.monotonic()
+    problem, parts, t0 = None, [0.0, 0.0, 0.0], time.monotonic()
     with contextlib.ExitStack() as stack:
         problems = open_all(stack, group, sends, lambda t: have[t.rel], recvs, here)
         if problems:
             return None, "; ".join(problems[:3])
-        opened = time.monotonic() - t0
-        try:
-            seconds = link.move(sends, recvs)
+        parts[0] = time.monotonic() - t0
+        try:  # each file checked as soon as it has landed, beside the rest of the transfer
+            checks = stack.enter_context(Checks(engine, recvs, lambda t: entries[t.rel]))
+            parts[1] = link.move(sends, recvs, landed=checks.landed)
             t1 = time.monotonic()
-            check_and_place(engine, recvs, lambda t: entries[t.rel])
-            checked = time.monotonic() - t1
+            checks.place()
+            parts[2] = time.monotonic() - t1
             for rel in links:
                 with contextlib.suppress(FileExistsError):  # another rank of this node linked it first
                     trust.link_in(have[rel].parent, here.parent, f"{step}/{rel}")  # no link followed
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             problem = f"rank {me}: {e}"
     t2 = time.monotonic()
-    problems = [p for p in gather(group, problem) if p]
+    answers = gather(group, (problem, parts))
+    problems = [p for p, _ in answers if p]
     if problems:
         return None, "; ".join(problems[:3])
     pulled, waited = sum(t.nbytes for t in recvs), time.monotonic() - t2
     mark_held(tier, step, {rel: entries[rel] for rel in needs})
+    slowest = [max(a[1][i] for a in answers) for i in range(3)]
     return here, (
-        f"{len(recvs)} file(s), {pulled / 1e9:.3f} GB, pulled from other nodes' memory in {seconds:.2f} s "
-        f"over {link.name}; opened and reserved in {opened:.2f} s, checked in {checked:.2f} s, "
-        f"every rank done {waited:.2f} s later"
+        f"{len(recvs)} file(s), {pulled / 1e9:.3f} GB, pulled from other nodes' memory in {parts[1]:.2f} s "
+        f"over {link.name}; the slowest rank opened and reserved its files in {slowest[0]:.2f} s, moved them "
+        f"in {slowest[1]:.2f} s, had them checked {slowest[2]:.2f} s after; this rank waited {waited:.2f} s "
+        "for the others"
     )
 
 

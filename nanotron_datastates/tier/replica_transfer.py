@@ -2,10 +2,10 @@
 mapped read-only from the tier, each file received goes into a new temporary beside its name (or an older
 copy's file taken over), mapped; the ranks agree that every rank could open all of its files before a byte
 moves (`open_all`); then a link (links.py) moves them, gloo's by `move` here: every transfer at once, in
-waves of one chunk of each split over several gloo groups, paced to a rate. A received file is checked
-against its manifest entry (size and every tensor's checksum) before it is renamed into place
-(`check_and_place`, several files at once); a file killed half received stays a temporary, never read,
-removed at the next start.
+waves of one chunk of each split over several gloo groups, paced to a rate, each received file reported
+as its last byte lands (`landed`). A received file is checked against its manifest entry before it is
+renamed into place (replica_check.py); a file killed half received stays a temporary, never read, removed
+at the next start.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from .. import trust
-from ..checkpoint.checksums import file_block_checksums, file_checksums
 from ..errors import DataStatesError
 
 CHUNK = 64 << 20  # bytes a message carries
@@ -163,16 +162,23 @@ def _take_over(top: Path, donor: Path, tmp: Path, dir_fd: int) -> int | None:
 
 
 def move(
-    groups: Sequence[Any], sends: list[Transfer], recvs: list[Transfer], gbps: float = 0.0, chunk: int = CHUNK
+    groups: Sequence[Any],
+    sends: list[Transfer],
+    recvs: list[Transfer],
+    gbps: float = 0.0,
+    chunk: int = CHUNK,
+    landed: Callable[[Transfer], None] | None = None,
 ) -> float:
     """Sends and receives every transfer's bytes at once, in waves of one chunk of each, each chunk split
     over `groups` (gloo groups over the same ranks: each has its own connections and I/O thread, so the
     pieces travel side by side); both ends list a pair's files in the same order and split alike, so gloo
-    matches them in order. After each wave, waits as long as keeps the bytes sent under `gbps` GB/s (0: no
-    limit). Returns the seconds it took."""
+    matches them in order. After each wave, calls `landed(t)` for each file received whole by then, and
+    waits as long as keeps the bytes sent under `gbps` GB/s (0: no limit). Returns the seconds it took."""
     t0 = time.monotonic()
     sent = 0
     waves = max([-(-t.nbytes // chunk) for t in sends + recvs] or [0])
+    ends = Landing([(t.nbytes, t) for t in recvs], landed)  # every file's chunk i in wave i
+    ends.upto(0)
     for i in range(waves):
         lo, requests = i * chunk, []
         for ts, post in ((sends, dist.isend), (recvs, dist.irecv)):
@@ -184,8 +190,23 @@ def move(
         for r in requests:
             if r is not None:  # None: this rank is not in `group` (never here)
                 r.wait()
+        ends.upto(lo + chunk)
         pace(sent, gbps, t0)
     return time.monotonic() - t0
+
+
+class Landing:
+    """Calls `landed(t)` once for each transfer of `ends` ((offset of its last byte + 1, transfer)) once
+    every byte before `upto`'s offset is in: the files received, as their bytes arrive in order."""
+
+    def __init__(self, ends: Sequence[tuple[int, Transfer]], landed: Callable[[Transfer], None] | None):
+        self.todo = sorted(ends, key=lambda e: e[0]) if landed else []
+        self.landed = landed
+
+    def upto(self, offset: int) -> None:
+        while self.todo and self.todo[0][0] <= offset:
+            assert self.landed is not None
+            self.landed(self.todo.pop(0)[1])
 
 
 def pieces(groups: Sequence[Any], lo: int, n: int, align: int = 1 << 16) -> list[tuple[Any, int, int]]:
@@ -204,30 +225,6 @@ def pace(sent: int, gbps: float, t0: float) -> None:
         ahead = sent / (gbps * 1e9) - (time.monotonic() - t0)
         if ahead > 0:
             time.sleep(ahead)
-
-
-def check_and_place(
-    engine: Any, recvs: list[Transfer], entry_of: Callable[[Transfer], dict[str, Any]]
-) -> None:
-    """Checks each received temporary against its manifest entry (`entry_of(t)`: size, every tensor's
-    checksum), several files at once (the engine's checks run without the GIL), then renames each to its
-    name (no link followed); ChecksumError, FormatError or OSError naming the first file that fails, and
-    none renamed then."""
-    with ThreadPoolExecutor(max(1, min(8, len(recvs))), "datastates-replica-check") as pool:
-        for done in [pool.submit(_check, engine, t, entry_of(t)) for t in recvs]:
-            done.result()
-    for t in recvs:
-        assert t.temporary is not None and t.into is not None
-        top = t.into.parent  # as `_temporary` walked: the folder received into is no link either
-        trust.rename_in(top, str(t.temporary.relative_to(top)), f"{t.into.name}/{t.rel}")
-        t.temporary = None
-
-
-def _check(engine: Any, t: Transfer, entry: dict[str, Any]) -> None:
-    assert t.temporary is not None
-    doc, top = {"files": {t.rel: entry}}, Path("/")  # the entry's checksums, looked up by its name
-    sums = file_checksums(doc, top, top / t.rel)
-    engine.verify(t.temporary, sums, file_block_checksums(doc, top, top / t.rel))
 
 
 def open_all(

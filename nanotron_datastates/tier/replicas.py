@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from .links import GlooLink, Link
 from .memory import REPLICAS, MemoryTier
-from .replica_transfer import CHUNK, ReplicaError, Transfer, check_and_place, gather, open_all
+from .replica_check import check_and_place
+from .replica_transfer import CHUNK, ReplicaError, Transfer, gather, open_all
 
 
 def node_key() -> str:

@@ -55,7 +55,10 @@ def open_tier(settings: TrainerSettings, checkpoints: Path) -> tuple[MemoryTier 
         keep = None
     newer = steps_with_manifest(tier, keep)  # memory checkpoints: the newest may be what training resumed
     keep = newer[-1] if newer else keep
+    t0 = time.perf_counter()
     tier.prune(keep)  # what a killed process left besides the newest committed step
+    if (s := time.perf_counter() - t0) > 0.1:
+        say.info(f"memory tier: what an earlier process left besides step {keep} removed in {s:.2f} s")
     return tier, keep
 
 
@@ -105,6 +108,7 @@ def open_replicas(
 
     if tier is None or not settings.memory_replicas or not tdist.is_initialized():
         return Replication()
+    t0 = time.perf_counter()
     nodes = groups.gather(node_key(), pc)
     holders = placement(nodes, settings.memory_replicas)
     me = groups.rank(pc.world_pg)
@@ -116,7 +120,8 @@ def open_replicas(
     # they deadlock them (a 180M dp2 job hung so).
     link = open_link(group, settings.memory_replica_transport, at_steps=True)
     link.reserve(len(holders[me]), len(sources))  # buffers pinned before training, not during
-    say.info(f"memory replicas go over {link.name}" + (", at the optimizer steps" if link.order else ""))
+    at_steps = ", at the optimizer steps" if link.order else ""
+    say.info(f"memory replicas go over {link.name}{at_steps} (ready in {time.perf_counter() - t0:.2f} s)")
     replicator = Replicator(
         tier, holders, group, engine, settings.memory_replica_gbps, on_done=on_done, link=link
     )
