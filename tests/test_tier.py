@@ -52,6 +52,30 @@ def test_prune_keeps_the_latest_step_and_what_other_ranks_hold(tmp_path):
     assert r0.path(30, "model/w_0.safetensors").exists() and r0.path(40, "model/w_0.safetensors").exists()
 
 
+def test_a_prune_behind_the_start_of_training_is_waited_for_by_the_first_commit(tmp_path):
+    """`prune_behind` removes a killed process's steps on a thread of its own; a commit made at once waits
+    for it: the step it marks survives, and the steps it would drop are gone, as with a prune in line.
+    A prune that fails is reported to `on_done`, not raised into training."""
+    r0 = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0, copies=2)
+    for step in (10, 20, 30):
+        _hold(r0, step)
+    for i in range(200):  # files enough that the removal is still running at the commit
+        (r0.folder / "20" / f"f{i}").write_bytes(b"x")
+    done: list = []
+    r0.prune_behind(30, lambda error, seconds: done.append((error, seconds)))
+    rel = "model/w_0.safetensors"
+    r0.path(40, rel).parent.mkdir(parents=True)
+    r0.path(40, rel).write_bytes(b"y" * 10)
+    r0.commit(40, {rel: {"bytes": 10}})  # 30 becomes the spare
+    assert r0.steps() == [30, 40] and r0.held_steps() == [40]
+    assert len(done) == 1 and done[0][0] is None and done[0][1] >= 0
+    shutil.rmtree(r0.folder)  # the job's folder gone from under it (the tier wiped): nothing to list
+    failed: list = []
+    r0.prune_behind(40, lambda error, seconds: failed.append(error))
+    r0.pruned()
+    assert len(failed) == 1 and isinstance(failed[0], OSError), failed
+
+
 def test_prune_removes_what_dead_processes_were_writing_and_keeps_a_live_ones(tmp_path):
     import subprocess
 

@@ -55,10 +55,18 @@ def open_tier(settings: TrainerSettings, checkpoints: Path) -> tuple[MemoryTier 
         keep = None
     newer = steps_with_manifest(tier, keep)  # memory checkpoints: the newest may be what training resumed
     keep = newer[-1] if newer else keep
-    t0 = time.perf_counter()
-    tier.prune(keep)  # what a killed process left besides the newest committed step
-    if (s := time.perf_counter() - t0) > 0.1:
-        say.info(f"memory tier: what an earlier process left besides step {keep} removed in {s:.2f} s")
+
+    def pruned(error: BaseException | None, seconds: float) -> None:
+        if error is not None:
+            say.error(f"memory tier: what an earlier process left could not all be removed ({error!r})")
+        elif seconds > 0.1:
+            say.info(
+                f"memory tier: what an earlier process left besides step {keep} removed in {seconds:.2f} s"
+            )
+
+    # What a killed process left besides the newest committed step, removed beside the start of training;
+    # the tier's saves wait for it.
+    tier.prune_behind(keep, pruned)
     return tier, keep
 
 
@@ -73,6 +81,7 @@ def prepare_tier(
     and its 14-22 GB (1.1B) would double the restart's time to its first step. A set that cannot be made is
     left to a save to make, as without it."""
     nbytes = sum(plan.nbytes for _, plan in files)
+    tier.pruned()  # an earlier process's files gone: their room counted, their names free
     check_room(tier, nbytes * int(os.environ.get("LOCAL_WORLD_SIZE", "1")), settings.memory_replicas)
     if tier.held_steps():
         return
