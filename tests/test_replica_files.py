@@ -75,7 +75,9 @@ def test_a_donor_with_a_second_name_is_not_overwritten(tmp_path):
 
 
 @pytest.mark.parametrize("check_room", [True, False])
-def test_a_receive_into_a_tier_without_room_fails_before_a_byte_moves_naming_the_file(small_tmpfs, check_room):
+def test_a_receive_into_a_tier_without_room_fails_before_a_byte_moves_naming_the_file(
+    small_tmpfs, check_room
+):
     """A tier out of room (here a 4 MiB tmpfs, 8 MiB to receive) fails where the temporary is made, with
     ENOSPC naming it, and leaves nothing: a copy into a mapping with no page behind it would be a SIGBUS
     that kills the rank in the middle of a transfer."""
