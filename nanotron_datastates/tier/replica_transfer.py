@@ -174,7 +174,7 @@ def _reserve(t: Transfer, a: int, n: int) -> None:
         except OSError as e:  # a file system that cannot: pages at first use
             if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
                 return
-            err = e.errno
+            err = e.errno or errno.EIO
     if err in (errno.EFAULT, errno.ENOMEM):  # what would have been a SIGBUS: no memory behind the page
         err = errno.ENOSPC
     raise OSError(err, f"reserving the memory of a replica file: {os.strerror(err)}", str(t.temporary))
