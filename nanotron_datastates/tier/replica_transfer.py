@@ -11,7 +11,6 @@ at the next start.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import errno
 import itertools
@@ -123,61 +122,25 @@ def _temporary(folder: Path, t: Transfer) -> Iterator[None]:
 
 
 def reserve(recvs: list[Transfer]) -> None:
-    """The memory of every temporary received into, taken now: a tier out of room fails here, with an
-    OSError (ENOSPC) naming the file, not with a SIGBUS in the middle of a transfer into its mapping; and
-    the transfer then writes into pages that exist and are mapped, where new pages of a tmpfs are allocated
-    one fault at a time on the receiving thread. The room is checked first (`fstatvfs`), then each file's
-    mapping populated in ranges of RANGE bytes, 8 at once: a rank's optimizer file, most of its bytes, is
-    reserved by every thread (`posix_fallocate` takes the file's lock for its whole length)."""
+    """The memory of every temporary received into, taken now, several files at once: a tier out of room
+    fails here, with an OSError naming the file, not with a SIGBUS in the middle of a transfer into its
+    mapping; and the transfer then writes into pages that exist, where new pages of a tmpfs are allocated
+    one fault at a time on the receiving thread."""
     todo = [t for t in recvs if t.fd is not None and t.nbytes]
-    _room(todo)
-    ranges = [(t, a, min(RANGE, t.nbytes - a)) for t in todo for a in range(0, t.nbytes, RANGE)]
-    with ThreadPoolExecutor(max(1, min(8, len(ranges))), "datastates-replica-reserve") as pool:
-        for done in [pool.submit(_reserve, t, a, n) for t, a, n in ranges]:
+    with ThreadPoolExecutor(max(1, min(8, len(todo))), "datastates-replica-reserve") as pool:
+        for done in [pool.submit(_reserve, t) for t in todo]:
             done.result()
 
 
-RANGE = 64 << 20  # bytes of a file one thread populates at a time
-_MADV_POPULATE_WRITE = 23  # Linux 5.14
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-
-
-def _room(todo: list[Transfer]) -> None:
-    """ENOSPC naming the first temporary of a file system without room for what `todo` still lacks."""
-    need: dict[int, tuple[Transfer, int]] = {}
-    for t in todo:
-        assert t.fd is not None
-        st = os.fstat(t.fd)  # a donor's pages exist already
-        first, n = need.get(st.st_dev, (t, 0))
-        need[st.st_dev] = (first, n + max(0, t.nbytes - st.st_blocks * 512))
-    for first, n in need.values():
-        assert first.fd is not None
-        vfs = os.fstatvfs(first.fd)
-        if vfs.f_bavail * vfs.f_frsize < n:
-            free = vfs.f_bavail * vfs.f_frsize
-            why = f"reserving the memory of replica files: {n} bytes to receive, {free} free"
-            raise OSError(errno.ENOSPC, why, str(first.temporary))
-
-
-def _reserve(t: Transfer, a: int, n: int) -> None:
-    """Bytes [a, a + n) of `t`'s temporary allocated and mapped (populated); where the kernel cannot
-    populate (before 5.14), allocated (`posix_fallocate`)."""
-    assert t.fd is not None and t.buf is not None
-    if _libc.madvise(t.buf.data_ptr() + a, n, _MADV_POPULATE_WRITE) == 0:
-        return
-    err = ctypes.get_errno()
-    if err == errno.EINVAL:
-        try:
-            os.posix_fallocate(t.fd, a, n)
-            return
-        except OSError as e:  # a file system that cannot: pages at first use
-            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                return
-            err = e.errno or errno.EIO
-    if err in (errno.EFAULT, errno.ENOMEM):  # what would have been a SIGBUS: no memory behind the page
-        err = errno.ENOSPC
-    raise OSError(err, f"reserving the memory of a replica file: {os.strerror(err)}", str(t.temporary))
+def _reserve(t: Transfer) -> None:
+    assert t.fd is not None
+    try:
+        os.posix_fallocate(t.fd, 0, t.nbytes)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system that cannot: pages at first use
+            raise OSError(
+                e.errno, f"reserving the memory of a replica file: {e.strerror}", str(t.temporary)
+            ) from None
 
 
 def _take_over(top: Path, donor: Path, tmp: Path, dir_fd: int) -> int | None:
