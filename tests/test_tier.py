@@ -360,3 +360,21 @@ def test_the_room_check_counts_what_the_tier_holds_while_other_ranks_rename_into
         (t.folder / "10" / ".rank-0.json").read_bytes()
     )
     check_room(t, 1)
+
+
+def test_a_pulled_step_is_marked_held_with_the_files_the_rank_marked_before(tmp_path):
+    """`mark_held` (a restart's pull): the rank's marker of the step lists its files, those it marked before
+    kept, and is not written again where it lists them all already."""
+    from nanotron_datastates.tier.replica_restore import mark_held
+
+    tier = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0, copies=2)
+    _hold(tier, 7)  # model/w_0.safetensors marked by its save
+    mark_held(tier, 7, {"optimizer/o_0.safetensors": {"bytes": 4}})
+    assert tier.marked(7, 0) == {
+        "model/w_0.safetensors": {"bytes": 10},
+        "optimizer/o_0.safetensors": {"bytes": 4},
+    }
+    marker = tier.folder / "7" / ".rank-0.json"
+    before = marker.stat().st_ino
+    mark_held(tier, 7, {"model/w_0.safetensors": {"bytes": 10}})
+    assert marker.stat().st_ino == before and tier.held_steps() == [7]

@@ -91,14 +91,18 @@ def restart_source(
     if problems:
         return None, "; ".join(problems[:3])
     pulled, waited = sum(t.nbytes for t in recvs), time.monotonic() - t2
-    mark_held(tier, step, {rel: entries[rel] for rel in needs})
+    unmarked = ""
+    try:
+        mark_held(tier, step, {rel: entries[rel] for rel in needs})
+    except (OSError, ValueError) as e:  # the files serve this restart still; a second one reads storage
+        unmarked = f"; not marked held ({e})"
     slowest = [max(a[1][i] for a in answers) for i in range(3)]
     sent, (opened, moved, checked) = sum(t.nbytes for t in sends), slowest
     return here, (
         f"{len(recvs)} file(s), {pulled / 1e9:.3f} GB, pulled from other nodes' memory and {sent / 1e9:.3f} "
         f"GB sent to them in {parts[1]:.2f} s over {link.name}; the slowest rank opened and reserved its "
         f"files in {opened:.2f} s, moved them in {moved:.2f} s, had them checked {checked:.2f} s after; "
-        f"this rank waited {waited:.2f} s for the others"
+        f"this rank waited {waited:.2f} s for the others{unmarked}"
     )
 
 
