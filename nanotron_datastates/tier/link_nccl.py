@@ -20,12 +20,12 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .replica_transfer import Landing, Transfer, pace
+from .replica_transfer import Landed, Landing, Transfer, pace
 from .step_order import StepOrder
 
 CHUNK = 32 << 20  # bytes of a slot: NCCL moves 32 MiB messages near the link's peak
@@ -141,7 +141,7 @@ class NcclLink:
         recvs: list[Transfer],
         gbps: float = 0.0,
         waves: int = 0,
-        landed: Callable[[Transfer], None] | None = None,
+        landed: Landed | None = None,
     ) -> float:
         """Sends and receives every transfer's bytes at once (both ends list a pair's files in the same
         order); keeps the bytes sent under `gbps` GB/s (0: no limit). With `order`, each wave's NCCL calls

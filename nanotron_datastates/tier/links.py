@@ -8,12 +8,12 @@ than gloo's host copies (benchmarks/NOTES.md). The choice is named in the log an
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from .replica_transfer import CHUNK, ReplicaError, Transfer, gather, move
+from .replica_transfer import CHUNK, Landed, ReplicaError, Transfer, gather, move
 from .step_order import StepOrder
 
 # gloo groups a gloo link sends over at once, one TCP stream and I/O thread each: between two ranks of one
@@ -36,7 +36,7 @@ class Link(Protocol):
         recvs: list[Transfer],
         gbps: float = 0.0,
         waves: int = 0,
-        landed: Callable[[Transfer], None] | None = None,
+        landed: Landed | None = None,
     ) -> float:
         """`landed(t)`: called, from any thread, for each file received whole, as soon as it is."""
 
@@ -63,7 +63,7 @@ class GlooLink:
         recvs: list[Transfer],
         gbps: float = 0.0,
         waves: int = 0,
-        landed: Callable[[Transfer], None] | None = None,
+        landed: Landed | None = None,
     ) -> float:
         return move(self.groups, sends, recvs, gbps, self.chunk, landed)  # `waves`: NCCL's, at the steps
 

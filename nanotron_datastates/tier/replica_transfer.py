@@ -51,6 +51,10 @@ class Transfer:
     fd: int | None = None  # a receive's temporary, open while it is received into
 
 
+# Called, from any thread, with each file received whole, as soon as it is (its check can start).
+Landed = Callable[[Transfer], None]
+
+
 def _as_tensor(mapping: mmap.mmap | None) -> torch.Tensor:
     """The mapping's bytes as a tensor (an empty one for an empty file)."""
     if mapping is None:
@@ -167,7 +171,7 @@ def move(
     recvs: list[Transfer],
     gbps: float = 0.0,
     chunk: int = CHUNK,
-    landed: Callable[[Transfer], None] | None = None,
+    landed: Landed | None = None,
 ) -> float:
     """Sends and receives every transfer's bytes at once, in waves of one chunk of each, each chunk split
     over `groups` (gloo groups over the same ranks: each has its own connections and I/O thread, so the
@@ -199,7 +203,7 @@ class Landing:
     """Calls `landed(t)` once for each transfer of `ends` ((offset of its last byte + 1, transfer)) once
     every byte before `upto`'s offset is in: the files received, as their bytes arrive in order."""
 
-    def __init__(self, ends: Sequence[tuple[int, Transfer]], landed: Callable[[Transfer], None] | None):
+    def __init__(self, ends: Sequence[tuple[int, Transfer]], landed: Landed | None):
         self.todo = sorted(ends, key=lambda e: e[0]) if landed else []
         self.landed = landed
 
