@@ -16,7 +16,8 @@ import torch
 from nanotron_datastates import ChecksumError, DataStatesConfig, DataStatesEngine
 from nanotron_datastates.checkpoint.checksums import file_entry
 from nanotron_datastates.tier.replica_check import check_and_place
-from nanotron_datastates.tier.replica_transfer import Transfer, _temporary, reserve
+from nanotron_datastates.tier.replica_reserve import reserving, room
+from nanotron_datastates.tier.replica_transfer import Transfer, _temporary
 
 
 def _area(tmp_path: Path) -> tuple[Path, Path]:
@@ -74,18 +75,61 @@ def test_a_donor_with_a_second_name_is_not_overwritten(tmp_path):
     assert other.read_bytes() == b"precious"
 
 
-def test_a_receive_into_a_tier_without_room_fails_before_a_byte_moves_naming_the_file(small_tmpfs):
-    """A tier out of room (here a 4 MiB tmpfs, 8 MiB to receive) fails where the temporary is made, with
-    ENOSPC naming it, and leaves nothing: a copy into a mapping with no page behind it would be a SIGBUS
-    that kills the rank in the middle of a transfer."""
+def test_a_receive_into_a_tier_without_room_fails_before_a_byte_moves_naming_the_folder(small_tmpfs):
+    """A tier out of room (here a 4 MiB tmpfs, 8 MiB to receive) fails before the ranks agree to go, with
+    ENOSPC naming the folder, and leaves nothing: a copy into a mapping with no page behind it would be a
+    SIGBUS that kills the rank in the middle of a transfer."""
     top = small_tmpfs / "tier"
     (top / "replicas").mkdir(parents=True, mode=0o700)
     t = Transfer(0, "model/w.bin", 8 << 20)
-    with pytest.raises(OSError, match=r"model/\.w\.bin\.dstmp") as e, contextlib.ExitStack() as stack:
-        stack.enter_context(_temporary(top / "replicas", t))
-        reserve([t])
+    with (
+        pytest.raises(OSError, match=r"replica files to receive.*tier/replicas") as e,
+        contextlib.ExitStack() as s,
+    ):
+        s.enter_context(_temporary(top / "replicas", t))
+        room([t], top / "replicas")
     assert e.value.errno == errno.ENOSPC
     assert not any(f.is_file() for f in top.rglob("*")) and t.buf is None
+
+
+def test_a_file_whose_memory_runs_out_mid_transfer_is_dropped_and_named_never_a_sigbus(small_tmpfs):
+    """The room taken by another process after the check: the reservation beside the transfer fails on the
+    second file (1 + 8 MiB into a 4 MiB tmpfs). A link writes a range only once it is reserved: the first
+    file lands whole and passes its check; the second's bytes are dropped (a write would be a SIGBUS), its
+    check fails with ENOSPC naming its temporary, and neither is placed then."""
+    from nanotron_datastates.tier.replica_check import Checks
+
+    top = small_tmpfs / "tier"
+    (top / "replicas").mkdir(parents=True, mode=0o700)
+    data = torch.arange(8 << 20, dtype=torch.int64).to(torch.uint8)
+    with DataStatesEngine(DataStatesConfig(host_cache_size=4 / 1024, chunk_size=1)) as engine:
+        handle = engine.save({"w": torch.ones(1 << 18)}, small_tmpfs / "a.safetensors")  # 1 MiB of tensor
+        handle.wait_persisted()
+        first = torch.frombuffer(bytearray((small_tmpfs / "a.safetensors").read_bytes()), dtype=torch.uint8)
+        entry = file_entry(len(first), handle)
+        (small_tmpfs / "a.safetensors").unlink()
+        ts = [Transfer(0, "a.safetensors", len(first)), Transfer(0, "b.bin", 8 << 20)]
+        with contextlib.ExitStack() as stack:
+            for t in ts:
+                stack.enter_context(_temporary(top / "replicas", t))
+            stack.enter_context(reserving(ts))
+            checks = stack.enter_context(Checks(engine, ts, lambda t: entry))
+            written = []
+            for t, src in zip(ts, (first, data)):  # as a link does: range by range, each once writable
+                assert t.buf is not None
+                for a in range(0, t.nbytes, 1 << 20):
+                    b = min(t.nbytes, a + (1 << 20))
+                    if t.writable(b):
+                        t.buf[a:b].copy_(src[a:b])
+                        written.append((t.rel, a >> 20))
+            assert written[:2] == [("a.safetensors", 0), ("a.safetensors", 1)]
+            assert written[2:] == [("b.bin", a) for a in range(len(written) - 2)]
+            assert len(written) < 6  # b.bin stopped short of its 8 MiB: no SIGBUS
+            checks.landed(ts[0])
+            with pytest.raises(OSError, match=r"reserving the memory.*\.b\.bin\.dstmp") as e:
+                checks.place()
+            assert e.value.errno == errno.ENOSPC
+    assert not any(f.is_file() for f in top.rglob("*"))
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
@@ -201,3 +245,53 @@ def test_a_file_checked_in_runs_at_once_checks_every_tensor(tmp_path, corrupt):
                 engine.verify(path, sums, callers=3)
         else:
             assert engine.verify(path, sums, callers=3)
+
+
+def _move_into(rank: int, init: str, into: str, out: str) -> None:
+    """Rank 0 sends 1 + 8 MiB over gloo; rank 1 receives them into `into` (a 4 MiB tmpfs), its reservation
+    beside the move and no room checked first (as where another process took the room after the check)."""
+    import json
+
+    import torch.distributed as dist
+
+    from nanotron_datastates.tier.replica_transfer import move
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    sizes = {"a.bin": 1 << 20, "b.bin": 8 << 20}
+    data = {rel: torch.full((n,), 7 + i, dtype=torch.uint8) for i, (rel, n) in enumerate(sizes.items())}
+    got: dict = {}
+    with contextlib.ExitStack() as stack:
+        if rank == 0:
+            sends = [Transfer(1, rel, n, buf=data[rel]) for rel, n in sizes.items()]
+            move([dist.group.WORLD], sends, [], chunk=1 << 20)
+        else:
+            recvs = [Transfer(0, rel, n) for rel, n in sizes.items()]
+            for t in recvs:
+                stack.enter_context(_temporary(Path(into), t))
+            stack.enter_context(reserving(recvs))
+            move([dist.group.WORLD], [], recvs, chunk=1 << 20)
+            a, b = recvs
+            assert a.buf is not None and b.reservation is not None
+            got = {"a": bool(torch.equal(a.buf, data["a.bin"])), "b": b.reservation.error.errno}
+    dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(got))
+
+
+def test_a_gloo_move_drops_what_cannot_be_reserved_and_both_ranks_finish(small_tmpfs, tmp_path):
+    """Over a real gloo pair: the receiver's second file cannot be reserved mid-move; its bytes are received
+    and dropped (no SIGBUS, and the sender is not left waiting), the first file lands whole, and the second's
+    reservation holds ENOSPC for its check to name."""
+    import json
+    import multiprocessing as mp
+
+    into = small_tmpfs / "tier" / "replicas"
+    into.mkdir(parents=True, mode=0o700)
+    ctx = mp.get_context("spawn")
+    init = f"file://{tmp_path}/rendezvous"
+    procs = [ctx.Process(target=_move_into, args=(r, init, str(into), str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0, f"a rank of the move exited with {p.exitcode}"
+    assert json.loads((tmp_path / "rank1.json").read_text()) == {"a": True, "b": errno.ENOSPC}

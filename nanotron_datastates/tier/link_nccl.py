@@ -77,7 +77,7 @@ class _Stream:
                 mapped, at = t.buf[lo - start : lo - start + n], lo - base
                 if into_slot:
                     slot[at : at + n].copy_(mapped)
-                else:
+                elif t.writable(lo - start + n):  # else dropped: its memory could not be reserved
                     mapped.copy_(slot[at : at + n])
                 lo += n
             i += 1

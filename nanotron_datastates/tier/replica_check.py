@@ -69,6 +69,8 @@ def check_and_place(
 
 def _check(engine: Any, t: Transfer, entry: dict[str, Any]) -> None:
     assert t.temporary is not None
+    if t.reservation is not None:  # a file whose memory could not be reserved was dropped: named here
+        t.reservation.check()
     doc, top = {"files": {t.rel: entry}}, Path("/")  # the entry's checksums, looked up by its name
     sums = file_checksums(doc, top, top / t.rel)
     callers = max(1, min(CALLERS, t.nbytes // RUN))

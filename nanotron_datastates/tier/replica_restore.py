@@ -100,8 +100,8 @@ def restart_source(
     sent, (opened, moved, checked) = sum(t.nbytes for t in sends), slowest
     return here, (
         f"{len(recvs)} file(s), {pulled / 1e9:.3f} GB, pulled from other nodes' memory and {sent / 1e9:.3f} "
-        f"GB sent to them in {parts[1]:.2f} s over {link.name}; the slowest rank opened and reserved its "
-        f"files in {opened:.2f} s, moved them in {moved:.2f} s, had them checked {checked:.2f} s after; "
+        f"GB sent to them in {parts[1]:.2f} s over {link.name}; the slowest rank opened its files in "
+        f"{opened:.2f} s, moved them in {moved:.2f} s, had them checked {checked:.2f} s after; "
         f"this rank waited {waited:.2f} s for the others{unmarked}"
     )
 

@@ -1,25 +1,23 @@
 """Files moved between ranks for the memory replicas (replicas.py, replica_restore.py): each file sent is
 mapped read-only from the tier, each file received goes into a new temporary beside its name (or an older
-copy's file taken over), mapped; the ranks agree that every rank could open all of its files before a byte
-moves (`open_all`); then a link (links.py) moves them, gloo's by `move` here: every transfer at once, in
-waves of one chunk of each split over several gloo groups, paced to a rate, each received file reported
-as its last byte lands (`landed`). A received file is checked against its manifest entry before it is
-renamed into place (replica_check.py); a file killed half received stays a temporary, never read, removed
-at the next start.
+copy's file taken over), mapped, its memory reserved beside the transfer (replica_reserve.py); the ranks
+agree that every rank could open all of its files before a byte moves (`open_all`); then a link (links.py)
+moves them, gloo's by `move` here: every transfer at once, in waves of one chunk of each split over several
+gloo groups, paced to a rate, each received file reported as its last byte lands (`landed`). A received
+file is checked against its manifest entry before it is renamed into place (replica_check.py); a file
+killed half received stays a temporary, never read, removed at the next start.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import itertools
 import mmap
 import os
 import stat
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -28,6 +26,7 @@ import torch.distributed as dist
 
 from .. import trust
 from ..errors import DataStatesError
+from .replica_reserve import Reservation, reserving, room
 
 CHUNK = 64 << 20  # bytes a message carries
 _temporaries = itertools.count()
@@ -49,6 +48,12 @@ class Transfer:
     into: Path | None = None
     donor: Path | None = None  # a receive's: an older copy's file to take over (its pages exist already)
     fd: int | None = None  # a receive's temporary, open while it is received into
+    reservation: Reservation | None = None  # a receive's: how far its temporary's memory is reserved
+
+    def writable(self, end: int) -> bool:
+        """Whether bytes [0, end) of a receive's mapping may be written (waits for their reservation): False
+        where its memory could not be reserved (the bytes are dropped; its check fails naming it)."""
+        return self.reservation is None or self.reservation.wait(end)
 
 
 # Called, from any thread, with each file received whole, as soon as it is (its check can start).
@@ -125,28 +130,6 @@ def _temporary(folder: Path, t: Transfer) -> Iterator[None]:
                 trust.unlink_in(folder.parent, str(tmp))
 
 
-def reserve(recvs: list[Transfer]) -> None:
-    """The memory of every temporary received into, taken now, several files at once: a tier out of room
-    fails here, with an OSError naming the file, not with a SIGBUS in the middle of a transfer into its
-    mapping; and the transfer then writes into pages that exist, where new pages of a tmpfs are allocated
-    one fault at a time on the receiving thread."""
-    todo = [t for t in recvs if t.fd is not None and t.nbytes]
-    with ThreadPoolExecutor(max(1, min(8, len(todo))), "datastates-replica-reserve") as pool:
-        for done in [pool.submit(_reserve, t) for t in todo]:
-            done.result()
-
-
-def _reserve(t: Transfer) -> None:
-    assert t.fd is not None
-    try:
-        os.posix_fallocate(t.fd, 0, t.nbytes)
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system that cannot: pages at first use
-            raise OSError(
-                e.errno, f"reserving the memory of a replica file: {e.strerror}", str(t.temporary)
-            ) from None
-
-
 def _take_over(top: Path, donor: Path, tmp: Path, dir_fd: int) -> int | None:
     """The donor file (under `top`) renamed to `top/tmp` and opened (`dir_fd`: tmp's folder), or None where
     it cannot be: gone, not under `top`, or not a regular file of this user's once there (then removed)."""
@@ -183,13 +166,18 @@ def move(
     waves = max([-(-t.nbytes // chunk) for t in sends + recvs] or [0])
     ends = Landing([(t.nbytes, t) for t in recvs], landed)  # every file's chunk i in wave i
     ends.upto(0)
+    dropped: list[torch.Tensor] = []  # received into where a file's memory could not be reserved
     for i in range(waves):
         lo, requests = i * chunk, []
         for ts, post in ((sends, dist.isend), (recvs, dist.irecv)):
             for t in ts:
                 assert t.buf is not None
                 for group, a, b in pieces(groups, lo, min(chunk, t.nbytes - lo)):
-                    requests.append(post(t.buf[a:b], t.peer, group=group))
+                    buf = t.buf[a:b]
+                    if post is dist.irecv and not t.writable(b):
+                        dropped = dropped or [torch.empty(chunk, dtype=torch.uint8)]
+                        buf = dropped[0][: b - a]
+                    requests.append(post(buf, t.peer, group=group))
                     sent += (b - a) if post is dist.isend else 0
         for r in requests:
             if r is not None:  # None: this rank is not in `group` (never here)
@@ -240,16 +228,17 @@ def open_all(
     into: Path,
 ) -> list[str]:
     """Maps every file sent (from `folder_of(t)`) and creates every temporary received into (under `into`),
-    its memory reserved (`reserve`), held open by `stack`; then the ranks agree: every rank's problems, the
-    same list on all (empty: go). Everything is opened before any byte moves: a rank that could not would
-    leave the others waiting."""
+    held open by `stack`, their memory checked for (`room`) and reserved from now on, beside the transfer
+    (replica_reserve.py); then the ranks agree: every rank's problems, the same list on all (empty: go).
+    Everything is opened before any byte moves: a rank that could not would leave the others waiting."""
     problem = None
     try:
         for t in sends:
             stack.enter_context(_mapped_file(folder_of(t), t))
         for t in recvs:
             stack.enter_context(_temporary(into, t))
-        reserve(recvs)
+        room(recvs, into)
+        stack.enter_context(reserving(recvs))
     except (OSError, ValueError, ReplicaError) as e:
         problem = f"rank {dist.get_rank(group)}: {e}"
     return [p for p in gather(group, problem) if p]
