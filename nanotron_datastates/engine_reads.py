@@ -1,6 +1,7 @@
 """The engine's reading methods: loads of whole files, into existing tensors, of named tensors or parts of
-them, the check of a file end to end, and the header alone. `DataStatesEngine` inherits them; each is the
-public face of a function of `restore` (which reads through the engine's core).
+them, the check of a file end to end (whole, or in runs as its bytes arrive), and the header alone.
+`DataStatesEngine` inherits them; each is the public face of a function of `restore` (which reads through
+the engine's core).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from . import format as fmt
 from .engine_settings import DataStatesConfig
+from .read_verify import FileCheck
 from .restore import (
     load_file,
     load_into_tensors,
@@ -96,6 +98,20 @@ class EngineReads:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         header = verify_file(self._core, path, checksums, block_checksums, callers)
         return checksums is not None or header.checksums() is not None
+
+    def check_in_runs(
+        self,
+        path: str | os.PathLike,
+        checksums: Mapping[str, int] | None = None,
+        block_checksums: tuple[int, Mapping[str, Sequence[int]]] | None = None,
+        runs: int = 1,
+    ) -> FileCheck:
+        """:meth:`verify` in parts, for a file whose bytes arrive in order: the header read and the structure
+        checked now, the tensors cut into `runs` runs, each read and checked by `check(run)` (from any thread)
+        once the bytes up to `end(run)` are in, then `finish()`; close it (a context manager)."""
+        if self._closed:
+            raise ValueError("the engine is closed; create a new DataStatesEngine")
+        return FileCheck(self._core, path, checksums, block_checksums, runs)
 
     def load_tensors(
         self, path: str | os.PathLike, names: Iterable[str], *, checksums: Mapping[str, int] | None = None

@@ -7,28 +7,27 @@ tensors allocated there, or into the caller's own tensors (`load_into`). It retu
 checked against the header or against checksums kept elsewhere. The skeleton then puts the tensors back into
 the saved structure.
 
-This module holds the whole-file loads and the check of a file end to end; the pieces are beside it:
+This module holds the whole-file loads; the pieces are beside it:
 `read_open` (the file and its header, the structure, allocation), `read_host` and `read_device` (the core's
 reads to the host and to GPUs), `read_ranges` (parts of tensors), `read_checksums` (what a read is checked
-against). Their names stay importable from here.
+against), `read_verify` (the check of a file end to end). Their names stay importable from here.
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
 from . import format as fmt
 from . import skeleton
-from .errors import ChecksumError
 from .read_checksums import _expected, _given_blocks, _segments, _verify
 from .read_device import DeviceRead, _last_device_read, _read_to_device, last_device_read
 from .read_host import _read_to_host, _typed, load_tensors
 from .read_open import TensorRef, _check_structure, _device, _opened, empty, read_structure
 from .read_ranges import _merged, _range_list, _span, load_range_list, load_ranges
+from .read_verify import verify_file
 
 __all__ = [
     "DeviceRead",
@@ -84,56 +83,6 @@ def load_file(
     if skel is None:
         return tensors, header
     return skeleton.decode(skel, tensors, allow_pickle=allow_pickle, path=path), header
-
-
-def verify_file(
-    core: Any,
-    path: str | os.PathLike,
-    checksums: Mapping[str, int] | None = None,
-    block_checksums: tuple[int, Mapping[str, Sequence[int]]] | None = None,
-    callers: int = 1,
-) -> fmt.Header:
-    """Reads every byte of the file and checks each tensor against its checksum (stored in the file or
-    given), and that its block checksums (likewise) combine to it; FormatError, ChecksumError or OSError
-    name the file. Returns the header; a file with no checksums, and none given, is only checked for
-    structure. `callers`: the tensors split into that many runs of about equal bytes, read at once (each
-    over the core's parser threads too): a large file checked by more threads than the core has."""
-    path = os.fspath(path)
-    with _opened(path) as (fd, header):
-        _check_structure(header, path)
-        if checksums is not None or header.checksums() is not None:
-            runs = _runs(header.tensors, callers)
-            if len(runs) == 1:
-                _read_to_host(core, path, fd, header, True, checksums)
-            else:
-                with ThreadPoolExecutor(len(runs), "datastates-verify") as pool:
-                    for done in [pool.submit(_read_to_host, core, path, fd, header, True, checksums, run)
-                                 for run in runs]:  # fmt: skip
-                        done.result()
-    if checksums is None:
-        blocks, whole = header.block_checksums(), header.checksums()
-    else:
-        blocks, whole = _given_blocks(path, header, block_checksums), dict(checksums)
-    if blocks is None or whole is None:
-        return header
-    for e in header.tensors:
-        if e.nbytes and _segments(e, e.begin, e.end, *blocks)[2] != whole[e.name]:
-            raise ChecksumError(
-                f"{path}: the block checksums of tensor {e.name!r} do not combine to its checksum; the "
-                "header is corrupt"
-            )
-    return header
-
-
-def _runs(entries: Sequence[fmt.TensorEntry], n: int) -> list[list[fmt.TensorEntry]]:
-    """`entries` (in file order) cut into at most `n` runs of about equal bytes, none empty (one at least)."""
-    total, runs, size = sum(e.nbytes for e in entries), [[]], 0  # type: ignore[var-annotated]
-    for e in entries:
-        if runs[-1] and size >= total * len(runs) / max(1, n):
-            runs.append([])
-        runs[-1].append(e)
-        size += e.nbytes
-    return runs
 
 
 def load_into_tensors(

@@ -295,3 +295,62 @@ def test_a_gloo_move_drops_what_cannot_be_reserved_and_both_ranks_finish(small_t
         p.join(120)
         assert p.exitcode == 0, f"a rank of the move exited with {p.exitcode}"
     assert json.loads((tmp_path / "rank1.json").read_text()) == {"a": True, "b": errno.ENOSPC}
+
+
+@pytest.mark.parametrize("corrupt", [None, "t1", "t14"])
+def test_a_large_file_is_checked_in_runs_as_its_bytes_arrive(tmp_path, monkeypatch, corrupt):
+    """A large received file (here over 2 runs of 64 KiB) has its runs of tensors checked as their bytes
+    arrive, before the file has landed; a byte damaged on the way, in an early tensor or a late one, fails
+    the check naming the file and the tensor, and nothing is placed; an intact file is placed whole."""
+    from nanotron_datastates.tier import replica_check
+    from nanotron_datastates.tier.replica_check import Checks
+
+    monkeypatch.setattr(replica_check, "RUN", 64 << 10)
+    top, into = _area(tmp_path)
+    src = tmp_path / "src.safetensors"
+    with DataStatesEngine(DataStatesConfig(host_cache_size=4 / 1024, chunk_size=1)) as engine:
+        handle = engine.save({f"t{i}": torch.full((8192,), float(i)) for i in range(16)}, src)  # 32 KiB each
+        handle.wait_persisted()
+        data = torch.frombuffer(bytearray(src.read_bytes()), dtype=torch.uint8)
+        entry = file_entry(len(data), handle)
+        if corrupt is not None:
+            from nanotron_datastates.format import read_header
+
+            header = read_header(src)
+            e = next(e for e in header.tensors if e.name.endswith(corrupt))
+            data[header.data_start + e.begin + 7] ^= 0x10
+        t = Transfer(0, "model/w.safetensors", len(data))
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_temporary(into, t))
+            checks = stack.enter_context(Checks(engine, [t], lambda t: entry))
+            assert t.buf is not None
+            step = len(data) // 8 + 1
+            for a in range(0, len(data), step):
+                t.buf[a : a + step].copy_(data[a : a + step])
+                checks.arrived(t, min(len(data), a + step))
+            started = len(checks._arriving[id(t)].runs)
+            assert 0 < started < len(checks._arriving[id(t)].check.runs) + 1
+            checks.landed(t)
+            if corrupt is None:
+                checks.place()
+            else:
+                with pytest.raises(ChecksumError, match=rf"dstmp.*{corrupt}"):
+                    checks.place()
+    placed = sorted(p.name for p in (into / "model").iterdir())
+    assert placed == (["w.safetensors"] if corrupt is None else [])
+
+
+def test_files_laid_end_to_end_are_reported_arriving_then_landed_in_order():
+    from nanotron_datastates.tier.replica_transfer import Landing
+
+    files = [Transfer(1, f"f{i}", n) for i, n in enumerate([100, 300, 50])]
+    got: list[tuple] = []
+    ends = Landing(
+        [(100, files[0]), (400, files[1]), (450, files[2])],
+        lambda t: got.append((t.rel,)),
+        lambda t, n: got.append((t.rel, n)),
+    )
+    ends.upto(64)
+    ends.upto(250)
+    ends.upto(450)
+    assert got == [("f0", 64), ("f0",), ("f1", 150), ("f1",), ("f2",)]

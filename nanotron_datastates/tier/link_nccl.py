@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .replica_transfer import Landed, Landing, Transfer, pace
+from .replica_transfer import Arriving, Landed, Landing, Transfer, pace
 from .step_order import StepOrder
 
 CHUNK = 32 << 20  # bytes of a slot: NCCL moves 32 MiB messages near the link's peak
@@ -142,12 +142,14 @@ class NcclLink:
         gbps: float = 0.0,
         waves: int = 0,
         landed: Landed | None = None,
+        arriving: Arriving | None = None,
     ) -> float:
         """Sends and receives every transfer's bytes at once (both ends list a pair's files in the same
         order); keeps the bytes sent under `gbps` GB/s (0: no limit). With `order`, each wave's NCCL calls
         are made at an optimizer step (step_order.py), and `waves` (at least this rank's own) is the count
         every rank agreed on, so that the k-th call of every rank is the same wave. `landed(t)` is called
-        (from a copying thread) for each file received whole, as soon as it is. Returns the seconds."""
+        (from a copying thread) for each file received whole, as soon as it is, `arriving(t, n)` as its
+        first n bytes are. Returns the seconds."""
         t0 = time.monotonic()
         torch.cuda.set_device(self.device)  # this thread's device: NCCL calls need it
         outs, ins = _Stream.of(sends), _Stream.of(recvs)
@@ -161,7 +163,8 @@ class NcclLink:
         drains: dict[int, list[Future]] = {}
         made: dict[int, Future] = {}  # each wave's NCCL calls: their works, once made
         drained = _Drained(
-            [Landing([(a + t.nbytes, t) for t, a in zip(s.files, s.starts)], landed) for s in ins], c
+            [Landing([(a + t.nbytes, t) for t, a in zip(s.files, s.starts)], landed, arriving) for s in ins],
+            c,
         )
 
         def fill(wave: int) -> None:  # the wave's chunks sent, into their slots, once the GPU has read them

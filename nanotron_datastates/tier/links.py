@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .replica_transfer import CHUNK, Landed, ReplicaError, Transfer, gather, move
+from .replica_transfer import CHUNK, Arriving, Landed, ReplicaError, Transfer, gather, move
 from .step_order import StepOrder
 
 # gloo groups a gloo link sends over at once, one TCP stream and I/O thread each: between two ranks of one
@@ -37,8 +37,10 @@ class Link(Protocol):
         gbps: float = 0.0,
         waves: int = 0,
         landed: Landed | None = None,
+        arriving: Arriving | None = None,
     ) -> float:
-        """`landed(t)`: called, from any thread, for each file received whole, as soon as it is."""
+        """`landed(t)`: called, from any thread, for each file received whole, as soon as it is;
+        `arriving(t, n)`, for a file not whole yet, as its first n bytes are in."""
 
     def reserve(self, outs: int, ins: int) -> None:
         """Makes now what moving to `outs` peers and from `ins` peers needs: before training, not during."""
@@ -64,8 +66,9 @@ class GlooLink:
         gbps: float = 0.0,
         waves: int = 0,
         landed: Landed | None = None,
+        arriving: Arriving | None = None,
     ) -> float:
-        return move(self.groups, sends, recvs, gbps, self.chunk, landed)  # `waves`: NCCL's, at the steps
+        return move(self.groups, sends, recvs, gbps, self.chunk, landed, arriving)  # `waves`: NCCL's
 
     def reserve(self, outs: int, ins: int) -> None:
         pass  # gloo sends from and receives into the files' mappings: no buffers of its own

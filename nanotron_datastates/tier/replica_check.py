@@ -1,8 +1,8 @@
 """Received replica files checked, then placed (replica_transfer.py moves them): each temporary against its
 manifest entry (size and every tensor's checksum), several files at once (the engine's checks run without
 the GIL), and renamed to its name only once every file passed. `Checks` starts each file's check as soon as
-its last byte has landed (a link's `landed` callback), beside the rest of the transfer; `check_and_place`
-checks them all after it.
+its last byte has landed (a link's `landed` callback), and a large file's runs of tensors as soon as their
+bytes have (`arrived`), beside the rest of the transfer; `check_and_place` checks them all after it.
 """
 
 from __future__ import annotations
@@ -14,28 +14,45 @@ from typing import Any, Callable
 
 from .. import trust
 from ..checkpoint.checksums import file_block_checksums, file_checksums
+from ..read_verify import FileCheck, header_end
 from .replica_transfer import Transfer
 
-THREADS = 8  # files checked at once (each check also spreads over the engine's parser threads)
-RUN = 256 << 20  # bytes: a larger file is checked in runs of about this many bytes, up to CALLERS at once
-CALLERS = 8  # (an optimizer state's file is most of a rank's bytes, and lands last)
+THREADS = 8  # files, or runs of a large file's tensors, checked at once (each over the engine's parsers too)
+RUN = 256 << 20  # bytes: a larger file is checked in runs of about this many bytes (an optimizer state's
+CALLERS = 8  # file is most of a rank's bytes, and lands last), as they arrive, or up to CALLERS at once
 
 
 class Checks:
     """The checks of `recvs`, started as their files land (`landed`, from any thread) or, for those that did
-    not, at `place`. A context manager: on the way out no check is left running on the temporaries."""
+    not, at `place`; a large file's runs as their bytes arrive (`arrived`). A context manager: on the way out
+    no check is left running on the temporaries."""
 
     def __init__(self, engine: Any, recvs: list[Transfer], entry_of: Callable[[Transfer], dict[str, Any]]):
         self.engine, self.recvs, self.entry_of = engine, recvs, entry_of
         self._pool = ThreadPoolExecutor(max(1, min(THREADS, len(recvs))), "datastates-replica-check")
-        self._started: dict[int, Future] = {}  # by id(transfer)
+        self._started: dict[int, Future] = {}  # by id(transfer): the file's whole check
+        self._arriving: dict[int, _Arriving] = {}  # by id(transfer): a large file's runs started so far
         self._lock = threading.Lock()
 
-    def landed(self, t: Transfer) -> None:
-        """Every byte of `t` is in its temporary: its check starts now."""
+    def arrived(self, t: Transfer, n: int) -> None:
+        """Bytes [0, n) of `t` are in its temporary: a large file's runs of tensors within them start now."""
+        if t.nbytes < 2 * RUN or t.fd is None:
+            return
         with self._lock:
             if id(t) not in self._started:
-                self._started[id(t)] = self._pool.submit(_check, self.engine, t, self.entry_of(t))
+                if id(t) not in self._arriving:
+                    self._arriving[id(t)] = _Arriving(self.engine, t, self.entry_of(t), self._pool)
+                self._arriving[id(t)].upto(n)
+
+    def landed(self, t: Transfer) -> None:
+        """Every byte of `t` is in its temporary: its check (what is left of it) starts now."""
+        with self._lock:
+            if id(t) not in self._started:
+                arriving = self._arriving.pop(id(t), None)
+                if arriving is not None:
+                    self._started[id(t)] = arriving.landed()
+                else:
+                    self._started[id(t)] = self._pool.submit(_check, self.engine, t, self.entry_of(t))
 
     def place(self) -> None:
         """Waits for every file's check (those not started, started now), then renames each temporary to its
@@ -56,6 +73,8 @@ class Checks:
 
     def __exit__(self, *exc: Any) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        for arriving in self._arriving.values():  # never landed: the transfer failed
+            arriving.close()
 
 
 def check_and_place(
@@ -71,7 +90,78 @@ def _check(engine: Any, t: Transfer, entry: dict[str, Any]) -> None:
     assert t.temporary is not None
     if t.reservation is not None:  # a file whose memory could not be reserved was dropped: named here
         t.reservation.check()
-    doc, top = {"files": {t.rel: entry}}, Path("/")  # the entry's checksums, looked up by its name
-    sums = file_checksums(doc, top, top / t.rel)
-    callers = max(1, min(CALLERS, t.nbytes // RUN))
-    engine.verify(t.temporary, sums, file_block_checksums(doc, top, top / t.rel), callers=callers)
+    sums, blocks = _sums(t, entry)
+    engine.verify(t.temporary, sums, blocks, callers=max(1, min(CALLERS, t.nbytes // RUN)))
+
+
+def _sums(t: Transfer, entry: dict[str, Any]) -> tuple[Any, Any]:
+    """The checksums and block checksums of `t`'s manifest entry."""
+    doc, top = {"files": {t.rel: entry}}, Path("/")  # looked up by the file's name
+    return file_checksums(doc, top, top / t.rel), file_block_checksums(doc, top, top / t.rel)
+
+
+class _Arriving:
+    """A large file's check while its bytes arrive in order: once its header is in, its tensors cut into
+    runs of about RUN bytes (the engine's `check_in_runs`), each checked on `pool` as soon as its bytes are
+    in; `landed` starts the rest and gives the future of the whole check."""
+
+    def __init__(self, engine: Any, t: Transfer, entry: dict[str, Any], pool: ThreadPoolExecutor) -> None:
+        self.engine, self.t, self.entry, self.pool = engine, t, entry, pool
+        self.check: FileCheck | None = None
+        self.runs: list[Future] = []
+
+    def upto(self, n: int) -> None:
+        t = self.t
+        if self.check is None:
+            if t.fd is None or n < 8 or not t.writable(8):
+                return
+            end = header_end(t.fd)
+            if end is None or n < end or not t.writable(end):
+                return  # not in yet, or never readable here: checked whole at `landed`, which names why
+            sums, blocks = _sums(t, self.entry)
+            self.check = self.engine.check_in_runs(t.temporary, sums, blocks, runs=-(-t.nbytes // RUN))
+        check = self.check
+        while len(self.runs) < len(check.runs) and check.end(check.runs[len(self.runs)]) <= n:
+            self.runs.append(self.pool.submit(check.check, check.runs[len(self.runs)]))
+
+    def landed(self) -> Future:
+        """The future of the whole check: every run's, then the block checksums (`finish`)."""
+        done: Future = Future()
+        try:
+            if self.t.reservation is not None:
+                self.t.reservation.check()
+            self.upto(self.t.nbytes)
+        except Exception as e:  # noqa: BLE001 - the file's check fails, naming it
+            self.close()
+            done.set_exception(e)
+            return done
+        if self.check is None:  # its header never readable: checked whole, which names why
+            return self.pool.submit(_check, self.engine, self.t, self.entry)
+        left, lock = [len(self.runs)], threading.Lock()
+
+        def one(_: Future | None = None) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0] > 0:
+                    return
+            try:
+                for r in self.runs:
+                    r.result()
+                assert self.check is not None
+                self.check.finish()
+                done.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - cancelled runs included
+                done.set_exception(e)
+            finally:
+                self.close()
+
+        if not self.runs:
+            left[0] = 1
+            one()  # no tensors: the block checksums only
+        for r in self.runs:
+            r.add_done_callback(one)
+        return done
+
+    def close(self) -> None:
+        if self.check is not None:
+            self.check.close()

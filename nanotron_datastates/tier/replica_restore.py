@@ -74,9 +74,9 @@ def restart_source(
         if problems:
             return None, "; ".join(problems[:3])
         parts[0] = time.monotonic() - t0
-        try:  # each file checked as soon as it has landed, beside the rest of the transfer
+        try:  # each file checked as its bytes land, beside the rest of the transfer
             checks = stack.enter_context(Checks(engine, recvs, lambda t: entries[t.rel]))
-            parts[1] = link.move(sends, recvs, landed=checks.landed)
+            parts[1] = link.move(sends, recvs, landed=checks.landed, arriving=checks.arrived)
             t1 = time.monotonic()
             checks.place()
             parts[2] = time.monotonic() - t1

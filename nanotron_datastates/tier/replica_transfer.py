@@ -58,6 +58,8 @@ class Transfer:
 
 # Called, from any thread, with each file received whole, as soon as it is (its check can start).
 Landed = Callable[[Transfer], None]
+# Called, from any thread, with a file being received and how many of its first bytes are in.
+Arriving = Callable[[Transfer, int], None]
 
 
 def _as_tensor(mapping: mmap.mmap | None) -> torch.Tensor:
@@ -155,16 +157,18 @@ def move(
     gbps: float = 0.0,
     chunk: int = CHUNK,
     landed: Landed | None = None,
+    arriving: Arriving | None = None,
 ) -> float:
     """Sends and receives every transfer's bytes at once, in waves of one chunk of each, each chunk split
     over `groups` (gloo groups over the same ranks: each has its own connections and I/O thread, so the
     pieces travel side by side); both ends list a pair's files in the same order and split alike, so gloo
-    matches them in order. After each wave, calls `landed(t)` for each file received whole by then, and
-    waits as long as keeps the bytes sent under `gbps` GB/s (0: no limit). Returns the seconds it took."""
+    matches them in order. After each wave, calls `landed(t)` for each file received whole by then and
+    `arriving(t, n)` for the others, and waits as long as keeps the bytes sent under `gbps` GB/s (0: no
+    limit). Returns the seconds it took."""
     t0 = time.monotonic()
     sent = 0
     waves = max([-(-t.nbytes // chunk) for t in sends + recvs] or [0])
-    ends = Landing([(t.nbytes, t) for t in recvs], landed)  # every file's chunk i in wave i
+    ends = Landing([(t.nbytes, t) for t in recvs], landed, arriving)  # every file's chunk i in wave i
     ends.upto(0)
     dropped: list[torch.Tensor] = []  # received into where a file's memory could not be reserved
     for i in range(waves):
@@ -189,16 +193,24 @@ def move(
 
 class Landing:
     """Calls `landed(t)` once for each transfer of `ends` ((offset of its last byte + 1, transfer)) once
-    every byte before `upto`'s offset is in: the files received, as their bytes arrive in order."""
+    every byte before `upto`'s offset is in: the files received, as their bytes arrive in order; and
+    `arriving(t, n)` for each transfer not landed yet whose first n > 0 bytes are in."""
 
-    def __init__(self, ends: Sequence[tuple[int, Transfer]], landed: Landed | None):
-        self.todo = sorted(ends, key=lambda e: e[0]) if landed else []
-        self.landed = landed
+    def __init__(
+        self, ends: Sequence[tuple[int, Transfer]], landed: Landed | None, arriving: Arriving | None = None
+    ):
+        self.todo = sorted(ends, key=lambda e: e[0]) if landed or arriving else []
+        self.landed, self.arriving = landed, arriving
 
     def upto(self, offset: int) -> None:
         while self.todo and self.todo[0][0] <= offset:
-            assert self.landed is not None
-            self.landed(self.todo.pop(0)[1])
+            t = self.todo.pop(0)[1]
+            if self.landed is not None:
+                self.landed(t)
+        if self.arriving is not None:
+            for end, t in self.todo:
+                if end - t.nbytes < offset:
+                    self.arriving(t, offset - (end - t.nbytes))
 
 
 def pieces(groups: Sequence[Any], lo: int, n: int, align: int = 1 << 16) -> list[tuple[Any, int, int]]:
