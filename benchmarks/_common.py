@@ -229,7 +229,11 @@ def _mount_of(path: str) -> dict[str, str]:
 
 
 def _repo_commit() -> str | None:
-    # Read .git directly: benchmarks must not depend on (or run) git.
+    # DATASTATES_REPO_COMMIT where the tree was copied without its .git (a GPU machine's copy: its .git,
+    # where there is one, can be older than the tree); else read .git directly: benchmarks must not depend
+    # on (or run) git.
+    if os.environ.get("DATASTATES_REPO_COMMIT"):
+        return os.environ["DATASTATES_REPO_COMMIT"]
     git = REPO_ROOT / ".git"
     try:
         head = (git / "HEAD").read_text().strip()

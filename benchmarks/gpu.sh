@@ -5,7 +5,8 @@
 # .gpu/ (wheels, liburing, a Nanotron tree: its tools/device-env.sh is sourced). NANOTRON_DIR=<folder with
 # src/ and run_train.py> runs on another Nanotron tree. Each step's output goes to $OUT/<step>.log, its
 # results to $OUT/<step>/; machine paths are scrubbed from them (benchmarks/scrub.py), logs over 100 kB are
-# gzipped, and everything is also tarred into $OUT/results.tgz.
+# gzipped, and everything is also tarred into $OUT/results.tgz. DATASTATES_REPO_COMMIT=<sha> names the tree's
+# commit in the results where the tree was copied without a current .git.
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder for results}
 mkdir -p "$OUT"
