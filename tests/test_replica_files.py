@@ -354,3 +354,23 @@ def test_files_laid_end_to_end_are_reported_arriving_then_landed_in_order():
     ends.upto(250)
     ends.upto(450)
     assert got == [("f0", 64), ("f0",), ("f1", 150), ("f1",), ("f2",)]
+
+
+def test_the_reservation_says_when_it_finished_and_how_long_the_copies_waited(shm_dir):
+    """What the restart's log reports of the reservation beside the transfer: each file's time fully reserved
+    (none for a file whose reservation failed), and the copies' waits."""
+    import time
+
+    from nanotron_datastates.tier.replica_reserve import reserved_within
+
+    (shm_dir / "replicas").mkdir(mode=0o700)
+    ts = [Transfer(0, "a.bin", 3 << 20), Transfer(0, "b.bin", 200 << 20)]
+    t0 = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        for t in ts:
+            stack.enter_context(_temporary(shm_dir / "replicas", t))
+        stack.enter_context(reserving(ts))
+        assert all(t.writable(t.nbytes) for t in ts)
+        after, waited = reserved_within(ts, t0)
+    assert all(t.reservation is not None and t.reservation.done_at is not None for t in ts)
+    assert 0 < after < time.monotonic() - t0 and waited >= 0

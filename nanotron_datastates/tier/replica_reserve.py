@@ -19,6 +19,7 @@ import ctypes
 import errno
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
@@ -39,12 +40,17 @@ class Reservation:
     def __init__(self, path: Path | None, nbytes: int) -> None:
         self.path, self.nbytes, self.upto = path, nbytes, 0
         self.error: OSError | None = None
+        self.done_at: float | None = None  # time.monotonic() once every byte is reserved
+        self.waited = 0.0  # seconds the waiters spent waiting, all threads together
         self._cond = threading.Condition()
 
     def wait(self, end: int) -> bool:
         """Waits until bytes [0, end) are reserved: True, or False where they will not be (`error`)."""
         with self._cond:
-            self._cond.wait_for(lambda: self.upto >= end or self.error is not None)
+            if self.upto < end and self.error is None:
+                t0 = time.monotonic()
+                self._cond.wait_for(lambda: self.upto >= end or self.error is not None)
+                self.waited += time.monotonic() - t0
             return self.upto >= end
 
     def check(self) -> None:
@@ -83,6 +89,8 @@ class Reservation:
         with self._cond:
             self.upto = upto if upto is not None else self.upto
             self.error = error or self.error
+            if self.upto >= self.nbytes and self.done_at is None:
+                self.done_at = time.monotonic()
             self._cond.notify_all()
 
 
@@ -99,6 +107,14 @@ def room(recvs: list[Transfer], folder: Path) -> None:
         if free < need:
             why = f"{need / 1e9:.3f} GB of replica files to receive, {free / 1e9:.3f} GB free"
             raise OSError(errno.ENOSPC, why, str(folder))
+
+
+def reserved_within(recvs: list[Transfer], t0: float) -> tuple[float, float]:
+    """How long after `t0` (time.monotonic) the last of `recvs` was reserved (0: before it), and how long
+    the link's copies waited for reservations, all threads together."""
+    ends = [t.reservation.done_at or t0 for t in recvs if t.reservation is not None]
+    waited = sum(t.reservation.waited for t in recvs if t.reservation is not None)
+    return max([0.0] + [e - t0 for e in ends]), waited
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from .held_copy import held
 from .links import GlooLink, Link
 from .memory import MemoryTier
 from .replica_check import Checks
+from .replica_reserve import reserved_within
 from .replica_transfer import Transfer, gather, open_all
 from .replicas import node_key, replica_area
 
@@ -68,7 +69,7 @@ def restart_source(
     sends = [Transfer(r, rel, entries[rel]["bytes"]) for (_, rel), (r, q) in sorted(pulls.items()) if q == me]
     recvs = [Transfer(q, rel, entries[rel]["bytes"]) for (_, rel), (r, q) in sorted(pulls.items()) if r == me]
     here = tier.folder / str(step)
-    problem, parts, t0 = None, [0.0, 0.0, 0.0], time.monotonic()
+    problem, parts, t0 = None, [0.0] * 5, time.monotonic()
     with contextlib.ExitStack() as stack:
         problems = open_all(stack, group, sends, lambda t: have[t.rel], recvs, here)
         if problems:
@@ -76,7 +77,9 @@ def restart_source(
         parts[0] = time.monotonic() - t0
         try:  # each file checked as its bytes land, beside the rest of the transfer
             checks = stack.enter_context(Checks(engine, recvs, lambda t: entries[t.rel]))
+            t1 = time.monotonic()
             parts[1] = link.move(sends, recvs, landed=checks.landed, arriving=checks.arrived)
+            parts[3:] = reserved_within(recvs, t1)
             t1 = time.monotonic()
             checks.place()
             parts[2] = time.monotonic() - t1
@@ -96,12 +99,13 @@ def restart_source(
         mark_held(tier, step, {rel: entries[rel] for rel in needs})
     except (OSError, ValueError) as e:  # the files serve this restart still; a second one reads storage
         unmarked = f"; not marked held ({e})"
-    slowest = [max(a[1][i] for a in answers) for i in range(3)]
-    sent, (opened, moved, checked) = sum(t.nbytes for t in sends), slowest
+    slowest = [max(a[1][i] for a in answers) for i in range(5)]
+    sent, (opened, moved, checked, reserved, held) = sum(t.nbytes for t in sends), slowest
     return here, (
         f"{len(recvs)} file(s), {pulled / 1e9:.3f} GB, pulled from other nodes' memory and {sent / 1e9:.3f} "
         f"GB sent to them in {parts[1]:.2f} s over {link.name}; the slowest rank opened its files in "
-        f"{opened:.2f} s, moved them in {moved:.2f} s, had them checked {checked:.2f} s after; "
+        f"{opened:.2f} s, moved them in {moved:.2f} s (their memory reserved {reserved:.2f} s into the move, "
+        f"the copies waiting {held:.2f} s for it, all threads), had them checked {checked:.2f} s after; "
         f"this rank waited {waited:.2f} s for the others{unmarked}"
     )
 
