@@ -92,6 +92,22 @@ def test_a_receive_into_a_tier_without_room_fails_before_a_byte_moves_naming_the
     assert not any(f.is_file() for f in top.rglob("*")) and t.buf is None
 
 
+def test_the_room_is_asked_of_the_temporaries_not_of_a_folder_swapped_for_a_link(small_tmpfs, tmp_path):
+    """A neighbour swaps the tier folder for a link to a roomy file system once the temporaries are made:
+    the room is still that of the file system the temporaries are on (8 MiB into a 4 MiB tmpfs: ENOSPC)."""
+    top = small_tmpfs / "tier"
+    (top / "replicas").mkdir(parents=True, mode=0o700)
+    t = Transfer(0, "w.bin", 8 << 20)
+    roomy = tmp_path / "roomy"
+    roomy.mkdir()
+    with pytest.raises(OSError, match="replica files to receive") as e, contextlib.ExitStack() as s:
+        s.enter_context(_temporary(top / "replicas", t))
+        (top / "replicas").rename(top / "moved")
+        (top / "replicas").symlink_to(roomy)
+        room([t], top / "replicas")
+    assert e.value.errno == errno.ENOSPC
+
+
 def test_a_file_whose_memory_runs_out_mid_transfer_is_dropped_and_named_never_a_sigbus(small_tmpfs):
     """The room taken by another process after the check: the reservation beside the transfer fails on the
     second file (1 + 8 MiB into a 4 MiB tmpfs). A link writes a range only once it is reserved: the first

@@ -95,17 +95,20 @@ class Reservation:
 
 
 def room(recvs: list[Transfer], folder: Path) -> None:
-    """OSError (ENOSPC, naming `folder`) where the file system of the tier `folder` is in has fewer bytes free
-    than the temporaries received into still need (a taken-over file's pages are there already)."""
-    need = 0
+    """OSError (ENOSPC, naming `folder`, the tier folder received into) where the file system of the
+    temporaries has fewer bytes free than they still need (a taken-over file's pages are there already).
+    Asked of the temporaries' own descriptors (`fstat`, `fstatvfs`): no path walked again."""
+    need: dict[int, tuple[int, int]] = {}  # by device: (a temporary's descriptor, bytes to reserve)
     for t in recvs:
         if t.fd is not None:
-            need += max(0, t.nbytes - os.fstat(t.fd).st_blocks * 512)
-    if need:
-        st = os.statvfs(folder)
-        free = st.f_bavail * st.f_frsize
-        if free < need:
-            why = f"{need / 1e9:.3f} GB of replica files to receive, {free / 1e9:.3f} GB free"
+            st = os.fstat(t.fd)
+            fd, n = need.get(st.st_dev, (t.fd, 0))
+            need[st.st_dev] = (fd, n + max(0, t.nbytes - st.st_blocks * 512))
+    for fd, n in need.values():
+        vfs = os.fstatvfs(fd)
+        free = vfs.f_bavail * vfs.f_frsize
+        if free < n:
+            why = f"{n / 1e9:.3f} GB of replica files to receive, {free / 1e9:.3f} GB free"
             raise OSError(errno.ENOSPC, why, str(folder))
 
 
