@@ -11,10 +11,10 @@ training), through each link (tier/links.py):
   with its default buffers, and variants of its chunk size and copy threads; `nccl-recycled` receives into
   the files of an older copy (the replicator's spare, from the third checkpoint on) instead of new ones.
 
-Per link and round: `open_s` (the files opened, the room for the received ones checked, `open_all`), `move_s`
-(the transfer, as the telemetry's `seconds`, the received files' memory reserved beside it), `gbps` (bytes one rank sends per second of `move_s`: the rate of
-the node pair in each direction; `gbps_with_open` over both) and whether every received byte equals the sent
-one.
+Per link and round: `open_s` (the files opened, the room for the received ones checked, `open_all`),
+`move_s` (the transfer, as the telemetry's `seconds`, the received files' memory reserved beside it), `gbps`
+(bytes one rank sends per second of `move_s`: the rate of the node pair in each direction; `gbps_with_open`
+over both) and whether every received byte equals the sent one.
 
     python3 benchmarks/micro/bench_replica_link.py --out DIR [--gb 14.5 --files 8 --rounds 3]
 
