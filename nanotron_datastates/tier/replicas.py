@@ -11,11 +11,11 @@ receives into, and the ranks agree that all could before a byte moves; then each
 rank sending to its holders and receiving from the ranks it holds for at once, a chunk of each per wave,
 paced to `memory_replica_gbps`, over the job's link (links.py: gloo while training runs); where checkpoints
 come faster than they are replicated, the ranks agree on the newest all have queued and skip the older. A
-received file is checked against its manifest entry (size and every tensor's checksum) before it is renamed
-into place and marked held for its rank (`.rank-<r>.json` in `<job>/replicas/<step>/`, as the tier marks its
-own copies); the older replica of that rank then becomes a spare (its marker withdrawn), whose files the
-next replica is received into. A file killed half received is a temporary, never marked, never read,
-removed at the next start.
+received file is checked against its manifest entry (size and every tensor's checksum), as its bytes land,
+before it is renamed into place and marked held for its rank (`.rank-<r>.json` in `<job>/replicas/<step>/`,
+as the tier marks its own copies); the older replica of that rank then becomes a spare (its marker
+withdrawn), whose files the next replica is received into. A file killed half received is a temporary,
+never marked, never read, removed at the next start.
 
 The restart, which pulls what a node lacks from other nodes' memory: replica_restore.py; the files moved
 between ranks: replica_transfer.py, over a link (links.py).
@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from .links import GlooLink, Link
 from .memory import REPLICAS, MemoryTier
-from .replica_check import check_and_place
+from .replica_check import Checks
 from .replica_transfer import CHUNK, ReplicaError, Transfer, gather, open_all
 
 
@@ -231,8 +231,11 @@ class Replicator:
             problems = open_all(stack, self.group, sends, lambda t: own, recvs, area)
             if problems:
                 raise ReplicaError(f"step {step} not replicated: {'; '.join(problems[:3])}")
-            seconds = self.link.move(sends, recvs, self.gbps, self._waves(everyone))
-            check_and_place(self.engine, recvs, lambda t: everyone[t.peer][t.rel])
+            # each file checked as its bytes land, beside the rest of the transfer: whole sooner
+            checks = stack.enter_context(Checks(self.engine, recvs, lambda t: everyone[t.peer][t.rel]))
+            waves = self._waves(everyone)
+            seconds = self.link.move(sends, recvs, self.gbps, waves, checks.landed, checks.arrived)
+            checks.place()
         for s in self.sources:
             self.areas[s].commit(step, everyone[s])
         return Replicated(
