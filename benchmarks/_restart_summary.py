@@ -22,8 +22,11 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         runs = records.get(name, {}).get("runs", [])
         return runs[-1] if runs else {}
 
-    # Each restore against the run of the same engine built from scratch in the same call (the first run of
-    # a call also pays the machine's cold start: `none` runs first to take it).
+    # Each restore against the runs of the same engine built from scratch in the same call (the first run of
+    # a call also pays the machine's cold start: `none` runs first to take it): their median, where the
+    # engine started from scratch more than once (`--scratch-twice`, `--repeats`), as a start's time
+    # depends on what ran on the machine before it.
+    scratch_s = {e: scratch_starts(records, e) for e in ("datastates", "torch")}
     restore = {}
     for name, scratch_run in (
         ("restore-torch", "torch"),
@@ -31,7 +34,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         ("restart-memory", "datastates"),
         ("restart-replica", "datastates"),
     ):
-        t, scratch = first_step(last(name)), first_step(last(scratch_run))
+        t, scratch = first_step(last(name)), median(scratch_s[scratch_run])
         restore[name] = None if t is None or scratch is None else t - scratch
     native = restore.get("restore-torch")
     ratios = {
@@ -72,6 +75,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         # restart-replica's memory checkpoints, where it took them (absent: it resumed storage's checkpoint)
         **({"memory_interval": args.memory_interval} if getattr(args, "memory_interval", None) else {}),
         "first_step_end_s": {k: first_step(last(k)) for k in records if "runs" in records[k]},
+        **({"scratch_s": scratch_s} if any(len(v) > 1 for v in scratch_s.values()) else {}),
         "restore_over_scratch_s": restore,
         "ratios": ratios,
         "repeats": repeated_restarts(records, repeats),
@@ -89,14 +93,25 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
     }
 
 
+def scratch_starts(records: dict[str, Any], engine: str) -> list[float]:
+    """The first steps of the call's starts from scratch of `engine` (`datastates`, `datastates.2`,
+    `datastates.end` ...), in the order they ran."""
+    runs = [records[k]["runs"] for k in records if k.split(".")[0] == engine and records[k].get("runs")]
+    return [t for t in (first_step(r[-1]) for r in runs) if t is not None]
+
+
+def median(values: list[float]) -> float | None:
+    got = sorted(values)
+    return (got[(len(got) - 1) // 2] + got[len(got) // 2]) / 2 if got else None
+
+
 def repeated_restarts(records: dict[str, Any], names: list[str]) -> dict[str, Any]:
     """Each restart from memory over the start from scratch that ran next to it (`datastates`, `.2` ...), and
     over its own first incarnation (a start from scratch in the same torchrun): values, median, spread."""
 
     def stats(values: list[float | None]) -> dict[str, Any]:
         got = sorted(v for v in values if v is not None)
-        median = (got[(len(got) - 1) // 2] + got[len(got) // 2]) / 2 if got else None
-        return {"values": values, "median": median, "min": got[0] if got else None,
+        return {"values": values, "median": median(got), "min": got[0] if got else None,
                 "max": got[-1] if got else None}  # fmt: skip
 
     over_scratch, over_own_start = [], []

@@ -17,6 +17,11 @@ scratch (Nanotron main's collect_env report and the restart's comparison left ou
   is committed; torchrun starts it again, it resumes from the memory tier, clones its whole restored state on
   the GPU (the clone's time left out), trains on, and then compares the clone with that copy, bit for bit.
 
+With `--scratch-twice`, `datastates` and `torch` start from scratch once more at the end of the call
+(`datastates.end`, `torch.end`), and each restore is taken over the median of its engine's starts from
+scratch (`scratch_s` in the result): a start's first step depends on what ran on the machine before it (on
+the 2x H200 VM `datastates` from scratch took 3.95 to 9.57 s in three calls of one command).
+
 With `--repeats R`, `restart-memory` and `datastates` run R times, in turns (`restart-memory.2`,
 `datastates.2` ...): `repeats` in the result gives each restart over the start from scratch next to it and
 over its own first incarnation (a start from scratch in the same torchrun, with the tier on), with their
@@ -118,6 +123,11 @@ def run_all(args: argparse.Namespace) -> int:
         ("torch", config("torch", "torch", n, None), True, [], False),
         ("restore-torch", config("restore-torch", "torch", n + 2, ckpt("torch")), True, [], False),
     ]  # fmt: skip
+    if args.scratch_twice:  # each engine from scratch again, last: its baseline the median of both starts
+        runs += [
+            ("datastates.end", config("datastates.end", "datastates", n, None), False, [], False),
+            ("torch.end", config("torch.end", "torch", n, None), True, [], False),
+        ]
     only = set(args.only.split(",")) if args.only else None
     records: dict[str, Any] = {}
     for name, cfg, stock, flags, kill in runs:
@@ -212,6 +222,10 @@ def main() -> int:
     a.add_argument("--only", default="", help="these runs only, comma-separated (restores need their save)")
     a.add_argument("--repeats", type=int, default=1, help="restart-memory and datastates runs (default 1)")
     a.add_argument("--lose-node", action="store_true", help="also restart-replica (--dp 2): a node lost")
+    a.add_argument(
+        "--scratch-twice", action="store_true",
+        help="datastates and torch from scratch again at the end: each baseline the median of its starts",
+    )  # fmt: skip
     a.add_argument(
         "--memory-interval", type=int, default=0,
         help="restart-replica: memory checkpoints every N steps (N divides --step; storage at step - 1)",

@@ -196,8 +196,9 @@ run_step() {
       (cd $B && python3 bench_restart.py all --model 180m --step 20 --dp 2 --tp 2 --lose-node \
         --work "$WORK/rs180t" --out "$OUT/restart-180m-lost-node-tp2" ${RESTART_ONLY:+--only $RESTART_ONLY}) ;;
     restart-1b-lost-node) # the 1.1B model on two simulated nodes of one GPU each (dp=2), replicas on, the second
-      # node lost after the checkpoint at step 10: from the peer's memory, against storage and native
-      (cd $B && python3 bench_restart.py all --model 1b --step 10 --dp 2 --lose-node --cache-gib 16 \
+      # node lost after the checkpoint at step 10: from the peer's memory, against storage and native; each
+      # engine from scratch twice, first and last, the baselines their medians
+      (cd $B && python3 bench_restart.py all --model 1b --step 10 --dp 2 --lose-node --cache-gib 16 --scratch-twice \
         --work "$WORK/rs1bn" --out "$OUT/restart-1b-lost-node" ${RESTART_ONLY:+--only $RESTART_ONLY}) ;;
     restart-180m-lost-node-memory) # memory checkpoints every 5 steps on two simulated nodes of one GPU each,
       # replicas on, the second node lost after the memory checkpoint at step 20 (storage holds step 19)
