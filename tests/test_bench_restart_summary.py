@@ -14,12 +14,8 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 COMMITTED = BENCH / "results" / "h200" / "multi_2xh200" / "restart_1b_lost_node" / "bench_restart_1b.json"
 
 
-def test_lost_node_summary_recomputed_as_committed(tmp_path: Path) -> None:
-    path = tmp_path / COMMITTED.name
-    shutil.copy(COMMITTED, path)
-    old = json.loads(COMMITTED.read_text())
-    stale = {**old, "ratios": {}, "lost_node": None, "bitwise": not old["bitwise"]}  # recomputed, not kept
-    path.write_text(json.dumps(stale, indent=1))
+def _summarize(path: Path) -> None:
+    """`bench_restart.py summarize` on `path`, in place."""
     r = subprocess.run(
         [sys.executable, "bench_restart.py", "summarize", str(path)],
         cwd=BENCH,
@@ -28,6 +24,15 @@ def test_lost_node_summary_recomputed_as_committed(tmp_path: Path) -> None:
         timeout=120,
     )
     assert r.returncode == 0, f"summarize {path}: {r.stdout}{r.stderr}"
+
+
+def test_lost_node_summary_recomputed_as_committed(tmp_path: Path) -> None:
+    path = tmp_path / COMMITTED.name
+    shutil.copy(COMMITTED, path)
+    old = json.loads(COMMITTED.read_text())
+    stale = {**old, "ratios": {}, "lost_node": None, "bitwise": not old["bitwise"]}  # recomputed, not kept
+    path.write_text(json.dumps(stale, indent=1))
+    _summarize(path)
     new = json.loads(path.read_text())
     for key in sorted(set(old) | set(new)):
         assert json.dumps(new.get(key), sort_keys=True) == json.dumps(old.get(key), sort_keys=True), (
@@ -51,14 +56,7 @@ def test_with_a_second_start_from_scratch_each_restore_is_over_the_median_of_its
         records[f"{engine}.end"] = again
     path = tmp_path / COMMITTED.name
     path.write_text(json.dumps(old, indent=1))
-    r = subprocess.run(
-        [sys.executable, "bench_restart.py", "summarize", str(path)],
-        cwd=BENCH,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, f"summarize {path}: {r.stdout}{r.stderr}"
+    _summarize(path)
     new = json.loads(path.read_text())
     assert new["scratch_s"]["datastates"] == [t["datastates"], t["datastates"] + 3.0]
     over = new["restore_over_scratch_s"]
