@@ -146,11 +146,24 @@ def read_header_fd(fd: int, path: str) -> Header:
     """Reads and validates the header of the open file `fd` (`path` names it in errors)."""
     size = os.fstat(fd).st_size
     head = _pread(fd, 8, 0)
-    if len(head) == 8:
-        (n,) = struct.unpack("<Q", head)
-        if n <= MAX_HEADER and 8 + n <= size:
-            head += _pread(fd, n, 8)
+    end = _header_end(head)
+    if end is not None and end <= size:
+        head += _pread(fd, end - 8, 8)
     return parse_header(head, size, path)
+
+
+def header_end(fd: int) -> int | None:
+    """Where the header of the file open on `fd` ends (its first 8 bytes give its length), or None where
+    those bytes are missing or the length is beyond the format's limit: a file still arriving can be read
+    from there once that many bytes are in."""
+    return _header_end(_pread(fd, 8, 0))
+
+
+def _header_end(head: bytes) -> int | None:
+    if len(head) < 8:
+        return None
+    (n,) = struct.unpack("<Q", head[:8])
+    return 8 + n if n <= MAX_HEADER else None
 
 
 def _pread(fd: int, n: int, offset: int) -> bytes:

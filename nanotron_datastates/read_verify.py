@@ -7,7 +7,6 @@ tier/replica_check.py), then `finish`.
 from __future__ import annotations
 
 import os
-import struct
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
@@ -78,16 +77,6 @@ class FileCheck:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def header_end(fd: int) -> int | None:
-    """Where the header of the file open on `fd` ends (its first 8 bytes give its length), or None where
-    that length is beyond the format's limit."""
-    head = os.pread(fd, 8, 0)
-    if len(head) < 8:
-        return None
-    (n,) = struct.unpack("<Q", head)
-    return 8 + n if n <= fmt.MAX_HEADER else None
 
 
 def verify_file(

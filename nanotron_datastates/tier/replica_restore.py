@@ -77,12 +77,12 @@ def restart_source(
         parts[0] = time.monotonic() - t0
         try:  # each file checked as its bytes land, beside the rest of the transfer
             checks = stack.enter_context(Checks(engine, recvs, lambda t: entries[t.rel]))
-            t1 = time.monotonic()
+            moving = time.monotonic()
             parts[1] = link.move(sends, recvs, landed=checks.landed, arriving=checks.arrived)
-            parts[3:] = reserved_within(recvs, t1)
-            t1 = time.monotonic()
+            parts[3:] = reserved_within(recvs, moving)
+            placing = time.monotonic()
             checks.place()
-            parts[2] = time.monotonic() - t1
+            parts[2] = time.monotonic() - placing
             for rel in links:
                 with contextlib.suppress(FileExistsError):  # another rank of this node linked it first
                     trust.link_in(have[rel].parent, here.parent, f"{step}/{rel}")  # no link followed
