@@ -9,7 +9,9 @@ training), through each link (tier/links.py):
   `gloo-streams4-recycled` into an older copy's files as below;
 * `nccl`: through the GPUs (NVLink between the two GPUs here, standing in for the network between nodes),
   with its default buffers, and variants of its chunk size and copy threads; `nccl-recycled` receives into
-  the files of an older copy (the replicator's spare, from the third checkpoint on) instead of new ones.
+  the files of an older copy (the replicator's spare, from the third checkpoint on) instead of new ones;
+  `nccl-recycled-spin` with its copying threads spinning on the GPU's events (CUDA's default) instead of
+  sleeping, `-slots8` with 8 waves in flight, `-threads6` with 6 copying threads.
 
 Per link and round: `open_s` (the files opened, the room for the received ones checked, `open_all`),
 `move_s` (the transfer, as the telemetry's `seconds`, the received files' memory reserved beside it), `gbps`
@@ -42,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the helpers in b
 from _common import command_info, host_info  # noqa: E402
 
 # name: (transport, NcclLink keyword arguments)
-LINKS: dict[str, tuple[str, dict[str, int]]] = {
+LINKS: dict[str, tuple[str, dict[str, Any]]] = {
     "gloo": ("gloo", {"streams": 1}),
     "gloo-streams4": ("gloo", {"streams": 4}),
     "gloo-streams8": ("gloo", {"streams": 8}),
@@ -51,6 +53,9 @@ LINKS: dict[str, tuple[str, dict[str, int]]] = {
     "nccl-threads4": ("nccl", {"threads": 4}),
     "nccl-chunk64m": ("nccl", {"chunk": 64 << 20}),
     "nccl-recycled": ("nccl", {}),  # into an older replica's files, as the replicator does from the third on
+    "nccl-recycled-spin": ("nccl", {"sleep_on_gpu": False}),  # its copying threads spin while they wait
+    "nccl-recycled-slots8": ("nccl", {"slots": 8}),
+    "nccl-recycled-threads6": ("nccl", {"threads": 6}),
 }
 
 
@@ -165,7 +170,7 @@ def _rank(rank: int, args: argparse.Namespace, init: str) -> None:
             recvs = [Transfer(peer, rel, n) for rel, n in files]
             into = shm / "replicas"
             into.mkdir(parents=True, exist_ok=True)
-            if name.endswith("-recycled"):  # the spare's files: written before the transfer, taken over by it
+            if "-recycled" in name:  # the spare's files: written before the transfer, taken over by it
                 for t in recvs:
                     t.donor = shm / "spare" / t.rel
                 _fill(shm / "spare", peer, args.gb, args.files)

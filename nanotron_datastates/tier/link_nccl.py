@@ -102,11 +102,15 @@ class NcclLink:
         slots: int = SLOTS,
         threads: int | None = None,
         order: StepOrder | None = None,
+        sleep_on_gpu: bool = True,
     ) -> None:
         if device.index is None:  # `cuda`: the current device, named (threads other than this one use it)
             device = torch.device("cuda", torch.cuda.current_device())
         self.group, self.device, self.chunk, self.slots = group, device, chunk, slots
         self.order = order  # while training runs: the NCCL calls made by the training thread at its steps
+        # A copying thread waits for the GPU on an event; CUDA's default spins a core while it waits, and
+        # several threads spinning take the cores the others copy on: they sleep instead (blocking events).
+        self.sleep_on_gpu = sleep_on_gpu
         # Copies to the GPU (and NCCL's calls after them) on one stream, copies back on another: a wave's
         # copy back overlaps the next one's copy in, each on a copy engine of its own.
         self.up, self.down = torch.cuda.Stream(device=device), torch.cuda.Stream(device=device)
@@ -157,8 +161,9 @@ class NcclLink:
         c, slots = self.chunk, self.slots
         out_bufs, in_bufs = self._buffers["out"], self._buffers["in"]
         waves = max([waves] + [-(-s.total // c) for s in outs + ins])
-        read = [torch.cuda.Event() for _ in range(slots)]  # the GPU has read the wave's pinned slots
-        written = [torch.cuda.Event() for _ in range(slots)]  # the GPU has written them
+        block = self.sleep_on_gpu
+        read = [torch.cuda.Event(blocking=block) for _ in range(slots)]  # the GPU has read the wave's slots
+        written = [torch.cuda.Event(blocking=block) for _ in range(slots)]  # the GPU has written them
         fills: dict[int, list[Future]] = {}
         drains: dict[int, list[Future]] = {}
         made: dict[int, Future] = {}  # each wave's NCCL calls: their works, once made
