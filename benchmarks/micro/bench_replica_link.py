@@ -10,8 +10,8 @@ training), through each link (tier/links.py):
 * `nccl`: through the GPUs (NVLink between the two GPUs here, standing in for the network between nodes),
   with its default buffers, and variants of its chunk size and copy threads; `nccl-recycled` receives into
   the files of an older copy (the replicator's spare, from the third checkpoint on) instead of new ones;
-  `nccl-recycled-spin` with its copying threads spinning on the GPU's events (CUDA's default) instead of
-  sleeping, `-slots8` with 8 waves in flight, `-threads6` with 6 copying threads.
+  `-slots8` with 8 waves in flight, `-threads6` and `-threads16` with 6 and 16 copying threads;
+* `base-<link>`: a link of `--base-link FILE` (tier/link_nccl.py of another commit), in the same call.
 
 Per link and round: `open_s` (the files opened, the room for the received ones checked, `open_all`),
 `move_s` (the transfer, as the telemetry's `seconds`, the received files' memory reserved beside it), `gbps`
@@ -19,6 +19,7 @@ Per link and round: `open_s` (the files opened, the room for the received ones c
 over both) and whether every received byte equals the sent one.
 
     python3 benchmarks/micro/bench_replica_link.py --out DIR [--gb 14.5 --files 8 --rounds 3]
+        [--base-link FILE --links nccl-recycled,base-nccl-recycled]
 
 Writes DIR/bench_replica_link.json with every value and the medians.
 """
@@ -53,9 +54,9 @@ LINKS: dict[str, tuple[str, dict[str, Any]]] = {
     "nccl-threads4": ("nccl", {"threads": 4}),
     "nccl-chunk64m": ("nccl", {"chunk": 64 << 20}),
     "nccl-recycled": ("nccl", {}),  # into an older replica's files, as the replicator does from the third on
-    "nccl-recycled-spin": ("nccl", {"sleep_on_gpu": False}),  # its copying threads spin while they wait
     "nccl-recycled-slots8": ("nccl", {"slots": 8}),
     "nccl-recycled-threads6": ("nccl", {"threads": 6}),
+    "nccl-recycled-threads16": ("nccl", {"threads": 16}),
 }
 
 
@@ -116,6 +117,19 @@ def _probe(rank: int, shm: Path, gb: float, group: Any) -> dict[str, float]:
     return out
 
 
+def _base_link(path: str) -> Any:
+    """NcclLink of the file `path`, loaded as a module of the installed package's tier/ (its relative imports
+    from there)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("nanotron_datastates.tier._base_link_nccl", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.NcclLink
+
+
 def _fill(folder: Path, rank: int, gb: float, files: int) -> list[tuple[str, int]]:
     """`files` files of `gb` GB in all, each byte a function of rank, file and offset (checked at the end)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -156,14 +170,16 @@ def _rank(rank: int, args: argparse.Namespace, init: str) -> None:
     links: dict[str, Any] = {}
     for rnd in range(args.rounds):
         for name in args.links.split(","):
-            transport, kw = LINKS[name]
+            transport, kw = LINKS[name.removeprefix("base-")]
             if name == "gloo" and rnd > 0:
                 continue  # one round: it takes seconds a GB
             if name not in links:  # both ranks make the links in the same order (new groups: collective)
                 links[name] = (
                     gloo_link(gloo, streams=kw["streams"])
                     if transport == "gloo"
-                    else NcclLink(nccl, torch.device("cuda"), **kw)
+                    else (_base_link(args.base_link) if name.startswith("base-") else NcclLink)(
+                        nccl, torch.device("cuda"), **kw
+                    )
                 )
             link = links[name]
             sends = [Transfer(peer, rel, n) for rel, n in files]
@@ -213,6 +229,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--links", default=",".join(LINKS))
     p.add_argument("--shm", default=f"/dev/shm/bench-replica-link-{os.getuid()}")
+    p.add_argument("--base-link", help="tier/link_nccl.py of another commit, for the links named base-<link>")
     p.add_argument("--probe", type=float, default=0.0, help="GB: each hop of the NCCL link alone (0: none)")
     args = p.parse_args()
     out = Path(args.out)
