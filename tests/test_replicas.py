@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 import time
 from pathlib import Path
 
@@ -207,52 +206,6 @@ def test_nccl_streams_lay_each_peers_files_end_to_end_in_chunks_that_cross_files
                 b.copy(wave, chunk, slot, False, part)
     for s, r in zip(sends, recvs):
         assert torch.equal(s.buf, r.buf), s.rel
-
-
-class _GpuPoint:
-    """Where a stream stands, as a CUDA event's `synchronize` sees it: here reached when the test says so."""
-
-    def __init__(self, fails: bool = False) -> None:
-        self.reached, self.fails = threading.Event(), fails
-
-    def synchronize(self) -> None:
-        assert self.reached.wait(30), "never reached"
-        if self.fails:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-
-def test_the_nccl_links_copies_run_once_their_event_is_reached_and_never_hold_a_copying_thread_meanwhile():
-    """Copies wait for the GPU on their stream's own thread: with one copying thread, a stream whose event
-    is not reached yet leaves it to the other stream's copies; each call runs after its event, in order, a
-    cancelled one never, and a failed wait fails its calls."""
-    from concurrent.futures import CancelledError, ThreadPoolExecutor
-
-    from nanotron_datastates.tier.link_nccl import _Reached
-
-    ran: list[str] = []
-    with ThreadPoolExecutor(1) as pool:
-        up, down = _Reached(pool, None, "up"), _Reached(pool, None, "down")
-        late, soon, failing = _GpuPoint(), _GpuPoint(), _GpuPoint(fails=True)
-        waiting = up.after(late, [(ran.append, "up 0"), (ran.append, "up 1")])
-        cancelled = up.after(soon, [(ran.append, "up never")])
-        copied = down.after(soon, [(ran.append, "down 0")])
-        soon.reached.set()
-        copied[0].result(timeout=30)  # the one copying thread is free while `up` waits
-        assert ran == ["down 0"] and not any(f.done() for f in waiting)
-        assert cancelled[0].cancel()
-        late.reached.set()
-        for f in waiting:
-            f.result(timeout=30)
-        assert ran == ["down 0", "up 0", "up 1"]
-        with pytest.raises(CancelledError):
-            cancelled[0].result(timeout=30)
-        failed = down.after(failing, [(ran.append, "down never")])
-        failing.reached.set()
-        with pytest.raises(RuntimeError, match="illegal memory access"):
-            failed[0].result(timeout=30)
-        up.close()
-        down.close()
-    assert ran == ["down 0", "up 0", "up 1"]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="CUDA: NCCL between two GPUs")

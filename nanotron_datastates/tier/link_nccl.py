@@ -9,8 +9,7 @@ pinned slot (in pieces, by a pool of threads: copies in host memory are the slow
 on the `up` stream, sent. A chunk received: received on the GPU, copied to a pinned slot on the `down`
 stream, copied into the mapping of its temporary by the pool. The GPU runs up to `slots` waves ahead of the
 host copies; a slot is filled again only once the GPU has read it, and written again only once the pool has
-emptied it (CUDA events, and the pool's futures). One thread a stream waits for the events and hands the
-copies to the pool then, so that the pool's threads only copy.
+emptied it (CUDA events, and the pool's futures).
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import os
-import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -117,10 +115,6 @@ class NcclLink:
         self._pool = ThreadPoolExecutor(
             self.threads, "datastates-replica-copy", initializer=torch.cuda.set_device, initargs=(device,)
         )
-        # The copies wait for the GPU on one thread a stream (`_Reached`), not on the pool's: a copying
-        # thread that waited for its slot would sit idle while others' copies queued behind it.
-        self._filled = _Reached(self._pool, device, "datastates-replica-up")
-        self._drained = _Reached(self._pool, device, "datastates-replica-down")
         self._buffers: dict[str, list[list[tuple[torch.Tensor, torch.Tensor]]]] = {"out": [], "in": []}
 
     def reserve(self, outs: int, ins: int) -> None:
@@ -139,8 +133,6 @@ class NcclLink:
                 )
 
     def close(self) -> None:
-        self._filled.close()
-        self._drained.close()
         self._pool.shutdown(wait=True)
 
     def move(
@@ -165,7 +157,8 @@ class NcclLink:
         c, slots = self.chunk, self.slots
         out_bufs, in_bufs = self._buffers["out"], self._buffers["in"]
         waves = max([waves] + [-(-s.total // c) for s in outs + ins])
-        # Blocking events: the threads waiting on them sleep where CUDA's default would spin a core.
+        # Blocking events: a copying thread that waits on one sleeps where CUDA's default would spin a core
+        # beside training.
         read = [torch.cuda.Event(blocking=True) for _ in range(slots)]  # the GPU has read the wave's slots
         written = [torch.cuda.Event(blocking=True) for _ in range(slots)]  # the GPU has written them
         fills: dict[int, list[Future]] = {}
@@ -179,10 +172,11 @@ class NcclLink:
         def fill(wave: int) -> None:  # the wave's chunks sent, into their slots, once the GPU has read them
             if wave < waves:
                 k = wave % slots
-                fills[wave] = self._filled.after(
-                    read[k], [(s.copy, wave, c, out_bufs[j][k][0], True, part) for j, s in enumerate(outs)
-                              for part in s.parts(wave, c)],
-                )  # fmt: skip
+                fills[wave] = [
+                    self._pool.submit(_after, read[k], s.copy, wave, c, out_bufs[j][k][0], True, part)
+                    for j, s in enumerate(outs)
+                    for part in s.parts(wave, c)
+                ]
 
         def land(wave: int) -> None:  # the wave's chunks received, back to the host, once its calls are made
             k = wave % slots
@@ -197,10 +191,11 @@ class NcclLink:
                         host, gpu = in_bufs[j][k]
                         host[:n].copy_(gpu[:n], non_blocking=True)
                 written[k].record(self.down)
-            drains[wave] = self._drained.after(
-                written[k], [(s.copy, wave, c, in_bufs[j][k][0], False, part) for j, s in enumerate(ins)
-                             for part in s.parts(wave, c)],
-            )  # fmt: skip
+            drains[wave] = [
+                self._pool.submit(_after, written[k], s.copy, wave, c, in_bufs[j][k][0], False, part)
+                for j, s in enumerate(ins)
+                for part in s.parts(wave, c)
+            ]
             drained.watch(wave, drains[wave])
 
         sent = 0
@@ -295,49 +290,6 @@ class _Drained:
             e.upto(self.prefix * self.chunk)
 
 
-class _Reached:
-    """Hands calls to `pool` once the GPU has reached their event. One thread waits, in the order the calls
-    came: each instance serves one stream, which reaches its events in the order they were recorded, and an
-    event is recorded again only once the calls after its last record are done."""
-
-    def __init__(self, pool: ThreadPoolExecutor, device: torch.device | None, name: str) -> None:
-        self._pool, self._queue = pool, queue.SimpleQueue[Any]()
-        self._thread = threading.Thread(target=self._run, args=(device,), name=name, daemon=True)
-        self._thread.start()
-
-    def after(self, event: torch.cuda.Event, calls: list[tuple[Any, ...]]) -> list[Future]:
-        """Futures of `calls` (each a function and its arguments), run on the pool once `event` is reached;
-        one cancelled before then is never run."""
-        futures: list[Future] = [Future() for _ in calls]
-        self._queue.put((event, calls, futures))
-        return futures
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self, device: torch.device | None) -> None:
-        if device is not None:  # the events' device: a thread's default would open device 0
-            torch.cuda.set_device(device)
-        while (item := self._queue.get()) is not None:
-            event, calls, futures = item
-            try:
-                event.synchronize()
-            except BaseException as e:  # noqa: BLE001 - handed to the calls' futures
-                for f in futures:
-                    if f.set_running_or_notify_cancel():
-                        f.set_exception(e)
-                continue
-            for (fn, *args), f in zip(calls, futures):
-                if f.set_running_or_notify_cancel():
-                    try:
-                        self._pool.submit(_run_into, f, fn, *args)
-                    except RuntimeError as e:  # the pool shut down: the call fails, never hangs
-                        f.set_exception(e)
-
-
-def _run_into(future: Future, fn: Any, *args: Any) -> None:
-    try:
-        future.set_result(fn(*args))
-    except BaseException as e:  # noqa: BLE001 - the future carries it
-        future.set_exception(e)
+def _after(event: torch.cuda.Event, copy: Any, *args: Any) -> None:
+    event.synchronize()
+    copy(*args)
