@@ -60,6 +60,7 @@ def save(
     gbps: float,
     chunk: int,
     transport: str = "gloo",
+    ahead: bool = False,
 ) -> None:
     from nanotron_datastates.checkpoint.file_io import write_atomic
     from nanotron_datastates.checkpoint.manifest import manifest as make_manifest
@@ -92,6 +93,8 @@ def save(
             (out / f"inodes{rank}-{r.step}.json").write_text(json.dumps(inodes))
 
         replicator = rep.Replicator(tier, holders, group, engine, gbps=gbps, link=link, on_done=done)
+        if ahead:  # the first two replicas' files made ahead, as the Saver does after the first step
+            _make_ahead(dist, engine, replicator, out, rank, world)
 
     def mark(result: Any) -> None:  # on the committer's thread, as the trainer's Saver reports
         if result.committed:
@@ -126,6 +129,24 @@ def save(
         replicator.close()
     (out / f"done{rank}").write_text("")
     time.sleep(3600)  # training goes on until the node is lost
+
+
+def _make_ahead(dist: Any, engine: Any, replicator: Any, out: Path, rank: int, world: int) -> None:
+    """Every rank's file sizes gathered, the replicas' files made ahead; their inodes, by set, to a file."""
+    from nanotron_datastates.tier.replica_ahead import make_ahead
+
+    t = tensors(1, rank)
+    plans = [engine.plan({"data": t["w"]}, metadata={"step": "1"}, exact_metadata=True), engine.plan(
+        {"step": 1, "m": t["m"]})]  # fmt: skip
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, [(rel, p.nbytes) for rel, p in zip(files(rank), plans)])
+    make_ahead(replicator.areas, {s: everyone[s] for s in replicator.sources})
+    inodes = [
+        {f"{s}/{rel}": os.stat(replicator.areas[s].warm(i, rel)).st_ino for s in replicator.sources
+         for rel in files(s)}
+        for i in range(2)
+    ]  # fmt: skip
+    (out / f"ahead{rank}.json").write_text(json.dumps(inodes))
 
 
 def restart(

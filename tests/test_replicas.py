@@ -6,7 +6,9 @@ bit for bit. A node lost while a replica is on its way never has its partial rep
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -96,6 +98,58 @@ def test_a_lost_node_resumes_from_its_peers_memory_bit_for_bit(tmp_path, ctx):
         assert o["held"] == [3], (r, o)  # the pulled files marked held too, as a save marks them
     assert "2 file(s)" in out[2]["why"] and "pulled" in out[2]["why"]  # the lost ranks: from the peers
     assert out[0]["why"].startswith("0 file(s)")  # the others: their own node's copies
+
+
+def test_the_first_two_replicas_are_received_into_files_made_ahead_and_a_lost_node_resumes_from_them(
+    tmp_path, ctx
+):
+    """Files made ahead for the first two replicas (as the Saver does after the first step, where training
+    would otherwise wait on new pages while a replica is received): replicas 1 and 2 take them over, the
+    third takes the first's, and the lost node resumes step 3 bit for bit."""
+    procs = _job(ctx, child.save, tmp_path, "save", 3, 1, 0.0, 1 << 20, "gloo", True)
+    _wait_for(lambda: all((tmp_path / f"done{r}").exists() for r in range(WORLD)), "the saves")
+    for r in range(WORLD):
+        ahead = json.loads((tmp_path / f"ahead{r}.json").read_text())
+        inodes = [json.loads((tmp_path / f"inodes{r}-{step}.json").read_text()) for step in (1, 2, 3)]
+        assert inodes[0] == ahead[0] and inodes[1] == ahead[1] and inodes[2] == inodes[0], r
+    area = MemoryTier(child.tier_root(tmp_path, 1), tmp_path / "ckpt", 0, area=REPLICAS)
+    assert area.steps() == [2, 3] and not [n for n in os.listdir(area.folder) if n.startswith(".warm")]
+    _lose_node(procs, tmp_path, 1)
+    out = _restart(ctx, tmp_path, 1)
+    assert all(o["step"] == 3 and o["equal"] == [True, True] and not o["leftovers"] for o in out), out
+
+
+def test_files_made_ahead_that_do_not_fit_are_removed_and_named(small_tmpfs):
+    """A tier without room for a set (here 2 x 3 MiB into a 4 MiB tmpfs): the first set is made and handed
+    to the replicas, the second removed whole, and the error names its file."""
+    from nanotron_datastates.tier.replica_ahead import make_ahead
+
+    tier = MemoryTier(small_tmpfs / "tier", small_tmpfs / "ckpt", 0)
+    area = MemoryTier(small_tmpfs / "tier", small_tmpfs / "ckpt", 1, copies=2, area=REPLICAS)
+    with pytest.raises(OSError, match=r"made ahead.*\.warm-1-1/optimizer/o\.safetensors") as e:
+        make_ahead({1: area}, {1: [("optimizer/o.safetensors", 2 << 20), ("model/w.safetensors", 1 << 20)]})
+    assert e.value.errno == errno.ENOSPC
+    assert sorted(n for n in os.listdir(area.folder) if n.startswith(".warm")) == [".warm-1-0"]
+    assert os.stat(area.warm(0, "optimizer/o.safetensors")).st_blocks * 512 >= 2 << 20  # memory, not a hole
+    donors = area.recycle(1, ["optimizer/o.safetensors", "model/w.safetensors", "model/other.safetensors"])
+    assert donors == [area.warm(0, "optimizer/o.safetensors"), area.warm(0, "model/w.safetensors"), None]
+    assert tier.folder == area.folder.parent
+
+
+def test_a_link_planted_where_a_set_is_made_ahead_is_never_followed(tmp_path):
+    """A link to another folder in place of the first set's folder: nothing is made through it, the error
+    names it, and the second set is made and handed to the replicas."""
+    from nanotron_datastates.errors import UntrustedPath
+    from nanotron_datastates.tier.replica_ahead import make_ahead
+
+    area = MemoryTier(tmp_path / "tier", tmp_path / "ckpt", 1, copies=2, area=REPLICAS)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (area.folder / ".warm-1-0").symlink_to(elsewhere)
+    with pytest.raises(UntrustedPath, match=r"\.warm-1-0.*a link"):
+        make_ahead({1: area}, {1: [("model/w.safetensors", 4096)]})
+    assert not list(elsewhere.iterdir())
+    assert area.recycle(1, ["model/w.safetensors"]) == [area.warm(1, "model/w.safetensors")]
 
 
 @pytest.mark.slow

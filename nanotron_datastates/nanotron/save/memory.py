@@ -17,6 +17,7 @@ from ...store import open_store
 from ...tier.links import open_link
 from ...tier.memory import MemoryTier
 from ...tier.memory_steps import steps_with_manifest
+from ...tier.replica_ahead import make_ahead
 from ...tier.replicas import Replicated, Replicator, node_key, placement, prune, replica_area
 from ...tier.room import check_room
 from ...tier.step_order import StepOrder
@@ -99,6 +100,32 @@ def prepare_tier(
     gb, s = tier.sets() * nbytes / 1e9, time.perf_counter() - t0
     say.info(
         f"memory tier: the files of {tier.sets()} checkpoint(s) made and pinned ahead: {gb:.2f} GB, {s:.2f} s"
+    )
+
+
+def prepare_replicas(
+    replication: Replication, tier: MemoryTier | None, files: list[tuple[str, int]], pc: Any
+) -> None:
+    """After the first step, with memory replicas (collective: every rank learns the others' `files`, name in
+    the checkpoint and bytes): on a fresh start, the files of the first two replicas of each rank this rank
+    keeps replicas of made ahead (tier/replica_ahead.py), so that none is received into new pages while
+    training runs. A restart leaves them to its replicas, as it leaves the tier's files to its saves."""
+    replicator = replication.replicator
+    if replicator is None or tier is None:
+        return
+    everyone = groups.gather(files, pc)
+    if tier.held_steps() or not replicator.sources:
+        return
+    t0 = time.perf_counter()
+    try:
+        made = make_ahead(replicator.areas, {s: everyone[s] for s in replicator.sources})
+    except (OSError, ValueError) as e:  # never fatal: the replicas then take new files
+        say.error(f"memory replicas: the files of the first replicas could not be made ahead ({e})")
+        return
+    ranks = ", ".join(map(str, replicator.sources))
+    say.info(
+        f"memory replicas: the files of 2 replicas of rank(s) {ranks} made ahead: {made / 1e9:.2f} GB, "
+        f"{time.perf_counter() - t0:.2f} s"
     )
 
 

@@ -133,6 +133,8 @@ class Saver:
         if self.tier is not None:  # its room, and the files of its first checkpoints made ahead
             state = files.weights + ([(files.optimizer, optimizer)] if files.optimizer else [])
             memory.prepare_tier(self.tier, self.engine, self.settings, [(str(p), plan) for p, plan in state])
+            sizes = [(str(p), plan.nbytes) for p, plan in state]
+            memory.prepare_replicas(self.replication, self.tier, sizes, self.pc)  # collective
         if self._decide()[0]:
             staging.warm(plans)
 
