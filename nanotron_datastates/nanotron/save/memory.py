@@ -104,16 +104,16 @@ def prepare_tier(
 
 
 def prepare_replicas(
-    replication: Replication, tier: MemoryTier | None, files: list[tuple[str, int]], pc: Any
+    replication: Replication, tier: MemoryTier | None, files: list[tuple[str, SavePlan]], pc: Any
 ) -> None:
-    """After the first step, with memory replicas (collective: every rank learns the others' `files`, name in
-    the checkpoint and bytes): on a fresh start, the files of the first two replicas of each rank this rank
-    keeps replicas of made ahead (tier/replica_ahead.py), so that none is received into new pages while
+    """After the first step, with memory replicas (collective: every rank learns the sizes of the others'
+    `files`, as `prepare_tier`'s): on a fresh start, the files of the first two replicas of each rank this
+    rank keeps replicas of made ahead (tier/replica_ahead.py), so that none is received into new pages while
     training runs. A restart leaves them to its replicas, as it leaves the tier's files to its saves."""
     replicator = replication.replicator
     if replicator is None or tier is None:
         return
-    everyone = groups.gather(files, pc)
+    everyone = groups.gather([(rel, plan.nbytes) for rel, plan in files], pc)
     if tier.held_steps() or not replicator.sources:
         return
     t0 = time.perf_counter()

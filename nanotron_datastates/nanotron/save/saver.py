@@ -130,11 +130,11 @@ class Saver:
         plans = [plan for _, plan in files.weights] + ([optimizer] if files.optimizer else [])
         self._nbytes = sum(p.nbytes for p in plans)
         self._prepare_cache(plans)
-        if self.tier is not None:  # its room, and the files of its first checkpoints made ahead
+        if self.tier is not None:  # its room; the files of its first checkpoints and replicas made ahead
             state = files.weights + ([(files.optimizer, optimizer)] if files.optimizer else [])
-            memory.prepare_tier(self.tier, self.engine, self.settings, [(str(p), plan) for p, plan in state])
-            sizes = [(str(p), plan.nbytes) for p, plan in state]
-            memory.prepare_replicas(self.replication, self.tier, sizes, self.pc)  # collective
+            named = [(str(p), plan) for p, plan in state]
+            memory.prepare_tier(self.tier, self.engine, self.settings, named)
+            memory.prepare_replicas(self.replication, self.tier, named, self.pc)  # collective
         if self._decide()[0]:
             staging.warm(plans)
 
