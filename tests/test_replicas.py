@@ -126,7 +126,9 @@ def test_files_made_ahead_that_do_not_fit_are_removed_and_named(small_tmpfs):
 
     tier = MemoryTier(small_tmpfs / "tier", small_tmpfs / "ckpt", 0)
     area = MemoryTier(small_tmpfs / "tier", small_tmpfs / "ckpt", 1, copies=2, area=REPLICAS)
-    with pytest.raises(OSError, match=r"made ahead.*\.warm-1-1/optimizer/o\.safetensors") as e:
+    with pytest.raises(
+        OSError, match=r"reserving the memory of a replica file.*\.warm-1-1/optimizer/o\.safetensors"
+    ) as e:
         make_ahead({1: area}, {1: [("optimizer/o.safetensors", 2 << 20), ("model/w.safetensors", 1 << 20)]})
     assert e.value.errno == errno.ENOSPC
     assert sorted(n for n in os.listdir(area.folder) if n.startswith(".warm")) == [".warm-1-0"]

@@ -8,13 +8,14 @@ it does for the tier's own files (save/memory.py's `prepare_tier`)."""
 
 from __future__ import annotations
 
-import errno
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import trust
 from .memory import WARM, MemoryTier
+from .replica_reserve import Reservation
 
 THREADS = 8  # files made at once: a tmpfs file's pages are allocated under its own lock
 
@@ -48,17 +49,14 @@ def make_ahead(areas: dict[int, MemoryTier], files: dict[int, list[tuple[str, in
 
 
 def _make(root: Path, name: str, nbytes: int) -> None:
-    """The new file `root/name` of `nbytes` bytes, its memory reserved (its folders made 0700, no link
-    followed); OSError naming it where the memory is not there."""
+    """The new file `root/name` of `nbytes` bytes, its memory reserved as a received file's is (its folders
+    made 0700, no link followed); OSError naming it where the memory is not there."""
     parts = trust.relative_name(name, str(root)).parts
     with trust.walk_dir(root, parts[:-1], create=True) as folder:
         fd = os.open(parts[-1], trust.NEW_FILE, 0o600, dir_fd=folder)
     try:
-        if nbytes:
-            os.posix_fallocate(fd, 0, nbytes)
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise OSError(e.errno, f"a replica's file made ahead: {e.strerror}", str(root / name)) from None
-        os.ftruncate(fd, nbytes)  # a file system that cannot: its pages made at first use
+        reservation = Reservation(root / name, nbytes)
+        reservation.run(fd, threading.Event())
+        reservation.check()
     finally:
         os.close(fd)
