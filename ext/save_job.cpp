@@ -38,6 +38,7 @@ SaveJob::SaveJob(std::shared_ptr<Storage> storage, std::string path, std::vector
       observer_(observer),
       events_(std::move(events)) {
   stats_.t_submit_ns = now_ns();
+  if (mirrors_ && !mirror_.empty() && !recycle_.empty()) recycled_ = mirrors_->take(recycle_);
   for (const TensorSrc& t : tensors_) on_device_ = on_device_ || t.device >= 0;
 }
 
@@ -52,6 +53,7 @@ SaveJob::~SaveJob() {
 SaveJob::Planned SaveJob::plan() {
   Planned out;
   if (!plan_file() || (!memory_only_ && !open_temporary())) {
+    if (recycled_) mirrors_->put(recycle_, std::move(recycled_));  // its file untouched: kept as it was
     finish();
     return out;
   }

@@ -168,6 +168,9 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   MirrorFiles* const mirrors_;
   StorageFile mirror_file_;          // its descriptor handed on to map_ once mapped
   std::shared_ptr<MirrorFile> map_;  // set at plan when the mirror is the staging memory, then fixed
+  // The kept mapping of `recycle_`, taken when the job is made (on the caller's thread): a later
+  // keep_only() on another thread, which no longer lists the file once it is renamed, cannot drop it.
+  std::shared_ptr<MirrorFile> recycled_;
   std::string mirror_error_;         // guarded by mu_
   int mirror_errno_ = 0;             // its OS error, if any; guarded by mu_
   StorageFile file_;                 // the storage file: its temporary, folder and descriptors

@@ -16,11 +16,8 @@ void SaveJob::open_mirror() {
   if (int e = storage_->create(mirror_, &mirror_file_, recycle_))
     return mirror_fail(Error::os(e, "creating the folder of the mirror copy", mirror_file_.folder));
   const std::string& tmp = mirror_file_.temp;
-  std::shared_ptr<MirrorFile> old;
-  if (!recycle_.empty()) {
-    old = mirrors_ ? mirrors_->take(recycle_) : nullptr;  // still mapped (and pinned) by this process
-    if (!mirror_file_.reused) old.reset();                // gone: a new file
-  }
+  std::shared_ptr<MirrorFile> old = std::move(recycled_);  // still mapped (and pinned) by this process
+  if (!mirror_file_.reused) old.reset();                      // gone: a new file
   // A kept mapping whose header room is larger (this header came out shorter, or the file was made with room
   // to spare: mirror_prepare.cpp): the header is padded to it, so that the mapping is taken as it is.
   if (old && old->origin() > layout_.data_start &&

@@ -87,3 +87,22 @@ def test_a_save_whose_header_changed_length_takes_the_kept_mapping_where_its_hea
         assert (mem / "2" / "f").read_bytes() == (tmp_path / "2.safetensors").read_bytes()
         back = engine.load(tmp_path / "2.safetensors")
     assert torch.equal(back["w"], state(2)["w"]) and back["note"] == later["note"]
+
+
+def test_files_made_ahead_stay_the_saves_mappings_when_the_kept_set_is_cut_as_the_saves_start(tmp_path):
+    """The committer of the previous checkpoint cuts the kept mappings to the tier's files (`keep_mirrors`)
+    while the next save starts on the training thread: a file that save recycles is its own from the moment
+    `save_plans` returns, whether or not a copy thread has renamed it yet, so nothing is mapped (and pinned,
+    holding the driver's locks) anew while training runs."""
+    files = 48
+    with DataStatesEngine(small_config()) as engine:
+        plan = engine.plan(state(1, 4096))
+        ahead = [tmp_path / "mem" / ".warm" / f"f{i}.safetensors" for i in range(files)]
+        assert engine.prepare_mirrors([(plan, a) for a in ahead]) == files
+        mirrors = [tmp_path / "mem" / "2" / f"f{i}.safetensors" for i in range(files)]
+        handles = engine.save_plans([(plan, str(m)) for m in mirrors], mirrors=mirrors, recycle=ahead)
+        engine.keep_mirrors([])  # as the committer would, listing none of them (renamed, or not the tier's)
+        for h in handles:
+            h.wait_persisted()
+        assert [h.stats["mirror_kept"] for h in handles] == [True] * files
+        assert torch.equal(engine.load(mirrors[-1])["w"], state(1, 4096)["w"])
