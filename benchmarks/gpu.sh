@@ -230,6 +230,10 @@ run_step() {
       (cd $B && python3 nanotron_crash.py --trials 3 --out "$OUT/crash" --work "$WORK/crash") ;;
     staging) (cd $B/micro && python3 bench_staging.py --model 180m --out "$OUT/staging") ;;
     interference) (cd $B/micro && python3 bench_interference.py --dir "$WORK/interf" --out "$OUT/interference") ;;
+    allreduce-copy) # 2 GPUs: the all-reduce of a 1.1B's gradients alone and beside copies to the host, and how
+      # the GPUs are linked (NCCL's transport lines from its log)
+      NCCL_DEBUG=INFO torchrun --nproc-per-node 2 $B/micro/bench_allreduce_copy.py --out "$OUT/allreduce-copy" \
+        ${BENCH_ARGS:-} 2>&1 | awk '!/NCCL INFO/ || / via /' | head -200; true ;;
     d2h-wait) # how long a small read from the GPU (a step's loss.item()) waits while a checkpoint goes to the
       # host: a raw copy each way, the engine's save by device_copy_size and with small chunks (BENCH_ARGS)
       (cd $B/micro && python3 bench_d2h_wait.py --out "$OUT/d2h-wait" ${BENCH_ARGS:-}) ;;
