@@ -19,12 +19,16 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the helpers in benchmarks/
+from _common import host_info  # noqa: E402
 
 BUCKET = 25 << 20  # bytes: DDP's default bucket
 
@@ -125,6 +129,7 @@ def main() -> None:
             "command": "torchrun --nproc-per-node 2 benchmarks/micro/bench_allreduce_copy.py "
             f"--grad-gib {a.grad_gib} --copy-gib {a.copy_gib} --piece-mib {a.piece_mib} --rounds {a.rounds}",
             "gpu": torch.cuda.get_device_name(),
+            "host": host_info([]),
             "nccl_algorithm_bus_gbps": {k: nbytes / v / 1e9 for k, v in med.items()},
             "median_s": med,
             "ranks": gathered,
