@@ -230,6 +230,18 @@ run_step() {
       (cd $B && python3 nanotron_crash.py --trials 3 --out "$OUT/crash" --work "$WORK/crash") ;;
     staging) (cd $B/micro && python3 bench_staging.py --model 180m --out "$OUT/staging") ;;
     interference) (cd $B/micro && python3 bench_interference.py --dir "$WORK/interf" --out "$OUT/interference") ;;
+    side-replicas) # 180M dp2 without checkpoints: alone, beside memory replicas moved over gloo between two
+      # processes of their own (micro/side_replicas.py), alone again: what a replica costs from outside the job
+      for run in alone beside alone2; do
+        if [ $run = beside ]; then
+          (cd $B/micro && python3 side_replicas.py --out "$OUT/side-replicas/load" --seconds 600 \
+            --stop "$WORK/side.stop") &
+          sleep 10
+        fi
+        (cd $B && python3 bench_nanotron.py all --model 180m --layout dp2 --nodes 2 --steps 200 --modes none \
+          --work "$WORK/side" --out "$OUT/side-replicas/$run")
+        if [ $run = beside ]; then touch "$WORK/side.stop"; wait; rm -f "$WORK/side.stop"; fi
+      done ;;
     allreduce-copy) # 2 GPUs: the all-reduce of a 1.1B's gradients alone and beside copies to the host, and how
       # the GPUs are linked (NCCL's transport lines from its log)
       NCCL_DEBUG=INFO torchrun --nproc-per-node 2 $B/micro/bench_allreduce_copy.py --out "$OUT/allreduce-copy" \
