@@ -236,11 +236,12 @@ run_step() {
         if [ $run = beside ]; then
           (cd $B/micro && python3 side_replicas.py --out "$OUT/side-replicas/load" --seconds 600 \
             --stop "$WORK/side.stop") &
+          load=$!  # `wait` alone would wait for the results' tar loop too
           sleep 10
         fi
         (cd $B && python3 bench_nanotron.py all --model 180m --layout dp2 --nodes 2 --steps 200 --modes none \
           --work "$WORK/side" --out "$OUT/side-replicas/$run")
-        if [ $run = beside ]; then touch "$WORK/side.stop"; wait; rm -f "$WORK/side.stop"; fi
+        if [ $run = beside ]; then touch "$WORK/side.stop"; wait $load; rm -f "$WORK/side.stop"; fi
       done ;;
     allreduce-copy) # 2 GPUs: the all-reduce of a 1.1B's gradients alone and beside copies to the host, and how
       # the GPUs are linked (NCCL's transport lines from its log)
