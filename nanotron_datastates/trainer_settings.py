@@ -84,6 +84,10 @@ class TrainerSettings(Settings):
     NCCL, with one hardware queue for every stream, their copies took turns with the step's kernels: the
     180M's mean step +55% against +14% over gloo, benchmarks/NOTES.md), a restart's pull over NCCL where every
     rank has a GPU and PyTorch has NCCL, else gloo."""
+    memory_replica_process: bool = False
+    """Replicas sent while training runs (over gloo) by a process of each rank's own, spawned at the start
+    (it meets the others through torchrun's store), rather than by threads of the training process: the
+    same replicas cost the steps less from outside it (benchmarks/NOTES.md). A restart pulls as without."""
     memory_interval: int = 0
     """With the memory tier: also take a checkpoint into memory only (the tier, and the replicas with
     `memory_replicas`) every N steps, between Nanotron's `checkpoint_interval` checkpoints to storage. A
@@ -96,6 +100,11 @@ class TrainerSettings(Settings):
             raise ValueError(
                 f"datastates.memory_replicas={self.memory_replicas} is invalid: expected an integer in "
                 "[0, 64], and 0 where datastates.memory_tier is false (replicas copy the memory tier's)"
+            )
+        if self.memory_replica_process and self.memory_replica_transport == "nccl":
+            raise ValueError(
+                "datastates.memory_replica_process=true is invalid with datastates.memory_replica_transport="
+                "nccl: the replica process sends over gloo (set the transport to auto or gloo)"
             )
         if self.memory_interval and not self.memory_tier:
             raise ValueError(

@@ -61,6 +61,7 @@ def save(
     chunk: int,
     transport: str = "gloo",
     ahead: bool = False,
+    store: str = "",
 ) -> None:
     from nanotron_datastates.checkpoint.file_io import write_atomic
     from nanotron_datastates.checkpoint.manifest import manifest as make_manifest
@@ -92,7 +93,16 @@ def save(
             }
             (out / f"inodes{rank}-{r.step}.json").write_text(json.dumps(inodes))
 
-        replicator = rep.Replicator(tier, holders, group, engine, gbps=gbps, link=link, on_done=done)
+        if store:  # a process of the rank's own moves them (tier/replica_process.py), meeting at `store`
+            from nanotron_datastates.tier.replica_process import ProcessSpec, ReplicaProcess
+
+            host, port = store.split(":")
+            opened = (str(tier.base), str(root), 2, 1)
+            spec = ProcessSpec((host, int(port)), "test/", rank, world, holders, opened, gbps, 2)
+            replicator = ReplicaProcess(tier, spec, done)
+            (out / f"replica-process{rank}").write_text(str(replicator.pid))
+        else:
+            replicator = rep.Replicator(tier, holders, group, engine, gbps=gbps, link=link, on_done=done)
         if ahead:  # the first two replicas' files made ahead, as the Saver does after the first step
             _make_ahead(dist, engine, replicator, out, rank, world)
 
@@ -125,7 +135,10 @@ def save(
         committer.submit(PendingCheckpoint(step, folder, handles, finalize if rank == 0 else None))
         (result,) = committer.take(1)
         assert result.committed, result.errors
-    if replicator is not None:
+    if replicator is not None and store:  # the replica process stays, as while training goes on
+        while not (out / f"replicated{rank}-{steps}.txt").exists():
+            time.sleep(0.05)
+    elif replicator is not None:
         replicator.close()
     (out / f"done{rank}").write_text("")
     time.sleep(3600)  # training goes on until the node is lost
@@ -133,17 +146,17 @@ def save(
 
 def _make_ahead(dist: Any, engine: Any, replicator: Any, out: Path, rank: int, world: int) -> None:
     """Every rank's file sizes gathered, the replicas' files made ahead; their inodes, by set, to a file."""
-    from nanotron_datastates.tier.replica_ahead import make_ahead
+    from nanotron_datastates.tier import replicas as rep
 
     t = tensors(1, rank)
     plans = [engine.plan({"data": t["w"]}, metadata={"step": "1"}, exact_metadata=True), engine.plan(
         {"step": 1, "m": t["m"]})]  # fmt: skip
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, [(rel, p.nbytes) for rel, p in zip(files(rank), plans)])
-    make_ahead(replicator.areas, {s: everyone[s] for s in replicator.sources})
+    replicator.make_ahead({s: everyone[s] for s in replicator.sources})
+    area = {s: rep.replica_area(replicator.tier, s) for s in replicator.sources}
     inodes = [
-        {f"{s}/{rel}": os.stat(replicator.areas[s].warm(i, rel)).st_ino for s in replicator.sources
-         for rel in files(s)}
+        {f"{s}/{rel}": os.stat(area[s].warm(i, rel)).st_ino for s in replicator.sources for rel in files(s)}
         for i in range(2)
     ]  # fmt: skip
     (out / f"ahead{rank}.json").write_text(json.dumps(inodes))

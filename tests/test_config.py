@@ -48,6 +48,7 @@ BAD = {
     "memory_replicas": [-1, 65, 1.0, "1", 1],
     "memory_replica_gbps": [-1, "2", None],
     "memory_replica_transport": ["ucx", True, None],
+    "memory_replica_process": ["yes", 1],
     "memory_interval": [-1, 1.5, "10", 10],
 }
 ACCEPTS = {
@@ -91,6 +92,16 @@ def test_bad_value_names_the_key_and_what_it_accepts(field, value):
     msg = str(e.value)
     assert msg.startswith(f"datastates.{field}={value!r} is invalid: expected"), msg
     assert ACCEPTS.get(field, "true or false") in msg, msg
+
+
+def test_a_replica_process_over_nccl_is_refused_naming_both_settings():
+    with pytest.raises(ValueError, match="memory_replica_process=true is invalid with .*transport=nccl"):
+        TrainerSettings(
+            memory_tier=True, memory_replicas=1, memory_replica_process=True, memory_replica_transport="nccl"
+        )
+    assert TrainerSettings(
+        memory_tier=True, memory_replicas=1, memory_replica_process=True
+    ).memory_replica_process
 
 
 def test_from_dict_rejects_unknown_keys_by_name():

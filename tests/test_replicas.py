@@ -10,6 +10,8 @@ import errno
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,10 +32,10 @@ def _node(rank: int, world: int = WORLD) -> int:
     return rank // (world // NODES)
 
 
-def _job(ctx, target, work: Path, incarnation: str, *args, world: int = WORLD) -> list:
+def _job(ctx, target, work: Path, incarnation: str, *args, world: int = WORLD, daemon: bool = True) -> list:
     init = f"file://{work / ('rendezvous-' + incarnation)}"
     procs = [
-        ctx.Process(target=target, args=(r, world, _node(r, world), init, str(work), *args), daemon=True)
+        ctx.Process(target=target, args=(r, world, _node(r, world), init, str(work), *args), daemon=daemon)
         for r in range(world)
     ]
     for p in procs:
@@ -117,6 +119,44 @@ def test_the_first_two_replicas_are_received_into_files_made_ahead_and_a_lost_no
     _lose_node(procs, tmp_path, 1)
     out = _restart(ctx, tmp_path, 1)
     assert all(o["step"] == 3 and o["equal"] == [True, True] and not o["leftovers"] for o in out), out
+
+
+def test_replicas_sent_by_a_process_of_each_ranks_own_are_made_ahead_received_and_a_lost_node_resumes(
+    tmp_path, ctx
+):
+    """`memory_replica_process`: each rank's replicas moved by a spawned process of its own, the processes
+    meeting through the job's store. The first two replicas go into files made ahead by the processes, the
+    training processes keep the step being sent busy meanwhile, and the lost node resumes step 3 bit for bit
+    from what the processes placed."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = f"127.0.0.1:{store.port}"
+    # not daemonic, as torchrun's ranks: they start processes of their own
+    procs = _job(ctx, child.save, tmp_path, "save", 3, 1, 0.0, 1 << 20, "gloo", True, address, daemon=False)
+    _wait_for(lambda: all((tmp_path / f"done{r}").exists() for r in range(WORLD)), "the saves")
+    assert "received from rank(s) 0" in (tmp_path / "replicated2-3.txt").read_text()
+    for r in range(WORLD):
+        ahead = json.loads((tmp_path / f"ahead{r}.json").read_text())
+        inodes = [json.loads((tmp_path / f"inodes{r}-{step}.json").read_text()) for step in (1, 2, 3)]
+        assert inodes[0] == ahead[0] and inodes[1] == ahead[1] and inodes[2] == inodes[0], r
+    pids = [int((tmp_path / f"replica-process{r}").read_text()) for r in range(WORLD)]
+    _lose_node(procs, tmp_path, 1)
+    _wait_for(lambda: not [p for p in pids if _alive(p)], "the replica processes to end with their ranks", 30)
+    out = _restart(ctx, tmp_path, 1)
+    assert all(o["step"] == 3 and o["equal"] == [True, True] and not o["leftovers"] for o in out), out
+    assert "2 file(s)" in out[2]["why"] and "pulled" in out[2]["why"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return not Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")  # a zombie is gone
+    except FileNotFoundError:
+        return False
 
 
 def test_files_made_ahead_that_do_not_fit_are_removed_and_named(small_tmpfs):
@@ -306,3 +346,35 @@ def test_only_the_newest_queued_step_and_the_one_being_sent_are_kept_from_the_sa
         assert done == [(1, None), (2, 3), (3, None)] and tier.busy == set()
     finally:
         dist.destroy_process_group()
+
+
+TRAINING_SCRIPT = """
+import os, sys
+from pathlib import Path
+with open(sys.argv[1], "a") as f:  # at the top level, no main guard: each run of the script leaves a line
+    f.write(f"{os.getpid()}\\n")
+import torch.distributed as dist
+from nanotron_datastates.tier.memory import MemoryTier
+from nanotron_datastates.tier.replica_process import ProcessSpec, ReplicaProcess
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+tier = MemoryTier(sys.argv[2], sys.argv[3], 0)
+spec = ProcessSpec(("127.0.0.1", store.port), "t/", 0, 1, [[]], (sys.argv[2], sys.argv[3], 2, 1), 0.0, 1)
+ended = []
+process = ReplicaProcess(tier, spec, ended.append)
+process.close(60)
+print("errors:", [r.error for r in ended if r.error])
+"""
+
+
+def test_the_replica_process_never_runs_the_training_script_again(tmp_path):
+    """Hostile: a training script without a main guard. A spawned process runs its parent's main script
+    again; the replica process must not (it would train again), and it starts and ends cleanly."""
+    script, runs = tmp_path / "train.py", tmp_path / "runs.txt"
+    script.write_text(TRAINING_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), str(runs), str(tmp_path / "shm"), str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert len(runs.read_text().split()) == 1, runs.read_text()
+    assert "errors: []" in out.stdout, out.stdout + out.stderr

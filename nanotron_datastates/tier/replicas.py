@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from .links import GlooLink, Link
 from .memory import REPLICAS, MemoryTier
+from .replica_ahead import make_ahead
 from .replica_check import Checks
 from .replica_transfer import CHUNK, ReplicaError, Transfer, gather, open_all
 
@@ -123,10 +124,11 @@ class Replicator:
         chunk: int = CHUNK,
         on_done: Callable[[Replicated], None] | None = None,
         link: Link | None = None,
+        on_send: Callable[[int], None] | None = None,
     ) -> None:
         self.tier, self.holders, self.group, self.engine = tier, holders, group, engine
         self.rank = dist.get_rank(group)
-        self.gbps, self.on_done = gbps, on_done
+        self.gbps, self.on_done, self.on_send = gbps, on_done, on_send  # on_send(step): being sent now
         self.link = link if link is not None else GlooLink(group, chunk)
         self.sources = [s for s, hs in enumerate(holders) if self.rank in hs]
         # The older replica of each rank stays as a spare that the next one is received into (in place of
@@ -146,6 +148,11 @@ class Replicator:
         self.tier.busy.intersection_update({self._sending})
         self.tier.busy.add(step)
         self._queue.put((step, files))
+
+    def make_ahead(self, files: dict[int, list[tuple[str, int]]]) -> int:
+        """The files of the first two replicas of each rank of `files` (its files: name, bytes) that this
+        one keeps replicas of, made ahead as its areas' first spares (replica_ahead.py); the bytes made."""
+        return make_ahead(self.areas, files)
 
     def close(self, timeout: float = 600.0) -> None:
         """Waits for the replications queued (bounded: a peer may be gone)."""
@@ -188,6 +195,9 @@ class Replicator:
                 continue
             self._sending = step
             self.tier.busy.add(step)
+            if self.on_send is not None:
+                with contextlib.suppress(Exception):
+                    self.on_send(step)
             try:
                 if self._broken is not None:
                     raise ReplicaError(f"not replicated: an earlier replication broke ({self._broken})")
@@ -250,7 +260,9 @@ class Replicator:
 
 
 def describe(r: Replicated) -> str:
-    """The log line of one checkpoint's replication."""
+    """The log line of one checkpoint's replication (a negative step: of replication as a whole)."""
+    if r.error and r.step < 0:
+        return f"memory replicas: {r.error}"
     if r.error:
         return f"memory replicas of checkpoint {r.step}: {r.error}"
     if r.skipped_for is not None:

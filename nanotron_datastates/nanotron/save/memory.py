@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,7 +18,8 @@ from ...store import open_store
 from ...tier.links import open_link
 from ...tier.memory import MemoryTier
 from ...tier.memory_steps import steps_with_manifest
-from ...tier.replica_ahead import make_ahead
+from ...tier.replica_process import ProcessSpec, ReplicaProcess
+from ...tier.replica_transfer import ReplicaError
 from ...tier.replicas import Replicated, Replicator, node_key, placement, prune, replica_area
 from ...tier.room import check_room
 from ...tier.step_order import StepOrder
@@ -31,7 +33,7 @@ class Replication:
     """The memory replicas of a Saver: its replicator, the placement recorded in each manifest, the ranks
     whose replicas this rank keeps, and the calls its training thread makes at each step (NCCL's)."""
 
-    replicator: Replicator | None = None
+    replicator: Replicator | ReplicaProcess | None = None
     placement: dict[str, Any] | None = None
     sources: list[int] = dataclasses.field(default_factory=list)
     order: StepOrder | None = None  # the NCCL calls the training thread makes at each optimizer step
@@ -118,8 +120,8 @@ def prepare_replicas(
         return
     t0 = time.perf_counter()
     try:
-        made = make_ahead(replicator.areas, {s: everyone[s] for s in replicator.sources})
-    except (OSError, ValueError) as e:  # never fatal: the replicas then take new files
+        made = replicator.make_ahead({s: everyone[s] for s in replicator.sources})
+    except (OSError, ValueError, ReplicaError) as e:  # never fatal: the replicas then take new files
         say.error(f"memory replicas: the files of the first replicas could not be made ahead ({e})")
         return
     ranks = ", ".join(map(str, replicator.sources))
@@ -150,6 +152,12 @@ def open_replicas(
     me = groups.rank(pc.world_pg)
     sources = [s for s, hs in enumerate(holders) if me in hs]
     prune(tier, sources, keep)
+    if settings.memory_replica_process:  # gloo, from a process of this rank's own (collective: the token)
+        spec = process_spec(tier, holders, settings, engine, groups.gather(uuid.uuid4().hex, pc)[0], me)
+        process = ReplicaProcess(tier, spec, on_done)
+        seconds = time.perf_counter() - t0
+        say.info(f"memory replicas go over gloo, from a process of their own (started in {seconds:.2f} s)")
+        return Replication(process, {"nodes": nodes, "holders": holders}, sources)
     group = tdist.new_group(backend="gloo")
     # Over NCCL (`nccl`; `auto` takes gloo while training runs), each wave's calls are made by the training
     # thread at an optimizer step: queued among the training's kernels in another order on another rank,
@@ -162,6 +170,24 @@ def open_replicas(
         tier, holders, group, engine, settings.memory_replica_gbps, on_done=on_done, link=link
     )
     return Replication(replicator, {"nodes": nodes, "holders": holders}, sources, link.order)
+
+
+def process_spec(
+    tier: MemoryTier, holders: list[list[int]], settings: TrainerSettings, engine: Any, token: str, rank: int
+) -> ProcessSpec:
+    """What this rank's replica process needs: the job's store from torchrun's environment (ReplicaError
+    naming the setting where it is not there), its keys under the job's `token` and restart count."""
+    try:
+        store = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    except (KeyError, ValueError):
+        raise ReplicaError(
+            "datastates.memory_replica_process=true needs the job's store in MASTER_ADDR and MASTER_PORT, "
+            "as torchrun sets them"
+        ) from None
+    prefix = f"datastates-replicas/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{token}/"
+    opened = (str(tier.base), str(tier.checkpoints), tier.copies, tier.max_spares)
+    gbps, threads = settings.memory_replica_gbps, engine.config.parser_threads
+    return ProcessSpec(store, prefix, rank, len(holders), holders, opened, gbps, threads)
 
 
 def stop_replicas(replication: Replication, timeout: float = 600.0) -> None:

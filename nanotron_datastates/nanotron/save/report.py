@@ -15,6 +15,7 @@ from ...save import housekeeping
 from ...save.commit import CommitResult
 from ...tier.memory import MemoryTier
 from ...tier.memory_steps import keep_documents
+from ...tier.replica_process import ReplicaProcess
 from ...tier.replicas import Replicated, Replicator, describe
 from ...trainer_settings import TrainerSettings
 from .. import groups
@@ -38,7 +39,7 @@ class Reporter:
     ) -> None:
         self.engine, self.settings, self.pc, self.checkpoints = engine, settings, pc, checkpoints
         self.tier, self.notify = tier, notify
-        self.replicator: Replicator | None = None
+        self.replicator: Replicator | ReplicaProcess | None = None
         # A memory checkpoint's documents (manifest, metadata) by step, made from every rank's files
         self.documents: dict[int, Callable[[dict[str, Any]], dict[str, str]]] = {}
 

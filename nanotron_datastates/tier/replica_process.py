@@ -1,0 +1,227 @@
+"""Memory replicas moved by a process of their own, one a rank (`memory_replica_process`).
+
+A replica moved over gloo by threads of the training process costs the steps beside it far more than the
+same replicas moved by other processes (180M dp2: +32% far from any checkpoint, against +7.5% beside two
+processes replicating without pause; benchmarks/NOTES.md). Here each rank spawns a process (not a fork of
+the trainer) that runs the rank's `Replicator`: the ranks' processes make a gloo world of their own through
+the job's store (torchrun's MASTER_ADDR and MASTER_PORT, under a prefix of their own), open the node's tier
+by its folder, and check what they receive with an engine of their own on the CPU. The trainer hands each
+committed step over a queue and hears back which step is being sent (kept busy in its own tier meanwhile,
+never handed to a save to overwrite) and each step replicated, skipped or failed (`on_done`). A process
+that dies ends replication, never training: storage and the local tier still hold every checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import datetime
+import multiprocessing
+import os
+import queue
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any, Callable
+
+from .memory import MemoryTier
+from .replica_transfer import ReplicaError
+from .replicas import Replicated
+
+START_S = 300.0  # seconds the processes have to meet through the store
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSpec:
+    """What a rank's replica process needs, all of it plain values (it is spawned, not forked)."""
+
+    store: tuple[str, int]  # the job's store (host, port)
+    prefix: str  # the processes' keys in it: unique to the job and its restarts
+    rank: int
+    world: int
+    holders: list[list[int]]
+    tier: tuple[str, str, int, int]  # the tier's base, checkpoints folder, copies, spares
+    gbps: float
+    parser_threads: int
+
+
+class ReplicaProcess:
+    """This rank's replicator, in a process of its own: `submit`, `make_ahead` and `close` as `Replicator`'s
+    (collective alike: every rank makes one and submits every committed step, in order)."""
+
+    def __init__(self, tier: MemoryTier, spec: ProcessSpec, on_done: Callable[[Replicated], None]) -> None:
+        self.tier, self.on_done = tier, on_done
+        self.sources = [s for s, hs in enumerate(spec.holders) if spec.rank in hs]
+        context = multiprocessing.get_context("spawn")
+        self._inbox: Any = context.Queue()
+        self._outbox: Any = context.Queue()
+        self._sending: int | None = None
+        self._answers: queue.Queue[Any] = queue.Queue()  # make_ahead's
+        self._process = context.Process(
+            target=_serve, args=(spec, self._inbox, self._outbox), name="datastates-replicas", daemon=True
+        )
+        try:
+            with _main_hidden():
+                self._process.start()
+        except AssertionError as e:  # a daemonic multiprocessing child may start none
+            raise ReplicaError(
+                f"datastates.memory_replica_process=true: this rank cannot start it ({e})"
+            ) from None
+        self._listener = threading.Thread(target=self._listen, name="datastates-replica-process", daemon=True)
+        self._listener.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def submit(self, step: int, files: dict[str, dict[str, Any]]) -> None:
+        """As `Replicator.submit`: `step` kept busy in the tier until sent or skipped."""
+        self.tier.busy.intersection_update({self._sending})
+        self.tier.busy.add(step)
+        self._inbox.put(("submit", step, files))
+
+    def make_ahead(self, files: dict[int, list[tuple[str, int]]], timeout: float = 600.0) -> int:
+        """As `Replicator.make_ahead`, by the process (its replica areas are its own)."""
+        self._inbox.put(("ahead", files))
+        try:
+            made, error = self._answers.get(timeout=timeout)
+        except queue.Empty:
+            raise ReplicaError(f"the replica process made no files ahead in {timeout:.0f} s") from None
+        if error is not None:
+            raise error
+        return made
+
+    def close(self, timeout: float = 600.0) -> None:
+        """Waits for the replications queued (bounded), then for the process to end."""
+        if self._process.is_alive():
+            self._inbox.put(None)
+        self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(10)
+        self._listener.join(10)
+
+    def _listen(self) -> None:
+        while True:
+            try:
+                message = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                if self._process.is_alive():
+                    continue
+                try:  # its last words may have come in meanwhile
+                    message = self._outbox.get(timeout=1.0)
+                except queue.Empty:
+                    message = ("died", self._process.exitcode)
+            kind, value = message
+            if kind == "sending":
+                self._sending = value
+            elif kind == "ahead":
+                self._answers.put(value)
+            elif kind == "done":
+                self.tier.busy.discard(value.step)
+                if self._sending == value.step:
+                    self._sending = None
+                self._tell(value)
+            else:  # "ended", or "died" with its exit code: nothing is kept busy any more
+                self._sending = None
+                self.tier.busy.clear()
+                if kind == "died" or value is not None:
+                    why = value if kind == "ended" else f"the replica process ended with code {value}"
+                    self._tell(Replicated(-1, 0, 0, 0.0, [], self.sources, f"replication stopped: {why}"))
+                self._answers.put((0, ReplicaError("the replica process ended")))
+                return
+
+    def _tell(self, r: Replicated) -> None:
+        with contextlib.suppress(Exception):  # the listener goes on whatever the callback does
+            self.on_done(r)
+
+
+@contextlib.contextmanager
+def _main_hidden() -> Iterator[None]:
+    """The trainer's main module hidden from a process spawned meanwhile: spawning runs the parent's main
+    script again in the child (as `__mp_main__`), which for a training script without a main guard would
+    train again; the replica process needs nothing of it."""
+    main = sys.modules["__main__"]
+    saved: dict[str, Any] = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+def _die_with_parent() -> None:
+    """This process killed with its trainer (Linux): a trainer killed by SIGKILL leaves no replica process
+    behind, sending from or receiving into the node's tier. Its received files are temporaries, never read."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    parent = multiprocessing.parent_process()
+    if parent is not None and not parent.is_alive():  # gone before the line above
+        os._exit(1)
+
+
+def _next(inbox: Any) -> Any:
+    """The trainer's next message; the process ends where the trainer is gone."""
+    parent = multiprocessing.parent_process()
+    while True:
+        try:
+            return inbox.get(timeout=1.0)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                os._exit(1)
+
+
+def _serve(spec: ProcessSpec, inbox: Any, outbox: Any) -> None:
+    """The replica process: the gloo world of the ranks' processes, the rank's replicator, then each message
+    of the trainer in turn until None (or the trainer gone)."""
+    _die_with_parent()
+    ended: str | None = None
+    try:
+        import torch.distributed as dist
+
+        from ..engine import DataStatesEngine
+        from ..engine_settings import DataStatesConfig
+        from .links import gloo_link
+        from .replicas import Replicator
+
+        host, port = spec.store
+        timeout = datetime.timedelta(seconds=START_S)
+        store = dist.PrefixStore(spec.prefix, dist.TCPStore(host, port, is_master=False, timeout=timeout))
+        dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world, timeout=timeout)
+        base, checkpoints, copies, spares = spec.tier
+        tier = MemoryTier(base, checkpoints, spec.rank, copies, max_spares=spares)
+        threads = spec.parser_threads
+        engine = DataStatesEngine(
+            DataStatesConfig(host_cache_size=1 / 64, parser_threads=threads, pin_host_cache=False)
+        )
+        group = dist.new_group(backend="gloo")
+        link = gloo_link(group)
+        link.name = "gloo-process"  # as the telemetry and the log name it
+        replicator = Replicator(
+            tier,
+            spec.holders,
+            group,
+            engine,
+            spec.gbps,
+            on_done=lambda r: outbox.put(("done", r)),
+            link=link,
+            on_send=lambda step: outbox.put(("sending", step)),
+        )
+        while (message := _next(inbox)) is not None:
+            if message[0] == "submit":
+                replicator.submit(*message[1:])
+            else:  # "ahead"
+                try:
+                    outbox.put(("ahead", (replicator.make_ahead(message[1]), None)))
+                except (OSError, ValueError) as e:
+                    outbox.put(("ahead", (0, e)))
+        replicator.close()
+        engine.close()
+    except Exception as e:  # noqa: BLE001 - told to the trainer, which logs it
+        ended = f"{type(e).__name__}: {e}"
+    outbox.put(("ended", ended))
