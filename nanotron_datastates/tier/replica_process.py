@@ -14,13 +14,11 @@ that dies ends replication, never training: storage and the local tier still hol
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import datetime
 import multiprocessing
 import os
 import queue
-import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -28,10 +26,9 @@ from typing import Any, Callable
 
 from .memory import MemoryTier
 from .replica_transfer import ReplicaError
-from .replicas import Replicated
+from .replicas import Replicated, keep_for_sending
 
 START_S = 300.0  # seconds the processes have to meet through the store
-PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +76,7 @@ class ReplicaProcess:
 
     def submit(self, step: int, files: dict[str, dict[str, Any]]) -> None:
         """As `Replicator.submit`: `step` kept busy in the tier until sent or skipped."""
-        self.tier.busy.intersection_update({self._sending})
-        self.tier.busy.add(step)
+        keep_for_sending(self.tier, self._sending, step)
         self._inbox.put(("submit", step, files))
 
     def make_ahead(self, files: dict[int, list[tuple[str, int]]], timeout: float = 600.0) -> int:
@@ -155,18 +151,10 @@ def _main_hidden() -> Iterator[None]:
         main.__dict__.update(saved)
 
 
-def _die_with_parent() -> None:
-    """This process killed with its trainer (Linux): a trainer killed by SIGKILL leaves no replica process
-    behind, sending from or receiving into the node's tier. Its received files are temporaries, never read."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    parent = multiprocessing.parent_process()
-    if parent is not None and not parent.is_alive():  # gone before the line above
-        os._exit(1)
-
-
 def _next(inbox: Any) -> Any:
-    """The trainer's next message; the process ends where the trainer is gone."""
+    """The trainer's next message; the process ends (within a second) where the trainer is gone: a trainer
+    killed by SIGKILL leaves no replica process behind, its received files temporaries, never read. Not
+    prctl's parent-death signal: that comes when the thread that started the process ends, not its process."""
     parent = multiprocessing.parent_process()
     while True:
         try:
@@ -179,7 +167,6 @@ def _next(inbox: Any) -> Any:
 def _serve(spec: ProcessSpec, inbox: Any, outbox: Any) -> None:
     """The replica process: the gloo world of the ranks' processes, the rank's replicator, then each message
     of the trainer in turn until None (or the trainer gone)."""
-    _die_with_parent()
     ended: str | None = None
     try:
         import torch.distributed as dist

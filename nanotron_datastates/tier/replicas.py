@@ -78,6 +78,13 @@ def prune(tier: MemoryTier, sources: list[int], keep: int | None) -> None:
         replica_area(tier, source).prune(keep)
 
 
+def keep_for_sending(tier: MemoryTier, sending: int | None, step: int) -> None:
+    """`step`, just submitted, kept from the saves (`tier.busy`) until it is sent; of the steps before it only
+    `sending`, the one being sent, stays kept: the others, which it goes in place of, are the saves' again."""
+    tier.busy.intersection_update({sending})
+    tier.busy.add(step)
+
+
 # -- after each commit --------------------------------------------------------------------------------------
 
 
@@ -145,8 +152,7 @@ class Replicator:
         go to the holders. The tier keeps them from being overwritten until they are sent; the older steps
         still queued, which this one will be sent in place of, are left to the saves to recycle (where the
         ranks send one of them after all, its taken-over files fail the receivers' checks: never placed)."""
-        self.tier.busy.intersection_update({self._sending})
-        self.tier.busy.add(step)
+        keep_for_sending(self.tier, self._sending, step)
         self._queue.put((step, files))
 
     def make_ahead(self, files: dict[int, list[tuple[str, int]]]) -> int:
