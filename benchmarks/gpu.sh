@@ -33,7 +33,8 @@ memory_run() { # model steps work-folder [bench_nanotron flags]: memory-180m's a
     --modes none --variant mem:$m,memory_replicas=1 ${MEMORY_TIER_ONLY:+--variant memtier:$m} \
     ${MEMORY_GLOO:+--variant memgloo:$m,memory_replicas=1,memory_replica_transport=gloo} \
     ${MEMORY_NCCL:+--variant memnccl:$m,memory_replicas=1,memory_replica_transport=nccl} \
-    ${MEMORY_PROCESS:+--variant memproc:$m,memory_replicas=1,memory_replica_process=true} "${@:4}" ${MEMORY_EXTRA:-} \
+    ${MEMORY_THREADS:+--variant memthreads:$m,memory_replicas=1,memory_replica_process=never} "${@:4}" \
+    ${MEMORY_EXTRA:-} \
     --rounds ${MEMORY_ROUNDS:-2} --work "$WORK/$3" --out "$OUT/memory-$1")
 }
 
@@ -214,8 +215,9 @@ run_step() {
       # two simulated nodes of one GPU each (dp=2), interleaved rounds: the iterations after each, against none;
       # MEMORY_TIER_ONLY=1 adds the same without replicas (what the copies alone cost), MEMORY_NCCL=1 the
       # replicas over NCCL at the optimizer steps beside those over the link `auto` picks while training
-      # (gloo), MEMORY_GLOO=1 over gloo named, MEMORY_PROCESS=1 from a process of each rank's own
-      # (memory_replica_process); MEMORY_EXTRA more bench_nanotron flags (--variant NAME:k=v,...)
+      # (gloo), MEMORY_GLOO=1 over gloo named, MEMORY_THREADS=1 sent by the training process's threads
+      # (memory_replica_process=never; `mem`'s auto: a process of each rank's own); MEMORY_EXTRA more
+      # bench_nanotron flags (--variant NAME:k=v,...)
       memory_run 180m 200 mi180 ;;
     memory-1b) # the same with the 1.1B model (dp=2, 100 steps)
       memory_run 1b 100 mi1b --cache-gib 4 ;;

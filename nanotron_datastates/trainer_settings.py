@@ -11,6 +11,13 @@ from typing import Any, Mapping
 
 from .engine_settings import DataStatesConfig, Settings
 
+_ALWAYS_NEVER = {True: "always", False: "never", "true": "always", "false": "never"}
+
+
+def _key(value: Any) -> Any:
+    """`value` as a key of _ALWAYS_NEVER: a bool itself, a string lowered (None for anything else)."""
+    return value if isinstance(value, bool) else value.strip().lower() if isinstance(value, str) else None
+
 
 @dataclass(frozen=True)
 class TrainerSettings(Settings):
@@ -26,6 +33,7 @@ class TrainerSettings(Settings):
     CHOICES = {
         "device_snapshot": ("auto", "always", "never"),
         "memory_replica_transport": ("auto", "nccl", "gloo"),
+        "memory_replica_process": ("auto", "always", "never"),
     }
 
     keep_last_n: int = 0
@@ -84,10 +92,13 @@ class TrainerSettings(Settings):
     NCCL, with one hardware queue for every stream, their copies took turns with the step's kernels: the
     180M's mean step +55% against +14% over gloo, benchmarks/NOTES.md), a restart's pull over NCCL where every
     rank has a GPU and PyTorch has NCCL, else gloo."""
-    memory_replica_process: bool = False
-    """Replicas sent while training runs (over gloo) by a process of each rank's own, spawned at the start
-    (it meets the others through torchrun's store), rather than by threads of the training process: the
-    same replicas cost the steps less from outside it (benchmarks/NOTES.md). A restart pulls as without."""
+    memory_replica_process: str = "auto"
+    """Who sends the replicas while training runs (over gloo): 'always', a process of each rank's own,
+    spawned at the start (it meets the others through torchrun's store); 'never', threads of the training
+    process; 'auto', the process where every rank can start one (torchrun's store in the environment, not a
+    daemonic process, the transport not 'nccl'), else the threads. From outside the training process the
+    same replicas cost the steps less (180M, dp2: 28 ms over the 8 steps after a checkpoint against 94 ms,
+    benchmarks/NOTES.md). true and false mean always and never. A restart pulls as without."""
     memory_interval: int = 0
     """With the memory tier: also take a checkpoint into memory only (the tier, and the replicas with
     `memory_replicas`) every N steps, between Nanotron's `checkpoint_interval` checkpoints to storage. A
@@ -95,16 +106,20 @@ class TrainerSettings(Settings):
     loses at most N steps. 0: none."""
 
     def __post_init__(self) -> None:
+        alias = _ALWAYS_NEVER.get(_key(self.memory_replica_process))
+        if alias is not None:  # frozen: the alias replaced by its name before the fields are checked
+            object.__setattr__(self, "memory_replica_process", alias)
         super().__post_init__()
         if self.memory_replicas and not self.memory_tier:
             raise ValueError(
                 f"datastates.memory_replicas={self.memory_replicas} is invalid: expected an integer in "
                 "[0, 64], and 0 where datastates.memory_tier is false (replicas copy the memory tier's)"
             )
-        if self.memory_replica_process and self.memory_replica_transport == "nccl":
+        if self.memory_replica_process == "always" and self.memory_replica_transport == "nccl":
             raise ValueError(
-                "datastates.memory_replica_process=true is invalid with datastates.memory_replica_transport="
-                "nccl: the replica process sends over gloo (set the transport to auto or gloo)"
+                "datastates.memory_replica_process=always is invalid with "
+                "datastates.memory_replica_transport=nccl: the replica process sends over gloo (set the "
+                "transport to auto or gloo)"
             )
         if self.memory_interval and not self.memory_tier:
             raise ValueError(

@@ -72,6 +72,7 @@ ACCEPTS = {
     "memory_replicas": "[0, 64]",
     "memory_replica_gbps": "[0, 10000]",
     "memory_replica_transport": "auto, nccl, gloo",
+    "memory_replica_process": "auto, always, never",
     "memory_interval": "a number of steps >= 0",
     "telemetry_path": 'a path (or "" for none)',
 }
@@ -95,13 +96,24 @@ def test_bad_value_names_the_key_and_what_it_accepts(field, value):
 
 
 def test_a_replica_process_over_nccl_is_refused_naming_both_settings():
-    with pytest.raises(ValueError, match="memory_replica_process=true is invalid with .*transport=nccl"):
+    with pytest.raises(ValueError, match="memory_replica_process=always is invalid with .*transport=nccl"):
         TrainerSettings(
-            memory_tier=True, memory_replicas=1, memory_replica_process=True, memory_replica_transport="nccl"
+            memory_tier=True,
+            memory_replicas=1,
+            memory_replica_process="always",
+            memory_replica_transport="nccl",
         )
-    assert TrainerSettings(
-        memory_tier=True, memory_replicas=1, memory_replica_process=True
-    ).memory_replica_process
+    auto = TrainerSettings(memory_tier=True, memory_replicas=1, memory_replica_transport="nccl")
+    assert auto.memory_replica_process == "auto"  # the threads then: auto takes the process only over gloo
+
+
+@pytest.mark.parametrize(
+    "alias,name", [(True, "always"), (False, "never"), ("True", "always"), ("false", "never")]
+)
+def test_true_and_false_name_always_and_never_for_the_replica_process(alias, name, monkeypatch):
+    assert TrainerSettings(memory_replica_process=alias).memory_replica_process == name
+    monkeypatch.setenv("DATASTATES_MEMORY_REPLICA_PROCESS", str(alias).lower())
+    assert TrainerSettings.from_dict({}).memory_replica_process == name
 
 
 def test_from_dict_rejects_unknown_keys_by_name():

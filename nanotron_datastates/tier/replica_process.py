@@ -65,7 +65,7 @@ class ReplicaProcess:
                 self._process.start()
         except AssertionError as e:  # a daemonic multiprocessing child may start none
             raise ReplicaError(
-                f"datastates.memory_replica_process=true: this rank cannot start it ({e})"
+                f"datastates.memory_replica_process=always: this rank cannot start it ({e})"
             ) from None
         self._listener = threading.Thread(target=self._listen, name="datastates-replica-process", daemon=True)
         self._listener.start()

@@ -202,7 +202,7 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
         c._datastates_section = Section.from_dict(
             {"memory_tier": True, "memory_tier_path": str(work / f"node{node}-shm"),
              "memory_replicas": replicas, "memory_replica_gbps": 0, "memory_interval": 3 if memory else 0,
-             "memory_replica_process": os.environ.get("CPU_RANKS_REPLICA_PROCESS") == "1"},
+             "memory_replica_process": os.environ.get("CPU_RANKS_REPLICA_PROCESS", "never")},
             env=False,
         )  # fmt: skip
     state = training_state(pc, c)

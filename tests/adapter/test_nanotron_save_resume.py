@@ -63,19 +63,19 @@ def test_every_rank_resumes_the_state_it_saved_bit_for_bit(key, tmp_path):
     assert read_manifest(tmp_path / "ckpt" / "7")["topology"]["tp"] == tp
 
 
-@pytest.mark.parametrize("process", [False, True])
+@pytest.mark.parametrize("process", ["never", "auto"])
 def test_a_lost_node_resumes_every_rank_from_memory_through_its_peers_replicas(
     tmp_path, monkeypatch, process
 ):
     """tp=2 x dp=2 with ZeRO-1 on two simulated nodes: each node's ranks write part of the weights (shared out
     among the replicas, `balance_writes`); the second node loses its memory tier, and the resume pulls its
     ranks' files from the replicas the first node keeps and the rest of the weights from that node's own
-    copies, and every tensor is the one saved. `process`: the replicas sent by a process of each rank's own
-    (`memory_replica_process`), which meet through the job's store as under torchrun."""
+    copies, and every tensor is the one saved. `process`: `memory_replica_process`; `auto`, with the job's
+    store in the environment as under torchrun, has the replicas sent by a process of each rank's own."""
     monkeypatch.setenv("CPU_RANKS_REPLICAS", "1")
-    if process:
+    monkeypatch.setenv("CPU_RANKS_REPLICA_PROCESS", process)
+    if process == "auto":
         store = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        monkeypatch.setenv("CPU_RANKS_REPLICA_PROCESS", "1")
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
         monkeypatch.setenv("MASTER_PORT", str(store.port))
     out = launch(tmp_path, 4, 2, 2, 1, 1, 1, roundtrip=True)
@@ -91,7 +91,7 @@ def test_a_lost_node_resumes_every_rank_from_memory_through_its_peers_replicas(
     assert line["step"] == 7 and line["errors"] == [] and line["seconds"] > 0, line
     assert line["sent_bytes"] == sum(e["bytes"] for e in doc["files"].values()), line
     assert [r["to"] for r in line["ranks"]] == [[2], [3], [0], [1]]
-    assert {r["transport"] for r in line["ranks"]} == {"gloo-process" if process else "gloo"}
+    assert {r["transport"] for r in line["ranks"]} == {"gloo-process" if process == "auto" else "gloo"}
     assert sum(r["received_bytes"] for r in line["ranks"]) == line["sent_bytes"]
     pulled = [p for p in (tmp_path / "node1-shm").rglob("*.safetensors") if "replicas" not in p.parts]
     assert any("model" in p.parts for p in pulled) and any("optimizer" in p.parts for p in pulled), pulled

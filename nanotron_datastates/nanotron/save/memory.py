@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import multiprocessing
 import os
 import time
 import uuid
@@ -152,8 +153,9 @@ def open_replicas(
     me = groups.rank(pc.world_pg)
     sources = [s for s, hs in enumerate(holders) if me in hs]
     prune(tier, sources, keep)
-    if settings.memory_replica_process:  # gloo, from a process of this rank's own (collective: the token)
-        spec = process_spec(tier, holders, settings, engine, groups.gather(uuid.uuid4().hex, pc)[0], me)
+    token = process_token(settings, pc)
+    if token is not None:  # gloo, from a process of this rank's own
+        spec = process_spec(tier, holders, settings, engine, token, me)
         process = ReplicaProcess(tier, spec, on_done)
         seconds = time.perf_counter() - t0
         say.info(f"memory replicas go over gloo, from a process of their own (started in {seconds:.2f} s)")
@@ -172,6 +174,35 @@ def open_replicas(
     return Replication(replicator, {"nodes": nodes, "holders": holders}, sources, link.order)
 
 
+def process_token(settings: TrainerSettings, pc: Any) -> str | None:
+    """The key prefix's token of the replica processes where the replicas go from a process of each rank's
+    own, None where they go from the training process's threads (collective: each rank gathers every rank's
+    answer, so that all take the same way); `auto` takes the process where every rank can start one."""
+    if settings.memory_replica_process == "never":
+        return None
+    auto = settings.memory_replica_process == "auto"
+    answers = groups.gather((uuid.uuid4().hex, process_unable(settings) if auto else None), pc)
+    unable = [f"rank {r}: {why}" for r, (_, why) in enumerate(answers) if why]
+    if unable:
+        say.info(
+            f"memory replicas sent by the training process's threads (memory_replica_process=auto; "
+            f"{unable[0]})"
+        )
+        return None
+    return answers[0][0]
+
+
+def process_unable(settings: TrainerSettings) -> str | None:
+    """Why this rank cannot start a replica process (None: it can)."""
+    if settings.memory_replica_transport == "nccl":
+        return "memory_replica_transport=nccl"
+    if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT", "").isdigit():
+        return "torchrun's store is not in MASTER_ADDR and MASTER_PORT"
+    if multiprocessing.current_process().daemon:
+        return "a daemonic process starts none"
+    return None
+
+
 def process_spec(
     tier: MemoryTier, holders: list[list[int]], settings: TrainerSettings, engine: Any, token: str, rank: int
 ) -> ProcessSpec:
@@ -181,7 +212,7 @@ def process_spec(
         store = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     except (KeyError, ValueError):
         raise ReplicaError(
-            "datastates.memory_replica_process=true needs the job's store in MASTER_ADDR and MASTER_PORT, "
+            "datastates.memory_replica_process=always needs the job's store in MASTER_ADDR and MASTER_PORT, "
             "as torchrun sets them"
         ) from None
     prefix = f"datastates-replicas/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{token}/"
