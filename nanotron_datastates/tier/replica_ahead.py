@@ -3,8 +3,9 @@ replica area (a rank this node keeps replicas of) gets `sets` sets of that rank'
 memory reserved (`posix_fallocate`), which its first replicas take over as spares (`MemoryTier.add_warm`)
 instead of new pages. New pages are what a replica received while training runs costs most: a tmpfs makes
 them one fault at a time, and a VM backs them as first touched (1.1B, dp2 on 2x H200: steps of 170 ms took
-0.4-2.9 s while a replica of 7.25 GB was received into new pages). The first step pays for them instead, as
-it does for the tier's own files (save/memory.py's `prepare_tier`)."""
+0.4-2.9 s while a replica of 7.25 GB was received into new pages). Threads of the trainer make them at its
+first step, which pays for them as for the tier's own files (save/memory.py's `prepare_tier`); a replica
+process makes them beside training, their faults in its own memory map, not the trainer's."""
 
 from __future__ import annotations
 

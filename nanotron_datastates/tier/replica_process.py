@@ -13,6 +13,7 @@ that dies ends replication, never training: storage and the local tier still hol
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -29,6 +30,7 @@ from .replica_transfer import ReplicaError
 from .replicas import Replicated, keep_for_sending
 
 START_S = 300.0  # seconds the processes have to meet through the store
+Ahead = Callable[[int, "BaseException | None"], None]  # told the bytes made ahead, or the error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +58,8 @@ class ReplicaProcess:
         self._inbox: Any = context.Queue()
         self._outbox: Any = context.Queue()
         self._sending: int | None = None
-        self._answers: queue.Queue[Any] = queue.Queue()  # make_ahead's
+        self._answers: queue.Queue[Any] = queue.Queue()  # the answers make_ahead waits for
+        self._ahead: collections.deque[Ahead | None] = collections.deque()  # each one asked: its `then`
         self._process = context.Process(
             target=_serve, args=(spec, self._inbox, self._outbox), name="datastates-replicas", daemon=True
         )
@@ -79,9 +82,17 @@ class ReplicaProcess:
         keep_for_sending(self.tier, self._sending, step)
         self._inbox.put(("submit", step, files))
 
-    def make_ahead(self, files: dict[int, list[tuple[str, int]]], timeout: float = 600.0) -> int:
-        """As `Replicator.make_ahead`, by the process (its replica areas are its own)."""
+    def make_ahead(
+        self, files: dict[int, list[tuple[str, int]]], timeout: float = 600.0, then: Ahead | None = None
+    ) -> int:
+        """As `Replicator.make_ahead`, by the process (its replica areas are its own). With `then`, returns 0
+        at once: the process makes them beside training and before it sends any replica (it takes the
+        trainer's messages in order), their pages faulted in its own memory, not the trainer's; `then(bytes
+        made, error or None)` is called from another thread once it has."""
+        self._ahead.append(then)
         self._inbox.put(("ahead", files))
+        if then is not None:
+            return 0
         try:
             made, error = self._answers.get(timeout=timeout)
         except queue.Empty:
@@ -115,7 +126,7 @@ class ReplicaProcess:
             if kind == "sending":
                 self._sending = value
             elif kind == "ahead":
-                self._answers.put(value)
+                self._answered(value)
             elif kind == "done":
                 self.tier.busy.discard(value.step)
                 if self._sending == value.step:
@@ -127,8 +138,18 @@ class ReplicaProcess:
                 if kind == "died" or value is not None:
                     why = value if kind == "ended" else f"the replica process ended with code {value}"
                     self._tell(Replicated(-1, 0, 0, 0.0, [], self.sources, f"replication stopped: {why}"))
-                self._answers.put((0, ReplicaError("the replica process ended")))
+                while self._ahead:
+                    self._answered((0, ReplicaError("the replica process ended")))
                 return
+
+    def _answered(self, value: tuple[int, BaseException | None]) -> None:
+        """The answer to the oldest `make_ahead` not answered yet: to its `then`, or to the caller waiting."""
+        then = self._ahead.popleft() if self._ahead else None
+        if then is None:
+            self._answers.put(value)
+        else:
+            with contextlib.suppress(Exception):
+                then(*value)
 
     def _tell(self, r: Replicated) -> None:
         with contextlib.suppress(Exception):  # the listener goes on whatever the callback does

@@ -112,24 +112,33 @@ def prepare_replicas(
     """After the first step, with memory replicas (collective: every rank learns the sizes of the others'
     `files`, as `prepare_tier`'s): on a fresh start, the files of the first two replicas of each rank this
     rank keeps replicas of made ahead (tier/replica_ahead.py), so that none is received into new pages while
-    training runs. A restart leaves them to its replicas, as it leaves the tier's files to its saves."""
+    training runs: by the replica process beside training where there is one (this step does not wait; the
+    process makes them before it sends any replica), else here. A restart leaves them to its replicas, as it
+    leaves the tier's files to its saves."""
     replicator = replication.replicator
     if replicator is None or tier is None:
         return
     everyone = groups.gather([(rel, plan.nbytes) for rel, plan in files], pc)
     if tier.held_steps() or not replicator.sources:
         return
-    t0 = time.perf_counter()
-    try:
-        made = replicator.make_ahead({s: everyone[s] for s in replicator.sources})
-    except (OSError, ValueError, ReplicaError) as e:  # never fatal: the replicas then take new files
-        say.error(f"memory replicas: the files of the first replicas could not be made ahead ({e})")
+    t0, wanted = time.perf_counter(), {s: everyone[s] for s in replicator.sources}
+
+    def said(made: int, error: BaseException | None) -> None:
+        if error is not None:  # never fatal: the replicas then take new files
+            say.error(f"memory replicas: the files of the first replicas could not be made ahead ({error})")
+            return
+        say.info(
+            f"memory replicas: the files of 2 replicas of rank(s) {', '.join(map(str, replicator.sources))} "
+            f"made ahead: {made / 1e9:.2f} GB, {time.perf_counter() - t0:.2f} s"
+        )
+
+    if isinstance(replicator, ReplicaProcess):  # beside training: its pages fault in the process's memory
+        replicator.make_ahead(wanted, then=said)
         return
-    ranks = ", ".join(map(str, replicator.sources))
-    say.info(
-        f"memory replicas: the files of 2 replicas of rank(s) {ranks} made ahead: {made / 1e9:.2f} GB, "
-        f"{time.perf_counter() - t0:.2f} s"
-    )
+    try:
+        said(replicator.make_ahead(wanted), None)
+    except (OSError, ValueError, ReplicaError) as e:
+        said(0, e)
 
 
 def open_replicas(
