@@ -114,7 +114,8 @@ class DataStatesConfig(Settings):
     flush_nice: int = 10
     """Nice steps the flush workers' threads, which write and checksum in the background, run below the
     training's threads: where both want a core, the one feeding the GPU gets it (at 10, about 9 in 10 of
-    its time), and a checkpoint takes longer to persist. 0 runs them at the training's priority."""
+    its time), and a checkpoint takes longer to persist. A replica process (`memory_replica_process`) runs
+    as far below its trainer. 0 runs them at the training's priority."""
     flush_depth: int = 4
     """Writes in flight per flush worker, each a cache chunk's piece (64 MiB by default): four keep a disk
     busy. A deeper queue hands the disk a whole checkpoint at once: on H100 machines, with two workers 16

@@ -99,7 +99,7 @@ def save(
 
             host, port = store.split(":")
             opened = (str(tier.base), str(root), 2, 1)
-            spec = ProcessSpec((host, int(port)), "test/", rank, world, holders, opened, gbps, 2)
+            spec = ProcessSpec((host, int(port)), "test/", rank, world, holders, opened, gbps, 2, nice=3)
             replicator = ReplicaProcess(tier, spec, done)
             (out / f"replica-process{rank}").write_text(str(replicator.pid))
         else:

@@ -141,6 +141,10 @@ def test_replicas_sent_by_a_process_of_each_ranks_own_are_made_ahead_received_an
         inodes = [json.loads((tmp_path / f"inodes{r}-{step}.json").read_text()) for step in (1, 2, 3)]
         assert inodes[0] == ahead[0] and inodes[1] == ahead[1] and inodes[2] == inodes[0], r
     pids = [int((tmp_path / f"replica-process{r}").read_text()) for r in range(WORLD)]
+    # each runs 3 steps below its rank (ProcessSpec.nice), which runs at this test's priority
+    assert [os.getpriority(os.PRIO_PROCESS, p) for p in pids] == [
+        os.getpriority(os.PRIO_PROCESS, 0) + 3
+    ] * WORLD
     _lose_node(procs, tmp_path, 1)
     _wait_for(lambda: not [p for p in pids if _alive(p)], "the replica processes to end with their ranks", 30)
     out = _restart(ctx, tmp_path, 1)

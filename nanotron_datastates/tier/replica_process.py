@@ -45,6 +45,7 @@ class ProcessSpec:
     tier: tuple[str, str, int, int]  # the tier's base, checkpoints folder, copies, spares
     gbps: float
     parser_threads: int
+    nice: int = 0  # steps below the trainer's priority it runs at: where both want a core, training gets it
 
 
 class ReplicaProcess:
@@ -190,6 +191,8 @@ def _serve(spec: ProcessSpec, inbox: Any, outbox: Any) -> None:
     of the trainer in turn until None (or the trainer gone)."""
     ended: str | None = None
     try:
+        if spec.nice:
+            os.nice(spec.nice)
         import torch.distributed as dist
 
         from ..engine import DataStatesEngine

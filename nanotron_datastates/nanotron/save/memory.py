@@ -226,8 +226,8 @@ def process_spec(
         ) from None
     prefix = f"datastates-replicas/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{token}/"
     opened = (str(tier.base), str(tier.checkpoints), tier.copies, tier.max_spares)
-    gbps, threads = settings.memory_replica_gbps, engine.config.parser_threads
-    return ProcessSpec(store, prefix, rank, len(holders), holders, opened, gbps, threads)
+    gbps, threads, nice = settings.memory_replica_gbps, engine.config.parser_threads, engine.config.flush_nice
+    return ProcessSpec(store, prefix, rank, len(holders), holders, opened, gbps, threads, nice)
 
 
 def stop_replicas(replication: Replication, timeout: float = 600.0) -> None:
