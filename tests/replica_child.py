@@ -136,10 +136,10 @@ def save(
         committer.submit(PendingCheckpoint(step, folder, handles, finalize if rank == 0 else None))
         (result,) = committer.take(1)
         assert result.committed, result.errors
-    if replicator is not None and store:  # the replica process stays, as while training goes on
-        while not (out / f"replicated{rank}-{steps}.txt").exists():
-            time.sleep(0.05)
-    elif replicator is not None:
+        if replicator is not None and store:  # each step sent before the next is saved: none skipped for it
+            while not (out / f"replicated{rank}-{step}.txt").exists():
+                time.sleep(0.01)
+    if replicator is not None and not store:  # the replica process stays, as while training goes on
         replicator.close()
     (out / f"done{rank}").write_text("")
     time.sleep(3600)  # training goes on until the node is lost

@@ -382,3 +382,29 @@ def test_the_replica_process_never_runs_the_training_script_again(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert len(runs.read_text().split()) == 1, runs.read_text()
     assert "errors: []" in out.stdout, out.stdout + out.stderr
+
+
+def test_files_asked_ahead_of_a_replica_process_that_dies_are_answered_not_waited_for(tmp_path):
+    """Hostile: the replica process is killed (here while it waits for a peer that never comes). What was
+    asked of it without waiting is answered with the error; asked after, the error comes at once, where a
+    caller waiting would otherwise sit out its whole timeout."""
+    import torch.distributed as dist
+
+    from nanotron_datastates.tier.replica_process import ProcessSpec, ReplicaProcess
+    from nanotron_datastates.tier.replica_transfer import ReplicaError
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    shm, ckpt = str(tmp_path / "shm"), str(tmp_path / "ckpt")
+    spec = ProcessSpec(("127.0.0.1", store.port), "t/", 0, 2, [[1], [0]], (shm, ckpt, 2, 1), 0.0, 1)
+    process = ReplicaProcess(MemoryTier(shm, ckpt, 0), spec, lambda r: None)
+    told: list = []
+    files = {1: [("model/w.safetensors", 4096)]}
+    assert process.make_ahead(files, then=lambda *a: told.append(a)) == 0
+    os.kill(process.pid, 9)
+    assert wait_until(lambda: len(told) == 1, 30), told
+    assert told[0][0] == 0 and "the replica process ended" in str(told[0][1])
+    with pytest.raises(ReplicaError, match="the replica process ended"):  # not "made no files ahead in 5 s"
+        process.make_ahead(files, timeout=5)
+    process.make_ahead(files, then=lambda *a: told.append(a))
+    assert len(told) == 2 and "ended" in str(told[1][1])
+    process.close(10)

@@ -61,6 +61,8 @@ class ReplicaProcess:
         self._sending: int | None = None
         self._answers: queue.Queue[Any] = queue.Queue()  # the answers make_ahead waits for
         self._ahead: collections.deque[Ahead | None] = collections.deque()  # each one asked: its `then`
+        self._ended = False  # the listener's last message heard: nothing more is answered
+        self._lock = threading.Lock()  # over `_ahead` and `_ended`
         self._process = context.Process(
             target=_serve, args=(spec, self._inbox, self._outbox), name="datastates-replicas", daemon=True
         )
@@ -90,9 +92,16 @@ class ReplicaProcess:
         at once: the process makes them beside training and before it sends any replica (it takes the
         trainer's messages in order), their pages faulted in its own memory, not the trainer's; `then(bytes
         made, error or None)` is called from another thread once it has."""
-        self._ahead.append(then)
-        self._inbox.put(("ahead", files))
+        with self._lock:  # asked before the listener's end, or told at once that nothing will answer
+            if not self._ended:
+                self._ahead.append(then)
+                self._inbox.put(("ahead", files))
+            ended = self._ended
+        if ended and then is None:
+            raise ReplicaError("the replica process ended")
         if then is not None:
+            if ended:
+                then(0, ReplicaError("the replica process ended"))
             return 0
         try:
             made, error = self._answers.get(timeout=timeout)
@@ -127,7 +136,8 @@ class ReplicaProcess:
             if kind == "sending":
                 self._sending = value
             elif kind == "ahead":
-                self._answered(value)
+                with self._lock:
+                    self._answered(value)
             elif kind == "done":
                 self.tier.busy.discard(value.step)
                 if self._sending == value.step:
@@ -139,8 +149,10 @@ class ReplicaProcess:
                 if kind == "died" or value is not None:
                     why = value if kind == "ended" else f"the replica process ended with code {value}"
                     self._tell(Replicated(-1, 0, 0, 0.0, [], self.sources, f"replication stopped: {why}"))
-                while self._ahead:
-                    self._answered((0, ReplicaError("the replica process ended")))
+                with self._lock:
+                    self._ended = True
+                    while self._ahead:
+                        self._answered((0, ReplicaError("the replica process ended")))
                 return
 
     def _answered(self, value: tuple[int, BaseException | None]) -> None:
