@@ -27,10 +27,10 @@ from typing import Any, Callable
 
 from .memory import MemoryTier
 from .replica_transfer import ReplicaError
-from .replicas import Replicated, keep_for_sending
+from .replicas import Ahead, Replicated, keep_for_sending
 
 START_S = 300.0  # seconds the processes have to meet through the store
-Ahead = Callable[[int, "BaseException | None"], None]  # told the bytes made ahead, or the error
+ENDED = "the replica process ended"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,15 +93,15 @@ class ReplicaProcess:
         trainer's messages in order), their pages faulted in its own memory, not the trainer's; `then(bytes
         made, error or None)` is called from another thread once it has."""
         with self._lock:  # asked before the listener's end, or told at once that nothing will answer
-            if not self._ended:
+            ended = self._ended
+            if not ended:
                 self._ahead.append(then)
                 self._inbox.put(("ahead", files))
-            ended = self._ended
-        if ended and then is None:
-            raise ReplicaError("the replica process ended")
+        if ended:
+            if then is None:
+                raise ReplicaError(ENDED)
+            then(0, ReplicaError(ENDED))
         if then is not None:
-            if ended:
-                then(0, ReplicaError("the replica process ended"))
             return 0
         try:
             made, error = self._answers.get(timeout=timeout)
@@ -152,7 +152,7 @@ class ReplicaProcess:
                 with self._lock:
                     self._ended = True
                     while self._ahead:
-                        self._answered((0, ReplicaError("the replica process ended")))
+                        self._answered((0, ReplicaError(ENDED)))
                 return
 
     def _answered(self, value: tuple[int, BaseException | None]) -> None:

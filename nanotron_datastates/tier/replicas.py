@@ -85,6 +85,10 @@ def keep_for_sending(tier: MemoryTier, sending: int | None, step: int) -> None:
     tier.busy.add(step)
 
 
+# Told the bytes of the first replicas' files made ahead, or the error (`make_ahead`'s `then`).
+Ahead = Callable[[int, "BaseException | None"], None]
+
+
 # -- after each commit --------------------------------------------------------------------------------------
 
 
@@ -155,10 +159,19 @@ class Replicator:
         keep_for_sending(self.tier, self._sending, step)
         self._queue.put((step, files))
 
-    def make_ahead(self, files: dict[int, list[tuple[str, int]]]) -> int:
+    def make_ahead(self, files: dict[int, list[tuple[str, int]]], then: Ahead | None = None) -> int:
         """The files of the first two replicas of each rank of `files` (its files: name, bytes) that this
-        one keeps replicas of, made ahead as its areas' first spares (replica_ahead.py); the bytes made."""
-        return make_ahead(self.areas, files)
+        one keeps replicas of, made ahead as its areas' first spares (replica_ahead.py); the bytes made.
+        With `then`, the outcome goes to `then(bytes made, error or None)`, here before this returns 0,
+        as a replica process tells it (replica_process.py) from another thread."""
+        if then is None:
+            return make_ahead(self.areas, files)
+        try:
+            made, error = make_ahead(self.areas, files), None
+        except (OSError, ValueError) as e:
+            made, error = 0, e
+        then(made, error)
+        return 0
 
     def close(self, timeout: float = 600.0) -> None:
         """Waits for the replications queued (bounded: a peer may be gone)."""

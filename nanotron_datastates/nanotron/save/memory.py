@@ -132,13 +132,7 @@ def prepare_replicas(
             f"made ahead: {made / 1e9:.2f} GB, {time.perf_counter() - t0:.2f} s"
         )
 
-    if isinstance(replicator, ReplicaProcess):  # beside training: its pages fault in the process's memory
-        replicator.make_ahead(wanted, then=said)
-        return
-    try:
-        said(replicator.make_ahead(wanted), None)
-    except (OSError, ValueError, ReplicaError) as e:
-        said(0, e)
+    replicator.make_ahead(wanted, then=said)  # a replica process's beside training, faulted in its memory
 
 
 def open_replicas(
