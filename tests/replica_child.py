@@ -172,16 +172,12 @@ def _make_ahead(dist: Any, engine: Any, replicator: Any, out: Path, rank: int, w
 def restart(
     rank: int, world: int, node: int, init: str, work: str, replicas: int, transport: str = "gloo"
 ) -> None:
-    import torch
-
     from nanotron_datastates.checkpoint.checksums import file_checksums
     from nanotron_datastates.checkpoint.manifest import read_manifest
     from nanotron_datastates.checkpoint.names import LATEST
-    from nanotron_datastates.resume.read_ahead import Prefetch
     from nanotron_datastates.tier import replicas as rep
     from nanotron_datastates.tier.links import open_link
     from nanotron_datastates.tier.memory import MemoryTier
-    from nanotron_datastates.tier.pulled import Placed
     from nanotron_datastates.tier.replica_restore import restart_source
 
     dist = _start(rank, world, node, init, transport)
@@ -193,11 +189,7 @@ def restart(
     tier = MemoryTier(tier_root(out, node), root, rank, copies=2)
     group = dist.new_group(backend="gloo")
     link = open_link(group, transport)
-    placed = Placed(tier.folder / str(step))  # read ahead as the product does: each file once in place
-    paths = [placed.folder / rel for rel in files(rank)]
-    ahead = Prefetch(engine, torch.device("cpu"), paths, [], lambda p: None, gate=placed.wait)
-    source, why = restart_source(tier, manifest, set(files(rank)), group, engine, link, placed)
-    placed.finish(False)
+    source, why = restart_source(tier, manifest, set(files(rank)), group, engine, link)
     link.close()
     if replicas:
         nodes: list[Any] = [None] * world
@@ -211,12 +203,8 @@ def restart(
         sums = file_checksums(manifest, folder, folder / rel)
         got = engine.load(path, checksums=sums)[key]
         equal.append(bool(got.equal(want["w" if key == "data" else "m"])))
-    got = ahead.weights()
-    keys = zip(paths, ("data", "m"), ("w", "m"))
-    read_ahead = [bool(got[p][k].equal(want[w])) if p in got else None for p, k, w in keys]
     leftovers = temporaries(tier.folder.parent)
     report = {"source": str(source) if source else None, "why": why, "equal": equal, "step": step}
-    report["read_ahead"] = read_ahead
     report["held"] = tier.held_steps()
     (out / f"restart{rank}.json").write_text(json.dumps({**report, "leftovers": leftovers}))
     engine.close()

@@ -95,7 +95,6 @@ def test_a_lost_node_resumes_from_its_peers_memory_bit_for_bit(tmp_path, ctx):
     out = _restart(ctx, tmp_path, 1)
     for r, o in enumerate(out):
         assert o["step"] == 3 and o["equal"] == [True, True], (r, o)
-        assert o["read_ahead"] == [True, True], (r, o)  # each file read once in place, pulled or held
         assert o["source"] == str(job_folder(child.tier_root(tmp_path, _node(r)), tmp_path / "ckpt") / "3")
         assert not o["leftovers"]
         assert o["held"] == [3], (r, o)  # the pulled files marked held too, as a save marks them

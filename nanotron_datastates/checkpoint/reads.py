@@ -71,15 +71,6 @@ class ReadSet:
     optimizer: tuple[Path, ...]  # its file, or its parts; () where none is read
     small: list[Path]
 
-    def names(self, doc: dict[str, Any], folder: Path) -> set[str]:
-        """The manifest `doc`'s names of these files (read from `folder`), with every weight file where
-        none is listed (which ones the model says, later)."""
-        names = set(doc.get("files", {}))
-        out = {Path(p).relative_to(folder).as_posix() for p in [*self.weights, *self.optimizer, *self.small]}
-        if not self.weights:
-            out |= {n for n in names if n.startswith("model/")}
-        return out & names
-
 
 def files_to_read(
     doc: dict[str, Any],

@@ -144,9 +144,7 @@ class Prefetch:
     together), onto `device`;
     `checksums(path)` gives the CRC-32C a weight file is checked against (None: those in the file). `shared`
     (this rank's index among the node's ranks, their count): other ranks of the node read the same weight
-    files, so they are read through the page cache, starting at this rank's part of the list. `gate(path)`
-    waits until a file is in place (a restart's pull brings them one after another: tier/pulled.py); False:
-    it never will be, and what needs it is read again the ordinary way."""
+    files, so they are read through the page cache, starting at this rank's part of the list."""
 
     def __init__(
         self,
@@ -156,25 +154,19 @@ class Prefetch:
         optimizer: Sequence[Path],
         checksums: Callable[[Path], dict[str, int] | None],
         shared: tuple[int, int] | None = None,
-        gate: Callable[[Path], bool] | None = None,
     ) -> None:
         self._engine, self._device, self._checksums = engine, device, checksums
-        self.shared, self._gate = shared, gate
-        self._paths = [*weights, *optimizer]
+        self.shared = shared
         self._t0 = time.perf_counter()
         self.timings: dict[str, float] = {}  # seconds after the start: each read's end, each wait
         self._optimizer_rate = 0.0  # bytes per second of the optimizer file's own read
         self._optimizer_read: restore.DeviceRead | None = None  # its read to the GPU, within that
+        self.nbytes = sum(_size(p) for p in [*weights, *optimizer])
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datastates-prefetch")
         # One thread, so the weights (needed first, once the model is built) are read before the optimizer.
         self._weights = pool.submit(self._read_weights, weights) if weights else None
         self._optimizer = pool.submit(self._read_optimizer, list(optimizer)) if optimizer else None
         pool.shutdown(wait=False)
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes of the files it reads, as they are now (a restart's pulled files once in place)."""
-        return sum(map(_size, self._paths))
 
     @property
     def reads_optimizer(self) -> bool:
@@ -212,7 +204,6 @@ class Prefetch:
 
         def read(path: Path) -> dict[str, torch.Tensor]:
             self._on_device()
-            self._wait(path)
             checksums = self._checksums(path)
             return self._engine.load(path, self._device, checksums=checksums, page_cache=shared)
 
@@ -229,14 +220,9 @@ class Prefetch:
 
     def _read_optimizer(self, paths: list[Path]) -> tuple[list[Path], Any]:
         self._on_device()
-        parts, spent = [], 0.0
-        for p in paths:
-            self._wait(p)
-            t = time.perf_counter()
-            parts.append(self._engine.load(p, self._device))
-            spent += time.perf_counter() - t
-        state = state_parts.merge(parts)
-        self._optimizer_rate = sum(map(_size, paths)) / max(spent, 1e-9)
+        t = time.perf_counter()
+        state = state_parts.merge([self._engine.load(p, self._device) for p in paths])
+        self._optimizer_rate = sum(map(_size, paths)) / max(time.perf_counter() - t, 1e-9)
         self._optimizer_read = restore.last_device_read()
         self._synchronize()
         self.timings["optimizer_read"] = time.perf_counter() - self._t0
@@ -263,10 +249,6 @@ class Prefetch:
         if self.shared is not None:
             text += f"; weights through the page cache, shared with the node's {self.shared[1]} ranks"
         return text
-
-    def _wait(self, path: Path) -> None:
-        if self._gate is not None and not self._gate(path):
-            raise FileNotFoundError(f"{path}: not brought by the restart's pull")
 
     def _on_device(self) -> None:
         if self._device.type == "cuda":

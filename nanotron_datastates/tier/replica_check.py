@@ -1,15 +1,12 @@
 """Received replica files checked, then placed (replica_transfer.py moves them): each temporary against its
 manifest entry (size and every tensor's checksum), several files at once (the engine's checks run without
-the GIL), and renamed to its name only once every file passed (a restart's pull: each as soon as it
-passed, `placed`). `Checks` starts each file's check as soon as its last byte has landed (a link's `landed`
-callback), and a large file's runs of tensors as soon as their bytes have (`arrived`), beside the rest of
-the transfer; `check_and_place` checks them all after it.
+the GIL), and renamed to its name only once every file passed. `Checks` starts each file's check as soon as
+its last byte has landed (a link's `landed` callback), and a large file's runs of tensors as soon as their
+bytes have (`arrived`), beside the rest of the transfer; `check_and_place` checks them all after it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -28,20 +25,11 @@ CALLERS = 8  # file is most of a rank's bytes, and lands last), as they arrive, 
 
 class Checks:
     """The checks of `recvs`, started as their files land (`landed`, from any thread) or, for those that did
-    not, at `place`; a large file's runs as their bytes arrive (`arrived`). With `placed`, each file is
-    renamed as soon as its check passed, and `placed(t)` told (from a checking thread), so that a restart
-    reads it while the rest arrive; a file that fails is never renamed. A context manager: on the way out
+    not, at `place`; a large file's runs as their bytes arrive (`arrived`). A context manager: on the way out
     no check is left running on the temporaries."""
 
-    def __init__(
-        self,
-        engine: Any,
-        recvs: list[Transfer],
-        entry_of: Callable[[Transfer], dict[str, Any]],
-        placed: Callable[[Transfer], None] | None = None,
-    ):
-        self.engine, self.recvs, self.entry_of, self.placed = engine, recvs, entry_of, placed
-        self._renaming = threading.Lock()
+    def __init__(self, engine: Any, recvs: list[Transfer], entry_of: Callable[[Transfer], dict[str, Any]]):
+        self.engine, self.recvs, self.entry_of = engine, recvs, entry_of
         self._pool = ThreadPoolExecutor(max(1, min(THREADS, len(recvs))), "datastates-replica-check")
         self._started: dict[int, Future] = {}  # by id(transfer): the file's whole check
         self._arriving: dict[int, _Arriving] = {}  # by id(transfer): a large file's runs started so far
@@ -66,37 +54,20 @@ class Checks:
                     self._started[id(t)] = arriving.landed()
                 else:
                     self._started[id(t)] = self._pool.submit(_check, self.engine, t, self.entry_of(t))
-                if self.placed is not None:
-                    self._started[id(t)].add_done_callback(functools.partial(self._passed, t))
-
-    def _passed(self, t: Transfer, check: Future) -> None:
-        """`t`'s check ended: renamed now where it passed (`place` tries again, and names an error)."""
-        if not check.cancelled() and check.exception() is None:
-            with contextlib.suppress(OSError):
-                self._rename(t)
 
     def place(self) -> None:
         """Waits for every file's check (those not started, started now), then renames each temporary to its
         name (no link followed); ChecksumError, FormatError or OSError naming the first file (in `recvs`'
-        order) that fails, and none renamed then (with `placed`: none of those that failed)."""
+        order) that fails, and none renamed then."""
         for t in self.recvs:
             self.landed(t)
         for t in self.recvs:
             self._started[id(t)].result()
         for t in self.recvs:
-            self._rename(t)
-
-    def _rename(self, t: Transfer) -> None:
-        """`t`'s temporary renamed to its name, once (no link followed); `placed` told."""
-        with self._renaming:
-            if t.temporary is None:
-                return
-            assert t.into is not None
+            assert t.temporary is not None and t.into is not None
             top = t.into.parent  # as the temporary was made: the folder received into is no link either
             trust.rename_in(top, str(t.temporary.relative_to(top)), f"{t.into.name}/{t.rel}")
             t.temporary = None
-        if self.placed is not None:
-            self.placed(t)
 
     def __enter__(self) -> Checks:
         return self

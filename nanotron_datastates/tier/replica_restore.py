@@ -3,7 +3,7 @@ holds whole in memory (its own tier's and the replicas', `node_copies`) and whic
 reads and its node lacks is pulled from a rank whose node holds it, into the rank's own tier, checked against
 the manifest, then renamed; a replica on the rank's own node is linked in. Every rank reads from memory, or,
 where any file a rank needs is in no node's memory, every rank reads storage, and the log says which file
-was missing. A read-ahead may read each file as soon as it is in place (`Placed`), while the rest arrive.
+was missing.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from .. import trust
 from .held_copy import held
 from .links import GlooLink, Link
 from .memory import MemoryTier
-from .pulled import Placed
 from .replica_check import Checks
 from .replica_reserve import reserved_within
 from .replica_transfer import Transfer, gather, open_all
@@ -43,15 +42,12 @@ def restart_source(
     group: Any,
     engine: Any,
     link: Link | None = None,
-    placed: Placed | None = None,
 ) -> tuple[Path | None, str]:
     """Where this rank reads the checkpoint `manifest` describes, and why: its node's tier folder of that
     step once every file each rank `needs` is there (pulled from another node's memory, or linked in from
     this node's replicas, as needed), or None (storage) for every rank where any rank needs a file that is
     in no node's memory. Collective over `group` (gloo, every rank); the bytes go over `link` (default: over
-    `group`), unpaced: at a restart nothing else runs, and every rank waits for the slowest pull. `placed`
-    is told what this rank reads that its tier folder lacks, each file as this rank places it, and the end
-    (the caller ends it too, where this raises)."""
+    `group`), unpaced: at a restart nothing else runs, and every rank waits for the slowest pull."""
     link = link if link is not None else GlooLink(group)
     step = int(manifest["step"])
     have = node_copies(tier, manifest)
@@ -73,10 +69,6 @@ def restart_source(
     sends = [Transfer(r, rel, entries[rel]["bytes"]) for (_, rel), (r, q) in sorted(pulls.items()) if q == me]
     recvs = [Transfer(q, rel, entries[rel]["bytes"]) for (_, rel), (r, q) in sorted(pulls.items()) if r == me]
     here = tier.folder / str(step)
-    told = placed.place if placed is not None else (lambda rel: None)
-    early = (lambda t: told(t.rel)) if placed is not None else None  # each file renamed once it passed
-    if placed is not None:
-        placed.expect(rel for rel in needs if have.get(rel) != here)
     problem, parts, t0 = None, [0.0] * 5, time.monotonic()
     with contextlib.ExitStack() as stack:
         problems = open_all(stack, group, sends, lambda t: have[t.rel], recvs, here)
@@ -84,7 +76,7 @@ def restart_source(
             return None, "; ".join(problems[:3])
         parts[0] = time.monotonic() - t0
         try:  # each file checked as its bytes land, beside the rest of the transfer
-            checks = stack.enter_context(Checks(engine, recvs, lambda t: entries[t.rel], early))
+            checks = stack.enter_context(Checks(engine, recvs, lambda t: entries[t.rel]))
             moving = time.monotonic()
             parts[1] = link.move(sends, recvs, landed=checks.landed, arriving=checks.arrived)
             parts[3:] = reserved_within(recvs, moving)
@@ -94,14 +86,11 @@ def restart_source(
             for rel in links:
                 with contextlib.suppress(FileExistsError):  # another rank of this node linked it first
                     trust.link_in(have[rel].parent, here.parent, f"{step}/{rel}")  # no link followed
-                told(rel)
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             problem = f"rank {me}: {e}"
     t2 = time.monotonic()
     answers = gather(group, (problem, parts))
     problems = [p for p, _ in answers if p]
-    if placed is not None:
-        placed.finish(not problems)  # a node-mate's pulls are in place too
     if problems:
         return None, "; ".join(problems[:3])
     pulled, waited = sum(t.nbytes for t in recvs), time.monotonic() - t2

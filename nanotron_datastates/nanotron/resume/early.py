@@ -6,7 +6,6 @@ checkpoint, and the small files into the page cache first. With memory replicas,
 lacks the checkpoint reads nothing ahead: `Resume.plan` pulls it from other nodes' memory at network speed,
 and a read of storage under way would only take the memory's and the disk's bandwidth from it; nor does a
 rank whose tier holds a memory checkpoint newer than storage's (`memory_interval`).
-A restart that pulls them starts its read-ahead as the pull begins, each file read once in place (`pulled`).
 `Resume.plan` adopts that read-ahead where it reads exactly the files planned with the rank's place, onto the
 same device; else it starts one here too."""
 
@@ -16,7 +15,7 @@ import dataclasses
 import functools
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -28,7 +27,6 @@ from ...resume.read_ahead import Prefetch, shared_weight_reads, warm_page_cache
 from ...tier.held_copy import tier_copy
 from ...tier.memory import MemoryTier
 from ...tier.memory_steps import steps_with_manifest
-from ...tier.pulled import Placed
 from ..yaml_config import engine_for, section
 from .source import asked_layout, loads, parse_config, resume_folder
 
@@ -44,16 +42,10 @@ class EarlyRead:
     device: torch.device
     topology: dict[str, int]  # the layout the config asks for
     engine: DataStatesEngine
-    pulled: bool = False  # begun with a restart's pull (pulled), not with the trainer
 
     def adoptable(self, source: Path, device: torch.device | None, reads: ReadSet) -> bool:
         """Whether this read-ahead reads exactly `reads`, from `source` onto `device`."""
         return self.source == source and self.device == device and same_large(self.reads, reads)
-
-    def read(self, gate: Callable[[Path], bool] | None = None) -> Prefetch:
-        """Its read-ahead, started now (`gate`: see Prefetch)."""
-        args = (self.engine, self.manifest, self.source, self.reads, self.device, self.topology)
-        return read_ahead(*args, gate)
 
 
 def find(args: Sequence[Any], kwargs: dict[str, Any]) -> EarlyRead | None:
@@ -103,28 +95,13 @@ def read_ahead(
     reads: ReadSet,
     device: torch.device,
     topology: dict[str, int],
-    gate: Callable[[Path], bool] | None = None,
 ) -> Prefetch:
     """The read-ahead of `reads` (weights, optimizer) from `folder` onto `device`, each file checked against
-    the manifest's checksums (and, with `gate`, read once in place); weight files that several ranks of a
-    node read (replicas on `topology`) go through the page cache."""
+    the manifest's checksums; weight files that several ranks of a node read (replicas on `topology`) go
+    through the page cache."""
     checksums = functools.partial(file_checksums, manifest, folder)
     shared = shared_weight_reads(topology)
-    return Prefetch(engine, device, reads.weights, reads.optimizer, checksums, shared, gate)
-
-
-def pulled(
-    engine: DataStatesEngine,
-    manifest: dict[str, Any],
-    placed: Placed,
-    reads: ReadSet,
-    device: torch.device,
-    topology: dict[str, int],
-) -> tuple[Prefetch, EarlyRead]:
-    """The read-ahead of a restart that pulls this rank's files into `placed.folder`: each file read as soon
-    as it is there, while the rest arrive; with what `Resume.plan` adopts it by."""
-    early = EarlyRead(manifest, placed.folder, reads, device, topology, engine, pulled=True)
-    return early.read(placed.wait), early
+    return Prefetch(engine, device, reads.weights, reads.optimizer, checksums, shared)
 
 
 def same_large(a: ReadSet, b: ReadSet) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from ...checkpoint import folder as checkpoint
 from ...checkpoint.manifest import is_datastates_checkpoint
@@ -26,7 +26,6 @@ from ...store import open_store
 from ...tier.held_copy import tier_copy, why_not
 from ...tier.links import open_link
 from ...tier.memory import MemoryTier
-from ...tier.pulled import Placed
 from ...tier.replica_restore import restart_source
 from .. import groups
 from .. import log as say
@@ -53,8 +52,6 @@ class Reading(Protocol):
     def needs(self) -> set[str]: ...
 
     def get_engine(self) -> DataStatesEngine: ...
-
-    def read_pulled(self, placed: Placed) -> None: ...  # reads ahead each pulled file once in place
 
 
 def _planned(resume: Reading) -> Path:
@@ -101,38 +98,27 @@ def _memory_of_any_node(resume: Reading, settings: Any) -> Path | None:
     if problems or own is None:
         say.note(f"resuming step {step} from storage: the memory tier cannot serve it ({problems[0]})")
         return None
-    engine = resume.get_engine()
-    source, why = pull(own, resume.manifest, resume.needs(), engine, settings, resume.read_pulled)
+    source, why = pull(own, resume.manifest, resume.needs(), resume.get_engine(), settings)
     where = f"memory ({source}; {why})" if source else f"storage: no memory copy serves it ({why})"
     say.note(f"resuming step {step} from {where}")
     return source
 
 
 def pull(
-    own: MemoryTier,
-    manifest: dict[str, Any],
-    needs: set[str],
-    engine: Any,
-    settings: Any,
-    read: Callable[[Placed], None] | None = None,
+    own: MemoryTier, manifest: dict[str, Any], needs: set[str], engine: Any, settings: Any
 ) -> tuple[Path | None, str]:
     """`restart_source` over a link of its own (`memory_replica_transport`), closed once pulled: (this
-    rank's tier folder of the checkpoint, or None for storage; why). `read(placed)` starts, as the pull
-    begins, a read-ahead of each file once it is in place. Collective."""
+    rank's tier folder of the checkpoint, or None for storage; why). Collective."""
     import torch.distributed as tdist
 
     t0 = time.monotonic()
     group = tdist.new_group(backend="gloo")  # the ranks' agreements; the bytes go over the link
     link = open_link(group, settings.memory_replica_transport)
     opened = time.monotonic() - t0
-    placed = Placed(own.folder / str(manifest["step"]))
     try:
-        if read is not None:
-            read(placed)
-        source, why = restart_source(own, manifest, needs, group, engine, link, placed)
+        source, why = restart_source(own, manifest, needs, group, engine, link)
         return source, f"{why}; the link opened in {opened:.2f} s"
     finally:
-        placed.finish(False)  # where restart_source raised: every read still waiting told
         link.close()
 
 

@@ -21,7 +21,6 @@ from ...checkpoint.manifest import ManifestError
 from ...tier.held_copy import step_why_not
 from ...tier.memory import MemoryTier
 from ...tier.memory_steps import keep_documents, manifest_of, read_documents, steps_with_manifest
-from ...tier.pulled import Placed
 from .. import groups
 from .. import log as say
 from . import fallback as recovery
@@ -43,8 +42,6 @@ class Taking(Protocol):
     def needs(self) -> set[str]: ...
 
     def get_engine(self) -> Any: ...
-
-    def read_pulled(self, placed: Placed) -> None: ...  # reads ahead each pulled file once in place
 
 
 def checkpoints_of(config: Any, settings: Any, folder: Path | None) -> Path | None:
@@ -136,6 +133,5 @@ def _pull(resume: Taking, settings: Any, pc: Any, tier: MemoryTier, step: int) -
         if bad is not None:
             return None, f"not whole in memory (rank {bad[0]}: {bad[1]})"
         return tier.folder / str(step), f"resumed from the memory tier ({tier.folder / str(step)})"
-    engine = resume.get_engine()
-    source, why = recovery.pull(tier, resume.manifest, resume.needs(), engine, settings, resume.read_pulled)
+    source, why = recovery.pull(tier, resume.manifest, resume.needs(), resume.get_engine(), settings)
     return source, (f"resumed from memory ({why})" if source else f"not whole in any node's memory ({why})")

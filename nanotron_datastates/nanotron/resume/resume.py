@@ -6,9 +6,10 @@ a manifest (any other is left to Nanotron). The trainer mixin calls, in this ord
    reads, and the small files into the page cache (early.py). Never raises: step 2 meets it again.
 2. `plan(config, pc, folder)`, in `pre_init`: whether this is ours to resume: a memory checkpoint newer than
    `folder` that the nodes hold whole (from_memory.py), else `folder`; where its files are read (the memory
-   tier, where every rank finds it whole there, else storage: fallback.py); the files this rank reads; the
-   read-ahead of step 1 or of a restart's pull (`read_pulled`) adopted if it reads exactly those onto this
-   device, else one started (read_ahead.py). Nanotron's pickle loaders are off until they are ours to honour.
+   tier, where every rank finds it whole there, else storage: fallback.py); the files this rank reads, now
+   with its place in the groups; the read-ahead of step 1 adopted if it reads exactly those files onto this
+   device, else one started (read_ahead.py). Nanotron's own loaders, which read pickles, are turned off
+   (`load_optimizer`, `load_lr_scheduler`) until they are ours to honour.
 3. `load_weights(model)`, where Nanotron loads its weights: from the read-ahead, else read now; on another
    layout, resharded (weights.py, reshard.py).
 4. `load_rest(optimizer, lr_scheduler, random_states, model)`, once Nanotron has built them: scheduler,
@@ -44,14 +45,13 @@ from ...engine import DataStatesEngine
 from ...errors import FormatError
 from ...resume.deferred_optimizer import DeferredOptimizer
 from ...resume.read_ahead import PageCacheWarmer, Prefetch, warm_for_reshard, warm_page_cache
-from ...tier.pulled import Placed
 from .. import groups
 from .. import log as say
 from ..yaml_config import engine_for, section
 from . import fallback as recovery
 from . import from_memory, optimizer_state, saved_layout, weights
 from . import scheduler_and_rng as rest
-from .early import EarlyRead, find, pulled, read_ahead
+from .early import EarlyRead, find, read_ahead
 from .source import loads
 
 __all__ = ["READ_ERRORS", "Resume"]
@@ -115,7 +115,9 @@ class Resume:
         if early is None:
             return self
         self.engine = early.engine
-        self.prefetch = early.read()
+        self.prefetch = read_ahead(
+            early.engine, early.manifest, early.source, early.reads, early.device, early.topology
+        )
         self._early, self._state = early, "started"
         return self
 
@@ -130,6 +132,7 @@ class Resume:
         read ahead). Collective where the memory tier is on (the ranks agree where to read)."""
         from nanotron.s3_checkpoints import check_path_is_local
 
+        early, self._early = self._early, None
         settings = section(config).trainer
         # A manifest that is not a regular file (a FIFO): a checkpoint that cannot be read, which falls back.
         ours = folder is not None and os.path.lexists(Path(folder) / MANIFEST) and check_path_is_local(folder)
@@ -148,7 +151,6 @@ class Resume:
         if not from_memory.choose(self, settings, pc, memory, stored):  # none serves, storage has none
             ck.load_optimizer, ck.load_lr_scheduler = self._flags
             return self._nothing(config, pc, folder)
-        early, self._early = self._early, None  # of step 1, or of a restart's pull (`read_pulled`)
         reads, device = (self.files() if not self._failures else None), self._device
         if reads is None or device is None:
             self._drop_prefetch(report=False)
@@ -156,18 +158,18 @@ class Resume:
                 self.warmer = warm_for_reshard(self.manifest, self._src(), self.source is not None)
             return True
         if early is not None and early.adoptable(self._src(), device, reads):
-            self.early = not early.pulled  # that of step 1 (or of the pull) reads exactly these files
+            self.early = True  # the read-ahead of step 1 reads exactly these files onto this device
             return True
         self._drop_prefetch(report=False)
         warm_page_cache(reads.small)  # first, while the disk is idle
         if reads.weights or reads.optimizer:
-            here = self._layout()
+            here = groups.layout_of(pc, int(config.optimizer.zero_stage))
             self.prefetch = read_ahead(self.get_engine(), self.manifest, self._src(), reads, device, here)
         return True
 
     def _nothing(self, config: Any, pc: Any, folder: str | os.PathLike | None) -> bool:
         """Nothing of ours to resume (False): a stock checkpoint refused where the engine saves."""
-        self.folder, self._early = None, None
+        self.folder = None
         self._drop_prefetch(report=False)  # not adopted: its buffers go back when its reads end
         if folder is not None and getattr(config, "uses_datastates", False):
             saved_layout.refuse_stock(Path(folder), config, pc)
@@ -186,33 +188,30 @@ class Resume:
             self.manifest = {"files": {}, "topology": {}}
             self._failures.append(str(e))
 
-    def files(self, source: Path | None = None) -> ReadSet | None:
-        """The files this rank reads (from `source`, default where planned; None: the layout changed).
-        Tensor- and pipeline-parallel ranks read their weight files as the model says, not ahead."""
-        root, place = source or self._src(), groups.place(self.pc)
-        return files_to_read(self.manifest, root, self._layout(), place, **loads(self._config, self._flags))
-
-    def read_pulled(self, placed: Placed) -> None:
-        """Reads ahead from `placed.folder`, where a restart pulls this rank's files, each once it is there
-        (early.py); `plan` adopts it where that is where the files are read."""
-        reads, device = (self.files(placed.folder) if not self._failures else None), self._device
-        if reads is None or device is None or not (reads.weights or reads.optimizer):
-            return
-        if self._early is None or not self._early.adoptable(placed.folder, device, reads):
-            self._drop_prefetch(report=False)
-            ahead = pulled(self.get_engine(), self.manifest, placed, reads, device, self._layout())
-            self.prefetch, self._early = ahead
+    def files(self) -> ReadSet | None:
+        """The files this rank reads (None: the layout changed). Tensor- and pipeline-parallel ranks read
+        their weight files as the model says (`shards.weight_sources`), not ahead."""
+        here = groups.layout_of(self.pc, int(self._config.optimizer.zero_stage))
+        place = groups.place(self.pc)
+        return files_to_read(self.manifest, self._src(), here, place, **loads(self._config, self._flags))
 
     def needs(self) -> set[str]:
-        """The manifest's files this rank reads: all where the layout changed (ReadSet.names)."""
-        reads, names = (self.files() if not self._failures else None), set(self.manifest.get("files", {}))
-        return names if reads is None else reads.names(self.manifest, self._src())
+        """The manifest's files this rank reads: all where the layout changed; every weight file where ranks
+        hold parts of the model (the model says which, later), with the rest `files()` lists; else those."""
+        names = set(self.manifest.get("files", {}))
+        reads = self.files() if not self._failures else None
+        if reads is None:
+            return names
+        root = self._root()
+        listed = [*reads.weights, *reads.optimizer, *reads.small]
+        out = {Path(os.path.relpath(p, root)).as_posix() for p in listed}
+        if not reads.weights:
+            out |= {n for n in names if n.startswith("model/")}
+        return out & names
 
     def topology_changes(self) -> dict[str, tuple[Any, int]]:
-        return topology_changes(self.manifest.get("topology", {}), self._layout())
-
-    def _layout(self) -> dict[str, int]:
-        return groups.layout_of(self.pc, int(self._config.optimizer.zero_stage))
+        here = groups.layout_of(self.pc, int(self._config.optimizer.zero_stage))
+        return topology_changes(self.manifest.get("topology", {}), here)
 
     def get_engine(self) -> DataStatesEngine:
         if self.engine is None:
