@@ -362,6 +362,15 @@ NB_MODULE(_core, m) {
       "data"_a, "offset"_a = 0,
       "(CRC-32C, the bytes) of `data` copied `offset` bytes into a new buffer, summed as they are stored");
   m.def(
+      "copy_streaming",
+      [](std::uintptr_t dst, std::uintptr_t src, std::size_t n) {
+        nb::gil_scoped_release unlocked;
+        return ds::crc32c_copy(0, reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+      },
+      "dst"_a, "src"_a, "n"_a,
+      "Copies `n` bytes from address `src` to `dst` (memory the caller holds, not overlapping) with "
+      "non-temporal stores, no read of dst's lines; returns their CRC-32C, summed as they are stored");
+  m.def(
       "encode_header",
       [](const std::vector<std::string>& names, const std::vector<std::string>& dtypes,
          const std::vector<std::vector<std::int64_t>>& shapes, const std::vector<std::size_t>& itemsizes,

@@ -5,11 +5,11 @@ on the GPU), so that peers of one node go over NVLink and peers of other nodes o
 
 Each peer's files, in the order both ends list them, are one stream of bytes cut into chunks; a wave moves
 one chunk of each stream at once (one NCCL group call). A chunk sent: copied from the tier's mapping into a
-pinned slot (in pieces, by a pool of threads: copies in host memory are the slowest hop), copied to the GPU
-on the `up` stream, sent. A chunk received: received on the GPU, copied to a pinned slot on the `down`
-stream, copied into the mapping of its temporary by the pool. The GPU runs up to `slots` waves ahead of the
-host copies; a slot is filled again only once the GPU has read it, and written again only once the pool has
-emptied it (CUDA events, and the pool's futures).
+pinned slot (in pieces, by a pool of threads, with stores that bypass the caches: copies in host memory are
+the slowest hop), copied to the GPU on the `up` stream, sent. A chunk received: received on the GPU, copied
+to a pinned slot on the `down` stream, copied into the mapping of its temporary by the pool. The GPU runs up
+to `slots` waves ahead of the host copies; a slot is filled again only once the GPU has read it, and written
+again only once the pool has emptied it (CUDA events, and the pool's futures).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _core
 from .replica_transfer import Arriving, Landed, Landing, Transfer, pace
 from .step_order import StepOrder
 
@@ -76,9 +77,9 @@ class _Stream:
                 assert t.buf is not None
                 mapped, at = t.buf[lo - start : lo - start + n], lo - base
                 if into_slot:
-                    slot[at : at + n].copy_(mapped)
+                    streamed(slot[at : at + n], mapped)
                 elif t.writable(lo - start + n):  # else dropped: its memory could not be reserved
-                    mapped.copy_(slot[at : at + n])
+                    streamed(mapped, slot[at : at + n])
                 lo += n
             i += 1
 
@@ -288,6 +289,17 @@ class _Drained:
             self.prefix += 1
         for e in self.ends:
             e.upto(self.prefix * self.chunk)
+
+
+def streamed(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst[:] = src` (contiguous, of one dtype and size) with non-temporal stores: a slot or a mapping
+    written once and read next by the DMA or another process costs no read of its lines first, one pass of
+    host memory fewer than a plain copy (`copy_streaming`)."""
+    same = dst.dtype == src.dtype and dst.numel() == src.numel()
+    if not (same and dst.is_contiguous() and src.is_contiguous()):
+        raise ValueError(f"a streamed copy needs contiguous runs of one size: {dst.shape}, {src.shape}")
+    if dst.numel():
+        _core.copy_streaming(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
 
 
 def _after(event: torch.cuda.Event, copy: Any, *args: Any) -> None:
