@@ -8,6 +8,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "copy.hpp"
 #include "crc32c.hpp"
 #include "cuda.hpp"
 #include "engine.hpp"
@@ -365,11 +366,11 @@ NB_MODULE(_core, m) {
       "copy_streaming",
       [](std::uintptr_t dst, std::uintptr_t src, std::size_t n) {
         nb::gil_scoped_release unlocked;
-        return ds::crc32c_copy(0, reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+        ds::stream_copy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
       },
       "dst"_a, "src"_a, "n"_a,
       "Copies `n` bytes from address `src` to `dst` (memory the caller holds, not overlapping) with "
-      "non-temporal stores, no read of dst's lines; returns their CRC-32C, summed as they are stored");
+      "non-temporal stores: no read of dst's lines first");
   m.def(
       "encode_header",
       [](const std::vector<std::string>& names, const std::vector<std::string>& dtypes,

@@ -5,6 +5,10 @@
 #include <cstring>
 #include <thread>
 
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
+
 namespace ds {
 namespace {
 
@@ -223,6 +227,32 @@ Error DeviceUploader::copy(int device, char* dst_device, const char* src, std::s
   return cuda::check(
       cuda::api()->cuMemcpyHtoDAsync(reinterpret_cast<cuda::CUdeviceptr>(dst_device), src, n, s),
       "cuMemcpyHtoDAsync");
+}
+
+void stream_copy(void* dst, const void* src, std::size_t n) {
+  auto* d = static_cast<unsigned char*>(dst);
+  const auto* s = static_cast<const unsigned char*>(src);
+#if defined(__x86_64__)
+  if (n >= 4096) {
+    const std::size_t head = (16 - reinterpret_cast<std::uintptr_t>(d) % 16) % 16;  // to an aligned dst
+    std::memcpy(d, s, head);
+    std::size_t i = head;
+    for (; i + 64 <= n; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+      const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+    }
+    std::memcpy(d + i, s + i, n - i);
+    _mm_sfence();  // the streamed stores are visible before anyone (a DMA engine) reads dst
+    return;
+  }
+#endif
+  std::memcpy(d, s, n);
 }
 
 }  // namespace ds

@@ -123,4 +123,8 @@ class DeviceUploader {
 // Strided gather of bytes [begin, end) of a host tensor's row-major image.
 void gather_host(const TensorSrc& t, std::size_t begin, std::size_t end, char* dst);
 
+// memcpy of non-overlapping bytes with non-temporal stores (x86-64; elsewhere memcpy): a destination
+// written once and read next by a DMA engine or another process costs no read of its lines first.
+void stream_copy(void* dst, const void* src, std::size_t n);
+
 }  // namespace ds

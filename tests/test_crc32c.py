@@ -56,30 +56,3 @@ def test_a_copy_sums_exactly_the_bytes_it_stores_at_every_alignment():
                 piece = blob[start : start + n]
                 crc, copied = _core.crc32c_copy(piece, offset)
                 assert copied == piece and crc == _core.crc32c(piece), (n, start, offset)
-
-
-def test_a_streamed_copy_between_tensors_stores_every_byte_and_only_those_at_every_alignment():
-    """The NCCL link's host copies (`streamed`): exact bytes into any offset of a larger buffer, the bytes
-    around untouched; the sum returned is that of the bytes."""
-    import pytest
-    import torch
-
-    from nanotron_datastates.tier.link_nccl import streamed
-
-    rng = random.Random(5)
-    src = torch.tensor([rng.randrange(256) for _ in range(70000)], dtype=torch.uint8)
-    for n in (0, 5, 4095, 4096, 4100, 24577, 70000 - 3):
-        for start in (0, 3):
-            for offset in (0, 1, 7, 8, 13):
-                dst = torch.full((n + 32,), 0xA5, dtype=torch.uint8)
-                piece = src[start : start + n]
-                streamed(dst[offset : offset + n], piece)
-                assert dst[offset : offset + n].equal(piece), (n, start, offset)
-                assert bool((dst[:offset] == 0xA5).all() and (dst[offset + n :] == 0xA5).all())
-    piece, out = src[:12289], torch.empty(12289, dtype=torch.uint8)
-    crc = _core.copy_streaming(out.data_ptr(), piece.data_ptr(), piece.numel())
-    assert out.equal(piece) and crc == _core.crc32c(bytes(piece.tolist()))
-    with pytest.raises(ValueError, match="contiguous runs of one size"):
-        streamed(torch.empty(10, dtype=torch.uint8), src[:11])
-    with pytest.raises(ValueError, match="contiguous runs of one size"):
-        streamed(torch.empty(10, dtype=torch.uint8), src[:20:2])
