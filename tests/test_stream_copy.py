@@ -25,7 +25,9 @@ def test_a_streamed_copy_between_tensors_stores_every_byte_and_only_those_at_eve
     out = torch.zeros_like(wide)
     streamed(out, wide)
     assert out.equal(wide)
-    with pytest.raises(ValueError, match="contiguous runs of one size"):
+    with pytest.raises(ValueError, match="contiguous host runs of one size"):
         streamed(torch.empty(10, dtype=torch.uint8), src[:11])
-    with pytest.raises(ValueError, match="contiguous runs of one size"):
+    with pytest.raises(ValueError, match="contiguous host runs of one size"):
         streamed(torch.empty(10, dtype=torch.uint8), src[:20:2])
+    with pytest.raises(ValueError, match="contiguous host runs of one size"):
+        streamed(torch.empty(10, dtype=torch.uint8, device="meta"), src[:10])  # never a device's address

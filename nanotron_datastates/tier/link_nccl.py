@@ -292,12 +292,13 @@ class _Drained:
 
 
 def streamed(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """`dst[:] = src` (contiguous, of one dtype and size) with non-temporal stores: a slot or a mapping
-    written once and read next by the DMA or another process costs no read of its lines first, one pass of
-    host memory fewer than a plain copy (`copy_streaming`)."""
-    same = dst.dtype == src.dtype and dst.numel() == src.numel()
+    """`dst[:] = src` (host memory, contiguous, of one dtype and size) with non-temporal stores: a slot or a
+    mapping written once and read next by the DMA or another process costs no read of its lines first, one
+    pass of host memory fewer than a plain copy (`copy_streaming`)."""
+    host = dst.device.type == src.device.type == "cpu"
+    same = host and dst.dtype == src.dtype and dst.numel() == src.numel()
     if not (same and dst.is_contiguous() and src.is_contiguous()):
-        raise ValueError(f"a streamed copy needs contiguous runs of one size: {dst.shape}, {src.shape}")
+        raise ValueError(f"a streamed copy needs contiguous host runs of one size: {dst.shape}, {src.shape}")
     if dst.numel():
         _core.copy_streaming(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
 
