@@ -238,11 +238,8 @@ def _serve(spec: ProcessSpec, inbox: Any, outbox: Any) -> None:
         while (message := _next(inbox)) is not None:
             if message[0] == "submit":
                 replicator.submit(*message[1:])
-            else:  # "ahead"
-                try:
-                    outbox.put(("ahead", (replicator.make_ahead(message[1]), None)))
-                except (OSError, ValueError) as e:
-                    outbox.put(("ahead", (0, e)))
+            else:  # "ahead": its outcome told to the trainer, the error included
+                replicator.make_ahead(message[1], then=lambda *outcome: outbox.put(("ahead", outcome)))
         replicator.close()
         engine.close()
     except Exception as e:  # noqa: BLE001 - told to the trainer, which logs it
