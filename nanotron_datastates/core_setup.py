@@ -37,7 +37,7 @@ def core_options(config: DataStatesConfig, pin_device: int) -> _core.EngineOptio
         fsync=config.fsync,
         checksums=config.checksums,
         # Restores
-        parser_threads=config.parser_threads,
+        parser_threads=config.parser_thread_count,
         queue_depth=config.queue_depth,
         read_bytes=config.read_bytes,
         read_direct_io=config.read_direct_io,

@@ -11,13 +11,13 @@ from nanotron_datastates.trainer_settings import Section, TrainerSettings
 
 def test_defaults_are_valid_and_sized():
     c = DataStatesConfig()
-    assert c.host_cache_size > 0 and c.parser_threads >= 1 and c.pin_host_cache is True
+    assert c.host_cache_size > 0 and c.parser_threads == 0 and c.pin_host_cache is True
     assert c.chunk_bytes % 4096 == 0 and c.cache_bytes // c.chunk_bytes >= 2
 
 
 BAD = {
     "host_cache_size": [0, -1.0, "2", True, 1e9],
-    "parser_threads": [0, 1.5, 257, "4"],
+    "parser_threads": [-1, 1.5, 257, "4"],
     "copy_threads": [-1, 2.0, 257, None],
     "pin_host_cache": ["yes", 1],
     "huge_pages": ["on", 0],
@@ -53,7 +53,7 @@ BAD = {
 }
 ACCEPTS = {
     "host_cache_size": "[1/1024, 2**20]",
-    "parser_threads": "[1, 256]",
+    "parser_threads": "[0, 256]",
     "copy_threads": "[0, 256]",
     "flush_threads": "[1, 64]",
     "flush_nice": "[0, 19]",

@@ -63,3 +63,22 @@ def test_the_engine_runs_with_the_very_settings_of_its_config():
         assert (got.direct_io, got.read_direct_io, got.fsync, got.checksums) == (False, True, False, False)
         assert (got.io_backend, got.copy_threads, got.host_copy_threads) == ("pwrite", 2, 2)
         assert got.device_copy_bytes_per_s == 2.5e9 and not got.map_memory_files
+
+
+def test_parser_threads_0_runs_one_per_cpu_of_the_ranks_share_from_4_to_16(monkeypatch):
+    from nanotron_datastates.engine_settings import auto_parser_threads
+
+    assert auto_parser_threads(cpus=32, local_ranks=1) == 16  # a node of one rank: capped
+    assert auto_parser_threads(cpus=64, local_ranks=8) == 8  # its share
+    assert auto_parser_threads(cpus=2, local_ranks=1) == 4  # a small machine: as many as a disk wants
+    assert auto_parser_threads(cpus=128, local_ranks=0) == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")  # taken as one rank
+    mine = len(__import__("os").sched_getaffinity(0))
+    assert auto_parser_threads() == max(4, min(16, mine))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
+    assert auto_parser_threads(cpus=128) == 4
+    with DataStatesEngine(DataStatesConfig(host_cache_size=1 / 64, chunk_size=2)) as engine:
+        assert engine.config.parser_threads == 0  # automatic, as written
+        assert (
+            engine._core.options.parser_threads == auto_parser_threads() == engine.config.parser_thread_count
+        )

@@ -211,7 +211,7 @@ class Prefetch:
             index, count = self.shared
             first = index * len(paths) // count
             paths = paths[first:] + paths[:first]
-        workers = max(1, self._engine.config.parser_threads)
+        workers = self._engine.config.parser_thread_count
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="datastates-prefetch") as pool:
             out = dict(zip(paths, pool.map(read, paths)))
         self._synchronize()
@@ -277,7 +277,7 @@ def fill(
                 return
             engine.load_into(path, {"data": tensor}, checksums=checksums(path))
 
-    workers = max(1, engine.config.parser_threads)
+    workers = engine.config.parser_thread_count
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="datastates-load") as pool:
         list(pool.map(read, targets))
     ahead.clear()

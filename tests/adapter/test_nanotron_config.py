@@ -158,7 +158,7 @@ def test_top_level_key_as_datastates_docs_write_it(tmp_path):
     "changes,match",
     [
         ({"datastates": {"host_cache_sise": 1}}, "host_cache_sise"),
-        ({"datastates": {"parser_threads": 0}}, r"datastates\.parser_threads=0"),
+        ({"datastates": {"parser_threads": -1}}, r"datastates\.parser_threads=-1"),
         ({"datastates": {"io_backend": "aio"}}, r"datastates\.io_backend"),
         ({"datastates": {"keep_last_n": -1}}, r"datastates\.keep_last_n=-1"),
         ({"checkpoints": {"checkpointing_engine": "tensorstore"}}, "checkpoints.checkpointing_engine"),

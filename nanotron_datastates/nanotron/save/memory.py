@@ -220,7 +220,9 @@ def process_spec(
         ) from None
     prefix = f"datastates-replicas/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{token}/"
     opened = (str(tier.base), str(tier.checkpoints), tier.copies, tier.max_spares)
-    gbps, threads, nice = settings.memory_replica_gbps, engine.config.parser_threads, engine.config.flush_nice
+    # Its checks run beside training: 4 parsers where the count is automatic (a restore's is larger).
+    threads = engine.config.parser_threads or 4
+    gbps, nice = settings.memory_replica_gbps, engine.config.flush_nice
     return ProcessSpec(store, prefix, rank, len(holders), holders, opened, gbps, threads, nice)
 
 
