@@ -225,6 +225,54 @@ def test_prune_removes_the_sets_an_earlier_process_of_this_rank_made_ahead_not_o
     assert again.recycle(1, ["w_0.safetensors"]) == [None]
 
 
+def test_the_sets_an_earlier_process_made_ahead_are_set_aside_at_once_and_removed_behind(tmp_path):
+    """`prune(keep, aside)`: a set made ahead by an earlier process of this rank is renamed at once (its name
+    free for the sets this process makes) and its memory freed by `remove_behind`, which `pruned` waits for;
+    a set aside that a killed process left is removed by the next start's prune."""
+    import subprocess
+
+    from nanotron_datastates.tier.folders import remove_behind
+
+    tier = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 1)
+    _made_ahead(tier, 0, "w.safetensors")
+    _made_ahead(tier, 1, "w.safetensors")
+    again = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 1)  # rank 1's next process
+    aside: list[str] = []
+    again.prune(None, aside)
+    assert sorted(n.split(".dstmp.")[0] for n in aside) == [".warm-1-0", ".warm-1-1"]
+    assert not tier.warm(0, "w.safetensors").exists() and not tier.warm(1, "w.safetensors").exists()
+    assert all((again.folder / n / "w.safetensors").read_bytes() == b"w" * 10 for n in aside)
+    _made_ahead(again, 0, "w.safetensors")  # the name is free at once
+    done: list[tuple[BaseException | None, float]] = []
+    again.removing.append(remove_behind(again.folder, aside, lambda e, s: done.append((e, s))))
+    again.pruned()
+    assert done and done[0][0] is None and not any((again.folder / n).exists() for n in aside)
+    assert again.warm(0, "w.safetensors").read_bytes() == b"w" * 10  # this process's own set stays
+    # A set aside by a process killed before it removed it: the next start's prune removes it.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = again.folder / f".warm-1-1.dstmp.{dead.pid}.0"
+    left.mkdir()
+    (left / "w.safetensors").write_bytes(b"w")
+    MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 1).prune(None)
+    assert not left.exists()
+
+
+def test_a_link_planted_in_place_of_a_set_made_ahead_is_set_aside_never_followed(tmp_path):
+    tier = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0)
+    victim = _victim(tmp_path, "keep.txt")
+    (tier.folder / ".warm-0-0").symlink_to(victim.parent, target_is_directory=True)
+    from nanotron_datastates.tier.folders import remove_behind
+
+    aside: list[str] = []
+    tier.prune(None, aside)
+    done: list[BaseException | None] = []
+    tier.removing.append(remove_behind(tier.folder, aside, lambda e, s: done.append(e)))
+    tier.pruned()
+    assert victim.read_text() == "not the tier's"
+    assert isinstance(done[0], OSError) and ".warm-0-0.dstmp." in str(done[0])
+
+
 # -- a hostile or careless neighbour ------------------------------------------------------------------------
 
 NOBODY = 65534  # another user's uid (CI runs as root, which may chown)

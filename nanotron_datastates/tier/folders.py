@@ -6,9 +6,13 @@ here follows a link (`trust`)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import stat
+import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 from .. import trust
 from ..checkpoint.folder import step_folders, step_of
@@ -49,6 +53,42 @@ def dead_temporary(name: str) -> bool:
     """Whether `name` is a temporary (`.<name>.dstmp.<pid>.<n>`) of a process no longer running."""
     pid = name.split(".dstmp.", 1)[1].split(".", 1)[0] if name.startswith(".") and ".dstmp." in name else ""
     return pid.isdigit() and not alive(int(pid))
+
+
+def set_aside(folder: Path, name: str) -> str:
+    """Renames the folder `folder/name` (a link: the link itself) to a temporary of this process beside it,
+    `<name>.dstmp.<pid>.<n>`, and returns that name: `name` is free at once, and the next start's prune
+    removes what a process killed before its `remove_behind` leaves. One already a dead process's stays."""
+    if dead_temporary(name):
+        return name
+    new = f"{name}.dstmp.{os.getpid()}.{next(_asides)}"
+    trust.rename_in(folder, name, new)
+    return new
+
+
+_asides = itertools.count()
+
+
+def remove_behind(
+    folder: Path, names: list[str], on_done: Callable[[BaseException | None, float], None]
+) -> threading.Thread:
+    """Removes the folders `folder/<names>` (`set_aside`'s) on a thread of its own, which it returns: freeing
+    a 1.1B rank's set made ahead (7 GB) takes a tmpfs most of a second. `on_done(error or None, seconds)`;
+    a folder that cannot be removed (a link, changed meanwhile) is named in the error."""
+
+    def run() -> None:
+        t0, error = time.perf_counter(), None
+        try:
+            left = [n for n in names if not trust.remove_tree(folder, n)]
+            if left:
+                error = OSError(f"{folder}: not removed (a link, or changed meanwhile): {', '.join(left)}")
+        except BaseException as e:  # noqa: BLE001 - reported; the next start's prune tries again
+            error = e
+        on_done(error, time.perf_counter() - t0)
+
+    thread = threading.Thread(target=run, name="datastates-tier-remove", daemon=True)
+    thread.start()
+    return thread
 
 
 def alive(pid: int) -> bool:

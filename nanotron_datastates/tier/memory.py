@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from .. import trust
 from ..errors import DataStatesError
-from .folders import dead_temporary, is_ours, remove_empty, step_numbers
+from .folders import dead_temporary, is_ours, remove_empty, set_aside, step_numbers
 
 MARKER = ".rank-{rank}.json"
 WARM = ".warm-{rank}-{i}"  # a set of files made ahead of the first saves (`warm`), not a step
@@ -112,6 +112,7 @@ class MemoryTier:
         self._given: tuple[int, tuple[str, list[str]]] | None = None  # the spare handed to a step's saves
         self._lock = threading.RLock()
         self._pruning: threading.Thread | None = None  # `prune_behind`'s
+        self.removing: list[threading.Thread] = []  # `remove_behind`'s that `pruned` waits for too
         self.busy: set[int] = set()  # steps being read (sent to a peer): never handed to a save to overwrite
 
     def path(self, step: int, rel: str | os.PathLike) -> Path:
@@ -245,13 +246,18 @@ class MemoryTier:
             if not is_dir and not n.startswith(".rank-") and n != "job.json" and rel.split("/")[0] != REPLICAS
         ]
 
-    def prune(self, keep: int | None) -> None:
+    def prune(self, keep: int | None, aside: list[str] | None = None) -> None:
         """At the start of training: drops this rank's steps other than `keep` (the step latest.txt names),
         and the unmarked folders below it. A process killed between marking a step and dropping the older
-        ones leaves them behind; this keeps the tier at one checkpoint per rank plus the one in flight."""
+        ones leaves them behind; this keeps the tier at one checkpoint per rank plus the one in flight.
+        With `aside`, the sets an earlier process made ahead are set aside (folders.py) and named there, for
+        the caller to remove behind, rather than removed in line."""
         self._remove_dead_temporaries()
         for name in self._made_ahead():  # by an earlier process of this rank
-            trust.remove_tree(self.folder, name)
+            if aside is None:
+                trust.remove_tree(self.folder, name)
+            else:
+                aside.append(set_aside(self.folder, name))
         mine = MARKER.format(rank=self.rank)
         for step in self.steps():
             if step == keep:
@@ -276,10 +282,10 @@ class MemoryTier:
         self._pruning.start()
 
     def pruned(self) -> None:
-        """Waits for `prune_behind`'s removal, if any (the pruning thread itself never waits)."""
-        t = self._pruning
-        if t is not None and t is not threading.current_thread():
-            t.join()
+        """Waits for `prune_behind`'s removal and those in `removing`, if any (never on the thread itself)."""
+        for t in (self._pruning, *self.removing):
+            if t is not None and t is not threading.current_thread():
+                t.join()
 
     def _remove_dead_temporaries(self) -> None:
         """Removes the files that saves of processes no longer running were writing

@@ -71,11 +71,12 @@ def replica_area(tier: MemoryTier, source: int, copies: int = 1) -> MemoryTier:
     return MemoryTier(tier.base, tier.checkpoints, source, copies=copies, area=REPLICAS)
 
 
-def prune(tier: MemoryTier, sources: list[int], keep: int | None) -> None:
+def prune(tier: MemoryTier, sources: list[int], keep: int | None, aside: list[str] | None = None) -> None:
     """At the start of training: the replicas of `sources` other than of step `keep` dropped, and what dead
-    processes were receiving."""
+    processes were receiving; with `aside`, the sets made ahead by an earlier process set aside in the
+    replicas' folder (`tier.folder / REPLICAS`), named there for the caller to remove (MemoryTier.prune)."""
     for source in sources:
-        replica_area(tier, source).prune(keep)
+        replica_area(tier, source).prune(keep, aside)
 
 
 def keep_for_sending(tier: MemoryTier, sending: int | None, step: int) -> None:
