@@ -77,7 +77,8 @@ def remove_behind(
     a folder that cannot be removed (a link, changed meanwhile) is named in the error."""
 
     def run() -> None:
-        t0, error = time.perf_counter(), None
+        t0 = time.perf_counter()
+        error: BaseException | None = None
         try:
             left = [n for n in names if not trust.remove_tree(folder, n)]
             if left:
