@@ -44,6 +44,8 @@ run_step() {
       tests/test_restore_from_memory.py tests/test_replicas.py ;;
     tier-read) # the memory tier's read into GPU memory: mapped against read(2), 4-16 parser threads
       python3 $B/micro/bench_tier_read.py --out "$OUT/tier-read" ;;
+    new-pages) # how fast the machine gives a tmpfs new pages: fresh, just freed, and freed a pause ago
+      python3 $B/micro/bench_new_pages.py --out "$OUT/new-pages" ;;
     dd | ddread) bash $B/disk.sh "$1" "$WORK" ;;
     engine) # the engine alone: blocking, device-to-host, persisted and restore against their baselines
       python3 $B/bench_engine.py --repeat 2 --skip-baselines --device both --dir "$WORK/engine" \

@@ -98,9 +98,10 @@ class DataStatesConfig(Settings):
     the disk; a larger one streams through with backpressure."""
     parser_threads: int = 0
     """Threads that read, parse and verify on restore. 0 (automatic): one per CPU of this rank's share of the
-    node (torchrun's LOCAL_WORLD_SIZE), at least 4 and at most 16 (`parser_thread_count`): a read of the
-    memory tier into GPU memory is bound by the threads copying it (H100: 9 GB/s with 4, 20-24 with 16), a
-    read of a disk waits on it, so more threads than cores still help (on 2 cores: 4 beat 2)."""
+    node (torchrun's LOCAL_WORLD_SIZE), at least 4 and at most 16 (`parser_thread_count`): one rank reading
+    the memory tier into GPU memory copies faster with more (H100: 15-19 GB/s with 8, 20-24 with 16) until
+    the node's memory bounds it; a read of a disk waits on it, so more threads than cores still help (on 2
+    cores: 4 beat 2)."""
     copy_threads: int = 0
     """Threads that serialize on save: plan each file and copy its tensors into the cache. 0 (automatic):
     one for a file with GPU tensors, whose bytes the copy engine moves (on the H100, four threads issuing

@@ -257,7 +257,8 @@ class MemoryTier:
             if aside is None:
                 trust.remove_tree(self.folder, name)
             else:
-                aside.append(set_aside(self.folder, name))
+                with contextlib.suppress(OSError):  # gone meanwhile, or refused: left to the next start
+                    aside.append(set_aside(self.folder, name))
         mine = MARKER.format(rank=self.rank)
         for step in self.steps():
             if step == keep:
