@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 from .errors import UntrustedPath
 
 _STEP = re.compile(r"(?:0|[1-9][0-9]{0,18})")  # ASCII only; at most 19 digits: fits 63 bits
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+DIR_FLAGS = _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # a folder, never a link
 NEW_FILE = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC  # a new file, never a link's
 _temporaries = itertools.count()
 

@@ -1,5 +1,5 @@
 """What the memory tier's folders hold, read without trusting the tmpfs they are on: the steps a folder holds,
-a file's size once it is known to be a regular file of this user's, whether a save may take a file over, the
+a file's size once it is known to be a regular file of this user's, which files a save may take over, the
 temporaries of processes no longer running, empty folders removed, and the bytes a folder holds. Nothing
 here follows a link (`trust`)."""
 
@@ -24,9 +24,9 @@ def step_numbers(folder: Path) -> list[int]:
     return [step_of(p) for p in step_folders(folder)]
 
 
-def regular_size(folder: Path, rel: str, single: bool = False) -> int:
+def regular_size(folder: Path, rel: str) -> int:
     """The size of the file `folder/rel`, reached without a link; UntrustedPath unless a regular file of
-    this user's (with `single`: with no other name)."""
+    this user's."""
     parts = trust.relative_name(rel, str(folder)).parts
     with trust.walk_dir(folder, parts[:-1]) as fd:
         st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
@@ -34,25 +34,60 @@ def regular_size(folder: Path, rel: str, single: bool = False) -> int:
         raise trust.UntrustedPath(0, f"{folder / rel}: not a regular file")
     if st.st_uid != os.geteuid():
         raise trust.UntrustedPath(0, f"{folder / rel}: belongs to uid {st.st_uid}, not to this user")
-    if single and st.st_nlink > 1:
-        raise trust.UntrustedPath(0, f"{folder / rel}: has {st.st_nlink} names")
     return st.st_size
-
-
-def is_ours(folder: Path, rel: str) -> bool:
-    """Whether a save may take `folder/rel` over: a regular file of this user's, reached without a link, with
-    no other name (a replica linked in, a hard link from elsewhere: their bytes would be overwritten too)."""
-    try:
-        regular_size(folder, rel, single=True)
-    except OSError:
-        return False
-    return True
 
 
 def dead_temporary(name: str) -> bool:
     """Whether `name` is a temporary (`.<name>.dstmp.<pid>.<n>`) of a process no longer running."""
     pid = name.split(".dstmp.", 1)[1].split(".", 1)[0] if name.startswith(".") and ".dstmp." in name else ""
     return pid.isdigit() and not alive(int(pid))
+
+
+def ours(folder: Path, rels: list[str]) -> set[str]:
+    """The names of `rels` that a save may take over below `folder`: regular files of this user's, reached
+    without a link, with no other name (a replica linked in, a hard link from elsewhere: their bytes would
+    be overwritten too). Each folder on the way is opened once for all of them (names in order, the open
+    folders a stack): the tier's saves ask this of every file of a checkpoint on the training thread, and
+    a 1.1B rank's weight files lie eight folders deep."""
+    out: set[str] = set()
+    try:
+        top = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return out
+    stack: list[tuple[str, int | None]] = []  # the folders open below `top`, outermost first (None: refused)
+    try:
+        for rel in sorted(rels):
+            try:
+                *dirs, name = trust.relative_name(rel, str(folder)).parts
+            except trust.UntrustedPath:
+                continue
+            keep = 0
+            while keep < min(len(stack), len(dirs)) and stack[keep][0] == dirs[keep]:
+                keep += 1
+            while len(stack) > keep:
+                fd = stack.pop()[1]
+                if fd is not None:
+                    os.close(fd)
+            for part in dirs[keep:]:
+                parent = stack[-1][1] if stack else top
+                try:
+                    fd = os.open(part, trust.DIR_FLAGS, dir_fd=parent) if parent is not None else None
+                except OSError:  # a link, not a folder, or gone: nothing below it is taken over
+                    fd = None
+                stack.append((part, fd))
+            at = stack[-1][1] if stack else top
+            try:
+                st = os.stat(name, dir_fd=at, follow_symlinks=False) if at is not None else None
+            except OSError:
+                st = None
+            if st is not None and stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1:
+                out.add(rel)
+    finally:
+        for _, fd in stack:
+            if fd is not None:
+                os.close(fd)
+        os.close(top)
+    return out
 
 
 def set_aside(folder: Path, name: str) -> str:

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from .. import trust
 from ..errors import DataStatesError
-from .folders import dead_temporary, is_ours, remove_empty, set_aside, step_numbers
+from .folders import dead_temporary, ours, remove_empty, set_aside, step_numbers
 
 MARKER = ".rank-{rank}.json"
 WARM = ".warm-{rank}-{i}"  # a set of files made ahead of the first saves (`warm`), not a step
@@ -176,7 +176,8 @@ class MemoryTier:
 
     def _files_of(self, donor: tuple[str, list[str]], rels: list[str]) -> list[Path | None]:
         folder, have = self.folder / donor[0], set(donor[1])
-        return [folder / rel if rel in have and is_ours(folder, rel) else None for rel in rels]
+        mine = ours(folder, [rel for rel in rels if rel in have])
+        return [folder / rel if rel in mine else None for rel in rels]
 
     @_locked
     def commit(self, step: int, files: dict[str, dict[str, Any]]) -> None:
