@@ -19,11 +19,13 @@ Writes DIR/bench_new_pages.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the helpers in benchmarks/
+from _common import command_info, write_json  # noqa: E402
 
 
 def reserve_and_remove(folder: Path, nbytes: int) -> dict[str, float]:
@@ -57,16 +59,14 @@ def main() -> int:
         print(f"{name:12s} reserved {r['reserve_gbps']:6.2f} GB/s, removed {r['remove_gbps']:6.2f} GB/s")
     drivers = Path("/sys/bus/virtio/drivers")
     result = {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": command_info(),
         "bytes": nbytes,
         "pause_s": args.pause,
         "kernel": os.uname().release,
         "virtio_drivers": sorted(p.name for p in drivers.iterdir()) if drivers.is_dir() else [],
         "runs": runs,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_new_pages.json").write_text(json.dumps(result, indent=1))
+    write_json(Path(args.out) / "bench_new_pages.json", result)
     return 0
 
 

@@ -12,7 +12,6 @@ Writes DIR/bench_take_over_check.json (medians in ms).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import stat
@@ -24,6 +23,9 @@ from pathlib import Path
 
 from nanotron_datastates import trust
 from nanotron_datastates.tier.folders import ours
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the helpers in benchmarks/
+from _common import command_info, write_json  # noqa: E402
 
 MODULES = ("attn/qkv_proj", "attn/o_proj", "mlp/gate_up_proj", "mlp/down_proj", "input_layernorm")
 MODULES += ("post_attention_layernorm",)
@@ -65,7 +67,7 @@ def main() -> int:
         for rel in rels:
             (top / rel).parent.mkdir(parents=True, exist_ok=True)
             (top / rel).write_bytes(b"x")
-        result: dict[str, object] = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+        result: dict[str, object] = {"command": command_info()}
         result["files"] = len(rels)
         for name, check in (("one_by_one_ms", one_by_one), ("one_pass_ms", ours)):
             assert check(top, rels) == set(rels)
@@ -78,9 +80,7 @@ def main() -> int:
             print(f"{name}: {result[name]:.2f} ms for {len(rels)} files")
     finally:
         shutil.rmtree(top)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_take_over_check.json").write_text(json.dumps(result, indent=1))
+    write_json(Path(args.out) / "bench_take_over_check.json", result)
     return 0
 
 
