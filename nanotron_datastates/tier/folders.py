@@ -107,22 +107,34 @@ _asides = itertools.count()
 def remove_behind(
     folder: Path, names: list[str], on_done: Callable[[BaseException | None, float], None]
 ) -> threading.Thread:
-    """Removes the folders `folder/<names>` (`set_aside`'s) on a thread of its own, which it returns: freeing
-    a 1.1B rank's set made ahead (7 GB) takes a tmpfs most of a second. `on_done(error or None, seconds)`;
-    a folder that cannot be removed (a link, changed meanwhile) is named in the error."""
+    """Removes the folders `folder/<names>` (`set_aside`'s) on a thread of its own (`behind`), which it
+    returns: freeing a 1.1B rank's set made ahead (7 GB) takes a tmpfs most of a second. A folder that cannot
+    be removed (a link, changed meanwhile) is named in the error told to `on_done`."""
+
+    def remove() -> None:
+        left = [n for n in names if not trust.remove_tree(folder, n)]
+        if left:
+            raise OSError(f"{folder}: not removed (a link, or changed meanwhile): {', '.join(left)}")
+
+    return behind(remove, on_done, "datastates-tier-remove")
+
+
+def behind(
+    work: Callable[[], None], on_done: Callable[[BaseException | None, float], None], name: str
+) -> threading.Thread:
+    """`work()` on a thread of its own (`name`), started and returned; `on_done(error or None, seconds)` once
+    it ends: a removal that fails is reported, never raised into training, and the next start tries again."""
 
     def run() -> None:
         t0 = time.perf_counter()
         error: BaseException | None = None
         try:
-            left = [n for n in names if not trust.remove_tree(folder, n)]
-            if left:
-                error = OSError(f"{folder}: not removed (a link, or changed meanwhile): {', '.join(left)}")
-        except BaseException as e:  # noqa: BLE001 - reported; the next start's prune tries again
+            work()
+        except BaseException as e:  # noqa: BLE001 - reported; what is left goes at the next start
             error = e
         on_done(error, time.perf_counter() - t0)
 
-    thread = threading.Thread(target=run, name="datastates-tier-remove", daemon=True)
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     return thread
 

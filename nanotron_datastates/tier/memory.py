@@ -34,13 +34,12 @@ import hashlib
 import json
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 from .. import trust
 from ..errors import DataStatesError
-from .folders import dead_temporary, ours, remove_empty, set_aside, step_numbers
+from .folders import behind, dead_temporary, ours, remove_empty, set_aside, step_numbers
 
 MARKER = ".rank-{rank}.json"
 WARM = ".warm-{rank}-{i}"  # a set of files made ahead of the first saves (`warm`), not a step
@@ -271,17 +270,7 @@ class MemoryTier:
     def prune_behind(self, keep: int | None, on_done: Callable[[BaseException | None, float], None]) -> None:
         """`prune(keep)` on a thread of its own (freeing a killed process's 20 GB of a 1.1B's tier takes
         seconds): every locked method, and `pruned`, waits for it first. `on_done(error or None, seconds)`."""
-
-        def run() -> None:
-            t0, error = time.perf_counter(), None
-            try:
-                self.prune(keep)
-            except BaseException as e:  # noqa: BLE001 - reported; what is left goes at the next start
-                error = e
-            on_done(error, time.perf_counter() - t0)
-
-        self._pruning = threading.Thread(target=run, name="datastates-tier-prune", daemon=True)
-        self._pruning.start()
+        self._pruning = behind(lambda: self.prune(keep), on_done, "datastates-tier-prune")
 
     def pruned(self) -> None:
         """Waits for `prune_behind`'s removal and those in `removing`, if any (never on the thread itself)."""
