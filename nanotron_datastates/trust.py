@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 from .errors import UntrustedPath
 
 _STEP = re.compile(r"(?:0|[1-9][0-9]{0,18})")  # ASCII only; at most 19 digits: fits 63 bits
-DIR_FLAGS = _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # a folder, never a link
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # a folder, never a link
 NEW_FILE = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC  # a new file, never a link's
 _temporaries = itertools.count()
 
@@ -65,7 +65,7 @@ def walk_dir(root: str | os.PathLike, parts: tuple[str, ...] = (), create: bool 
                 if create:
                     with contextlib.suppress(FileExistsError):
                         os.mkdir(part, 0o700, dir_fd=fd)
-                nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
             except OSError as e:
                 if e.errno in (errno.ELOOP, errno.ENOTDIR):
                     where = os.path.join(root, *parts[: i + 1])
@@ -127,7 +127,7 @@ def walk_tree(root: str | os.PathLike, name: str = "") -> Iterator[tuple[int, st
             entry, is_dir = frames[-1][1].pop()
             rel = frames[-1][2]
             try:
-                child = os.open(entry, _DIR_FLAGS, dir_fd=fd) if is_dir else None
+                child = os.open(entry, DIR_FLAGS, dir_fd=fd) if is_dir else None
             except OSError as e:  # gone; or a link now, or a file: itself, never followed
                 if e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
                     raise
@@ -140,7 +140,7 @@ def walk_tree(root: str | os.PathLike, name: str = "") -> Iterator[tuple[int, st
                 frames.append(_frame(fd, f"{rel}/{entry}" if rel else entry))
             while not frames[-1][1] and len(frames) > 1:  # a folder done: back up, then the folder itself
                 rel = frames.pop()[2]
-                up = os.open("..", _DIR_FLAGS, dir_fd=fd)
+                up = os.open("..", DIR_FLAGS, dir_fd=fd)
                 os.close(fd)
                 fd = up
                 if os.fstat(fd)[1:3] != frames[-1][0]:

@@ -3,6 +3,7 @@
 Python's at run time; the engine keeps the object it was started with, field for field."""
 
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -73,7 +74,7 @@ def test_parser_threads_0_runs_one_per_cpu_of_the_ranks_share_from_4_to_16(monke
     assert auto_parser_threads(cpus=2, local_ranks=1) == 4  # a small machine: as many as a disk wants
     assert auto_parser_threads(cpus=128, local_ranks=0) == 16
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")  # taken as one rank
-    mine = len(__import__("os").sched_getaffinity(0))
+    mine = len(os.sched_getaffinity(0))
     assert auto_parser_threads() == max(4, min(16, mine))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
     assert auto_parser_threads(cpus=128) == 4
