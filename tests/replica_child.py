@@ -8,6 +8,7 @@ next node, then waits to be killed; `restart` resumes the newest checkpoint thro
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import os
 import threading
@@ -189,7 +190,7 @@ def restart(
     tier = MemoryTier(tier_root(out, node), root, rank, copies=2)
     group = dist.new_group(backend="gloo")
     link = open_link(group, transport)
-    source, why = restart_source(tier, manifest, set(files(rank)), group, engine, link)
+    source, why, _ = restart_source(tier, manifest, set(files(rank)), group, engine, link)
     link.close()
     if replicas:
         nodes: list[Any] = [None] * world
@@ -207,6 +208,70 @@ def restart(
     report = {"source": str(source) if source else None, "why": why, "equal": equal, "step": step}
     report["held"] = tier.held_steps()
     (out / f"restart{rank}.json").write_text(json.dumps({**report, "leftovers": leftovers}))
+    engine.close()
+    dist.destroy_process_group()
+
+
+def restart_shared(
+    rank: int, world: int, node: int, init: str, work: str, damage: str = "", transport: str = "gloo"
+) -> None:
+    """A restart where ranks r and r + 2 read the same files, rank r % 2's (data-parallel replicas without
+    ZeRO; on two ranks, both read rank 0's), each reading them ahead: what the lost node lacks comes from
+    the rank reading them on the other node, through the read-ahead (`Prefetch`): over gloo onto the CPU,
+    or over NCCL from GPU to GPU (`transport`). `damage`: a file of node 0's tier whose last byte is
+    flipped first."""
+    import torch
+
+    from nanotron_datastates.checkpoint.checksums import file_checksums
+    from nanotron_datastates.checkpoint.manifest import read_manifest
+    from nanotron_datastates.checkpoint.names import LATEST
+    from nanotron_datastates.resume.read_ahead import Prefetch
+    from nanotron_datastates.tier.links import open_link
+    from nanotron_datastates.tier.memory import MemoryTier
+    from nanotron_datastates.tier.replica_restore import restart_source
+
+    dist = _start(rank, world, node, init, transport)
+    root, out = Path(work) / "ckpt", Path(work)
+    step = int((root / LATEST).read_text())
+    folder = root / str(step)
+    manifest, engine = read_manifest(folder), _engine()
+    tier = MemoryTier(tier_root(out, node), root, rank, copies=2)
+    if damage and rank == 0:
+        with open(tier.path(step, damage), "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 0xFF]))
+    dist.barrier()
+    weights, optimizer = files(rank % (world // 2))
+    ahead = {"weights": [weights], "optimizer": [optimizer]}
+    group = dist.new_group(backend="gloo")
+    link = open_link(group, transport)
+    gpu = transport == "nccl"
+    device = torch.device("cuda" if gpu else "cpu")
+    peers = getattr(link, "group", None) if gpu else group
+    source, why, peer = restart_source(
+        tier, manifest, {weights, optimizer}, group, engine, link, ahead, peers
+    )
+    link.close()
+    assert source is not None, why
+    sums = functools.partial(file_checksums, manifest, source)
+    prefetch = Prefetch(engine, device, [source / weights], [source / optimizer], sums, None, peer)
+    got = prefetch.weights().get(source / weights, {}).get("data")
+    state = prefetch.optimizer([source / optimizer])
+    want = {k: v.to(device) for k, v in tensors(step, rank % (world // 2)).items()}
+    report = {
+        "why": why,
+        "equal": [
+            got is not None and bool(got.equal(want["w"])),
+            state is not None and bool(state["m"].equal(want["m"])),
+        ],
+        "in_tier": [(source / rel).exists() for rel in (weights, optimizer)],
+        "received": peer.received_bytes if peer else 0,
+        "problems": peer.problems if peer else [],
+        "report": prefetch.report(),
+    }
+    (out / f"shared{rank}.json").write_text(json.dumps(report))
     engine.close()
     dist.destroy_process_group()
 

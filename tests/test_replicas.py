@@ -408,3 +408,63 @@ def test_files_asked_ahead_of_a_replica_process_that_dies_are_answered_not_waite
     process.make_ahead(files, then=lambda *a: told.append(a))
     assert len(told) == 2 and "ended" in str(told[1][1])
     process.close(10)
+
+
+def _restart_shared(ctx, work: Path, damage: str = "", transport: str = "gloo", world: int = WORLD) -> list:
+    procs = _job(ctx, child.restart_shared, work, "restart-shared", damage, transport, world=world)
+    for p in procs:
+        p.join(180)
+        assert p.exitcode == 0, f"a restarted rank exited with {p.exitcode}"
+    return [json.loads((work / f"shared{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.slow
+def test_a_lost_nodes_files_that_a_rank_of_another_node_reads_come_from_that_ranks_read_not_its_memory(
+    tmp_path, ctx
+):
+    """Ranks r and r + 2 read the same files (replicas without ZeRO). The lost node's ranks get them from
+    the read-ahead of the rank reading them on the other node, bit for bit; nothing is pulled into the lost
+    node's tier, and nothing of them is marked held there."""
+    procs = _job(ctx, child.save, tmp_path, "save", 2, 1, 0.0, 1 << 20)
+    _wait_for(lambda: all((tmp_path / f"done{r}").exists() for r in range(WORLD)), "the saves")
+    _lose_node(procs, tmp_path, 1)
+    out = _restart_shared(ctx, tmp_path)
+    for r, o in enumerate(out):
+        assert o["equal"] == [True, True], (r, o)
+        assert o["why"].startswith("0 file(s), 0.000 GB, pulled"), o["why"]
+        assert o["why"].endswith(
+            "4 file(s), 0.001 GB, to go from the GPU of a rank reading them to ranks lacking them"
+        )
+    nbytes = 2 * child.SIZE * 4  # each lost rank's two tensors
+    assert [o["received"] for o in out] == [0, 0, nbytes, nbytes]
+    assert [o["in_tier"] for o in out] == [[True, True]] * 2 + [[False, False]] * 2
+    assert "GB from other ranks' GPUs" in out[2]["report"]
+    tier = MemoryTier(child.tier_root(tmp_path, 1), tmp_path / "ckpt", 2)
+    assert tier.marked(2, 2) in (None, {}), tier.marked(2, 2)
+
+
+@pytest.mark.slow
+def test_a_file_its_server_cannot_read_is_not_handed_over_and_nobody_waits_for_it(tmp_path, ctx):
+    """Node 0's copy of rank 0's weights damaged: rank 0's read fails its checksum; rank 2, which was to
+    get that file from it, gets no state for it (its ordinary read then fails, and a resume falls back),
+    the description names why, and the optimizer state still comes over whole."""
+    procs = _job(ctx, child.save, tmp_path, "save", 2, 1, 0.0, 1 << 20)
+    _wait_for(lambda: all((tmp_path / f"done{r}").exists() for r in range(WORLD)), "the saves")
+    _lose_node(procs, tmp_path, 1)
+    out = _restart_shared(ctx, tmp_path, child.files(0)[0])
+    assert out[0]["equal"] == [False, True] and out[2]["equal"] == [False, True], out
+    assert out[2]["problems"] == ["model/w0.safetensors from rank 0: its server could not read it"]
+    assert out[1]["equal"] == out[3]["equal"] == [True, True] and not out[3]["problems"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="CUDA: NCCL between two GPUs")
+def test_a_lost_nodes_files_come_from_the_other_nodes_gpu_over_nccl(tmp_path, ctx):
+    """Two nodes of one GPU, both reading rank 0's files: the lost node's come from rank 0's GPU over NCCL
+    into its own GPU's memory, bit for bit, and nothing is pulled into its tier."""
+    procs = _job(ctx, child.save, tmp_path, "save", 2, 1, 0.0, 100 << 10, "nccl", world=2)
+    _wait_for(lambda: all((tmp_path / f"done{r}").exists() for r in range(2)), "the saves")
+    _lose_node(procs, tmp_path, 1)
+    out = _restart_shared(ctx, tmp_path, "", "nccl", world=2)
+    assert all(o["equal"] == [True, True] for o in out), out
+    assert [o["received"] for o in out] == [0, 2 * child.SIZE * 4] and out[1]["in_tier"] == [False, False]
+    assert "over nccl" in out[1]["why"] and out[1]["why"].endswith("ranks lacking them")

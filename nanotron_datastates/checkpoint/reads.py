@@ -5,6 +5,7 @@ reads are named)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,24 @@ class ReadSet:
     weights: list[Path]
     optimizer: tuple[Path, ...]  # its file, or its parts; () where none is read
     small: list[Path]
+
+
+def needed(names: Iterable[str], reads: ReadSet | None, root: Path) -> set[str]:
+    """The files of `names` (a manifest's) that a rank reading `reads` from `root` needs: all of them where
+    its layout changed (None); else those `reads` lists, and every weight file where ranks hold parts of the
+    model (listed by the model later, not in `reads`)."""
+    names = set(names)
+    if reads is None:
+        return names
+    out = set(relative([*reads.weights, *reads.optimizer, *reads.small], root))
+    if not reads.weights:
+        out |= {n for n in names if n.startswith("model/")}
+    return out & names
+
+
+def relative(paths: Iterable[Path], root: Path) -> list[str]:
+    """`paths`, each relative to `root`, as the manifest names them."""
+    return [Path(os.path.relpath(p, root)).as_posix() for p in paths]
 
 
 def files_to_read(

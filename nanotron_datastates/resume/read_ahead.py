@@ -22,6 +22,7 @@ import torch
 from .. import restore, state_parts, trust
 from ..checkpoint.manifest import ManifestError, member
 from ..engine import DataStatesEngine
+from ..tier.peer_reads import PeerReads
 
 log = logging.getLogger("nanotron_datastates")
 
@@ -144,7 +145,9 @@ class Prefetch:
     together), onto `device`;
     `checksums(path)` gives the CRC-32C a weight file is checked against (None: those in the file). `shared`
     (this rank's index among the node's ranks, their count): other ranks of the node read the same weight
-    files, so they are read through the page cache, starting at this rank's part of the list."""
+    files, so they are read through the page cache, starting at this rank's part of the list. `peer`: at a
+    restart, the files other ranks' GPUs send this rank instead of its reading them, and those it sends
+    them once read (tier/peer_reads.py), exchanged where `weights` and `optimizer` hand the state over."""
 
     def __init__(
         self,
@@ -154,14 +157,16 @@ class Prefetch:
         optimizer: Sequence[Path],
         checksums: Callable[[Path], dict[str, int] | None],
         shared: tuple[int, int] | None = None,
+        peer: PeerReads | None = None,
     ) -> None:
         self._engine, self._device, self._checksums = engine, device, checksums
-        self.shared = shared
+        self.shared, self.peer = shared, peer
+        weights = self._ours(weights)
         self._t0 = time.perf_counter()
         self.timings: dict[str, float] = {}  # seconds after the start: each read's end, each wait
         self._optimizer_rate = 0.0  # bytes per second of the optimizer file's own read
         self._optimizer_read: restore.DeviceRead | None = None  # its read to the GPU, within that
-        self.nbytes = sum(_size(p) for p in [*weights, *optimizer])
+        self.nbytes = sum(_size(p) for p in [*weights, *self._ours(optimizer)])
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datastates-prefetch")
         # One thread, so the weights (needed first, once the model is built) are read before the optimizer.
         self._weights = pool.submit(self._read_weights, weights) if weights else None
@@ -180,7 +185,7 @@ class Prefetch:
         t = time.perf_counter()
         out = self._result(future, "weights") or {}
         self.timings["weights_waited"] = time.perf_counter() - t
-        return out
+        return {**out, **self._exchange("weights", out)}
 
     def optimizer(self, paths: Sequence[Path]) -> Any | None:
         """The optimizer state, if the files read are `paths`; waits for it. Once only, as :meth:`weights`."""
@@ -188,7 +193,30 @@ class Prefetch:
         t = time.perf_counter()
         got = self._result(future, "optimizer state")
         self.timings["optimizer_waited"] = time.perf_counter() - t
-        return got[1] if got is not None and got[0] == list(paths) else None
+        read = got[1] if got is not None else {}
+        read.update(self._exchange("optimizer", read))
+        if got is None or got[0] != list(paths) or not all(p in read for p in paths):
+            return None
+        return state_parts.merge([read[p] for p in paths])
+
+    def _ours(self, paths: Sequence[Path]) -> list[Path]:
+        """`paths` but those another rank's GPU sends (`peer`)."""
+        return [p for p in paths if self.peer is None or not self.peer.receives(p)]
+
+    def _exchange(self, kind: str, read: dict[Path, Any]) -> dict[Path, Any]:
+        """The files of `kind` other ranks' GPUs send this rank, once those it sends them are `read`. An
+        error leaves them out: the ordinary read that follows fails where they are not on this node, and the
+        ranks fall back together."""
+        if self.peer is None or self._device is None:
+            return {}
+        t = time.perf_counter()
+        try:
+            got = self.peer.exchange(kind, read, self._device)
+        except Exception as e:  # noqa: BLE001 - read again the ordinary way, which reports the error
+            log.warning("the %s other ranks' GPUs send could not be received (%s)", kind, e)
+            return {}
+        self.timings[f"{kind}_exchanged"] = time.perf_counter() - t
+        return got
 
     def _result(self, future: concurrent.futures.Future | None, what: str) -> Any:
         if future is None:
@@ -218,11 +246,12 @@ class Prefetch:
         self.timings["weights_read"] = time.perf_counter() - self._t0
         return out
 
-    def _read_optimizer(self, paths: list[Path]) -> tuple[list[Path], Any]:
+    def _read_optimizer(self, paths: list[Path]) -> tuple[list[Path], dict[Path, Any]]:
+        """(every part's path, the state of each this rank reads, by path: the others come from `peer`)."""
         self._on_device()
         t = time.perf_counter()
-        state = state_parts.merge([self._engine.load(p, self._device) for p in paths])
-        self._optimizer_rate = sum(map(_size, paths)) / max(time.perf_counter() - t, 1e-9)
+        state = {p: self._engine.load(p, self._device) for p in self._ours(paths)}
+        self._optimizer_rate = sum(map(_size, state)) / max(time.perf_counter() - t, 1e-9)
         self._optimizer_read = restore.last_device_read()
         self._synchronize()
         self.timings["optimizer_read"] = time.perf_counter() - self._t0
@@ -248,6 +277,9 @@ class Prefetch:
             text += ")"
         if self.shared is not None:
             text += f"; weights through the page cache, shared with the node's {self.shared[1]} ranks"
+        if self.peer is not None and (self.peer.received_bytes or self.peer.problems):
+            text += f"; {self.peer.received_bytes / 1e9:.2f} GB from other ranks' GPUs"
+            text += f" (not handed over: {'; '.join(self.peer.problems[:3])})" if self.peer.problems else ""
         return text
 
     def _on_device(self) -> None:

@@ -16,9 +16,11 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import trust
+from . import peer_reads
 from .held_copy import held
 from .links import GlooLink, Link
 from .memory import MemoryTier
+from .peer_reads import PeerReads
 from .replica_check import Checks
 from .replica_reserve import reserved_within
 from .replica_transfer import Transfer, gather, open_all
@@ -42,17 +44,30 @@ def restart_source(
     group: Any,
     engine: Any,
     link: Link | None = None,
-) -> tuple[Path | None, str]:
-    """Where this rank reads the checkpoint `manifest` describes, and why: its node's tier folder of that
-    step once every file each rank `needs` is there (pulled from another node's memory, or linked in from
-    this node's replicas, as needed), or None (storage) for every rank where any rank needs a file that is
-    in no node's memory. Collective over `group` (gloo, every rank); the bytes go over `link` (default: over
-    `group`), unpaced: at a restart nothing else runs, and every rank waits for the slowest pull."""
+    ahead: dict[str, list[str]] | None = None,
+    peer_group: Any = None,
+) -> tuple[Path | None, str, PeerReads | None]:
+    """Where this rank reads the checkpoint `manifest` describes, why, and the files it sends to or receives
+    from other ranks' GPUs: its node's tier folder of that step once every file each rank `needs` is there
+    (pulled from another node's memory, or linked in from this node's replicas, as needed) or comes from the
+    GPU of a rank of another node that reads it ahead from its node's memory (peer_reads.py: where this rank
+    reads it ahead too, `ahead` by kind, and `peer_group` is given, the NCCL group it goes over), or None
+    (storage) for every rank where any rank needs a file that is in no node's memory. Collective over
+    `group` (gloo, every rank); the pulled bytes go over `link` (default: over `group`), unpaced: at a
+    restart nothing else runs, and every rank waits for the slowest pull."""
     link = link if link is not None else GlooLink(group)
     step = int(manifest["step"])
     have = node_copies(tier, manifest)
-    everyone = gather(group, {"node": node_key(), "have": sorted(have), "needs": sorted(needs)})
+    mine_ahead = ahead if peer_group is not None and ahead else {}
+    everyone = gather(
+        group, {"node": node_key(), "have": sorted(have), "needs": sorted(needs), "ahead": mine_ahead}
+    )
     me = dist.get_rank(group)
+    lacking: dict[tuple[int, str], str] = {}  # (rank, file) it lacks and reads ahead -> the read-ahead list
+    for r, mine in enumerate(everyone):
+        for kind, rels in mine["ahead"].items():
+            lacking.update({(r, rel): kind for rel in set(rels) & set(mine["needs"]) - set(mine["have"])})
+    served = peer_reads.plan(everyone, lacking)
     pulls: dict[tuple[str, str], tuple[int, int]] = {}  # (node, file) -> (the rank pulling it, from)
     links: list[str] = []
     for r, mine in enumerate(everyone):
@@ -63,8 +78,9 @@ def restart_source(
                 continue
             servers = [q for q, other in enumerate(everyone) if rel in other["have"]]
             if not servers:
-                return None, f"rank {r} reads {rel}, which no node holds in memory"
-            pulls.setdefault((mine["node"], rel), (r, servers[(r + len(pulls)) % len(servers)]))
+                return None, f"rank {r} reads {rel}, which no node holds in memory", None
+            if (r, rel) not in served:
+                pulls.setdefault((mine["node"], rel), (r, servers[(r + len(pulls)) % len(servers)]))
     entries = manifest["files"]
     sends = [Transfer(r, rel, entries[rel]["bytes"]) for (_, rel), (r, q) in sorted(pulls.items()) if q == me]
     recvs = [Transfer(q, rel, entries[rel]["bytes"]) for (_, rel), (r, q) in sorted(pulls.items()) if r == me]
@@ -73,7 +89,7 @@ def restart_source(
     with contextlib.ExitStack() as stack:
         problems = open_all(stack, group, sends, lambda t: have[t.rel], recvs, here)
         if problems:
-            return None, "; ".join(problems[:3])
+            return None, "; ".join(problems[:3]), None
         parts[0] = time.monotonic() - t0
         try:  # each file checked as its bytes land, beside the rest of the transfer
             checks = stack.enter_context(Checks(engine, recvs, lambda t: entries[t.rel]))
@@ -92,22 +108,29 @@ def restart_source(
     answers = gather(group, (problem, parts))
     problems = [p for p, _ in answers if p]
     if problems:
-        return None, "; ".join(problems[:3])
+        return None, "; ".join(problems[:3]), None
     pulled, waited = sum(t.nbytes for t in recvs), time.monotonic() - t2
-    unmarked = ""
+    limits = {rel: int(entries[rel]["bytes"]) for (_, rel) in served}
+    peer = peer_reads.reads_of(served, lacking, me, peer_group, here, limits)
+    unmarked, received = "", {rel for (r, rel) in served if r == me}
     try:
-        mark_held(tier, step, {rel: entries[rel] for rel in needs})
+        mark_held(tier, step, {rel: entries[rel] for rel in needs - received})
     except (OSError, ValueError) as e:  # the files serve this restart still; a second one reads storage
         unmarked = f"; not marked held ({e})"
     slowest = [max(a[1][i] for a in answers) for i in range(5)]
     sent, (opened, moved, checked, reserved, held) = sum(t.nbytes for t in sends), slowest
-    return here, (
+    gpu = sum(limits[rel] for (_, rel) in served) / 1e9
+    why = (
         f"{len(recvs)} file(s), {pulled / 1e9:.3f} GB, pulled from other nodes' memory and {sent / 1e9:.3f} "
         f"GB sent to them in {parts[1]:.2f} s over {link.name}; the slowest rank opened its files in "
         f"{opened:.2f} s, moved them in {moved:.2f} s (their memory reserved {reserved:.2f} s into the move, "
         f"the copies waiting {held:.2f} s for it, all threads), had them checked {checked:.2f} s after; "
         f"this rank waited {waited:.2f} s for the others{unmarked}"
     )
+    if served:
+        why += f"; {len(served)} file(s), {gpu:.3f} GB, to go from the GPU of a rank reading them to "
+        why += "ranks lacking them"
+    return here, why, (peer if peer.out or peer.into else None)
 
 
 def mark_held(tier: MemoryTier, step: int, files: dict[str, dict[str, Any]]) -> None:

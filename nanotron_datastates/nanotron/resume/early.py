@@ -27,6 +27,7 @@ from ...resume.read_ahead import Prefetch, shared_weight_reads, warm_page_cache
 from ...tier.held_copy import tier_copy
 from ...tier.memory import MemoryTier
 from ...tier.memory_steps import steps_with_manifest
+from ...tier.peer_reads import PeerReads
 from ..yaml_config import engine_for, section
 from .source import asked_layout, loads, parse_config, resume_folder
 
@@ -43,9 +44,13 @@ class EarlyRead:
     topology: dict[str, int]  # the layout the config asks for
     engine: DataStatesEngine
 
-    def adoptable(self, source: Path, device: torch.device | None, reads: ReadSet) -> bool:
-        """Whether this read-ahead reads exactly `reads`, from `source` onto `device`."""
-        return self.source == source and self.device == device and same_large(self.reads, reads)
+    def adoptable(
+        self, source: Path, device: torch.device | None, reads: ReadSet, peer: PeerReads | None = None
+    ) -> bool:
+        """Whether this read-ahead reads exactly `reads`, from `source` onto `device`, and no file of them
+        comes from another rank's GPU (`peer`: it may send them, from what it reads)."""
+        mine = self.source == source and self.device == device and same_large(self.reads, reads)
+        return mine and not (peer is not None and peer.into)
 
 
 def find(args: Sequence[Any], kwargs: dict[str, Any]) -> EarlyRead | None:
@@ -95,13 +100,14 @@ def read_ahead(
     reads: ReadSet,
     device: torch.device,
     topology: dict[str, int],
+    peer: PeerReads | None = None,
 ) -> Prefetch:
     """The read-ahead of `reads` (weights, optimizer) from `folder` onto `device`, each file checked against
     the manifest's checksums; weight files that several ranks of a node read (replicas on `topology`) go
-    through the page cache."""
+    through the page cache; at a restart, `peer`'s files from and to other ranks' GPUs."""
     checksums = functools.partial(file_checksums, manifest, folder)
     shared = shared_weight_reads(topology)
-    return Prefetch(engine, device, reads.weights, reads.optimizer, checksums, shared)
+    return Prefetch(engine, device, reads.weights, reads.optimizer, checksums, shared, peer)
 
 
 def same_large(a: ReadSet, b: ReadSet) -> bool:

@@ -51,6 +51,8 @@ class Reading(Protocol):
 
     def needs(self) -> set[str]: ...
 
+    def ahead(self) -> dict[str, list[str]] | None: ...  # the files read ahead onto a GPU, by kind
+
     def get_engine(self) -> DataStatesEngine: ...
 
 
@@ -98,25 +100,29 @@ def _memory_of_any_node(resume: Reading, settings: Any) -> Path | None:
     if problems or own is None:
         say.note(f"resuming step {step} from storage: the memory tier cannot serve it ({problems[0]})")
         return None
-    source, why = pull(own, resume.manifest, resume.needs(), resume.get_engine(), settings)
+    source, why = pull(own, resume, settings)
     where = f"memory ({source}; {why})" if source else f"storage: no memory copy serves it ({why})"
     say.note(f"resuming step {step} from {where}")
     return source
 
 
-def pull(
-    own: MemoryTier, manifest: dict[str, Any], needs: set[str], engine: Any, settings: Any
-) -> tuple[Path | None, str]:
-    """`restart_source` over a link of its own (`memory_replica_transport`), closed once pulled: (this
-    rank's tier folder of the checkpoint, or None for storage; why). Collective."""
+def pull(own: MemoryTier, resume: Any, settings: Any) -> tuple[Path | None, str]:
+    """`restart_source` for `resume` (a Reading) over a link of its own (`memory_replica_transport`),
+    closed once pulled: (this rank's tier folder of the checkpoint, or None for storage; why). Where the
+    link is NCCL, the files it reads ahead and its node lacks come from the GPU of a rank reading them
+    (`resume.peer`, over the link's group: tier/peer_reads.py). Collective."""
     import torch.distributed as tdist
 
     t0 = time.monotonic()
     group = tdist.new_group(backend="gloo")  # the ranks' agreements; the bytes go over the link
     link = open_link(group, settings.memory_replica_transport)
     opened = time.monotonic() - t0
+    gpus = getattr(link, "group", None) if link.name == "nccl" else None
     try:
-        source, why = restart_source(own, manifest, needs, group, engine, link)
+        needs, engine = resume.needs(), resume.get_engine()
+        source, why, resume.peer = restart_source(
+            own, resume.manifest, needs, group, engine, link, resume.ahead(), gpus
+        )
         return source, f"{why}; the link opened in {opened:.2f} s"
     finally:
         link.close()

@@ -33,6 +33,7 @@ class Taking(Protocol):
 
     source: Path | None
     memory_of: Path | None
+    peer: Any  # the files served between GPUs at a restart (tier/peer_reads.PeerReads), set by the pull
 
     @property
     def manifest(self) -> dict[str, Any]: ...
@@ -40,6 +41,8 @@ class Taking(Protocol):
     def take(self, folder: Path, source: Path | None = None) -> None: ...
 
     def needs(self) -> set[str]: ...
+
+    def ahead(self) -> dict[str, list[str]] | None: ...
 
     def get_engine(self) -> Any: ...
 
@@ -133,5 +136,5 @@ def _pull(resume: Taking, settings: Any, pc: Any, tier: MemoryTier, step: int) -
         if bad is not None:
             return None, f"not whole in memory (rank {bad[0]}: {bad[1]})"
         return tier.folder / str(step), f"resumed from the memory tier ({tier.folder / str(step)})"
-    source, why = recovery.pull(tier, resume.manifest, resume.needs(), resume.get_engine(), settings)
+    source, why = recovery.pull(tier, resume, settings)
     return source, (f"resumed from memory ({why})" if source else f"not whole in any node's memory ({why})")

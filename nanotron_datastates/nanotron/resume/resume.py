@@ -39,12 +39,13 @@ import torch
 
 from ...checkpoint.manifest import ManifestError, read_manifest
 from ...checkpoint.names import MANIFEST
-from ...checkpoint.reads import ReadSet, files_to_read, optimizer_files
+from ...checkpoint.reads import ReadSet, files_to_read, needed, optimizer_files, relative
 from ...checkpoint.topology import topology_changes
 from ...engine import DataStatesEngine
 from ...errors import FormatError
 from ...resume.deferred_optimizer import DeferredOptimizer
 from ...resume.read_ahead import PageCacheWarmer, Prefetch, warm_for_reshard, warm_page_cache
+from ...tier.peer_reads import PeerReads
 from .. import groups
 from .. import log as say
 from ..yaml_config import engine_for, section
@@ -69,6 +70,7 @@ class Resume:
         self.folder: Path | None = None  # the checkpoint resumed from, once planned
         self.source: Path | None = None  # where its files are read: the folder, or the memory tier's copy
         self.memory_of: Path | None = None  # a memory checkpoint's: the checkpoints folder it is newer than
+        self.peer: PeerReads | None = None  # at a restart: files from and to other ranks' GPUs (the pull's)
         self.manifest: dict[str, Any] = {}
         self.engine: DataStatesEngine | None = None  # made early or at plan; the trainer saves with it too
         self.prefetch: Prefetch | None = None
@@ -157,14 +159,16 @@ class Resume:
             if reads is None and device is not None and not self._failures:
                 self.warmer = warm_for_reshard(self.manifest, self._src(), self.source is not None)
             return True
-        if early is not None and early.adoptable(self._src(), device, reads):
+        if early is not None and early.adoptable(self._src(), device, reads, self.peer):
             self.early = True  # the read-ahead of step 1 reads exactly these files onto this device
+            self.prefetch.peer = self.peer  # type: ignore[union-attr] # sends only: from now on is soon enough
             return True
         self._drop_prefetch(report=False)
         warm_page_cache(reads.small)  # first, while the disk is idle
         if reads.weights or reads.optimizer:
             here = groups.layout_of(pc, int(config.optimizer.zero_stage))
-            self.prefetch = read_ahead(self.get_engine(), self.manifest, self._src(), reads, device, here)
+            args = (self.get_engine(), self.manifest, self._src(), reads, device, here, self.peer)
+            self.prefetch = read_ahead(*args)
         return True
 
     def _nothing(self, config: Any, pc: Any, folder: str | os.PathLike | None) -> bool:
@@ -178,6 +182,7 @@ class Resume:
     def take(self, folder: Path, source: Path | None = None) -> None:
         """Takes `folder` as the checkpoint to resume (its files read from `source`, default the folder)."""
         self.folder, self.source, self._failures, self._state = folder, source, [], "planned"
+        self.peer = None
         if self._deferred is not None:
             self._deferred.cancel()
         self._deferred = None
@@ -196,22 +201,16 @@ class Resume:
         return files_to_read(self.manifest, self._src(), here, place, **loads(self._config, self._flags))
 
     def needs(self) -> set[str]:
-        """The manifest's files this rank reads: all where the layout changed; every weight file where ranks
-        hold parts of the model (the model says which, later), with the rest `files()` lists; else those."""
-        names = set(self.manifest.get("files", {}))
-        reads = self.files() if not self._failures else None
-        if reads is None:
-            return names
-        root = self._root()
-        listed = [*reads.weights, *reads.optimizer, *reads.small]
-        out = {Path(os.path.relpath(p, root)).as_posix() for p in listed}
-        if not reads.weights:
-            out |= {n for n in names if n.startswith("model/")}
-        return out & names
+        """The manifest's files this rank reads (checkpoint/reads.needed)."""
+        return needed(self.manifest.get("files", {}), None if self._failures else self.files(), self._src())
 
-    def topology_changes(self) -> dict[str, tuple[Any, int]]:
-        here = groups.layout_of(self.pc, int(self._config.optimizer.zero_stage))
-        return topology_changes(self.manifest.get("topology", {}), here)
+    def ahead(self) -> dict[str, list[str]]:
+        """The files this rank will read ahead onto its GPU, by list (`weights`, `optimizer`); none: {}."""
+        gpu = self._device is not None and self._device.type == "cuda"
+        reads = self.files() if gpu and not self._failures else None
+        return (
+            {k: relative(getattr(reads, k), self._src()) for k in ("weights", "optimizer")} if reads else {}
+        )
 
     def get_engine(self) -> DataStatesEngine:
         if self.engine is None:
@@ -260,7 +259,8 @@ class Resume:
     def _load_rest(self, optimizer: Any, lr_scheduler: Any, random_states: Any, model: Any) -> None:
         load_optimizer, load_scheduler = self._flags
         engine, pc, src = self.get_engine(), self.pc, self._src()
-        changed = self.topology_changes()
+        here = groups.layout_of(pc, int(self._config.optimizer.zero_stage))
+        changed = topology_changes(self.manifest.get("topology", {}), here)
         # Optimizer state placed straight on the GPU (Nanotron's loader reads onto the CPU, and its first
         # step copies the state over, asserting it is on the CPU): its `load_optimizer` flag stays off until
         # that step has run.
