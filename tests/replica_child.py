@@ -248,7 +248,7 @@ def restart_shared(
     group = dist.new_group(backend="gloo")
     link = open_link(group, transport)
     gpu = transport == "nccl"
-    device = torch.device("cuda" if gpu else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     peers = getattr(link, "group", None) if gpu else group
     source, why, peer = restart_source(
         tier, manifest, {weights, optimizer}, group, engine, link, ahead, peers

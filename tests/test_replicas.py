@@ -465,6 +465,6 @@ def test_a_lost_nodes_files_come_from_the_other_nodes_gpu_over_nccl(tmp_path, ct
     _wait_for(lambda: all((tmp_path / f"done{r}").exists() for r in range(2)), "the saves")
     _lose_node(procs, tmp_path, 1)
     out = _restart_shared(ctx, tmp_path, "", "nccl", world=2)
-    assert all(o["equal"] == [True, True] for o in out), out
+    assert all(o["equal"] == [True, True] for o in out), json.dumps(out, indent=1)
     assert [o["received"] for o in out] == [0, 2 * child.SIZE * 4] and out[1]["in_tier"] == [False, False]
     assert "over nccl" in out[1]["why"] and out[1]["why"].endswith("ranks lacking them")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from nanotron import distributed as dist
@@ -170,10 +170,11 @@ def plain_pairs(pairs: Any) -> tuple[Any, ...]:
 
 
 def weight_sources(
-    model: torch.nn.Module, pc: Any, root: Path
+    model: torch.nn.Module, pc: Any, root: Path, served: Callable[[Path], bool] | None = None
 ) -> list[tuple[str, torch.Tensor, Path]] | None:
     """(name, destination, file) for every weight, where this topology wrote them; None if any file is
-    missing (the topology changed: Nanotron's own loader merges and reshards)."""
+    missing (the topology changed: Nanotron's own loader merges and reshards) and not `served` (at a
+    restart, by another rank's GPU)."""
     prefixes = _prefixes(model)
     out = []
     for name, tensor in model.state_dict().items():
@@ -202,7 +203,7 @@ def weight_sources(
             is_expert_sharded=expert_sharded,
             prefix=root / "model",
         )
-        if not path.exists():
+        if not path.exists() and not (served is not None and served(path)):
             return None
         out.append((name, tensor, path))
     return out

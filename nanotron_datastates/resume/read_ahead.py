@@ -161,6 +161,7 @@ class Prefetch:
     ) -> None:
         self._engine, self._device, self._checksums = engine, device, checksums
         self.shared, self.peer = shared, peer
+        self._received: dict[str, dict[Path, Any]] = {}  # by kind, what other ranks' GPUs sent (`exchange`)
         weights = self._ours(weights)
         self._t0 = time.perf_counter()
         self.timings: dict[str, float] = {}  # seconds after the start: each read's end, each wait
@@ -179,44 +180,53 @@ class Prefetch:
         return self._optimizer is not None
 
     def weights(self) -> dict[Path, dict[str, torch.Tensor]]:
-        """The weight files read, by path (empty where they could not be read); waits for them. Once only:
-        the prefetch lets go of them, so that their memory goes back once the caller is done with them."""
+        """The weight files read, by path (empty where they could not be read), and those other ranks' GPUs
+        sent (`exchange`); waits for them. Once only: the prefetch lets go of them, so that their memory goes
+        back once the caller is done with them."""
+        self.exchange("weights")
         future, self._weights = self._weights, None
         t = time.perf_counter()
         out = self._result(future, "weights") or {}
         self.timings["weights_waited"] = time.perf_counter() - t
-        return {**out, **self._exchange("weights", out)}
+        return {**out, **self._received.pop("weights", {})}
 
     def optimizer(self, paths: Sequence[Path]) -> Any | None:
         """The optimizer state, if the files read are `paths`; waits for it. Once only, as :meth:`weights`."""
+        self.exchange("optimizer")
         future, self._optimizer = self._optimizer, None
         t = time.perf_counter()
         got = self._result(future, "optimizer state")
         self.timings["optimizer_waited"] = time.perf_counter() - t
-        read = got[1] if got is not None else {}
-        read.update(self._exchange("optimizer", read))
+        read = {**(got[1] if got is not None else {}), **self._received.pop("optimizer", {})}
         if got is None or got[0] != list(paths) or not all(p in read for p in paths):
             return None
         return state_parts.merge([read[p] for p in paths])
 
+    def exchange(self, kind: str) -> None:
+        """Sends the files of `kind` (`weights`, `optimizer`) this rank serves other ranks' GPUs (`peer`)
+        once it has read them, and receives those it is served. Every rank of the plan calls it at the same
+        point of its resume, once per kind (`Resume.load_weights`, `Resume.confirm`; `weights` and
+        `optimizer` call it too, so that it is done before they hand the state over). An error leaves the
+        files out: the ordinary read that follows fails where they are not on this node, and the ranks fall
+        back together."""
+        if self.peer is None or self._device is None or kind in self._received:
+            return
+        self._received[kind] = {}
+        future = self._weights if kind == "weights" else self._optimizer
+        done = future is not None and future.exception() is None  # waits; an error is reported at its use
+        got: Any = future.result() if future is not None and done else None
+        read: dict[Path, Any] = (got if kind == "weights" else got[1]) if got is not None else {}
+        t = time.perf_counter()
+        try:
+            self._received[kind] = self.peer.exchange(kind, read, self._device)
+        except Exception as e:  # noqa: BLE001 - read again the ordinary way, which reports the error
+            log.warning("the %s other ranks' GPUs send could not be received (%s)", kind, e)
+            self.peer.problems.append(f"the {kind}: {type(e).__name__}: {e}")
+        self.timings[f"{kind}_exchanged"] = time.perf_counter() - t
+
     def _ours(self, paths: Sequence[Path]) -> list[Path]:
         """`paths` but those another rank's GPU sends (`peer`)."""
         return [p for p in paths if self.peer is None or not self.peer.receives(p)]
-
-    def _exchange(self, kind: str, read: dict[Path, Any]) -> dict[Path, Any]:
-        """The files of `kind` other ranks' GPUs send this rank, once those it sends them are `read`. An
-        error leaves them out: the ordinary read that follows fails where they are not on this node, and the
-        ranks fall back together."""
-        if self.peer is None or self._device is None:
-            return {}
-        t = time.perf_counter()
-        try:
-            got = self.peer.exchange(kind, read, self._device)
-        except Exception as e:  # noqa: BLE001 - read again the ordinary way, which reports the error
-            log.warning("the %s other ranks' GPUs send could not be received (%s)", kind, e)
-            return {}
-        self.timings[f"{kind}_exchanged"] = time.perf_counter() - t
-        return got
 
     def _result(self, future: concurrent.futures.Future | None, what: str) -> Any:
         if future is None:

@@ -60,7 +60,8 @@ class PeerReads:
         if kind in self.done or not (outs or ins):
             return {}
         self.done.add(kind)
-        # 1. each pair's description of the files, its length first; 2. the tensors' bytes, as described.
+        # 1. each pair's description of the files, its length first; 2. the receiver's answer (1: the
+        # bytes as described, 0: none, where the description does not fit); 3. the tensors' bytes.
         docs, sent = {}, {}
         for peer, rels in outs.items():
             states = {rel: read.get(self.folder / rel) for rel in rels}
@@ -73,9 +74,17 @@ class PeerReads:
         _run(_ops(dist.isend, up) + _ops(dist.irecv, down), self.group)
         landing = {}  # by peer: (file, skeleton or None, its tensors)
         for p, doc in down.items():
-            files = self._expect(p, ins[p], bytes(doc.cpu().numpy()))
+            try:
+                files = self._expect(p, ins[p], bytes(doc.cpu().numpy()))
+            except FormatError as e:  # answered 0: the peer sends nothing more, and nobody waits
+                self.problems.append(str(e))
+                continue
             landing[p] = [(rel, skel, [torch.empty(s, dtype=d, device=device) for d, s in specs])
                           for rel, skel, specs in files]  # fmt: skip
+        answers = {p: torch.tensor([int(p in landing)], dtype=torch.int64, device=device) for p in ins}
+        heard = {p: torch.zeros(1, dtype=torch.int64, device=device) for p in outs}
+        _run(_ops(dist.isend, answers) + _ops(dist.irecv, heard), self.group)
+        sent = {p: ts for p, ts in sent.items() if heard[p].item() == 1}
         into = {p: [t for _, _, ts in files for t in ts] for p, files in landing.items()}
         _run(_ops(dist.isend, sent) + _ops(dist.irecv, into), self.group)
         if device.type == "cuda":
@@ -83,9 +92,13 @@ class PeerReads:
         got: dict[Path, Any] = {}
         for files in landing.values():
             for rel, skel, tensors in files:
-                if skel is not None:
-                    got[self.folder / rel] = skeleton.decode(skel, {str(i): t for i, t in enumerate(tensors)})
-                    self.received_bytes += sum(t.numel() * t.element_size() for t in tensors)
+                named = {str(i): t for i, t in enumerate(tensors)}
+                try:
+                    if skel is not None:
+                        got[self.folder / rel] = skeleton.decode(skel, named)
+                        self.received_bytes += sum(t.numel() * t.element_size() for t in tensors)
+                except FormatError as e:
+                    self.problems.append(f"{rel}: {e}")
         return got
 
     def _expect(self, peer: int, rels: list[str], doc: bytes) -> list[tuple[str, str | None, list[Any]]]:

@@ -166,9 +166,10 @@ class Resume:
         self._drop_prefetch(report=False)
         warm_page_cache(reads.small)  # first, while the disk is idle
         if reads.weights or reads.optimizer:
-            here = groups.layout_of(pc, int(config.optimizer.zero_stage))
-            args = (self.get_engine(), self.manifest, self._src(), reads, device, here, self.peer)
-            self.prefetch = read_ahead(*args)
+            at = groups.layout_of(pc, int(config.optimizer.zero_stage))
+            self.prefetch = read_ahead(
+                self.get_engine(), self.manifest, self._src(), reads, device, at, self.peer
+            )
         return True
 
     def _nothing(self, config: Any, pc: Any, folder: str | os.PathLike | None) -> bool:
@@ -181,8 +182,7 @@ class Resume:
 
     def take(self, folder: Path, source: Path | None = None) -> None:
         """Takes `folder` as the checkpoint to resume (its files read from `source`, default the folder)."""
-        self.folder, self.source, self._failures, self._state = folder, source, [], "planned"
-        self.peer = None
+        self.folder, self.source, self._failures, self._state, self.peer = folder, source, [], "planned", None
         if self._deferred is not None:
             self._deferred.cancel()
         self._deferred = None
@@ -296,6 +296,8 @@ class Resume:
         """Waits for the optimizer state read ahead, then has the ranks agree that each read the checkpoint
         whole, or fall back together (fallback.py). Returns the training metadata to resume with (None where
         the scheduler is not loaded). Collective."""
+        if self.prefetch is not None:  # every rank at once, before any falls back
+            self.prefetch.exchange("optimizer")
         plan = recovery.Plan(self.folder, self.source, self.memory_of)
         while reasons := recovery.everyone(self):
             self.reload(*plan.next(reasons))

@@ -30,7 +30,10 @@ def load(
     """Loads the weights of `model` from `src` (`engine()` reads them); returns the names of the parameters
     loaded from their own files, or None where they were resharded. Raises what reading raises."""
     t0 = time.perf_counter()
-    sources = shards.weight_sources(model, pc, src)
+    if prefetch is not None:  # every rank at once, whatever way it loads its weights (tier/peer_reads.py)
+        prefetch.exchange("weights")
+    peer = prefetch.peer if prefetch is not None else None
+    sources = shards.weight_sources(model, pc, src, peer.receives if peer is not None else None)
     if sources is None:  # another layout: each parameter put together from the saved pieces
         n = reshard.load_weights(engine(), manifest, src, model)
         say.info(f"resharded {n} weights in {time.perf_counter() - t0:.2f} s")
