@@ -147,7 +147,7 @@ class Prefetch:
     (this rank's index among the node's ranks, their count): other ranks of the node read the same weight
     files, so they are read through the page cache, starting at this rank's part of the list. `peer`: at a
     restart, the files other ranks' GPUs send this rank instead of its reading them, and those it sends
-    them once read (tier/peer_reads.py), exchanged where `weights` and `optimizer` hand the state over."""
+    them once read (tier/peer_reads.py), exchanged by `exchange`."""
 
     def __init__(
         self,
@@ -162,6 +162,7 @@ class Prefetch:
         self._engine, self._device, self._checksums = engine, device, checksums
         self.shared, self.peer = shared, peer
         self._received: dict[str, dict[Path, Any]] = {}  # by kind, what other ranks' GPUs sent (`exchange`)
+        self._exchanged: set[str] = set()
         weights = self._ours(weights)
         self._t0 = time.perf_counter()
         self.timings: dict[str, float] = {}  # seconds after the start: each read's end, each wait
@@ -205,13 +206,13 @@ class Prefetch:
     def exchange(self, kind: str) -> None:
         """Sends the files of `kind` (`weights`, `optimizer`) this rank serves other ranks' GPUs (`peer`)
         once it has read them, and receives those it is served. Every rank of the plan calls it at the same
-        point of its resume, once per kind (`Resume.load_weights`, `Resume.confirm`; `weights` and
+        point of its resume, once per kind (where it loads its weights, and `Resume.confirm`; `weights` and
         `optimizer` call it too, so that it is done before they hand the state over). An error leaves the
         files out: the ordinary read that follows fails where they are not on this node, and the ranks fall
         back together."""
-        if self.peer is None or self._device is None or kind in self._received:
+        if self.peer is None or self._device is None or kind in self._exchanged:
             return
-        self._received[kind] = {}
+        self._exchanged.add(kind)
         future = self._weights if kind == "weights" else self._optimizer
         done = future is not None and future.exception() is None  # waits; an error is reported at its use
         got: Any = future.result() if future is not None and done else None
