@@ -192,6 +192,9 @@ class DataStatesConfig(Settings):
         return self.read_size << 20
 
 
+MIN_PARSER_THREADS = 4  # the fewest `parser_threads: 0` gives, also what reads beside training use
+
+
 def auto_parser_threads(cpus: int | None = None, local_ranks: int | None = None) -> int:
     """`parser_threads: 0`: one per CPU of a rank's share of the node (`cpus`: this process's, `local_ranks`:
     LOCAL_WORLD_SIZE), from 4 to 16. A restore runs before training does: it has the share to itself."""
@@ -199,7 +202,7 @@ def auto_parser_threads(cpus: int | None = None, local_ranks: int | None = None)
     if local_ranks is None:
         raw = os.environ.get("LOCAL_WORLD_SIZE", "1")
         local_ranks = int(raw) if raw.isdigit() else 1  # torchrun's, or none: one rank
-    return max(4, min(16, cpus // max(1, local_ranks)))
+    return max(MIN_PARSER_THREADS, min(16, cpus // max(1, local_ranks)))
 
 
 def _parse_env(name: str, kind: str, raw: str) -> Any:

@@ -231,8 +231,6 @@ def test_the_sets_an_earlier_process_made_ahead_are_set_aside_at_once_and_remove
     a set aside that a killed process left is removed by the next start's prune."""
     import subprocess
 
-    from nanotron_datastates.tier.folders import remove_behind
-
     tier = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 1)
     _made_ahead(tier, 0, "w.safetensors")
     _made_ahead(tier, 1, "w.safetensors")
@@ -244,7 +242,7 @@ def test_the_sets_an_earlier_process_made_ahead_are_set_aside_at_once_and_remove
     assert all((again.folder / n / "w.safetensors").read_bytes() == b"w" * 10 for n in aside)
     _made_ahead(again, 0, "w.safetensors")  # the name is free at once
     done: list[tuple[BaseException | None, float]] = []
-    again.removing.append(remove_behind(again.folder, aside, lambda e, s: done.append((e, s))))
+    again.remove_behind(again.folder, aside, lambda e, s: done.append((e, s)))
     again.pruned()
     assert done and done[0][0] is None and not any((again.folder / n).exists() for n in aside)
     assert again.warm(0, "w.safetensors").read_bytes() == b"w" * 10  # this process's own set stays
@@ -262,12 +260,11 @@ def test_a_link_planted_in_place_of_a_set_made_ahead_is_set_aside_never_followed
     tier = MemoryTier(tmp_path / "shm", tmp_path / "ckpt", 0)
     victim = _victim(tmp_path, "keep.txt")
     (tier.folder / ".warm-0-0").symlink_to(victim.parent, target_is_directory=True)
-    from nanotron_datastates.tier.folders import remove_behind
 
     aside: list[str] = []
     tier.prune(None, aside)
     done: list[BaseException | None] = []
-    tier.removing.append(remove_behind(tier.folder, aside, lambda e, s: done.append(e)))
+    tier.remove_behind(tier.folder, aside, lambda e, s: done.append(e))
     tier.pruned()
     assert victim.read_text() == "not the tier's"
     assert isinstance(done[0], OSError) and ".warm-0-0.dstmp." in str(done[0])

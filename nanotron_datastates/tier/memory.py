@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from .. import trust
 from ..errors import DataStatesError
-from .folders import behind, dead_temporary, ours, remove_empty, set_aside, step_numbers
+from .folders import behind, dead_temporary, ours, remove_behind, remove_empty, set_aside, step_numbers
 
 MARKER = ".rank-{rank}.json"
 WARM = ".warm-{rank}-{i}"  # a set of files made ahead of the first saves (`warm`), not a step
@@ -111,7 +111,7 @@ class MemoryTier:
         self._given: tuple[int, tuple[str, list[str]]] | None = None  # the spare handed to a step's saves
         self._lock = threading.RLock()
         self._pruning: threading.Thread | None = None  # `prune_behind`'s
-        self.removing: list[threading.Thread] = []  # `remove_behind`'s that `pruned` waits for too
+        self.removing: list[threading.Thread] = []  # the threads of `remove_behind`, which `pruned` waits for
         self.busy: set[int] = set()  # steps being read (sent to a peer): never handed to a save to overwrite
 
     def path(self, step: int, rel: str | os.PathLike) -> Path:
@@ -271,6 +271,13 @@ class MemoryTier:
         """`prune(keep)` on a thread of its own (freeing a killed process's 20 GB of a 1.1B's tier takes
         seconds): every locked method, and `pruned`, waits for it first. `on_done(error or None, seconds)`."""
         self._pruning = behind(lambda: self.prune(keep), on_done, "datastates-tier-prune")
+
+    def remove_behind(
+        self, folder: Path, names: list[str], on_done: Callable[[BaseException | None, float], None]
+    ) -> None:
+        """Removes `folder/<names>` (sets put aside by `prune`'s caller) on a thread of its own that `pruned`
+        waits for (folders.remove_behind)."""
+        self.removing.append(remove_behind(folder, names, on_done))
 
     def pruned(self) -> None:
         """Waits for `prune_behind`'s removal and those in `removing`, if any (never on the thread itself)."""

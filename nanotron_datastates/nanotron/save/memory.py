@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...engine import DataStatesEngine
+from ...engine_settings import MIN_PARSER_THREADS
 from ...plan import SavePlan
 from ...store import open_store
-from ...tier.folders import remove_behind
 from ...tier.links import open_link
 from ...tier.memory import REPLICAS, MemoryTier
 from ...tier.memory_steps import steps_with_manifest
@@ -159,7 +159,7 @@ def open_replicas(
     aside: list[str] = []  # an earlier process's spare set (1.1B: 7 GB), freed beside the start
     prune(tier, sources, keep, aside)
     if aside:
-        tier.removing.append(remove_behind(tier.folder / REPLICAS, aside, _said_removed))
+        tier.remove_behind(tier.folder / REPLICAS, aside, _said_removed)
     token = process_token(settings, pc)
     if token is not None:  # gloo, from a process of this rank's own
         spec = process_spec(tier, holders, settings, engine, token, me)
@@ -231,8 +231,8 @@ def process_spec(
         ) from None
     prefix = f"datastates-replicas/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{token}/"
     opened = (str(tier.base), str(tier.checkpoints), tier.copies, tier.max_spares)
-    # Its checks run beside training: 4 parsers where the count is automatic (a restore's is larger).
-    threads = engine.config.parser_threads or 4
+    # Its checks run beside training: the fewest parsers where the count is automatic (a restore's is larger).
+    threads = engine.config.parser_threads or MIN_PARSER_THREADS
     gbps, nice = settings.memory_replica_gbps, engine.config.flush_nice
     return ProcessSpec(store, prefix, rank, len(holders), holders, opened, gbps, threads, nice)
 
