@@ -6,13 +6,14 @@ the network NCCL finds between nodes), instead of the file being pulled into the
 read from there: the bytes cross host memory once, on the reader's node, rather than about eight times.
 
 `plan` decides which files go that way (replica_restore.restart_source, the same on every rank);
-`PeerReads.exchange` moves them, called by the read-ahead (resume/read_ahead.Prefetch) at the same point of
-every rank's resume: the weights where the model takes them, the optimizer state where it is first needed
-(`Resume.confirm` at the latest). Each pair of ranks first sends a JSON description of each file's state
-(its skeleton, each tensor's dtype and shape, or why it could not be read), then its tensors' bytes, in the
-order described. A file that its server could not read, or whose description does not fit the manifest, is
-not handed over: the resume then reads the file the ordinary way, which fails where the node lacks it, and
-every rank falls back together (nanotron/resume/fallback.py). Nothing is unpickled.
+`PeerReads.exchange` moves them, called by the read-ahead (resume/read_ahead.Prefetch.exchange) at two
+points every rank's resume passes alike: where it loads its weights, and `Resume.confirm` (or the first use
+of the optimizer state, where that comes first on every rank). Each pair of ranks first sends a JSON
+description of each file's state (its skeleton, each tensor's dtype and shape, or why it could not be read);
+the receiver answers whether it takes the bytes as described (not where the description does not fit its
+plan or the manifest's sizes: then none follow, and nobody waits); then the tensors' bytes move, in the order
+described. A file not handed over is read the ordinary way, which fails where the node lacks it, and every
+rank falls back together (nanotron/resume/fallback.py). Nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ import torch.distributed as dist
 
 from .. import skeleton
 from ..errors import FormatError
-
-KINDS = ("weights", "optimizer")  # the read-ahead's two lists, exchanged at their own points
 
 
 @dataclasses.dataclass
