@@ -162,7 +162,6 @@ class Prefetch:
         self._engine, self._device, self._checksums = engine, device, checksums
         self.shared, self.peer = shared, peer
         self._received: dict[str, dict[Path, Any]] = {}  # by kind, what other ranks' GPUs sent (`exchange`)
-        self._exchanged: set[str] = set()
         weights = self._ours(weights)
         self._t0 = time.perf_counter()
         self.timings: dict[str, float] = {}  # seconds after the start: each read's end, each wait
@@ -210,12 +209,11 @@ class Prefetch:
         `optimizer` call it too, so that it is done before they hand the state over). An error leaves the
         files out: the ordinary read that follows fails where they are not on this node, and the ranks fall
         back together."""
-        if self.peer is None or self._device is None or kind in self._exchanged:
+        if self.peer is None or self._device is None or kind in self.peer.done:
             return
-        self._exchanged.add(kind)
         future = self._weights if kind == "weights" else self._optimizer
         done = future is not None and future.exception() is None  # waits; an error is reported at its use
-        got: Any = future.result() if future is not None and done else None
+        got: Any = future.result() if done else None  # type: ignore[union-attr]
         read: dict[Path, Any] = (got if kind == "weights" else got[1]) if got is not None else {}
         t = time.perf_counter()
         try:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import skeleton
+from ..checkpoint.reads import relative
 from ..errors import FormatError
 
 
@@ -42,13 +43,13 @@ class PeerReads:
     out: dict[str, dict[int, list[str]]]
     into: dict[str, dict[int, list[str]]]
     limits: dict[str, int]
-    done: set[str] = dataclasses.field(default_factory=set)
+    done: set[str] = dataclasses.field(default_factory=set)  # the kinds exchanged (each once)
     problems: list[str] = dataclasses.field(default_factory=list)  # files not handed over, and why
     received_bytes: int = 0
 
     def receives(self, path: Path) -> bool:
         """Whether the file `path` (in `folder`) comes from another rank's GPU rather than from a read."""
-        rel = _rel(self.folder, path)
+        (rel,) = relative([path], self.folder)
         return any(rel in rels for peers in self.into.values() for rels in peers.values())
 
     def exchange(self, kind: str, read: dict[Path, Any], device: torch.device) -> dict[Path, Any]:
@@ -56,9 +57,11 @@ class PeerReads:
         read) and returns those it receives, by path, on `device`. Once per kind; every rank that serves or
         receives files of `kind` calls it at the same point."""
         outs, ins = self.out.get(kind, {}), self.into.get(kind, {})
-        if kind in self.done or not (outs or ins):
+        if kind in self.done:
             return {}
         self.done.add(kind)
+        if not (outs or ins):
+            return {}
         # 1. each pair's description of the files, its length first; 2. the receiver's answer (1: the
         # bytes as described, 0: none, where the description does not fit); 3. the tensors' bytes.
         docs, sent = {}, {}
@@ -227,10 +230,3 @@ def _run(ops: list[tuple[Any, torch.Tensor, int]], group: Any) -> None:
     if ops:
         for work in dist.batch_isend_irecv([dist.P2POp(op, t, peer, group) for op, t, peer in ops]):
             work.wait()
-
-
-def _rel(folder: Path, path: Path) -> str:
-    try:
-        return Path(path).relative_to(folder).as_posix()
-    except ValueError:
-        return ""
