@@ -30,11 +30,19 @@ def regular_size(folder: Path, rel: str) -> int:
     parts = trust.relative_name(rel, str(folder)).parts
     with trust.walk_dir(folder, parts[:-1]) as fd:
         st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
-    if not stat.S_ISREG(st.st_mode):
-        raise trust.UntrustedPath(0, f"{folder / rel}: not a regular file")
-    if st.st_uid != os.geteuid():
-        raise trust.UntrustedPath(0, f"{folder / rel}: belongs to uid {st.st_uid}, not to this user")
+    why = _not_mine(st)
+    if why:
+        raise trust.UntrustedPath(0, f"{folder / rel}: {why}")
     return st.st_size
+
+
+def _not_mine(st: os.stat_result) -> str:
+    """Why a file of this status is not a regular file of this user's; empty where it is."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"belongs to uid {st.st_uid}, not to this user"
+    return ""
 
 
 def dead_temporary(name: str) -> bool:
@@ -80,7 +88,7 @@ def ours(folder: Path, rels: list[str]) -> set[str]:
                 st = os.stat(name, dir_fd=at, follow_symlinks=False) if at is not None else None
             except OSError:
                 st = None
-            if st is not None and stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1:
+            if st is not None and not _not_mine(st) and st.st_nlink == 1:
                 out.add(rel)
     finally:
         for _, fd in stack:
