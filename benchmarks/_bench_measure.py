@@ -105,6 +105,33 @@ def device_allocs() -> int:
     return int(torch.cuda.memory_stats_as_nested_dict().get("num_device_alloc", 0))
 
 
+class ProfileSum:
+    """cProfile of several blocks summed (`on`, `off`, as often as wanted), written as `Profiled` writes one,
+    headed by how many blocks it sums."""
+
+    def __init__(self) -> None:
+        import cProfile
+
+        self.prof, self.blocks = cProfile.Profile(), 0
+
+    def on(self) -> None:
+        self.blocks += 1
+        self.prof.enable()
+
+    def off(self) -> None:
+        self.prof.disable()
+
+    def write(self, path: Path) -> None:
+        import io
+        import pstats
+
+        text = io.StringIO()
+        text.write(f"{self.blocks} blocks\n")
+        pstats.Stats(self.prof, stream=text).sort_stats("cumulative").print_stats(80)
+        pstats.Stats(self.prof, stream=text).sort_stats("tottime").print_stats(40)
+        path.write_text(text.getvalue())
+
+
 class Profiled:
     """cProfile of a block, written as text to `path` (the 60 costliest calls, cumulative, then the 30
     costliest by their own time); None: no-op."""

@@ -18,7 +18,7 @@ from typing import Any
 
 from _bench_baselines import RawCopy, checkpoint_bytes, dcp_key_prefixes, dcp_zero_overhead_stager
 from _bench_checkpoints import prune_before
-from _bench_measure import MemorySampler, Profiled, device_allocs
+from _bench_measure import MemorySampler, Profiled, ProfileSum, device_allocs
 from _nanotron import book_dummy_tokens, load_run_train, time_library_report
 from _nodes import take_gpu_of_rank
 
@@ -35,6 +35,8 @@ def run_phase(args: argparse.Namespace) -> None:
     rec["commits"], rec["dcp"], rec["losses"], rec["queues"] = [], [], [], []
     rec["marks"] = {}  # seconds after t_start at which the set-up's phases ended
     memory = MemorySampler(pss_every=args.pss_every)
+    # --profile: the memory checkpoints from the second on, each request and the step that queues it, summed
+    memory_prof = ProfileSum() if args.profile else None
     time_library_report(rec["marks"])
 
     engine_time = [0.0]  # seconds in the engine's plan, save and save_plan (planning + queuing), summed
@@ -95,6 +97,20 @@ def run_phase(args: argparse.Namespace) -> None:
 
         engine_module.start_core = lambda *a, **k: TimedCore(start_core(*a, **k))
 
+        # The committer thread's CPU per outcome: its Python holds the GIL that the training thread needs
+        from nanotron_datastates.nanotron.save.report import Reporter
+
+        committed = Reporter.committed
+
+        def committed_timed(self: Any, r: Any) -> None:
+            t = time.thread_time()
+            try:
+                committed(self, r)
+            finally:
+                rec.setdefault("committer_cpu_s", []).append(time.thread_time() - t)
+
+        Reporter.committed = committed_timed  # type: ignore[method-assign]
+
     dcp_mode = args.mode in ("dcp", "dcp-zo")
 
     class Trainer(DistributedTrainer):
@@ -127,8 +143,14 @@ def run_phase(args: argparse.Namespace) -> None:
                 if self._raw_copy is not None and self._raw_copy_due:  # copy-*: where datastates queues
                     self._raw_copy.issue()
                     self._raw_copy_due = False
+                summed = memory_prof is not None and saver is not None and saver.gate.deferred
+                summed = summed and len(rec["saves"]) >= 2 and bool(rec["saves"][-1].get("memory"))
+                if summed:
+                    memory_prof.on()
                 with Profiled(Path(args.record).with_suffix(".queue.prof.txt") if queuing else None):
                     out = step(*a, **k)
+                if summed:
+                    memory_prof.off()
                 if first:
                     torch.cuda.synchronize()
                     rec["marks"]["optimizer_step_end_s"] = time.perf_counter() - t_start
@@ -200,7 +222,11 @@ def run_phase(args: argparse.Namespace) -> None:
             book_dummy_tokens(self.metadata)
             engine_s0, staged0 = engine_time[0], staged[0]
             t0 = time.perf_counter()
+            if memory_prof is not None and rec["saves"]:
+                memory_prof.on()
             super()._ds_memory_checkpoint(saver)
+            if memory_prof is not None and rec["saves"]:
+                memory_prof.off()
             rec["saves"].append(
                 {
                     "step": step,
@@ -301,6 +327,8 @@ def run_phase(args: argparse.Namespace) -> None:
         rec["raw_copy_s"] = trainer._raw_copy.seconds()
     rec["memory"] = {**memory.stop(), "gpu_max_reserved_bytes": torch.cuda.max_memory_reserved(),
                      "gpu_max_allocated_bytes": torch.cuda.max_memory_allocated()}  # fmt: skip
+    if memory_prof is not None and memory_prof.blocks:
+        memory_prof.write(Path(args.record).with_suffix(".memory.prof.txt"))
     rank_record(args.record, RANK).write_text(json.dumps(rec))
 
 
