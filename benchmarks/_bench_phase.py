@@ -145,6 +145,7 @@ def run_phase(args: argparse.Namespace) -> None:
                     self._raw_copy_due = False
                 summed = memory_prof is not None and saver is not None and saver.gate.deferred
                 summed = summed and len(rec["saves"]) >= 2 and bool(rec["saves"][-1].get("memory"))
+                queuing = queuing and not summed  # one profiler at a time
                 if summed:
                     memory_prof.on()
                 with Profiled(Path(args.record).with_suffix(".queue.prof.txt") if queuing else None):

@@ -3,7 +3,7 @@ nowhere else (docs/SECURITY.md says what is trusted and why).
 
 - `step_number`: the one parser of step numbers (folder names, `latest.txt`): canonical ASCII decimal only.
 - `relative_name`: a name read from a file (a marker, a manifest) as a path under a folder: relative, no
-  `..`, no empty or `.` part. Files list names, never paths.
+  `..`, no empty or `.` part (`name_parts`: the same check, giving the parts). Files list names, never paths.
 - `walk_dir` / `unlink_in` / `remove_tree` / `walk_tree` / `remove_files` / `write_in` / `rename_in` /
   `link_in`: act inside a folder without following a link anywhere below it (each component opened with
   O_NOFOLLOW from its parent's descriptor, files created O_EXCL), never recursing on the Python stack.
@@ -46,12 +46,18 @@ def step_number(text: str) -> int | None:
 def relative_name(name: object, where: str = "") -> PurePosixPath:
     """`name` as a path below a folder; UntrustedPath (naming `where`, e.g. the file that held the name) if it
     is not a non-empty relative POSIX path without `..`, `.`, empty parts, backslashes or NUL."""
+    return PurePosixPath(*name_parts(name, where))
+
+
+def name_parts(name: object, where: str = "") -> tuple[str, ...]:
+    """`relative_name`'s check, with the name's parts (folders, then the file) as strings: what the loops
+    over a checkpoint's files call, which need no path object."""
     if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
         raise UntrustedPath(errno.EINVAL, f"{where}: {name!r} is not a file name")
-    p = PurePosixPath(name)
-    if p.is_absolute() or any(part in ("", ".", "..") for part in name.split("/")):
+    parts = tuple(name.split("/"))  # an absolute name starts with an empty part
+    if "" in parts or "." in parts or ".." in parts:
         raise UntrustedPath(errno.EINVAL, f"{where}: {name!r} leaves its folder or is not a plain path")
-    return p
+    return parts
 
 
 @contextlib.contextmanager
@@ -81,7 +87,7 @@ def walk_dir(root: str | os.PathLike, parts: tuple[str, ...] = (), create: bool 
 def unlink_in(root: str | os.PathLike, name: str, where: str = "") -> bool:
     """Removes the file `root/name` (`name` checked by `relative_name`), following no link on the way; a
     link there is removed itself, never its target. False where it is already gone."""
-    parts = relative_name(name, where or str(root)).parts
+    parts = name_parts(name, where or str(root))
     try:
         with walk_dir(root, parts[:-1]) as fd:
             os.unlink(parts[-1], dir_fd=fd)
@@ -101,7 +107,7 @@ def is_real_dir(path: str | os.PathLike) -> bool:
 def remove_tree(root: str | os.PathLike, name: str) -> bool:
     """Removes the folder `root/name` and all in it, following no link (`walk_tree`: a link goes, itself).
     False where it is a link, not a folder, or changed meanwhile (moved away, a file added): not removed."""
-    parts = relative_name(name, str(root)).parts
+    parts = name_parts(name, str(root))
     try:
         for fd, _, entry, is_dir in walk_tree(root, name):
             with contextlib.suppress(FileNotFoundError):
@@ -119,7 +125,7 @@ def walk_tree(root: str | os.PathLike, name: str = "") -> Iterator[tuple[int, st
     relative to `root/name`; its name; whether a folder). No link followed (a folder swapped for one comes as
     a file), no recursion, one descriptor open at a time: the walk climbs back by `..`, checked to be the
     folder it came from (UntrustedPath, naming it, where one was moved away meanwhile)."""
-    with walk_dir(root, relative_name(name, str(root)).parts if name else ()) as top:
+    with walk_dir(root, name_parts(name, str(root)) if name else ()) as top:
         fd = os.dup(top)
     try:
         frames = [_frame(fd, "")]  # the folders on the way down
@@ -173,7 +179,7 @@ def remove_files(root: str | os.PathLike, match: Callable[[str], bool]) -> int:
 def write_in(root: str | os.PathLike, name: str, data: bytes) -> None:
     """Writes the file `root/name` whole or not at all (a new temporary beside it, synced, renamed over it),
     its missing folders made 0700, no link followed on the way (UntrustedPath, naming it)."""
-    parts = relative_name(name, str(root)).parts
+    parts = name_parts(name, str(root))
     tmp = f".{parts[-1]}.{os.getpid()}.{next(_temporaries)}.tmp"
     with walk_dir(root, parts[:-1], create=True) as folder:
         try:
@@ -191,7 +197,7 @@ def write_in(root: str | os.PathLike, name: str, data: bytes) -> None:
 
 def rename_in(root: str | os.PathLike, name: str, new_name: str) -> None:
     """Renames `root/name` to `root/new_name`, no link followed on the way to either (UntrustedPath)."""
-    src, dst = relative_name(name, str(root)).parts, relative_name(new_name, str(root)).parts
+    src, dst = name_parts(name, str(root)), name_parts(new_name, str(root))
     with walk_dir(root, src[:-1]) as a, walk_dir(root, dst[:-1]) as b:
         os.rename(src[-1], dst[-1], src_dir_fd=a, dst_dir_fd=b)
 
@@ -199,7 +205,7 @@ def rename_in(root: str | os.PathLike, name: str, new_name: str) -> None:
 def link_in(src_root: str | os.PathLike, root: str | os.PathLike, name: str) -> None:
     """Makes `root/name` a second name of `src_root/name` (its folders made 0700 where missing), no link
     followed on the way to either (UntrustedPath); FileExistsError where it exists."""
-    parts = relative_name(name, str(root)).parts
+    parts = name_parts(name, str(root))
     with walk_dir(src_root, parts[:-1]) as a, walk_dir(root, parts[:-1], create=True) as b:
         os.link(parts[-1], parts[-1], src_dir_fd=a, dst_dir_fd=b, follow_symlinks=False)
 

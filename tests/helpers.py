@@ -88,6 +88,7 @@ def write_nanotron_checkpoint(engine, root: Path, step: int, *, latest: bool = T
 
     from nanotron_datastates.checkpoint.file_io import write_atomic
     from nanotron_datastates.checkpoint.manifest import manifest as make_manifest
+    from nanotron_datastates.checkpoint.manifest import manifest_text
     from nanotron_datastates.checkpoint.names import LATEST, MANIFEST, random_states_name
     from nanotron_datastates.nanotron import rng_states as states
 
@@ -133,7 +134,7 @@ def write_nanotron_checkpoint(engine, root: Path, step: int, *, latest: bool = T
     write_atomic(folder / "config.yaml", yaml.dump(config))
     write_atomic(folder / "model_config.json", json.dumps({"hidden_size": 8}))
     topology = {"tp": 1, "pp": 1, "dp": 1, "expert": 1, "zero_stage": 0}
-    write_atomic(folder / MANIFEST, json.dumps(make_manifest(step, topology, files)))
+    write_atomic(folder / MANIFEST, manifest_text(make_manifest(step, topology, files)))
     if latest:
         write_atomic(root / LATEST, str(step))
     return folder

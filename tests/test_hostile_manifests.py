@@ -128,3 +128,38 @@ def test_verify_reports_each_bad_checkpoint_and_goes_on_in_bounded_time(saved, t
 
 def test_a_whole_checkpoint_still_verifies(saved):
     assert verify(saved).ok
+
+
+def test_a_manifest_is_written_one_line_a_file_and_reads_back_as_made(saved):
+    """The manifest's text (made by the C encoder, not the indenting one): the document it was made from,
+    each file's entry on a line of its own."""
+    from nanotron_datastates.checkpoint.manifest import manifest_text
+
+    text = (saved / "10" / MANIFEST).read_text()
+    doc = json.loads(text)
+    assert manifest_text(doc) == text
+    lines = [line.rstrip(",") for line in text.splitlines()]
+    for rel, entry in doc["files"].items():
+        assert f"  {json.dumps(rel)}: {json.dumps(entry)}" in lines
+    doc["files"] = {}
+    assert json.loads(manifest_text(doc)) == doc
+
+
+@pytest.mark.parametrize(
+    "name", ["", "/etc/passwd", "../x", "a/../b", "a//b", "a/./b", ".", "a/", "a\\b", "a\0b", 7, None]
+)
+def test_a_name_that_leaves_its_folder_is_refused_by_both_checks_alike(name):
+    from nanotron_datastates import trust
+
+    with pytest.raises(trust.UntrustedPath) as parts:
+        trust.name_parts(name, "the marker")
+    with pytest.raises(trust.UntrustedPath) as path:
+        trust.relative_name(name, "the marker")
+    assert str(parts.value) == str(path.value) and "the marker" in str(parts.value)
+
+
+def test_a_plain_name_has_the_parts_of_its_path():
+    from nanotron_datastates import trust
+
+    for name in ("a", "model/w.safetensors", "x/y/z/.rank-0.json", "..a/b.."):
+        assert trust.name_parts(name) == trust.relative_name(name).parts

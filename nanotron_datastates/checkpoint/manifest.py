@@ -53,6 +53,20 @@ def manifest(
     return {**doc, "replicas": replicas} if replicas else doc
 
 
+def manifest_text(doc: dict[str, Any]) -> str:
+    """A manifest as written: JSON, each top-level key on a line of its own and each file's entry on one line
+    (a person reads it file by file). Made by the JSON module's C encoder, not its indenting one: this runs
+    on the committer thread after every checkpoint, whose Python holds the GIL the training thread needs."""
+    lines = []
+    for key, value in doc.items():
+        if key == "files" and value:
+            body = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in value.items())
+            lines.append(f' "files": {{\n{body}\n }}')
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
 def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
     """The manifest of a checkpoint folder, checked against its schema (`check_manifest`): ManifestError,
     naming the file and the key, if it is not ours, is newer than this package, or holds anything of the

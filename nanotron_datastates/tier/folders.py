@@ -27,7 +27,7 @@ def step_numbers(folder: Path) -> list[int]:
 def regular_size(folder: Path, rel: str) -> int:
     """The size of the file `folder/rel`, reached without a link; UntrustedPath unless a regular file of
     this user's."""
-    parts = trust.relative_name(rel, str(folder)).parts
+    parts = trust.name_parts(rel, str(folder))
     with trust.walk_dir(folder, parts[:-1]) as fd:
         st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
     why = _not_mine(st)
@@ -66,7 +66,7 @@ def ours(folder: Path, rels: list[str]) -> set[str]:
     try:
         for rel in sorted(rels):
             try:
-                *dirs, name = trust.relative_name(rel, str(folder)).parts
+                *dirs, name = trust.name_parts(rel, str(folder))
             except trust.UntrustedPath:
                 continue
             keep = 0

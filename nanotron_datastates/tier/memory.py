@@ -184,7 +184,7 @@ class MemoryTier:
         the checkpoint was committed to storage; then, with 2 copies, the step it held before becomes its
         spare (marker withdrawn, files kept for the next save), and its other older steps are dropped."""
         for rel in files:
-            trust.relative_name(rel, f"the files of step {step}")
+            trust.name_parts(rel, f"the files of step {step}")
         marker = f"{step}/{MARKER.format(rank=self.rank)}"  # written with no link followed
         trust.write_in(self.folder, marker, json.dumps({"step": step, "files": files}).encode())
         spare = self._held_before(step) if self.copies == 2 else None
@@ -238,13 +238,20 @@ class MemoryTier:
             if not name.isdigit() or not self.markers(int(name)):
                 remove_empty(self.folder, name)
 
-    def files(self) -> list[Path]:
-        """Every file the job's folder holds now (the engine keeps those of this rank mapped)."""
-        return [  # not other nodes' copies (REPLICAS), which no save of this rank maps
-            self.folder / rel / n
-            for _, rel, n, is_dir in trust.walk_tree(self.folder)
-            if not is_dir and not n.startswith(".rank-") and n != "job.json" and rel.split("/")[0] != REPLICAS
-        ]
+    def files(self) -> list[str]:
+        """Every file the job's folder holds now (the engine keeps those of this rank mapped), but other
+        nodes' copies (REPLICAS), which no save of this rank maps. Asked on the committer thread after every
+        checkpoint, so no path objects: its Python holds the GIL that the training thread needs."""
+        out: list[str] = []
+        with os.scandir(self.folder) as entries:  # a file at the top is the job's own (job.json)
+            tops = [e.name for e in entries if e.is_dir(follow_symlinks=False) and e.name != REPLICAS]
+        for top in tops:
+            below = os.path.join(self.folder, top)
+            with contextlib.suppress(OSError):  # gone meanwhile, or a link now: nothing of it kept
+                for _, rel, n, is_dir in trust.walk_tree(self.folder, top):
+                    if not is_dir and not n.startswith(".rank-"):
+                        out.append(os.path.join(below, rel, n) if rel else os.path.join(below, n))
+        return out
 
     def prune(self, keep: int | None, aside: list[str] | None = None) -> None:
         """At the start of training: drops this rank's steps other than `keep` (the step latest.txt names),
@@ -327,7 +334,7 @@ class MemoryTier:
             if not isinstance(files, dict) or doc.get("step") != step:
                 raise ValueError(f"{path} is not a marker of step {step}")
             for rel in files:
-                trust.relative_name(rel, str(path))
+                trust.name_parts(rel, str(path))
             if not all(isinstance(e, dict) for e in files.values()):
                 raise ValueError(f"{path}: an entry is not an object")
             return files

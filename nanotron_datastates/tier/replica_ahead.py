@@ -52,7 +52,7 @@ def make_ahead(areas: dict[int, MemoryTier], files: dict[int, list[tuple[str, in
 def _make(root: Path, name: str, nbytes: int) -> None:
     """The new file `root/name` of `nbytes` bytes, its memory reserved as a received file's is (its folders
     made 0700, no link followed); OSError naming it where the memory is not there."""
-    parts = trust.relative_name(name, str(root)).parts
+    parts = trust.name_parts(name, str(root))
     with trust.walk_dir(root, parts[:-1], create=True) as folder:
         fd = os.open(parts[-1], trust.NEW_FILE, 0o600, dir_fd=folder)
     try:

@@ -74,7 +74,7 @@ def _as_tensor(mapping: mmap.mmap | None) -> torch.Tensor:
 @contextlib.contextmanager
 def _mapped_file(folder: Path, t: Transfer) -> Iterator[None]:
     """`t.buf`: the file `folder/t.rel` (a regular file of ours, no link), mapped read-only."""
-    parts = trust.relative_name(t.rel, str(folder)).parts
+    parts = trust.name_parts(t.rel, str(folder))
     with trust.walk_dir(folder, parts[:-1]) as dir_fd:
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
         fd = os.open(parts[-1], flags, dir_fd=dir_fd)
@@ -104,7 +104,7 @@ def _temporary(folder: Path, t: Transfer) -> Iterator[None]:
     followed (trust.UntrustedPath). With `t.donor` (a file of an older copy in the same tier), that file is
     renamed to the temporary and overwritten instead: receiving into pages that exist runs at memory speed,
     where new pages of a tmpfs are allocated one fault at a time; a new file where the donor cannot be."""
-    parts = (folder.name, *trust.relative_name(t.rel, str(folder)).parts)  # from the private folder above
+    parts = (folder.name, *trust.name_parts(t.rel, str(folder)))  # from the private folder above
     tmp = Path(*parts[:-1], f".{parts[-1]}.dstmp.{os.getpid()}.{next(_temporaries)}")
     with trust.walk_dir(folder.parent, parts[:-1], create=True) as dir_fd:
         fd = _take_over(folder.parent, t.donor, tmp, dir_fd) if t.donor is not None else None

@@ -5,7 +5,6 @@ trainer commits."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from ...checkpoint.folder_copy import (
     sync_folders,
 )
 from ...checkpoint.manifest import manifest as make_manifest
+from ...checkpoint.manifest import manifest_text
 from ...checkpoint.names import MANIFEST, NANOTRON_METADATA, as_safetensors
 from ...checkpoint.topology import topology as make_topology
 from ...engine import DataStatesEngine
@@ -87,7 +87,7 @@ def to_datastates(
     # As the trainer commits: the metadata, then the manifest, which makes the folder a datastates checkpoint.
     store = open_store(out)
     store.write_atomic(METADATA, read_bytes(src / METADATA))
-    store.write_atomic(MANIFEST, json.dumps(make_manifest(step, topology, entries), indent=1))
+    store.write_atomic(MANIFEST, manifest_text(make_manifest(step, topology, entries)))
 
 
 def _random_targets(rel: str, cp: int) -> list[str]:

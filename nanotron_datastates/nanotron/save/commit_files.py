@@ -19,6 +19,7 @@ from nanotron.config.utils_config import serialize
 from nanotron.constants import CHECKPOINT_FILE_NAME, MODEL_CONFIG_FILE_NAME
 
 from ...checkpoint.manifest import manifest as make_manifest
+from ...checkpoint.manifest import manifest_text
 from ...checkpoint.names import MANIFEST
 from ...store import open_store
 from .. import groups, shards
@@ -70,7 +71,7 @@ def memory_documents(
     topology = groups.layout_of(pc, int(config.optimizer.zero_stage))
 
     def documents(files: dict[str, Any]) -> dict[str, str]:
-        manifest = json.dumps(make_manifest(step, topology, files, replicas), indent=1)
+        manifest = manifest_text(make_manifest(step, topology, files, replicas))
         return {MANIFEST: manifest, CHECKPOINT_FILE_NAME: meta_text}
 
     return documents

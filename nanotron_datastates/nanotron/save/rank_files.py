@@ -63,7 +63,8 @@ def targets(
     path) each, with each one's memory tier copy and the earlier copy it recycles."""
     out = [(plan, os.path.join(str(pending.folder), path)) for path, plan in files]
     mirrors = recycle = None
-    if tier is not None:
-        mirrors = [tier.path(pending.step, path) for path, _ in files]
+    if tier is not None:  # strings: path objects cost the training thread a few µs a file
+        folder = str(tier.path(pending.step, ""))
+        mirrors = [os.path.join(folder, path) for path, _ in files]
         recycle = tier.recycle(pending.step, [str(path) for path, _ in files])
     return out, mirrors, recycle
