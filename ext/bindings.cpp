@@ -2,6 +2,7 @@
 // mapping of ds::Error to Python exceptions. No logic lives here.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -260,11 +261,11 @@ NB_MODULE(_core, m) {
           "embed_checksums)], laid out as a save of such tensors; kept mapped for a save to recycle")
       .def(
           "keep_mirrors",
-          [](ds::Engine& e, const std::vector<std::string>& paths) {
+          [](ds::Engine& e, const std::optional<std::vector<std::string>>& paths) {
             nb::gil_scoped_release release;  // unpinning takes the CUDA driver's locks
-            return e.keep_mirrors(paths);
+            return paths ? e.keep_mirrors(*paths) : e.keep_named_mirrors();
           },
-          "paths"_a, "Keeps these mirror files mapped for later saves to recycle; unmaps the others")
+          "paths"_a.none(), "Keeps these mirror files (None: those still there) mapped; unmaps the others")
       .def(
           "restore_host",
           [](ds::Engine& e, const std::string& path, std::uint64_t data_start, std::uint64_t data_len,

@@ -92,6 +92,7 @@ class Engine final : public JobObserver {
   // Keeps the mirror files of these paths mapped for later saves to recycle; unmaps the others. Returns how
   // many stay mapped.
   std::size_t keep_mirrors(const std::vector<std::string>& paths) { return mirrors_.keep_only(paths); }
+  std::size_t keep_named_mirrors() { return mirrors_.keep_named(); }
 
   // Waits until no save or restore is in flight; false on timeout (< 0: none).
   bool wait_idle(double timeout_s);

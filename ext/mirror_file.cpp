@@ -31,6 +31,8 @@ MirrorFile::MirrorFile(Storage& storage, int fd, const std::string& path, std::s
   if (fstat(fd_, &st) != 0) fail(Error::os(errno, "checking the mirror copy", path));
   if (!S_ISREG(st.st_mode) || st.st_uid != geteuid() || st.st_nlink != 1)  // a second name: not ours alone
     fail(Error::value("the mirror copy is not a regular file of this user's with one name", path));
+  dev_ = st.st_dev;
+  ino_ = st.st_ino;
   if (Error e = resize(storage, bytes, path)) fail(e);
   // Reserved now: a tmpfs out of room then fails here, not with a SIGBUS in the middle of a copy.
   if (int e = posix_fallocate(fd_, 0, static_cast<off_t>(bytes)); e != 0 && e != EOPNOTSUPP)
@@ -55,6 +57,11 @@ Error MirrorFile::resize(Storage& storage, std::size_t file_bytes, const std::st
   if (static_cast<std::size_t>(st.st_size) == file_bytes) return {};
   if (int e = storage.truncate(fd_, file_bytes)) return Error::os(e, "sizing the mirror copy", path);
   return {};
+}
+
+bool MirrorFile::named(const std::string& path) const {
+  struct stat st {};
+  return lstat(path.c_str(), &st) == 0 && st.st_dev == dev_ && st.st_ino == ino_;
 }
 
 void MirrorFile::prepare(std::size_t offset, std::size_t len) {
@@ -107,6 +114,20 @@ std::size_t MirrorFiles::keep_only(const std::vector<std::string>& keep) {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = files_.begin(); it != files_.end();) {
     if (kept.count(it->first)) {
+      ++it;
+    } else {
+      dropped.push_back(std::move(it->second));
+      it = files_.erase(it);
+    }
+  }
+  return files_.size();
+}
+
+std::size_t MirrorFiles::keep_named() {
+  std::vector<std::shared_ptr<MirrorFile>> dropped;  // unmapped outside the lock
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = files_.begin(); it != files_.end();) {
+    if (it->second->named(it->first)) {
       ++it;
     } else {
       dropped.push_back(std::move(it->second));

@@ -9,6 +9,8 @@
 // one.
 #pragma once
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <cstddef>
 #include <memory>
@@ -45,6 +47,10 @@ class MirrorFile {
   // Block i, once (a copy that reaches it first waits for it, or does it).
   void prepare_block_once(std::size_t i);
   std::size_t blocks() const { return blocks_; }
+  // The device whose context pins its blocks (-1: never pinned: a save of host memory only copies into it).
+  int pin_device() const { return pin_device_; }
+  // Whether `path` (reached without following a link at its end) is still this mapping's file.
+  bool named(const std::string& path) const;
   // Makes the file `file_bytes` long through `storage` (a recycled file was cut to its exact size within its
   // last page).
   Error resize(Storage& storage, std::size_t file_bytes, const std::string& path);
@@ -61,6 +67,8 @@ class MirrorFile {
   std::size_t origin_ = 0;
   std::size_t blocks_ = 0;
   int pin_device_ = -1;
+  dev_t dev_ = 0;  // the file's identity, for `named`
+  ino_t ino_ = 0;
   std::unique_ptr<std::once_flag[]> once_;
   std::unique_ptr<std::atomic<bool>[]> pinned_;
 };
@@ -77,6 +85,9 @@ class MirrorFiles {
   void put(const std::string& path, std::shared_ptr<MirrorFile> file);
   // Drops (unpins, unmaps) every mapping but those of `keep`; returns how many are kept.
   std::size_t keep_only(const std::vector<std::string>& keep);
+  // Drops every mapping whose path no longer names its file (removed, or replaced); returns how many are
+  // kept.
+  std::size_t keep_named();
   void clear();
 
  private:

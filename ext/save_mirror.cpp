@@ -17,7 +17,7 @@ void SaveJob::open_mirror() {
     return mirror_fail(Error::os(e, "creating the folder of the mirror copy", mirror_file_.folder));
   const std::string& tmp = mirror_file_.temp;
   std::shared_ptr<MirrorFile> old = std::move(recycled_);  // still mapped (and pinned) by this process
-  if (!mirror_file_.reused) old.reset();                      // gone: a new file
+  if (!mirror_file_.reused) old.reset();                   // gone: a new file
   // A kept mapping whose header room is larger (this header came out shorter, or the file was made with room
   // to spare: mirror_prepare.cpp): the header is padded to it, so that the mapping is taken as it is.
   if (old && old->origin() > layout_.data_start &&
@@ -27,8 +27,12 @@ void SaveJob::open_mirror() {
     stats_.file_bytes = layout_.file_size;
   }
   const std::size_t bytes = align_up(layout_.file_size, kPage);
+  // Pinned only for copies from a GPU: a save of host values (a scheduler's state) memcpys into it, and
+  // pinning takes the CUDA driver's locks that the training thread's launches need.
+  const int pin = on_device_ ? cache_->pin_device() : -1;
   try {
-    if (old && old->size() == bytes && old->origin() == layout_.data_start) {
+    if (old && old->size() == bytes && old->origin() == layout_.data_start &&
+        (pin < 0 || old->pin_device() >= 0)) {
       if (Error e = old->resize(*storage_, bytes, tmp)) throw ErrorException(e);
       map_ = std::move(old);
       std::lock_guard<std::mutex> lock(mu_);
@@ -38,7 +42,7 @@ void SaveJob::open_mirror() {
       if (int e = storage_->open(mirror_file_, Access::Mapped))
         throw ErrorException(Error::os(e, "opening the mirror copy", tmp));
       map_ = std::make_shared<MirrorFile>(*storage_, mirror_file_.fd, tmp, bytes, cache_->chunk_bytes(),
-                                          layout_.data_start, cache_->pin_device());
+                                          layout_.data_start, pin);
       mirror_file_.fd = -1;  // the mapping's now
       if (mirrors_) mirrors_->prepare_in_background(map_);
     }

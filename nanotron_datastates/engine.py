@@ -169,10 +169,14 @@ class DataStatesEngine(EngineReads):
         prep = prepare_all(plans, stage=stage, stager=self._stager)
         return StagedSave(self, plans, prep, paths, copies, old, stage, time.perf_counter() - t0)
 
-    def keep_mirrors(self, paths: Sequence[str | os.PathLike]) -> int:
+    def keep_mirrors(self, paths: Sequence[str | os.PathLike] | None = None) -> int:
         """Keeps the mirror files at `paths` mapped (and pinned) for later saves to recycle, and unmaps every
         other mirror file this engine has written; returns how many stay mapped. A mirror file that is
-        removed keeps its memory until it is unmapped here (or the engine closes)."""
+        removed keeps its memory until it is unmapped here (or the engine closes). None: those whose path
+        still names their file (each checked with one `lstat`, off the GIL), what a caller that has just
+        removed files wants without listing the rest."""
+        if paths is None:
+            return self._core.keep_mirrors(None)
         return self._core.keep_mirrors([os.path.abspath(os.fspath(p)) for p in paths])
 
     def prepare_mirrors(self, files: Sequence[tuple[SavePlan, str | os.PathLike]]) -> int:

@@ -44,7 +44,7 @@ def save_loop(root_dir: str, ready: Any, tier_base: str | None = None, copies: i
     def mark(result: Any) -> None:  # on the committer's thread, once committed (as the Saver's report)
         if tier and result.committed:
             tier.commit(result.step, result.mirrored)
-            engine.keep_mirrors(tier.files())
+            engine.keep_mirrors()
 
     committer = Committer(None, on_result=mark)
     ready.set()

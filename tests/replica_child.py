@@ -111,7 +111,7 @@ def save(
     def mark(result: Any) -> None:  # on the committer's thread, as the trainer's Saver reports
         if result.committed:
             tier.commit(result.step, result.mirrored)
-            engine.keep_mirrors(tier.files())
+            engine.keep_mirrors()
             if replicator is not None:
                 replicator.submit(result.step, result.mirrored)
 

@@ -106,3 +106,23 @@ def test_files_made_ahead_stay_the_saves_mappings_when_the_kept_set_is_cut_as_th
             h.wait_persisted()
         assert [h.stats["mirror_kept"] for h in handles] == [True] * files
         assert torch.equal(engine.load(mirrors[-1])["w"], state(1, 4096)["w"])
+
+
+def test_keep_mirrors_without_paths_keeps_exactly_the_files_still_named_so(tmp_path):
+    """`keep_mirrors()` (what the committer calls after a tier drops files): a mapping whose file was removed,
+    replaced by another file, or by a link (to the very file, even) is unmapped; the others stay mapped."""
+    mem = tmp_path / "mem"
+    names = ["kept", "removed", "replaced", "linked"]
+    paths = {n: mem / n / "f.safetensors" for n in names}
+    with DataStatesEngine(small_config()) as engine:
+        plan = engine.plan(state(1, 5))
+        assert engine.prepare_mirrors([(plan, p) for p in paths.values()]) == len(names)
+        paths["removed"].unlink()
+        paths["replaced"].rename(mem / "replaced" / "old")
+        paths["replaced"].write_bytes((mem / "replaced" / "old").read_bytes())  # same bytes, another file
+        paths["linked"].rename(mem / "linked" / "target")
+        paths["linked"].symlink_to(mem / "linked" / "target")
+        assert engine.keep_mirrors() == 1
+        assert mapped_at(paths["kept"]) and not any(mapped_at(mem / n / "old") for n in names)
+        assert not mapped_at(mem / "linked" / "target") and not mapped_at(mem / "replaced" / "old")
+        assert engine.keep_mirrors() == 1  # idempotent

@@ -238,21 +238,6 @@ class MemoryTier:
             if not name.isdigit() or not self.markers(int(name)):
                 remove_empty(self.folder, name)
 
-    def files(self) -> list[str]:
-        """Every file the job's folder holds now (the engine keeps those of this rank mapped), but other
-        nodes' copies (REPLICAS), which no save of this rank maps. Asked on the committer thread after every
-        checkpoint, so no path objects: its Python holds the GIL that the training thread needs."""
-        out: list[str] = []
-        with os.scandir(self.folder) as entries:  # a file at the top is the job's own (job.json)
-            tops = [e.name for e in entries if e.is_dir(follow_symlinks=False) and e.name != REPLICAS]
-        for top in tops:
-            below = os.path.join(self.folder, top)
-            with contextlib.suppress(OSError):  # gone meanwhile, or a link now: nothing of it kept
-                for _, rel, n, is_dir in trust.walk_tree(self.folder, top):
-                    if not is_dir and not n.startswith(".rank-"):
-                        out.append(os.path.join(below, rel, n) if rel else os.path.join(below, n))
-        return out
-
     def prune(self, keep: int | None, aside: list[str] | None = None) -> None:
         """At the start of training: drops this rank's steps other than `keep` (the step latest.txt names),
         and the unmarked folders below it. A process killed between marking a step and dropping the older

@@ -97,7 +97,7 @@ def prepare_tier(
         except OSError as e:
             with contextlib.suppress(OSError):
                 tier.remove_warm(i)
-                engine.keep_mirrors(tier.files())
+                engine.keep_mirrors()
             say.error(f"memory tier: the files of a checkpoint could not be made ahead ({e}); its save will")
             return
         tier.add_warm(i, [rel for rel, _ in files])

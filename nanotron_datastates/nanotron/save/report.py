@@ -53,7 +53,7 @@ class Reporter:
                 if documents is not None:  # before the mark: a step marked held has them
                     keep_documents(self.tier, r.step, documents(r.entries))
                 self.tier.commit(r.step, r.mirrored)
-                self.engine.keep_mirrors(self.tier.files())  # the dropped files' memory goes back
+                self.engine.keep_mirrors()  # the dropped files' memory goes back
             except OSError as e:  # a restart then reads storage
                 held = {}
                 say.error(f"memory tier, after checkpoint {r.step}: {e!r}", every_rank=True)
