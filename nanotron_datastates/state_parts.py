@@ -13,7 +13,7 @@ A leaf is a tensor, a plain value, or a list or tuple (kept whole: its items are
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,17 +23,25 @@ from .errors import FormatError
 Path = tuple[Any, ...]  # the keys from the root to a leaf
 
 
-def _leaves(state: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+def _leaves(state: Any, path: Path = ()) -> list[tuple[Path, Any]]:
+    """(path, leaf) of every leaf, in the state's order. A list filled by plain recursion, not nested
+    generators: an optimizer's state is walked at every checkpoint on the training thread."""
+    out: list[tuple[Path, Any]] = []
+    _collect(state, path, out)
+    return out
+
+
+def _collect(state: Any, path: Path, out: list[tuple[Path, Any]]) -> None:
     if isinstance(state, dict) and state:
         for key, value in state.items():
-            yield from _leaves(value, (*path, key))
+            _collect(value, (*path, key), out)
     else:
-        yield path, state
+        out.append((path, state))
 
 
 def _nbytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        return value.nbytes
     if isinstance(value, (list, tuple)):
         return sum(_nbytes(v) for v in value)
     return 0

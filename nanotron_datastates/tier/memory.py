@@ -110,6 +110,7 @@ class MemoryTier:
         self._spares: list[tuple[str, list[str]]] = []
         self._given: tuple[int, tuple[str, list[str]]] | None = None  # the spare handed to a step's saves
         self._lock = threading.RLock()
+        self._marked: dict[int, list[str]] = {}  # the files of the markers `commit` wrote (not read back)
         self._pruning: threading.Thread | None = None  # `prune_behind`'s
         self.removing: list[threading.Thread] = []  # the threads of `remove_behind`, which `pruned` waits for
         self.busy: set[int] = set()  # steps being read (sent to a peer): never handed to a save to overwrite
@@ -187,6 +188,7 @@ class MemoryTier:
             trust.name_parts(rel, f"the files of step {step}")
         marker = f"{step}/{MARKER.format(rank=self.rank)}"  # written with no link followed
         trust.write_in(self.folder, marker, json.dumps({"step": step, "files": files}).encode())
+        self._marked[step] = list(files)
         spare = self._held_before(step) if self.copies == 2 else None
         if spare is not None:
             self._withdraw(spare[0])  # first: never taken as held again
@@ -202,10 +204,14 @@ class MemoryTier:
     def _held_before(self, step: int) -> tuple[int, list[str]] | None:
         """The newest step below `step` that this rank marks held, with the files it marked; None: none."""
         held = [s for s in self.held_steps() if s < step]
-        return (held[-1], list(self.marked(held[-1], self.rank) or {})) if held else None
+        if not held:
+            return None
+        files = self._marked.get(held[-1])
+        return held[-1], files if files is not None else list(self.marked(held[-1], self.rank) or {})
 
     def _withdraw(self, step: int) -> None:
         """Removes this rank's marker of `step`: from then on no restart takes the step as held."""
+        self._marked.pop(step, None)
         trust.unlink_in(self.folder, f"{step}/{MARKER.format(rank=self.rank)}")
 
     def drop(self, step: int) -> None:
@@ -213,6 +219,7 @@ class MemoryTier:
         Only names inside the step's folder are removed, never through a link: a marker naming anything
         else is ignored."""
         name = MARKER.format(rank=self.rank)
+        self._marked.pop(step, None)
         files = self.marked(step, self.rank) or {}
         trust.unlink_in(self.folder, f"{step}/{name}")  # first: a half-dropped step is never taken as held
         for rel in files:
