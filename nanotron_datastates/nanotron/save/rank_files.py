@@ -15,7 +15,7 @@ from ...save.commit import PendingCheckpoint
 from ...tier.memory import MemoryTier
 from .. import shards
 
-Targets = tuple[list[tuple[SavePlan, str]], list[Path] | None, list[Path | None] | None]
+Targets = tuple[list[tuple[SavePlan, str]], list[str] | None, list[Path | None] | None]
 
 
 @dataclasses.dataclass
