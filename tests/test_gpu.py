@@ -261,6 +261,31 @@ def test_a_cuda_save_into_its_mirror_and_a_save_recycling_it(gpu_engine, tmp_pat
     assert not (mem / "0" / "f.safetensors").exists()  # taken over
 
 
+@pytest.mark.parametrize("first", ["cpu", "cuda"])
+def test_a_mirror_of_host_values_is_not_pinned_and_a_gpu_save_never_takes_it_over_as_it_is(
+    gpu_engine, tmp_path, first
+):
+    """A save of host tensors copies into its mirror with memcpy: its mapping is not pinned (pinning takes
+    the driver's locks beside training). A save from the GPU recycling that file maps it anew (and pins it);
+    a save of host values takes a pinned mapping as it is. Each file byte for byte its storage twin."""
+    mem = tmp_path / "mem"
+    devices = [first, "cuda" if first == "cpu" else "cpu"]
+    for k, device in enumerate(devices):
+        state = {f"t{i}": torch.randn(2_000_000 + i, device=device) * (k + 1) for i in range(2)}
+        h = gpu_engine.save_plans(
+            [(gpu_engine.plan(state), tmp_path / f"{k}.safetensors")],
+            mirrors=[mem / str(k) / "f.safetensors"],
+            recycle=[mem / "0" / "f.safetensors"] if k else None,
+        )[0]
+        h.wait_persisted()
+        assert h.mirrored(), h.mirror_error()
+        if k:  # taken as it is only where the first was pinned (a GPU save's)
+            assert h.stats["mirror_kept"] == (first == "cuda")
+        assert (mem / str(k) / "f.safetensors").read_bytes() == (tmp_path / f"{k}.safetensors").read_bytes()
+        back = gpu_engine.load(mem / str(k) / "f.safetensors", device)
+        assert all(torch.equal(back[n], v) for n, v in state.items())
+
+
 @pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
 def test_a_file_in_memory_restores_to_the_gpu_through_half_chunks(shm_dir, mapped):
     """The memory tier's read: the file in /dev/shm mapped, each piece copied into one half of a pinned chunk
