@@ -40,7 +40,9 @@ def run_phase(args: argparse.Namespace) -> None:
     time_library_report(rec["marks"])
 
     engine_time = [0.0]  # seconds in the engine's plan, save and save_plan (planning + queuing), summed
-    split = {"plan": 0.0, "prepare": 0.0, "core": 0.0}  # seconds planning, staging, in the core: summed
+    # Seconds planning, staging, in the core: summed; and of those, or beside them, the optimizer's plan
+    # (`replan`), its state's copy taken before the step (`state`), the tier's targets (`targets`)
+    split = {"plan": 0.0, "prepare": 0.0, "core": 0.0, "replan": 0.0, "state": 0.0, "targets": 0.0}
     staged = [0]  # files staged on the GPU
     if args.mode.startswith("datastates") or args.mode == "stress":
         from nanotron_datastates import DataStatesEngine
@@ -84,6 +86,12 @@ def run_phase(args: argparse.Namespace) -> None:
             return call
 
         DataStatesEngine.plan = adds_to("plan", DataStatesEngine.plan)
+        from nanotron_datastates.nanotron.save import saver as saver_module
+        from nanotron_datastates.save.optimizer_plan import OptimizerPlans
+
+        OptimizerPlans.replan = adds_to("replan", OptimizerPlans.replan)  # type: ignore[method-assign]
+        OptimizerPlans.for_checkpoint = adds_to("state", OptimizerPlans.for_checkpoint)  # type: ignore
+        saver_module.targets = adds_to("targets", saver_module.targets)
         engine_module.prepare_all = adds_to("prepare", engine_module.prepare_all)
         start_core = engine_module.start_core
 
@@ -287,9 +295,7 @@ def run_phase(args: argparse.Namespace) -> None:
             if event == "queue_start":
                 self._queue_start = {
                     "allocs": device_allocs() if args.profile else 0,
-                    "plan": split["plan"],
-                    "prepare": split["prepare"],
-                    "core": split["core"],
+                    **split,
                     "engine": engine_time[0],
                 }
             elif event == "queued":
@@ -301,9 +307,7 @@ def run_phase(args: argparse.Namespace) -> None:
                         "deferred": fields["deferred"],
                         "total_s": fields["seconds"],
                         "captured_s": fields.get("captured"),
-                        "plan_s": split["plan"] - s0["plan"],
-                        "prepare_s": split["prepare"] - s0["prepare"],
-                        "core_s": split["core"] - s0["core"],
+                        **{f"{k}_s": v - s0[k] for k, v in split.items()},
                         "engine_s": engine_time[0] - s0["engine"],
                         "cuda_mallocs": allocs,
                         "cache": self.datastates.engine.cache_stats() if args.profile else None,
