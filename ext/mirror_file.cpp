@@ -110,24 +110,18 @@ void MirrorFiles::put(const std::string& path, std::shared_ptr<MirrorFile> file)
 
 std::size_t MirrorFiles::keep_only(const std::vector<std::string>& keep) {
   const std::unordered_set<std::string> kept(keep.begin(), keep.end());
-  std::vector<std::shared_ptr<MirrorFile>> dropped;  // unmapped outside the lock
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto it = files_.begin(); it != files_.end();) {
-    if (kept.count(it->first)) {
-      ++it;
-    } else {
-      dropped.push_back(std::move(it->second));
-      it = files_.erase(it);
-    }
-  }
-  return files_.size();
+  return keep_if([&](const std::string& path, const MirrorFile&) { return kept.count(path) > 0; });
 }
 
 std::size_t MirrorFiles::keep_named() {
+  return keep_if([](const std::string& path, const MirrorFile& file) { return file.named(path); });
+}
+
+std::size_t MirrorFiles::keep_if(const std::function<bool(const std::string&, const MirrorFile&)>& keep) {
   std::vector<std::shared_ptr<MirrorFile>> dropped;  // unmapped outside the lock
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = files_.begin(); it != files_.end();) {
-    if (it->second->named(it->first)) {
+    if (keep(it->first, *it->second)) {
       ++it;
     } else {
       dropped.push_back(std::move(it->second));

@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -91,6 +92,9 @@ class MirrorFiles {
   void clear();
 
  private:
+  // Drops every mapping `keep(path, file)` refuses; returns how many are kept.
+  std::size_t keep_if(const std::function<bool(const std::string&, const MirrorFile&)>& keep);
+
   TaskPool* pool_ = nullptr;
   std::mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<MirrorFile>> files_;

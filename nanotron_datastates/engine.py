@@ -173,11 +173,9 @@ class DataStatesEngine(EngineReads):
         """Keeps the mirror files at `paths` mapped (and pinned) for later saves to recycle, and unmaps every
         other mirror file this engine has written; returns how many stay mapped. A mirror file that is
         removed keeps its memory until it is unmapped here (or the engine closes). None: those whose path
-        still names their file (each checked with one `lstat`, off the GIL), what a caller that has just
-        removed files wants without listing the rest."""
-        if paths is None:
-            return self._core.keep_mirrors(None)
-        return self._core.keep_mirrors([os.path.abspath(os.fspath(p)) for p in paths])
+        still names their file (one `lstat` each, off the GIL), for a caller that has just removed files."""
+        listed = None if paths is None else [os.path.abspath(os.fspath(p)) for p in paths]
+        return self._core.keep_mirrors(listed)
 
     def prepare_mirrors(self, files: Sequence[tuple[SavePlan, str | os.PathLike]]) -> int:
         """Makes a mirror file at each path, laid out as a save of its plan lays out its file (with a page of

@@ -44,18 +44,16 @@ def step_number(text: str) -> int | None:
 
 
 def relative_name(name: object, where: str = "") -> PurePosixPath:
-    """`name` as a path below a folder; UntrustedPath (naming `where`, e.g. the file that held the name) if it
-    is not a non-empty relative POSIX path without `..`, `.`, empty parts, backslashes or NUL."""
+    """`name` as a path below a folder, checked as `name_parts` checks it."""
     return PurePosixPath(*name_parts(name, where))
 
 
 def name_parts(name: object, where: str = "") -> tuple[str, ...]:
-    """`relative_name`'s check, with the name's parts (folders, then the file) as strings: what the loops
-    over a checkpoint's files call, which need no path object."""
+    """`name`'s parts; UntrustedPath (naming `where`, e.g. the file that held the name) if it is not a
+    non-empty relative POSIX path without `..`, `.`, empty parts, backslashes or NUL."""
     if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
         raise UntrustedPath(errno.EINVAL, f"{where}: {name!r} is not a file name")
-    parts = tuple(name.split("/"))  # an absolute name starts with an empty part
-    if "" in parts or "." in parts or ".." in parts:
+    if {"", ".", ".."}.intersection(parts := tuple(name.split("/"))):  # an absolute name starts with ""
         raise UntrustedPath(errno.EINVAL, f"{where}: {name!r} leaves its folder or is not a plain path")
     return parts
 
@@ -306,8 +304,7 @@ def open_regular(path: str | os.PathLike, *, own: bool = False) -> int:
 
 
 def read_regular(path: str | os.PathLike, limit: int, *, own: bool = False) -> bytes:
-    """The bytes of the regular file `path` (see `open_regular`); UntrustedPath where it holds more than
-    `limit` bytes."""
+    """The bytes of the regular file `path` (`open_regular`); UntrustedPath where over `limit` bytes."""
     fd = open_regular(path, own=own)
     try:
         size = os.fstat(fd).st_size
