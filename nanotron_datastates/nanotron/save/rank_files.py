@@ -64,7 +64,7 @@ def targets(
     out = [(plan, os.path.join(str(pending.folder), path)) for path, plan in files]
     mirrors = recycle = None
     if tier is not None:  # strings: path objects cost the training thread a few µs a file
-        folder = str(tier.path(pending.step, ""))
+        folder = os.path.join(tier.folder, str(pending.step))
         mirrors = [os.path.join(folder, path) for path, _ in files]
         recycle = tier.recycle(pending.step, [str(path) for path, _ in files])
     return out, mirrors, recycle
