@@ -43,6 +43,9 @@ def run_phase(args: argparse.Namespace) -> None:
     # Seconds planning, staging, in the core: summed; and of those, or beside them, the optimizer's plan
     # (`replan`), its state's copy taken before the step (`state`), the tier's targets (`targets`)
     split = {"plan": 0.0, "prepare": 0.0, "core": 0.0, "replan": 0.0, "state": 0.0, "targets": 0.0}
+    # The same on the training thread's CPU clock: where it reads less than the wall clock, the thread
+    # waited (for the GIL, or in a driver call), rather than ran
+    split_cpu = dict.fromkeys(split, 0.0)
     staged = [0]  # files staged on the GPU
     if args.mode.startswith("datastates") or args.mode == "stress":
         from nanotron_datastates import DataStatesEngine
@@ -77,11 +80,12 @@ def run_phase(args: argparse.Namespace) -> None:
 
         def adds_to(key: str, plain: Any) -> Any:
             def call(*a: Any, **k: Any) -> Any:
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.thread_time()
                 try:
                     return plain(*a, **k)
                 finally:
                     split[key] += time.perf_counter() - t
+                    split_cpu[key] += time.thread_time() - c
 
             return call
 
@@ -296,6 +300,7 @@ def run_phase(args: argparse.Namespace) -> None:
                 self._queue_start = {
                     "allocs": device_allocs() if args.profile else 0,
                     **split,
+                    **{f"{k}_cpu": v for k, v in split_cpu.items()},
                     "engine": engine_time[0],
                 }
             elif event == "queued":
@@ -308,6 +313,7 @@ def run_phase(args: argparse.Namespace) -> None:
                         "total_s": fields["seconds"],
                         "captured_s": fields.get("captured"),
                         **{f"{k}_s": v - s0[k] for k, v in split.items()},
+                        **{f"{k}_cpu_s": v - s0[f"{k}_cpu"] for k, v in split_cpu.items()},
                         "engine_s": engine_time[0] - s0["engine"],
                         "cuda_mallocs": allocs,
                         "cache": self.datastates.engine.cache_stats() if args.profile else None,

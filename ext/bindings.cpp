@@ -22,6 +22,7 @@ using namespace nb::literals;
 
 namespace ds {
 void bind_options(nb::module_& m);  // bindings_options.cpp
+void bind_files(nb::module_& m);    // bindings_files.cpp
 }  // namespace ds
 
 namespace {
@@ -187,6 +188,7 @@ nb::dict job_stats(ds::SaveJob& j) {
 
 NB_MODULE(_core, m) {
   ds::bind_options(m);
+  ds::bind_files(m);
   m.doc() =
       "nanotron_datastates core: host cache, copy, io_uring flush, restore (private; use the package API)";
 

@@ -12,7 +12,7 @@ nowhere else (docs/SECURITY.md says what is trusted and why).
 - `open_regular` / `read_regular`: a file opened without following a link, checked to be a regular file
   (owned by this user, where asked), read to a bound.
 
-Imports neither torch nor Nanotron.
+Imports neither torch nor Nanotron (the core's module, `_core`, neither).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import Callable, Iterator
 
+from . import _core
 from .errors import UntrustedPath
 
 _STEP = re.compile(r"(?:0|[1-9][0-9]{0,18})")  # ASCII only; at most 19 digits: fits 63 bits
@@ -103,18 +104,11 @@ def is_real_dir(path: str | os.PathLike) -> bool:
 
 
 def remove_tree(root: str | os.PathLike, name: str) -> bool:
-    """Removes the folder `root/name` and all in it, following no link (`walk_tree`: a link goes, itself).
-    False where it is a link, not a folder, or changed meanwhile (moved away, a file added): not removed."""
-    parts = name_parts(name, str(root))
-    try:
-        for fd, _, entry, is_dir in walk_tree(root, name):
-            with contextlib.suppress(FileNotFoundError):
-                (os.rmdir if is_dir else os.unlink)(entry, dir_fd=fd)
-        with walk_dir(root, parts[:-1]) as fd:
-            os.rmdir(parts[-1], dir_fd=fd)
-    except OSError:
-        return False
-    return True
+    """Removes the folder `root/name` and all in it, following no link (a link inside goes, itself), last
+    listed entries first. False where it is a link, not a folder, or changed meanwhile (a file added, a
+    folder swapped for a link), or an entry cannot be removed: what is left stays. The walk runs in the core
+    (`ext/tree.cpp`), off the GIL: a committer's removal of an old step holds none that training needs."""
+    return bool(_core.remove_tree(os.fspath(root), list(name_parts(name, str(root)))))
 
 
 def walk_tree(root: str | os.PathLike, name: str = "") -> Iterator[tuple[int, str, str, bool]]:

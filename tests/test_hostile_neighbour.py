@@ -103,6 +103,27 @@ def _files_below(folder: Path) -> list[str]:
     return out.stdout.split()
 
 
+def test_a_tree_removal_takes_links_fifos_and_nested_folders_themselves_and_never_a_target(tmp_path):
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    (outside / "sub" / "keep").write_bytes(b"keep")
+    tree = tmp_path / "ckpt" / "10"
+    for i in range(3):
+        (tree / f"d{i}" / "inner").mkdir(parents=True)
+        (tree / f"d{i}" / "inner" / "w.safetensors").write_bytes(b"w")
+    os.symlink(outside, tree / "d0" / "to_folder")
+    os.symlink(outside / "sub" / "keep", tree / "d1" / "inner" / "to_file")
+    os.mkfifo(tree / "d2" / "fifo")
+    assert trust.remove_tree(tmp_path / "ckpt", "10") and not tree.exists()
+    assert (outside / "sub" / "keep").read_bytes() == b"keep"
+    # The folder itself a link, missing, or a file: not removed, and nothing reached through it.
+    os.symlink(outside, tmp_path / "ckpt" / "20")
+    (tmp_path / "ckpt" / "30").write_bytes(b"")
+    for name in ("20", "30", "40", "20/sub"):
+        assert trust.remove_tree(tmp_path / "ckpt", name) is False, name
+    assert (outside / "sub" / "keep").read_bytes() == b"keep" and (tmp_path / "ckpt" / "30").is_file()
+
+
 # -- 2. a folder swapped for a link while it is removed ------------------------------------------------------
 
 NAMES = [f".w{i}.safetensors.dstmp.1.{i}" for i in range(48)]  # temporaries, by their names
