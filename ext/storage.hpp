@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace ds {
 
@@ -77,6 +78,15 @@ class Storage {
   // Whether the file's bytes are in memory already (tmpfs, ramfs): a mapping reaches them with no copy by the
   // kernel, and O_DIRECT means nothing.
   virtual bool in_memory(int fd) = 0;
+
+  // Removes the folder root/parts[0]/.../parts[n-1] and everything in it (an old step's files): `root`
+  // opened as given, every component below it and every folder inside opened from its parent's descriptor
+  // without following a link (a link met inside is removed itself, never its target), entries last listed
+  // first, what is gone already counted as removed; one descriptor open at a time, no recursion, any depth.
+  // False at the first thing that cannot be removed (what is left stays): the folder missing or a link, an
+  // entry the file system refuses to remove, a folder changed meanwhile (a file added, swapped for a link,
+  // moved away while walked). `parts` are checked by the caller: no empty, `.`, `..` or `/`-holding part.
+  virtual bool remove_tree(const std::string& root, const std::vector<std::string>& parts) noexcept = 0;
 };
 
 // The POSIX file system target (storage_posix.cpp); the engine holds one for its saves and restores.

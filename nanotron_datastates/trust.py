@@ -106,8 +106,8 @@ def is_real_dir(path: str | os.PathLike) -> bool:
 def remove_tree(root: str | os.PathLike, name: str) -> bool:
     """Removes the folder `root/name` and all in it, following no link (a link inside goes, itself), last
     listed entries first. False where it is a link, not a folder, or changed meanwhile (a file added, a
-    folder swapped for a link), or an entry cannot be removed: what is left stays. The walk runs in the core
-    (`ext/tree.cpp`), off the GIL: a committer's removal of an old step holds none that training needs."""
+    folder swapped for a link), or an entry cannot be removed: what is left stays. The walk runs in the core's
+    storage target (`ext/storage_posix.cpp`) off the GIL: a committer removing an old step holds none."""
     return bool(_core.remove_tree(os.fspath(root), list(name_parts(name, str(root)))))
 
 
