@@ -31,6 +31,7 @@ from .errors import FormatError
 _SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _PLAIN = (type(None), bool, int, str)  # JSON stands for them as they are
 _PLAIN_TYPES = frozenset(_PLAIN)
+_SCALAR_TYPES = _PLAIN_TYPES | {float}  # immutable leaves: a container of only these is copied flat
 
 
 def encode(state: Any, on_tensor: Callable[[torch.Tensor, str], str], *, allow_pickle: bool = False) -> str:
@@ -55,14 +56,21 @@ def encode(state: Any, on_tensor: Callable[[torch.Tensor, str], str], *, allow_p
                 # these, and its state dict is planned at every checkpoint).
                 if v is None or tv in _PLAIN or (tv is float and math.isfinite(v)):
                     items.append([key, v])
+                elif (
+                    tv is torch.Tensor or tv is torch.nn.Parameter
+                ):  # an optimizer's moments: no call to node
+                    items.append([key, {"t": on_tensor(v, _join(path, k))}])
                 else:
                     items.append([key, node(v, _join(path, k))])
             return {"d" if tx is dict else "o": items}
         if tx is list or tx is tuple:
-            # Fast path, e.g. the parameter names of an optimizer's param groups: no per-item paths.
+            # Fast path, e.g. the parameter names of an optimizer's param groups, or its betas (finite floats
+            # stand for themselves too): no per-item paths.
+            types = set(map(type, x))  # at C speed: a generator's state holds 625 ints
             items = (
                 list(x)
-                if set(map(type, x)) <= _PLAIN_TYPES  # at C speed: a generator's state holds 625 ints
+                if types <= _PLAIN_TYPES
+                or (types <= _SCALAR_TYPES and all(math.isfinite(v) for v in x if type(v) is float))
                 else [node(v, _join(path, i), in_key) for i, v in enumerate(x)]
             )
             return {"l" if tx is list else "u": items}
@@ -101,7 +109,7 @@ def freeze(state: Any) -> tuple[Any, list[torch.Tensor]]:
         if tx in (dict, collections.OrderedDict):
             return tx((k, v if type(v) in _PLAIN_TYPES else node(v)) for k, v in x.items())
         if tx is list or tx is tuple:
-            if set(map(type, x)) <= _PLAIN_TYPES:
+            if set(map(type, x)) <= _SCALAR_TYPES:
                 return x if tx is tuple else list(x)
             return tx(node(v) for v in x)
         if isinstance(x, torch.Tensor) and id(x) not in seen:

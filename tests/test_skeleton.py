@@ -43,6 +43,17 @@ def test_plain_values_and_containers():
     assert list(back["ordered"]) == ["z", "a"]
     nan, _ = roundtrip(math.nan)
     assert math.isnan(nan)
+    # Plain items, finite floats among them, stand for themselves; a container holding one NaN spells it.
+    back, text = roundtrip(
+        {"betas": (0.9, 0.95), "mixed": [1, 0.5, "s", None, False], "odd": (0.9, math.nan)}
+    )
+    assert (
+        back["betas"] == (0.9, 0.95)
+        and type(back["betas"]) is tuple
+        and back["mixed"] == [1, 0.5, "s", None, False]
+    )
+    assert back["odd"][0] == 0.9 and math.isnan(back["odd"][1])
+    assert '{"u":[0.9,0.95]}' in text and '{"u":[0.9,{"f":"nan"}]}' in text
 
 
 def test_tensors_are_referenced_by_name():
