@@ -87,6 +87,11 @@ def run_phase(args: argparse.Namespace) -> None:
 
         def training_step(self, dataloader: Any) -> Any:
             out = super().training_step(dataloader)
+            # The memory checkpoint of --step, asked for next, is never skipped (memory_pace.py): none is
+            # left in flight before it
+            saver, memory = self.datastates, args.lose_node and killing and self.iteration_step == args.step
+            if memory and saver is not None and saver.settings.memory_interval:
+                saver.take(saver.outstanding, self._ds_post_save)
             # After the step that follows the checkpoint: a checkpoint staged on the GPU is queued at that
             # step's optimizer step, so waiting before it for the replication would wait forever.
             if args.lose_node and killing and self.iteration_step == args.step + 1:

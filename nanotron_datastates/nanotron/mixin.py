@@ -18,7 +18,8 @@ resume, the trainer is Nanotron's, unchanged.
     training_step        after the first: Resume.finish, Saver.after_first_step (plan, pin, warm staging)
     save_checkpoint      Saver.backpressure, Saver.request (capture now, queue now or at the next step)
     _update_dataloader_based_on_training_stages  (each iteration's first call, after the last one's
-                         save_checkpoint) where a memory checkpoint is due: Saver.request(memory=...)
+                         save_checkpoint) where a memory checkpoint is due: memory_pace.skips (two in
+                         flight: skipped, on every rank), else Saver.request(memory=...)
     post_training        Saver.drain (every commit, post-save hooks), close
 """
 
@@ -35,6 +36,7 @@ import torch
 from . import groups
 from . import log as say
 from .resume.resume import Resume
+from .save import memory_pace
 from .save.commit_files import finalizer, memory_documents
 from .save.saver import Saver
 from .yaml_config import engine_for, section
@@ -167,7 +169,8 @@ class DataStatesTrainerMixin(_Trainer):
         if not saver.memory_due(step):
             return
         t0 = time.perf_counter()
-        saver.backpressure(self._ds_post_save)
+        if memory_pace.skips(saver, step, self._ds_post_save):  # never waited for: the next one is taken
+            return
         documents = memory_documents(
             step=step,
             pc=self.parallel_context,

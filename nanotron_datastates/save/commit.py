@@ -130,6 +130,11 @@ class Committer:
             self._taken += count
         return out
 
+    def ready(self) -> int:
+        """How many of the oldest outcomes not taken yet are known now: `take` of as many does not wait."""
+        with self._cv:
+            return self._done - self._taken
+
     def close(self) -> None:
         if self._thread.is_alive():
             self._queue.put(None)

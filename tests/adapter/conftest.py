@@ -25,3 +25,22 @@ os.environ["PYTHONPATH"] = os.pathsep.join([*PATH, os.environ.get("PYTHONPATH", 
 sys.path[:0] = PATH
 
 import cpu_stand_ins  # noqa: E402, F401 - before anything imports nanotron
+
+
+@pytest.fixture
+def rank0(tmp_path, monkeypatch):
+    """A gloo world of one, Nanotron's ParallelContext, config and trained state; an engine."""
+    import torch.distributed as tdist
+    from cpu_ranks import config, parallel_context, training_state
+
+    from nanotron_datastates import DataStatesEngine
+
+    for k, v in (("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("RANK", "0")):
+        monkeypatch.setenv(k, v)
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    pc = parallel_context()
+    c = config()
+    engine = DataStatesEngine(host_cache_size=1 / 64, chunk_size=1)
+    yield pc, c, training_state(pc, c), engine
+    engine.close()
+    tdist.destroy_process_group()

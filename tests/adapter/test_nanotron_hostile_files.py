@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from cpu_ranks import differences
-from test_nanotron_save_resume import rank0, resumed, two_checkpoints  # noqa: F401 - rank0: a fixture
+from test_nanotron_save_resume import resumed, two_checkpoints
 
 from nanotron_datastates.checkpoint.names import MANIFEST, NANOTRON_METADATA
 

@@ -88,11 +88,15 @@ class Saver:
         self.writer = self.store.writer_lock() if groups.rank(pc.world_pg) == 0 else None
         # A gloo group of its own: the committer's collectives run on a background thread, off the GPU.
         group = tdist.new_group(backend="gloo") if tdist.is_initialized() else None
+        # Another where memory checkpoints are on: which ones all ranks skip is agreed there (memory_pace.py)
+        paced = group is not None and settings.memory_interval > 0
+        self.pace_group = tdist.new_group(backend="gloo") if paced else None
         self.gate = SnapshotGate()
         self.observers: list[Observer] = []
         self.outstanding = 0  # checkpoints asked for and not taken yet
         self.last_step: int | None = None  # the step of the last checkpoint to storage asked for
         self.memory_step: int | None = None  # the step of the last memory checkpoint asked for
+        self.memory_skipped: list[int] = []  # memory checkpoints due while two were in flight (memory_pace)
         self._files: RankFiles | None = None
         self._nbytes: int | None = None  # this rank's weight and optimizer files, known from the first step
         self.optimizer_plans = OptimizerPlans(engine, optimizer)
@@ -104,10 +108,6 @@ class Saver:
         self.replication = replication  # its NCCL calls made at each optimizer step (step_order.py), if any
         self.placement = replication.placement  # recorded in each manifest
         self.committer = Committer(group, on_result=self.reporter.committed)
-
-    @property
-    def _optimizer_plan(self) -> SavePlan | None:  # the optimizer's last plan (None: planned afresh)
-        return self.optimizer_plans.kept
 
     # -- 0. when the trainer is built ------------------------------------------------------------------------
 
