@@ -364,6 +364,23 @@ def resume_other(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     }
 
 
+def two_gloo_ranks(target: Any, args_of: Any, timeout: float = 120.0) -> dict[int, Any]:
+    """Runs `target(rank, *args_of(rank), out)` in two spawned processes, each of which puts (rank, answer)
+    on the queue `out`; returns the answers by rank, once both processes have exited 0."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    ranks = [context.Process(target=target, args=(r, *args_of(r), out)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    answers = dict(out.get(timeout=timeout) for _ in ranks)
+    for p in ranks:
+        p.join(60)
+        assert p.exitcode == 0, p.exitcode
+    return answers
+
+
 def training_metadata(step: int) -> Any:
     """Nanotron's TrainingMetadata after `step` steps, with every field this Nanotron has set."""
     from nanotron.serialize.metadata import DataStageMetadata, TrainingMetadata

@@ -3,19 +3,15 @@ is skipped at once, never waited for, and every rank skips the same ones."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 
 import cpu_stand_ins  # noqa: F401 - first: a spawned rank imports this module before Nanotron
 import torch.distributed as tdist
-from cpu_ranks import training_metadata
-from test_nanotron_save_resume import saver_commits
+from cpu_ranks import training_metadata, two_gloo_ranks
+from test_nanotron_save_resume import memory_trainer, saver_commits
 
 from nanotron_datastates.nanotron.save import memory_pace
-from nanotron_datastates.nanotron.save.saver import Saver
-from nanotron_datastates.nanotron.trainer import DataStatesTrainer
-from nanotron_datastates.trainer_settings import TrainerSettings
 
 from helpers import wait_until
 
@@ -28,15 +24,8 @@ def test_a_memory_checkpoint_due_while_two_are_in_flight_is_skipped_and_the_next
     """memory_interval 1, the memory tier's commits held back (its lock taken on this thread, which the
     committer's commit of each checkpoint takes): steps 1 and 2 are asked for, 3 to 5 skipped at once (a
     wait here would never end: the alarm fails the test); once the commits go through, 6 is taken."""
-    pc, c, (model, optimizer, lr_scheduler, random_states), engine = rank0
-    shm, ckpt = tmp_path / "shm", tmp_path / "ckpt"
-    settings = TrainerSettings(memory_tier=True, memory_tier_path=str(shm), memory_interval=1)
-    t = DataStatesTrainer.__new__(DataStatesTrainer)
-    t.config, t.parallel_context, t.current_dataloader = c, pc, iter(())
-    c.data_stages = None
-    t.optimizer, t.lr_scheduler, t.random_states = optimizer, lr_scheduler, random_states
-    t.iteration_step, t.s3_mover, t._ds_stepped = 1, None, True
-    t.datastates = saver = Saver(engine, settings, pc, model, optimizer, ckpt)
+    t, saver = memory_trainer(rank0, tmp_path, every=1, iteration=1)
+    t._ds_stepped = True
     saver.start()
     saver.after_first_step()
 
@@ -60,7 +49,7 @@ def test_a_memory_checkpoint_due_while_two_are_in_flight_is_skipped_and_the_next
     iteration(6)
     assert saver.memory_step == 6 and saver.memory_skipped == [3, 4, 5]
     saver.take(saver.outstanding, lambda s: None)
-    assert [r["step"] for r in saver_commits(ckpt)] == [1, 2, 6]
+    assert [r["step"] for r in saver_commits(tmp_path / "ckpt")] == [1, 2, 6]
     saver.close()
 
 
@@ -74,14 +63,5 @@ def _agree(rank: int, init: str, ready: int, out) -> None:
 
 def test_every_rank_takes_the_outcomes_that_every_rank_has(tmp_path):
     """Rank 0 knows 3 outcomes, rank 1 one: both take one, so both count the same checkpoints in flight."""
-    context = multiprocessing.get_context("spawn")
-    out = context.Queue()
     init = f"file://{tmp_path}/init"
-    ranks = [context.Process(target=_agree, args=(r, init, 3 - 2 * r, out)) for r in range(2)]
-    for p in ranks:
-        p.start()
-    answers = dict(out.get(timeout=120) for _ in ranks)
-    for p in ranks:
-        p.join(60)
-        assert p.exitcode == 0
-    assert answers == {0: 1, 1: 1}
+    assert two_gloo_ranks(_agree, lambda rank: (init, 3 - 2 * rank)) == {0: 1, 1: 1}

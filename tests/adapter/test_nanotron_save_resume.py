@@ -653,19 +653,11 @@ def test_the_trainer_takes_a_memory_checkpoint_where_due_at_the_start_of_an_iter
     """Nanotron's real trainer class, its loop's first call of each iteration: with memory_interval 2, the
     steps 2 and 4 its metadata has counted go into the memory tier only (with their manifest and metadata),
     never twice, never a step storage just took, never the step a run resumed (before its first step)."""
-    from nanotron_datastates.nanotron.trainer import DataStatesTrainer
     from nanotron_datastates.tier.memory import MemoryTier
     from nanotron_datastates.tier.memory_steps import read_documents
 
-    pc, c, (model, optimizer, lr_scheduler, random_states), engine = rank0
     shm, ckpt = tmp_path / "shm", tmp_path / "ckpt"
-    settings = TrainerSettings(memory_tier=True, memory_tier_path=str(shm), memory_interval=2)
-    t = DataStatesTrainer.__new__(DataStatesTrainer)
-    t.config, t.parallel_context, t.current_dataloader = c, pc, iter(())
-    c.data_stages = None
-    t.optimizer, t.lr_scheduler, t.random_states = optimizer, lr_scheduler, random_states
-    t.iteration_step, t.s3_mover = 6, None  # Nanotron's post-save hooks, for storage's checkpoint
-    t.datastates = saver = Saver(engine, settings, pc, model, optimizer, ckpt)
+    t, saver = memory_trainer(rank0, tmp_path, every=2, iteration=6)
     saver.start()
     saver.after_first_step()
     t.metadata, t._ds_stepped = training_metadata(2), False
@@ -688,6 +680,24 @@ def test_the_trainer_takes_a_memory_checkpoint_where_due_at_the_start_of_an_iter
         assert json.loads(docs[MANIFEST])["step"] == at and not (ckpt / str(at)).exists()
         assert json.loads(docs["checkpoint_metadata.json"])["metas"]["last_train_step"] == at
     saver.close()
+
+
+def memory_trainer(rank0, tmp_path: Path, every: int, iteration: int) -> tuple[Any, Saver]:
+    """Nanotron's real trainer class, as its loop holds it at `iteration`, around a Saver into
+    `tmp_path/ckpt` with the memory tier in `tmp_path/shm` and a memory checkpoint every `every` steps."""
+    from nanotron_datastates.nanotron.trainer import DataStatesTrainer
+
+    pc, c, (model, optimizer, lr_scheduler, random_states), engine = rank0
+    settings = TrainerSettings(
+        memory_tier=True, memory_tier_path=str(tmp_path / "shm"), memory_interval=every
+    )
+    t = DataStatesTrainer.__new__(DataStatesTrainer)
+    t.config, t.parallel_context, t.current_dataloader = c, pc, iter(())
+    c.data_stages = None
+    t.optimizer, t.lr_scheduler, t.random_states = optimizer, lr_scheduler, random_states
+    t.iteration_step, t.s3_mover = iteration, None  # Nanotron's post-save hooks, for storage's checkpoints
+    t.datastates = saver = Saver(engine, settings, pc, model, optimizer, tmp_path / "ckpt")
+    return t, saver
 
 
 def saver_commits(root: Path) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch.distributed as tdist
+from cpu_ranks import two_gloo_ranks
 
 from nanotron_datastates.nanotron.save.memory import process_token, process_unable
 from nanotron_datastates.trainer_settings import TrainerSettings
@@ -31,16 +32,8 @@ def _rank(rank: int, init: str, mode: str, lacking: int, port: int, out) -> None
 
 
 def _tokens(tmp_path, mode: str, lacking: int) -> list:
-    context = multiprocessing.get_context("spawn")
-    out = context.Queue()
     init = f"file://{tmp_path}/init-{mode}-{lacking}"
-    ranks = [context.Process(target=_rank, args=(r, init, mode, lacking, 29999, out)) for r in range(2)]
-    for p in ranks:
-        p.start()
-    answers = dict(out.get(timeout=120) for _ in ranks)
-    for p in ranks:
-        p.join(60)
-        assert p.exitcode == 0
+    answers = two_gloo_ranks(_rank, lambda rank: (init, mode, lacking, 29999))
     return [answers[0], answers[1]]
 
 
