@@ -56,10 +56,6 @@ def encode(state: Any, on_tensor: Callable[[torch.Tensor, str], str], *, allow_p
                 # these, and its state dict is planned at every checkpoint).
                 if v is None or tv in _PLAIN or (tv is float and math.isfinite(v)):
                     items.append([key, v])
-                elif (
-                    tv is torch.Tensor or tv is torch.nn.Parameter
-                ):  # an optimizer's moments: no call to node
-                    items.append([key, {"t": on_tensor(v, _join(path, k))}])
                 else:
                     items.append([key, node(v, _join(path, k))])
             return {"d" if tx is dict else "o": items}
