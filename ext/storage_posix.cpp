@@ -115,8 +115,10 @@ bool empty(int fd) {
           continue;
         }
         if (errno == ENOENT) continue;
-        if (errno != ELOOP && errno != ENOTDIR) ok = false;  // else a link, or a file now: removed itself
-        if (!ok) break;
+        if (errno != ELOOP && errno != ENOTDIR) {  // else a link, or a file now: removed itself below
+          ok = false;
+          break;
+        }
       }
       ok = unlinkat(fd, name.c_str(), 0) == 0 || errno == ENOENT;
       continue;
