@@ -88,8 +88,9 @@ def run_phase(args: argparse.Namespace) -> None:
         def training_step(self, dataloader: Any) -> Any:
             out = super().training_step(dataloader)
             # The memory checkpoint of --step, asked for next, is never skipped (memory_pace.py): none is
-            # left in flight before it
-            saver, memory = self.datastates, args.lose_node and killing and self.iteration_step == args.step
+            # left in flight before it (stock Nanotron's trainer, `none` and `torch`, has no `datastates`)
+            saver = getattr(self, "datastates", None)
+            memory = args.lose_node and killing and self.iteration_step == args.step
             if memory and saver is not None and saver.settings.memory_interval:
                 saver.take(saver.outstanding, self._ds_post_save)
             # After the step that follows the checkpoint: a checkpoint staged on the GPU is queued at that
@@ -97,7 +98,7 @@ def run_phase(args: argparse.Namespace) -> None:
             if args.lose_node and killing and self.iteration_step == args.step + 1:
                 # Training stops here on every rank: the replicas' NCCL calls, made by the training thread at
                 # its optimizer steps while it trains (step_order.py), are made by the replicas' thread now.
-                order = self.datastates.replication.order if self.datastates is not None else None
+                order = saver.replication.order if saver is not None else None
                 if order is not None:
                     order.finish()
                 replicated.wait(timeout=600)  # the node is lost once its checkpoint is in the peer too

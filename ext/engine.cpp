@@ -14,6 +14,7 @@ Engine::Engine(const EngineOptions& opts)
       parsers_(opts.parser_threads, "ds-parse"),
       copiers_(opts.copy_threads, "ds-copy"),
       host_copiers_(opts.host_copy_threads, "ds-copy-host"),
+      summers_(std::max(1u, opts.checksum_threads), "ds-sum", opts.flush_nice),
       pinners_(std::max(1u, std::min(4u, std::thread::hardware_concurrency() / 2)), "ds-pin") {
   mirrors_.set_pool(&pinners_);
   pinned_ = cache_->pinned();
@@ -28,6 +29,7 @@ Engine::Engine(const EngineOptions& opts)
           parsers_.stop();
           copiers_.stop();
           host_copiers_.stop();
+          summers_.stop();
           pinners_.stop();
           throw ErrorException(Error::value("io_backend='io_uring' but io_uring is refused here: " + why));
         }
@@ -112,8 +114,15 @@ void Engine::run_piece(const std::shared_ptr<SaveJob>& job, std::size_t i) {
   }
   char* chunk = job->mirror_piece(i);     // the mirror file is the staging memory, or
   if (!chunk) chunk = cache_->acquire();  // a cache chunk: backpressure, waits for a flush to give one back
-  PieceCopier copier(job->events(), opts_.device_copy_bytes, &pacer_);
-  if (IoOp* op = job->copy_piece(i, chunk, copier)) next_flusher()->submit(op);
+  // Paced: a checkpoint to storage, whose flush is slower than the link anyway. A file kept in memory only
+  // is copied at the link's speed: how often such checkpoints can be taken depends on it.
+  PieceCopier copier(job->events(), opts_.device_copy_bytes, job->memory_only() ? nullptr : &pacer_);
+  bool to_sum = false;
+  if (IoOp* op = job->copy_piece(i, chunk, copier, &to_sum)) {
+    next_flusher()->submit(op);
+  } else if (to_sum) {  // summed on other threads: this one goes on to the next piece's copies
+    summers_.submit([job, i, chunk] { job->sum_in_memory(i, chunk); });
+  }
 }
 
 FlushWorker* Engine::next_flusher() {
@@ -183,6 +192,7 @@ void Engine::close() {
   wait_idle(-1);
   copiers_.stop();
   host_copiers_.stop();
+  summers_.stop();  // after the copiers, which hand it pieces
   parsers_.stop();
   for (auto& f : flushers_) f->stop();
   pinners_.stop();

@@ -35,6 +35,7 @@ struct EngineOptions {
   unsigned parser_threads = 2;     // restores
   unsigned copy_threads = 1;       // saves of GPU tensors: plan and issue the copies into the cache
   unsigned host_copy_threads = 1;  // saves of host tensors: plan and memcpy into the cache
+  unsigned checksum_threads = 1;   // sum the pieces of files kept in memory only, once copied
   unsigned flush_threads = 1;
   int flush_nice = 0;         // the flush workers' threads run this many nice steps below the caller's
   unsigned flush_depth = 4;   // writes in flight per flush worker
@@ -140,6 +141,7 @@ class Engine final : public JobObserver {
   TaskPool parsers_;
   TaskPool copiers_;       // saves with any GPU tensor: the copy engine moves the bytes
   TaskPool host_copiers_;  // saves of host tensors only: the threads move the bytes
+  TaskPool summers_;       // the pieces of files kept in memory only, summed once copied
   TaskPool pinners_;       // fault in and pin new mirror files ahead of the copies
 
   std::mutex close_mu_;  // serializes close()

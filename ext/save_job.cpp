@@ -134,7 +134,8 @@ bool SaveJob::open_temporary() {
 
 // -- 2. copy ------------------------------------------------------------------------------------------------
 
-IoOp* SaveJob::copy_piece(std::size_t i, char* chunk, PieceCopier& copier) {
+IoOp* SaveJob::copy_piece(std::size_t i, char* chunk, PieceCopier& copier, bool* to_sum) {
+  *to_sum = false;
   const std::size_t lo = i * chunk_, hi = std::min(lo + chunk_, data_bytes_);
   const auto& order = layout_.order;
   Error err;
@@ -153,10 +154,10 @@ IoOp* SaveJob::copy_piece(std::size_t i, char* chunk, PieceCopier& copier) {
     if (IoOp* op = piece_finished()) return op;  // never: the job has failed
     return nullptr;
   }
-  if (memory_only_) {  // nothing to write: summed here, in the mapping
-    sum_piece(i, chunk);
+  if (memory_only_) {  // nothing to write: captured now, summed in the mapping by a checksum thread
     piece_captured();
-    return piece_finished();
+    *to_sum = opts_.checksums;
+    return *to_sum ? nullptr : piece_finished();
   }
   std::size_t len = hi - lo;
   if (file_.direct) {  // O_DIRECT writes whole blocks: zero the tail padding, ftruncate removes it at commit
@@ -174,6 +175,11 @@ IoOp* SaveJob::copy_piece(std::size_t i, char* chunk, PieceCopier& copier) {
   op.tag = i;
   piece_captured();
   return &op;
+}
+
+void SaveJob::sum_in_memory(std::size_t i, const char* chunk) {
+  if (!failed()) sum_piece(i, chunk);
+  piece_finished();
 }
 
 std::size_t SaveJob::first_ending_after(std::size_t lo) const {

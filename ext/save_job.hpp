@@ -5,7 +5,8 @@
 //                    and nothing truncates later;
 //   2. copy_piece()  copy threads: piece i (a chunk-sized, 4096-aligned slice of the data section) copied
 //                    into a cache chunk, or into the mirror file's mapping; when every piece is copied or
-//                    dropped the snapshot is done;
+//                    dropped the snapshot is done (a file kept in memory only: each piece then summed by a
+//                    checksum thread, sum_in_memory());
 //   3. flush         flush workers: on_io_prepare() sums the piece (CRC-32C per tensor range), the worker
 //                    writes it on the target's descriptor; its chunk goes back to the cache when the write
 //                    completes;
@@ -22,8 +23,9 @@
 // through cache chunks, and mirrored() says so.
 //
 // A mirror equal to the path keeps the file in memory only (a memory checkpoint): no storage file, each piece
-// summed by its copy thread once copied, the header copied in after the last; the job is persisted once the
-// mirror is renamed into place. Without the mirror there is no save: it fails, naming why.
+// summed by a checksum thread once copied (the copy thread goes on copying), the header copied in after the
+// last; the job is persisted once the mirror is renamed into place. Without the mirror there is no save: it
+// fails, naming why.
 //
 // An error at any step is stored (the first one wins), later pieces are dropped, the temporary file is
 // discarded, and both waits resolve: nothing is ever left at the final path, and earlier files are untouched.
@@ -101,9 +103,13 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   // Where piece i is to be copied when the mirror file is the staging memory (faulted in and pinned); null:
   // into a cache chunk.
   char* mirror_piece(std::size_t i);
-  // Copies piece i into `chunk` (a cache chunk, or mirror_piece(i)); returns its write op, or nullptr after a
-  // failure (a cache chunk released, counted).
-  IoOp* copy_piece(std::size_t i, char* chunk, PieceCopier& copier);
+  // Copies piece i into `chunk` (a cache chunk, or mirror_piece(i)); returns its write op, or nullptr: after
+  // a failure (a cache chunk released, counted), or for a file kept in memory only, whose piece is captured
+  // then and, where `*to_sum` says so, summed by sum_in_memory(i, chunk) on another thread.
+  IoOp* copy_piece(std::size_t i, char* chunk, PieceCopier& copier, bool* to_sum);
+  // Sums piece i of a file kept in memory only, copied into `chunk` (its place in the mapping): the piece is
+  // then done.
+  void sum_in_memory(std::size_t i, const char* chunk);
   // A piece not copied because the job had failed already.
   void skip_piece(std::size_t i);
 
@@ -171,9 +177,9 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   // The kept mapping of `recycle_`, taken when the job is made (on the caller's thread): a later
   // keep_only() on another thread, which no longer lists the file once it is renamed, cannot drop it.
   std::shared_ptr<MirrorFile> recycled_;
-  std::string mirror_error_;         // guarded by mu_
-  int mirror_errno_ = 0;             // its OS error, if any; guarded by mu_
-  StorageFile file_;                 // the storage file: its temporary, folder and descriptors
+  std::string mirror_error_;  // guarded by mu_
+  int mirror_errno_ = 0;      // its OS error, if any; guarded by mu_
+  StorageFile file_;          // the storage file: its temporary, folder and descriptors
   std::vector<TensorSrc> tensors_;
   bool on_device_ = false;
   Metadata metadata_;

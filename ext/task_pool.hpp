@@ -1,4 +1,4 @@
-// A fixed pool of threads running tasks in FIFO order: the engine's copy threads, and its parser threads.
+// A fixed pool of threads running tasks in FIFO order: the engine's copy, checksum and parser threads.
 #pragma once
 
 #include <condition_variable>
@@ -16,11 +16,13 @@ namespace ds {
 
 class TaskPool {
  public:
-  // `name`: each thread's, as name_this_thread takes it. Returns once every thread carries it.
-  TaskPool(unsigned threads, const char* name) : started_(threads) {
+  // `name`: each thread's, as name_this_thread takes it; `nice`: steps below the creator's priority
+  // (lower_this_thread). Returns once every thread carries both.
+  TaskPool(unsigned threads, const char* name, int nice = 0) : started_(threads) {
     for (unsigned i = 0; i < threads; ++i)
-      threads_.emplace_back([this, name] {
+      threads_.emplace_back([this, name, nice] {
         name_this_thread(name);
+        lower_this_thread(nice);
         started_.arrive();
         run();
       });

@@ -27,6 +27,7 @@ def core_options(config: DataStatesConfig, pin_device: int) -> _core.EngineOptio
         # Saves: copy, flush, commit
         copy_threads=config.copy_threads or 1,
         host_copy_threads=config.copy_threads or min(4, os.cpu_count() or 1),
+        checksum_threads=config.checksum_thread_count,
         device_copy_bytes=config.device_copy_bytes,
         device_copy_bytes_per_s=config.device_copy_gbps * 1e9,
         flush_threads=config.flush_threads,

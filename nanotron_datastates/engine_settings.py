@@ -81,6 +81,7 @@ class DataStatesConfig(Settings):
         "host_cache_size": (1 / 1024, 1 << 20, "expected GiB in [1/1024, 2**20]"),
         "parser_threads": (0, 256, "expected an integer in [0, 256] (0: automatic)"),
         "copy_threads": (0, 256, "expected an integer in [0, 256] (0: automatic)"),
+        "checksum_threads": (0, 256, "expected an integer in [0, 256] (0: automatic)"),
         "flush_threads": (1, 64, "expected an integer in [1, 64]"),
         "flush_nice": (0, 19, "expected an integer in [0, 19]"),
         "flush_depth": (1, 1024, "expected an integer in [1, 1024]"),
@@ -107,6 +108,11 @@ class DataStatesConfig(Settings):
     one for a file with GPU tensors, whose bytes the copy engine moves (on the H100, four threads issuing
     copies slowed the training steps around a checkpoint: benchmarks/NOTES.md), and up to 4 (one per core)
     for a file of host tensors, whose bytes the threads move themselves. N: N for both."""
+    checksum_threads: int = 0
+    """Threads that sum (CRC-32C) the pieces of a file kept in memory only (a memory checkpoint) once they are
+    copied, so that the copy threads go on copying at the link's speed; they run `flush_nice` below
+    training. 0 (automatic): a quarter of this rank's share of the node's CPUs, from 1 to 4
+    (`checksum_thread_count`). A file written to storage is summed by its flush worker as it is written."""
     pin_host_cache: bool = True
     """Page-lock the cache for DMA from GPUs (fast device-to-host copies). Ignored without a GPU."""
     huge_pages: bool = True
@@ -142,7 +148,8 @@ class DataStatesConfig(Settings):
     four steps, none of which loses more than about 3 ms, and the checkpoint persists as fast, the disk being
     slower than either (benchmarks/results/h100/pace_rates_interval40/). The staged copy holds its GPU memory
     that much longer (here 0.14 s instead of 0.05 s). 0: as fast as the link goes. Saves not staged are
-    copied at full speed (the caller waits for them)."""
+    copied at full speed (the caller waits for them), and so is a file kept in memory only (a memory
+    checkpoint), whose copy's speed bounds how often one can be taken."""
     read_size: int = 16
     """MiB per read request on restore."""
     direct_io: bool = True
@@ -172,6 +179,11 @@ class DataStatesConfig(Settings):
         """The parser threads the engine runs: `parser_threads`, or where 0 the automatic count."""
         return self.parser_threads or auto_parser_threads()
 
+    @property
+    def checksum_thread_count(self) -> int:
+        """The checksum threads the engine runs: `checksum_threads`, or where 0 the automatic count."""
+        return self.checksum_threads or auto_checksum_threads()
+
     # Derived sizes, in bytes, as the core takes them.
     @property
     def cache_bytes(self) -> int:
@@ -195,14 +207,26 @@ class DataStatesConfig(Settings):
 MIN_PARSER_THREADS = 4  # the fewest `parser_threads: 0` gives, also what reads beside training use
 
 
-def auto_parser_threads(cpus: int | None = None, local_ranks: int | None = None) -> int:
-    """`parser_threads: 0`: one per CPU of a rank's share of the node (`cpus`: this process's, `local_ranks`:
-    LOCAL_WORLD_SIZE), from 4 to 16. A restore runs before training does: it has the share to itself."""
+def rank_share(cpus: int | None = None, local_ranks: int | None = None) -> int:
+    """The CPUs of a rank's share of the node: `cpus` (this process's) over `local_ranks` (torchrun's
+    LOCAL_WORLD_SIZE, or none: one rank)."""
     cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
     if local_ranks is None:
         raw = os.environ.get("LOCAL_WORLD_SIZE", "1")
-        local_ranks = int(raw) if raw.isdigit() else 1  # torchrun's, or none: one rank
-    return max(MIN_PARSER_THREADS, min(16, cpus // max(1, local_ranks)))
+        local_ranks = int(raw) if raw.isdigit() else 1
+    return cpus // max(1, local_ranks)
+
+
+def auto_parser_threads(cpus: int | None = None, local_ranks: int | None = None) -> int:
+    """`parser_threads: 0`: one per CPU of a rank's share of the node, from 4 to 16. A restore runs before
+    training does: it has the share to itself."""
+    return max(MIN_PARSER_THREADS, min(16, rank_share(cpus, local_ranks)))
+
+
+def auto_checksum_threads(cpus: int | None = None, local_ranks: int | None = None) -> int:
+    """`checksum_threads: 0`: a quarter of a rank's share of the node, from 1 to 4. They run beside training,
+    whose threads keep the rest; four sum a GPU's copies to the host as fast as its link brings them."""
+    return max(1, min(4, rank_share(cpus, local_ranks) // 4))
 
 
 def _parse_env(name: str, kind: str, raw: str) -> Any:

@@ -34,10 +34,27 @@ def test_a_file_kept_in_memory_only_is_the_stored_file_byte_for_byte(tmp_path, d
         stored = engine.save(state(), tmp_path / "disk" / "f.safetensors")
         stored.wait_persisted()
         assert (tmp_path / "mem/f.safetensors").read_bytes() == (tmp_path / "disk/f.safetensors").read_bytes()
-        assert h.checksums() == stored.checksums()  # summed by the copy threads, as the flushers sum
+        assert h.checksums() == stored.checksums()  # summed by the checksum threads, as the flushers sum
         back = engine.load(tmp_path / "mem/f.safetensors", checksums=h.checksums())
     assert torch.equal(back["w"], state()["w"]) and back["step"] == 3
     assert sorted(os.listdir(tmp_path / "mem")) == ["f.safetensors"]  # no temporary, no second file
+
+
+def test_a_memory_only_file_is_summed_by_the_checksum_threads_not_its_copy_thread(tmp_path):
+    """The copy threads only copy (on a GPU host they go on at the link's speed); the ds-sum threads sum."""
+    from nanotron_datastates import cpu_use
+
+    big = {"w": torch.arange(48 << 20, dtype=torch.float32)}  # 192 MiB
+    config = small_config(chunk_size=16, host_cache_size=1 / 16, checksum_threads=2, copy_threads=1)
+    with DataStatesEngine(config) as engine:
+        before = cpu_use.thread_cpu()
+        h = save_in_memory(engine, big, tmp_path / "mem" / "f.safetensors")
+        after = cpu_use.thread_cpu()
+        back = engine.load(tmp_path / "mem/f.safetensors", checksums=h.checksums())
+    assert torch.equal(back["w"], big["w"])
+    summers = {tid: cpu for tid, (role, cpu) in after.items() if role == "sum"}
+    assert len(summers) == 2
+    assert sum(summers.values()) - sum(before[t][1] for t in summers) > 0
 
 
 def test_no_storage_write_is_made_for_a_file_kept_in_memory(tmp_path):
