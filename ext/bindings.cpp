@@ -181,6 +181,7 @@ nb::dict job_stats(ds::SaveJob& j) {
   d["direct_io"] = s.direct_io;
   d["mirrored"] = s.mirrored;
   d["mirror_kept"] = s.mirror_kept;
+  d["mirror_refused"] = s.mirror_refused;
   return d;
 }
 

@@ -64,6 +64,17 @@ bool MirrorFile::named(const std::string& path) const {
   return lstat(path.c_str(), &st) == 0 && st.st_dev == dev_ && st.st_ino == ino_;
 }
 
+Error MirrorFile::reusable(const std::string& path) const {
+  struct stat st {};
+  if (fstat(fd_, &st) != 0) return Error::os(errno, "checking the kept mirror copy", path);
+  if (!S_ISREG(st.st_mode) || st.st_uid != geteuid())
+    return Error::value("the kept mirror copy is no longer a regular file of this user's", path);
+  if (st.st_nlink != 1)
+    return Error::value("the kept mirror copy has a second name (a hard link) since it was mapped", path);
+  if (!named(path)) return Error::value("the file renamed for reuse is not the kept mirror copy", path);
+  return {};
+}
+
 void MirrorFile::prepare(std::size_t offset, std::size_t len) {
   if (len == 0) return;
   const std::size_t last = block_of(std::min(offset + len, bytes_) - 1);

@@ -52,6 +52,10 @@ class MirrorFile {
   int pin_device() const { return pin_device_; }
   // Whether `path` (reached without following a link at its end) is still this mapping's file.
   bool named(const std::string& path) const;
+  // Why a save must not write into this kept mapping now that its file is at `path` (empty: it may): the
+  // file, checked on the mapping's descriptor, is no longer a regular file of this user's with one name (a
+  // hard link added since would receive the new bytes), or `path` names another file.
+  Error reusable(const std::string& path) const;
   // Makes the file `file_bytes` long through `storage` (a recycled file was cut to its exact size within its
   // last page).
   Error resize(Storage& storage, std::size_t file_bytes, const std::string& path);

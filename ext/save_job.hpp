@@ -68,6 +68,8 @@ struct JobStats {
   bool direct_io = false;            // whether O_DIRECT was used for this file
   bool mirrored = false;             // whether the mirror copy was written and renamed into place
   bool mirror_kept = false;          // whether it took over a mapping kept: nothing mapped or pinned anew
+  std::string mirror_refused;        // why the kept mapping of the file recycled was not taken over (empty:
+                                     // none refused): its file went, a new one took the bytes
 };
 
 // Told when a job has finished (persisted or failed).

@@ -18,6 +18,18 @@ void SaveJob::open_mirror() {
   const std::string& tmp = mirror_file_.temp;
   std::shared_ptr<MirrorFile> old = std::move(recycled_);  // still mapped (and pinned) by this process
   if (!mirror_file_.reused) old.reset();                   // gone: a new file
+  if (old) {
+    // Checked right before the copies write into it: a file that gained a second name, or is not the one
+    // mapped, is never written through. Its name here goes (another name keeps its bytes), and a new file
+    // takes the save.
+    if (Error why = old->reusable(tmp)) {
+      old.reset();
+      storage_->discard(mirror_file_);
+      mirror_file_.reused = false;
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.mirror_refused = recycle_ + ": " + why.message;
+    }
+  }
   // A kept mapping whose header room is larger (this header came out shorter, or the file was made with room
   // to spare: mirror_prepare.cpp): the header is padded to it, so that the mapping is taken as it is.
   if (old && old->origin() > layout_.data_start &&

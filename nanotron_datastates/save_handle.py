@@ -5,12 +5,15 @@ Returned by :meth:`DataStatesEngine.save`; :func:`wait_handles` waits for many i
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Sequence
 
 import torch
 
 from . import _core
+
+log = logging.getLogger("nanotron_datastates")
 
 
 class SaveHandle:
@@ -43,6 +46,7 @@ class SaveHandle:
         self._reported = False
         self._stall_s = 0.0  # the caller's time in save (its share of the call) and in wait_snapshot
         self._logged = False  # its telemetry line written
+        self._warned = False  # a kept mapping refused, said once
 
     def wait_snapshot(self, timeout: float | None = None) -> None:
         """Returns once every tensor of the state has been captured: the caller may mutate them now. At once
@@ -69,6 +73,7 @@ class SaveHandle:
         if not self._job.wait_persisted(-1.0 if timeout is None else timeout):
             raise TimeoutError(f"{self.path} not persisted within {timeout} s")
         self._keepalive = None
+        self._say_refused()
         self._raise()
 
     def snapshot_done(self) -> bool:
@@ -103,6 +108,8 @@ class SaveHandle:
             "direct_io": s["direct_io"],
             "mirrored": s["mirrored"],
             "mirror_kept": s["mirror_kept"],  # took over a kept mapping: nothing mapped or pinned anew
+            # why the kept mapping of the file recycled was refused (a second name since): a new file instead
+            "mirror_refused": s["mirror_refused"],
         }
 
     def mirrored(self) -> bool:
@@ -128,6 +135,14 @@ class SaveHandle:
         self.wait_persisted()
         block, sums = self._job.block_checksums()
         return block, dict(sums)
+
+    def _say_refused(self) -> None:
+        """Once persisted: says, once, why a kept mapping was not taken over."""
+        if not self._warned:
+            self._warned = True
+            refused = self._job.stats()["mirror_refused"]
+            if refused:
+                log.warning("%s: not written through; the save went to a new file", refused)
 
     def _raise(self) -> None:
         if self._job.failed():

@@ -347,6 +347,67 @@ def test_a_recycled_tier_file_with_another_name_is_never_written_through(tmp_pat
     assert elsewhere.read_bytes() == before
 
 
+def _save_in_memory(engine, value: float, path: Path, recycle: Path | None = None):
+    plan = engine.plan({"w": torch.full((300_000,), value)})
+    h = engine.save_plans([(plan, path)], mirrors=[path], recycle=[recycle])[0]
+    h.wait_persisted()
+    return h
+
+
+@pytest.mark.parametrize("kind", ["memory only", "with storage"])
+def test_a_kept_mapping_whose_file_gained_a_second_name_is_never_written_through(tmp_path, caplog, kind):
+    """The file of a mapping kept after its save gains a hard link from outside the tier; a later save that
+    recycles it checks the file on the mapping's descriptor first: the outside name keeps its bytes, the save
+    still succeeds, into a new file, and a warning names the file."""
+    mem = tmp_path / "shm"
+    with DataStatesEngine(small_config()) as engine:
+        first = mem / "1" / "w.safetensors"
+        if kind == "memory only":
+            _save_in_memory(engine, 1.0, first)
+        else:
+            engine.save({"w": torch.full((300_000,), 1.0)}, tmp_path / "1.safetensors", mirror=first)
+            engine.wait_persisted()
+        elsewhere = tmp_path / "elsewhere.bin"
+        os.link(first, elsewhere)
+        before = elsewhere.read_bytes()
+        second = mem / "2" / "w.safetensors"
+        with caplog.at_level("WARNING", logger="nanotron_datastates"):
+            if kind == "memory only":
+                h = _save_in_memory(engine, 2.0, second, recycle=first)
+            else:
+                plan = engine.plan({"w": torch.full((300_000,), 2.0)})
+                h = engine.save_plans(
+                    [(plan, tmp_path / "2.safetensors")], mirrors=[second], recycle=[first]
+                )[0]
+                h.wait_persisted()
+        assert elsewhere.read_bytes() == before  # never written through
+        assert h.mirrored() and not h.stats["mirror_kept"] and "second name" in h.stats["mirror_refused"]
+        assert os.stat(second).st_ino != os.stat(elsewhere).st_ino and os.stat(second).st_nlink == 1
+        assert torch.equal(engine.load(second)["w"], torch.full((300_000,), 2.0))
+        assert not first.exists()  # its name in the tier went; the outside name holds the file
+        third = _save_in_memory(engine, 3.0, mem / "3" / "w.safetensors", recycle=second)
+        assert third.stats["mirror_kept"]  # the engine keeps working: the new file's mapping is reused
+    said = [r.getMessage() for r in caplog.records if "not written through" in r.getMessage()]
+    assert len(said) == 1 and str(first) in said[0]
+
+
+def test_a_kept_mappings_file_replaced_at_its_path_is_never_taken_for_it(tmp_path, caplog):
+    """Another file put where a kept mapping's file was (same name, another inode): a save recycling that
+    name must not write into the old mapping and publish the other file as its own. It goes to a new file."""
+    mem = tmp_path / "shm"
+    with DataStatesEngine(small_config()) as engine:
+        first = mem / "1" / "w.safetensors"
+        _save_in_memory(engine, 1.0, first)
+        os.rename(first, tmp_path / "moved.bin")  # the mapped file, kept elsewhere
+        first.write_bytes(b"not the mapped file")
+        with caplog.at_level("WARNING", logger="nanotron_datastates"):
+            h = _save_in_memory(engine, 2.0, mem / "2" / "w.safetensors", recycle=first)
+        assert not h.stats["mirror_kept"] and "not the kept mirror copy" in h.stats["mirror_refused"]
+        assert torch.equal(engine.load(mem / "2" / "w.safetensors")["w"], torch.full((300_000,), 2.0))
+        assert torch.equal(engine.load(tmp_path / "moved.bin")["w"], torch.full((300_000,), 1.0))
+    assert any(str(first) in r.getMessage() for r in caplog.records)
+
+
 # -- 4. the tier's root sits only under folders no other user can change -------------------------------------
 
 
