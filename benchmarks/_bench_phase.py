@@ -68,9 +68,9 @@ def run_phase(args: argparse.Namespace) -> None:
 
             return call
 
-        for name in ("save", "plan", "save_plan", "save_plans", "stage_plans"):
+        for name in ("save", "plan", "save_plan", "save_plans", "stage_plans", "stage"):
             setattr(DataStatesEngine, name, timed(getattr(DataStatesEngine, name)))
-        from nanotron_datastates.engine import StagedSave
+        from nanotron_datastates.staged_save import StagedSave
 
         # A staged checkpoint's files, queued once the step is launched
         StagedSave.queue = timed(StagedSave.queue)  # type: ignore[method-assign]
@@ -310,8 +310,9 @@ def run_phase(args: argparse.Namespace) -> None:
                     {
                         "step": fields["step"],
                         "deferred": fields["deferred"],
-                        "total_s": fields["seconds"],
+                        "total_s": fields["seconds"],  # on the training thread
                         "captured_s": fields.get("captured"),
+                        "background_s": fields.get("background"),  # on the saver's queuer thread
                         **{f"{k}_s": v - s0[k] for k, v in split.items()},
                         **{f"{k}_cpu_s": v - s0[f"{k}_cpu"] for k, v in split_cpu.items()},
                         "engine_s": engine_time[0] - s0["engine"],

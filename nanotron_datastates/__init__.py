@@ -12,11 +12,12 @@ The public names are imported on first use: the post-import hook that every Pyth
 
 TYPE_CHECKING = False  # not typing's: importing typing costs milliseconds at every start
 if TYPE_CHECKING:
-    from .engine import DataStatesEngine, StagedSave
+    from .engine import DataStatesEngine
     from .engine_settings import DataStatesConfig
     from .errors import ChecksumError, DataStatesError, FormatError
     from .plan import SavePlan
     from .save_handle import SaveHandle
+    from .staged_save import StagedSave
 
 _WHERE = {
     "DataStatesConfig": "engine_settings",
@@ -26,7 +27,7 @@ _WHERE = {
     "DataStatesError": "errors",
     "FormatError": "errors",
     "SavePlan": "plan",
-    "StagedSave": "engine",
+    "StagedSave": "staged_save",
 }
 __all__ = [
     "ChecksumError",

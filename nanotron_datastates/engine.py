@@ -7,9 +7,10 @@ A save goes through four stages; only the first runs on the caller's thread::
 and resolves two futures, as PyTorch DCP's ``AsyncSaveResponse`` does: *snapshot* (every tensor captured, the
 caller may mutate them) and *persisted* (fsync'd, renamed into place, directory fsync'd).
 
-This module is the public face; the plumbing is beside it: `plan` (flattening), `save_handle` (one save's
-futures), `in_flight` (the engine-wide waits and telemetry), `engine_reads` (the loading methods, which
-the engine inherits) over `restore` (reading), `core_setup` (starting the C++ core).
+This module is the public face; the plumbing is beside it: `plan` (flattening), `staged_save` (a save
+prepared, handed to the core later), `save_handle` (one save's futures), `in_flight` (the engine-wide waits
+and telemetry), `engine_reads` (the loading methods, which the engine inherits) over `restore` (reading),
+`core_setup` (starting the C++ core).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from .core_setup import start_core
 from .engine_reads import EngineReads
 from .engine_settings import DataStatesConfig
 from .in_flight import InFlight
-from .plan import Prepared, SavePlan, current, plan_save, prepare_all
+from .plan import SavePlan, current, plan_save, prepare_all
 from .save_handle import SaveHandle, wait_handles
 from .stage import Stager
+from .staged_save import StagedSave
 
 __all__ = ["DataStatesEngine", "SaveHandle", "StagedSave", "wait_handles"]
 
@@ -49,6 +51,7 @@ class DataStatesEngine(EngineReads):
         self._core = start_core(config)
         self._in_flight = InFlight(config.telemetry_path, self._core.cache_stats)
         self._stager = Stager()  # the last staged layout, for the next save of the same tensors
+        self._side_streams: dict[int, Any] = {}  # per device: the core's copies of a staging wait there
         self._closed = False
 
     # -- saving -------------------------------------------------------------------------------------------
@@ -136,7 +139,9 @@ class DataStatesEngine(EngineReads):
         `recycle`: for each mirror, an earlier save's mirror file (of this user's, in a folder private to it)
         to rename to the new mirror path and overwrite, its mapping and pinned pages reused; None or a missing
         file: a new one."""
-        return self._prepare(files, stage, mirrors, recycle).queue()
+        save = self._prepare([p for p, _ in files], stage, names=[os.fspath(f) for _, f in files])
+        save.target([path for _, path in files], mirrors=mirrors, recycle=recycle)
+        return save.queue()
 
     def stage_plans(
         self,
@@ -147,27 +152,29 @@ class DataStatesEngine(EngineReads):
     ) -> StagedSave:
         """The first half of ``save_plans(files, stage=True, ...)``: every tensor copied where it is, now (the
         caller may change the originals as soon as this returns); :meth:`StagedSave.queue` then hands the
-        copies to the engine, when the caller likes. A trainer stages before its optimizer step and queues
-        once the step is launched, so that the queuing's work on its thread overlaps the step on the GPU.
-        Raises as save_plans does (staging out of memory: torch's OutOfMemoryError, nothing staged)."""
-        return self._prepare(files, True, mirrors, recycle)
+        copies to the engine, when the caller likes. Raises as save_plans does (staging out of memory:
+        torch's OutOfMemoryError, nothing staged)."""
+        staged = self._prepare([p for p, _ in files], True, names=[os.fspath(f) for _, f in files])
+        staged.target([path for _, path in files], mirrors=mirrors, recycle=recycle)
+        return staged
+
+    def stage(self, plans: Sequence[SavePlan]) -> StagedSave:
+        """Every tensor of `plans` copied where it is, now, as :meth:`stage_plans` does, before anything is
+        known of where the files go: :meth:`StagedSave.target` says it, then :meth:`StagedSave.queue`, from
+        any thread (the core's copies follow these staging copies alone). A trainer stages before its
+        optimizer step and leaves the rest to a thread of its own once the step is launched."""
+        return self._prepare(plans, True, events=True)
 
     def _prepare(
-        self,
-        files: Sequence[tuple[SavePlan, str | os.PathLike]],
-        stage: bool,
-        mirrors: Sequence[str | os.PathLike | None] | None,
-        recycle: Sequence[str | os.PathLike | None] | None,
+        self, plans: Sequence[SavePlan], stage: bool, events: bool = False, names: list[str] | None = None
     ) -> StagedSave:
+        """`names`: the files' paths, for the errors of plans whose tensors can no longer be saved."""
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         t0 = time.perf_counter()
-        paths = [os.path.abspath(os.fspath(path)) for _, path in files]
-        copies = _paths_per_file(mirrors, len(files), "mirrors")
-        old = [r or "" for r in _paths_per_file(recycle, len(files), "files to recycle")]
-        plans = current([plan for plan, _ in files], paths)  # renewed where their tensors changed
-        prep = prepare_all(plans, stage=stage, stager=self._stager)
-        return StagedSave(self, plans, prep, paths, copies, old, stage, time.perf_counter() - t0)
+        fresh = current(plans, names or [f"file {k} of the save" for k in range(len(plans))])
+        prep = prepare_all(fresh, stage=stage, stager=self._stager, events=events)
+        return StagedSave(self, fresh, prep, stage, time.perf_counter() - t0)
 
     def keep_mirrors(self, paths: Sequence[str | os.PathLike] | None = None) -> int:
         """Keeps the mirror files at `paths` mapped (and pinned) for later saves to recycle, and unmaps every
@@ -263,88 +270,3 @@ class DataStatesEngine(EngineReads):
                 self.close()
         except Exception:
             pass
-
-
-class StagedSave:
-    """A save prepared on the caller's thread, not yet handed to the engine; :meth:`queue` does that, once.
-    From :meth:`DataStatesEngine.stage_plans`, its tensors are already copied; `save_plans` makes one,
-    staged or not, and queues it at once."""
-
-    def __init__(
-        self,
-        engine: DataStatesEngine,
-        plans: list[SavePlan],
-        prep: Prepared,
-        paths: list[str],
-        mirrors: list[str | None],
-        recycle: list[str],
-        staged: bool,
-        seconds: float,
-    ) -> None:
-        self._engine, self._plans, self._prep = engine, plans, prep
-        self._paths, self._mirrors, self._recycle = paths, mirrors, recycle
-        self._staged, self._seconds = staged, seconds
-        self._queued = False
-
-    def replan(self, index: int, plan: SavePlan) -> None:
-        """Puts `plan` in place of file `index`'s plan, before the save is queued: a plan of the very tensors
-        staged for that file (`SavePlan.holds`: the same objects, memory, shapes, strides, dtypes) whose plain
-        values were read later; a trainer plans its optimizer's state once the step is launched, from a copy
-        of the state's containers taken before (`skeleton.freeze`). ValueError naming the file where the
-        tensors differ: the staged copies would not be theirs."""
-        if self._queued:
-            raise ValueError("this staged save is already queued")
-        old = self._plans[index]
-        if plan.exact_metadata != old.exact_metadata or not old.holds(plan.sources):
-            raise ValueError(f"{self._paths[index]}: the new plan does not hold the tensors staged for it")
-        self._plans[index] = plan
-
-    def queue(self) -> list[SaveHandle]:
-        """Hands every file to the engine: all queued, or none (it raises); a handle per file, in order."""
-        engine, prep = self._engine, self._prep
-        if self._queued:
-            raise ValueError("this staged save is already queued")
-        if engine._closed:
-            raise ValueError("the engine is closed; create a new DataStatesEngine")
-        self._queued = True
-        t0 = time.perf_counter()
-        # One call to the core for all: one event per device on the caller's streams (as they are now: the
-        # copies to the host follow whatever the caller has queued there since staging), and a staged file's
-        # tensors as places in the staged buffers rather than a DLPack export each.
-        requests = [
-            (
-                path,
-                p.names,
-                p.dtypes,
-                [] if v else a,
-                v,
-                p.metadata,
-                not p.exact_metadata,
-                m or "",
-                r if m else "",
-            )
-            for p, a, v, path, m, r in zip(
-                self._plans, prep.arrays, prep.views, self._paths, self._mirrors, self._recycle
-            )
-        ]
-        streams = sorted({s for ss in prep.streams for s in ss})
-        jobs = engine._core.save_many(requests, prep.bases, streams)  # all queued, or none (it raises)
-        handles = [
-            SaveHandle(job, path, a, p.nbytes, self._staged, m, p.exact_metadata)
-            for job, p, a, path, m in zip(jobs, self._plans, prep.arrays, self._paths, self._mirrors)
-        ]
-        seconds = self._seconds + time.perf_counter() - t0
-        for h in handles:
-            h._stall_s = seconds / len(handles)
-        engine._in_flight.add(handles)
-        self._prep = Prepared([], [], [], [])  # the handles keep what the core reads alive
-        return handles
-
-
-def _paths_per_file(paths: Sequence[str | os.PathLike | None] | None, n: int, what: str) -> list[str | None]:
-    """One absolute path (or None) per file of a save_plans call; ValueError naming `what` where the count
-    differs."""
-    paths = list(paths) if paths is not None else [None] * n
-    if len(paths) != n:
-        raise ValueError(f"{len(paths)} {what} for {n} files")
-    return [os.path.abspath(os.fspath(p)) if p is not None else None for p in paths]

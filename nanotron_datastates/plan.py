@@ -129,11 +129,17 @@ class Prepared:
     views: list[list[tuple[int, int, int, torch.Size]]]
     streams: list[list[tuple[int, int]]]
     bases: list[torch.Tensor]
+    # Per CUDA device, an event recorded right after the staging copies (where asked for): the core's
+    # copies then follow those, not what the caller launches between the staging and the queuing.
+    events: dict[int, Any] = field(default_factory=dict)
 
 
-def prepare_all(plans: Sequence[SavePlan], *, stage: bool = False, stager: Stager | None = None) -> Prepared:
+def prepare_all(
+    plans: Sequence[SavePlan], *, stage: bool = False, stager: Stager | None = None, events: bool = False
+) -> Prepared:
     """:func:`prepare_many`'s work without a copy of each plan (what a save of a checkpoint's many files
-    does on the caller's thread)."""
+    does on the caller's thread). `events`: staged, an event recorded on each device's stream after the
+    copies (`Prepared.events`)."""
     arrays = [list(p.arrays) for p in plans]
     views: list[list[Any]] = [[] for _ in plans]
     bases: list[torch.Tensor] = []
@@ -150,7 +156,13 @@ def prepare_all(plans: Sequence[SavePlan], *, stage: bool = False, stager: Stage
             if d not in current:
                 current[d] = (d, torch.cuda.current_stream(d).cuda_stream)
         streams.append([current[d] for d in p.devices])
-    return Prepared(arrays, views, streams, bases)
+    recorded = {}
+    if stage and events:
+        for base in bases:
+            if base.is_cuda:
+                recorded[base.device.index] = torch.cuda.Event()
+                recorded[base.device.index].record(torch.cuda.current_stream(base.device))
+    return Prepared(arrays, views, streams, bases, recorded)
 
 
 def prepare_many(

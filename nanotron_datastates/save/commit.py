@@ -130,6 +130,11 @@ class Committer:
             self._taken += count
         return out
 
+    def held(self) -> int:
+        """How many checkpoints were submitted and their outcomes not taken yet."""
+        with self._cv:
+            return self._submitted - self._taken
+
     def ready(self) -> int:
         """How many of the oldest outcomes not taken yet are known now: `take` of as many does not wait."""
         with self._cv:

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -304,20 +305,22 @@ def test_each_checkpoint_plans_the_optimizer_like_the_last_and_saves_the_values_
     assert differences(want, got) == []
 
 
-def test_a_staged_checkpoint_is_captured_before_the_step_and_queued_once_the_step_is_launched(
+def test_a_staged_checkpoint_is_captured_before_the_step_and_queued_by_the_queuer_once_it_is_launched(
     rank0, tmp_path
 ):
     """`queue_at_step` with the state staged (`device_snapshot: always`; without a GPU, in host memory): the
-    request only copies the random states; the step's start plans and stages the state; the files are queued
-    and rank 0's commit made only once the step is launched (`after_step`, from the trainer's wrapper), beside
-    the step's work on the GPU. The checkpoint holds the state of the request all the same."""
+    request only copies the random states; the step's start stages the state; rank 0's commit is made once
+    the step is launched (`after_step`, from the trainer's wrapper), on the training thread, and the files
+    are queued on the saver's queuer thread. The checkpoint holds the state of the request all the same."""
     pc, c, state, _ = rank0
     model, optimizer, lr_scheduler, random_states = state
     saver = saver_of(rank0, tmp_path / "ckpt", device_snapshot="always")
     saver.start()
     saver.after_first_step()
     made, events = [], []
+    threads = {}
     saver.observers.append(lambda event, fields: events.append(event))
+    saver.observers.append(lambda event, _: threads.setdefault(event, threading.current_thread().name))
 
     def commit():
         made.append(len(events))
@@ -334,7 +337,10 @@ def test_a_staged_checkpoint_is_captured_before_the_step_and_queued_once_the_ste
     assert not (tmp_path / "ckpt" / "5").exists()  # nothing handed to the engine yet
     step(model, optimizer)  # the step changes the state staged just before it
     saver.after_step()
-    assert saver.gate.deferred == 0 and events == ["queue_start", "queued"] and made == [1]
+    assert saver.gate.deferred == 0 and made == [1]
+    saver.queuing.drain()
+    assert events == ["queue_start", "queued"]
+    assert threads == {"queue_start": threading.current_thread().name, "queued": "datastates-queuer"}
     saver.drain(lambda s: None)
     saver.close()
     assert events[-1] == "committed"
@@ -394,6 +400,7 @@ def test_a_staged_checkpoints_optimizer_plan_is_made_after_the_step_from_the_sta
     step(model, optimizer)
     assert all(s["calls"] == 1 for s in optimizer.get_base_optimizer().state.values())
     saver.after_step()
+    saver.queuing.drain()  # planned on the queuer's thread
     assert saver.optimizer_plans.kept is not kept  # planned now, for the next checkpoint to plan like it
     saver.drain(lambda s: None)
     saver.close()

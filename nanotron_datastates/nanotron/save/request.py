@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 import torch
 
-from ...engine import StagedSave
 from ...save.commit import PendingCheckpoint
+from ...staged_save import StagedSave
 from .. import log as say
 from .. import rng_states as states
 from .rank_files import RankFiles
@@ -28,9 +28,12 @@ class Request:
     staged: StagedSave | None = None  # the state's files, staged before the step, queued after it
     # (index among the staged files, copy of the optimizer's state before the step): planned after the step
     replan: tuple[int, Any] | None = None
+    # The state's files (path in the checkpoint, plan), known at the capture, their targets at the queuing
+    files: list[tuple[Path, Any]] = dataclasses.field(default_factory=list)
     handles: list[Any] = dataclasses.field(default_factory=list)  # every file queued so far
     seconds: float = 0.0  # on the training thread, capturing and queuing
     captured: float = 0.0  # of which capturing (before the step, where deferred)
+    background: float = 0.0  # on the queuer's thread
 
 
 def host_values(files: RankFiles, lr_scheduler: Any, random_states: Any) -> list[tuple[Path, Any]]:

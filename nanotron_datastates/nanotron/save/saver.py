@@ -12,12 +12,13 @@
    backward passes change (random states, the schedule's state) is copied now; staging is decided once for
    the whole checkpoint (`staging.decide`). A staged checkpoint's state is staged at the start of the next
    optimizer step (`queue_at_step`: there its milliseconds on the training thread overlap the GPU's backward
-   pass) and queued once that step is launched (beside the step's own GPU work), where the optimizer's plan
-   is made too, from a copy of its state's containers taken before the step; any other is planned and
-   queued now (its copies must overlap the forward and backward passes).
+   pass) and handed, once that step is launched, to a thread of the saver's own that queues it (where the
+   optimizer's plan is made, from a copy of its state's containers taken before the step); any other is
+   planned and queued now (its copies must overlap the forward and backward passes). queuing.py has the
+   three parts: capture, hand-over, queuing.
 3. `before_step()` at every optimizer step: the capture left for it, then the wait for the snapshots of the
    checkpoints just queued (gate.py). Nothing else ever waits. `after_step()` once the step is launched:
-   the files captured before it, queued, and the checkpoint handed to the committer.
+   what was captured before it handed over, queued and given to the committer.
 4. `take(count)` at the next request and `drain()` at the end: the outcomes (commit.py), in order, the same
    on every rank; post-save hooks run for those committed; a failed one raises CheckpointError.
 
@@ -35,8 +36,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 from ...engine import DataStatesEngine
 from ...plan import SavePlan
 from ...save import staging
@@ -48,9 +47,10 @@ from ...trainer_settings import TrainerSettings
 from .. import groups
 from .. import log as say
 from . import memory
-from .rank_files import RankFiles, cache_bytes, plan_files, targets
+from .queuing import Queuing
+from .rank_files import RankFiles, cache_bytes, plan_files
 from .report import Reporter
-from .request import Request, add_stall, host_values, queuing_failed
+from .request import Request, host_values
 
 __all__ = [
     "MAX_IN_FLIGHT",
@@ -108,6 +108,9 @@ class Saver:
         self.replication = replication  # its NCCL calls made at each optimizer step (step_order.py), if any
         self.placement = replication.placement  # recorded in each manifest
         self.committer = Committer(group, on_result=self.reporter.committed)
+        self.queuing = Queuing(
+            engine, self.tier, self.optimizer_plans, self.gate, self.committer, self.files, self._notify
+        )
 
     # -- 0. when the trainer is built ------------------------------------------------------------------------
 
@@ -175,13 +178,13 @@ class Saver:
         stage = self._decide()[0]
         pending = PendingCheckpoint(step, folder, [], memory=memory is not None)
         job = Request(pending, later, finalizer, stage and self.settings.queue_at_step)
+        queuing = self.queuing
         if job.deferred:
-            self.gate.defer(
-                functools.partial(self._capture, job, stage), after=functools.partial(self._queue, job)
-            )
+            capture = functools.partial(queuing.capture, job, stage)
+            self.gate.defer(capture, after=functools.partial(queuing.hand_over, job))
         else:  # unstaged copies must start now, to overlap the forward and backward passes
-            self._capture(job, stage)
-            self._queue(job)
+            queuing.capture(job, stage)
+            queuing.hand_over(job)
         job.pending.stall_s += time.perf_counter() - t0
 
     def memory_due(self, step: int) -> bool:
@@ -196,94 +199,12 @@ class Saver:
             if self.files().optimizer is not None:
                 nbytes += self.engine.plan(self.optimizer_plans.state()).nbytes
         stage, why = staging.decide(self.settings.device_snapshot, nbytes)
+        if self.queuing.out_of_memory:  # the last staging found no room: this decision is new
+            self.queuing.out_of_memory, self._staged = False, False
         if stage != self._staged:
             self._staged = stage
             say.info(f"checkpoints {'' if stage else 'not '}copied on the GPU first ({why})")
         return stage, why
-
-    def _capture(self, job: Request, stage: bool) -> None:
-        """The state's files (weights, optimizer), before the step that changes them: planned (the optimizer
-        like the last time: optimizer_plan.py), then staged on the GPU together (queued by `_queue`), or,
-        unstaged or where staging runs out of GPU memory, queued now and gated (the next step waits for
-        their snapshot)."""
-        t0 = time.perf_counter()
-        pending = job.pending
-        self._notify("queue_start", step=pending.step, deferred=job.deferred)
-        try:
-            files = self.files()
-            todo = list(files.weights)
-            if files.optimizer is not None:  # the same tensors each time, the learning rate of the time
-                plan, frozen = self.optimizer_plans.for_checkpoint(stage and job.deferred)
-                if frozen is not None:  # planned once the step is launched (`_queue`)
-                    job.replan = (len(todo), frozen)
-                todo.append((files.optimizer, plan))
-            paths, mirrors, recycle = targets(self.tier, pending, todo)
-            if stage:
-                try:
-                    job.staged = self.engine.stage_plans(paths, mirrors=mirrors, recycle=recycle)
-                except torch.cuda.OutOfMemoryError:
-                    self._staged = False
-                    say.info(
-                        "out of GPU memory copying a checkpoint on the GPU: copied from the state itself"
-                    )
-            if job.staged is None and job.replan is not None:  # queued now: planned now, before the step
-                index, plan = self._plan_left(job)
-                paths[index] = (plan, paths[index][1])
-            if job.staged is None:  # queued now, the request's files first; the next step waits for these
-                self._queue_later(job)
-                state = self.engine.save_plans(paths, mirrors=mirrors, recycle=recycle)
-                job.handles += state
-                self.gate.add(state, on_wait=functools.partial(add_stall, pending))
-        except Exception as e:
-            queuing_failed(pending, e)
-        job.captured = time.perf_counter() - t0
-        job.seconds += job.captured
-
-    def _plan_left(self, job: Request) -> tuple[int, SavePlan]:
-        """The optimizer's plan that `_capture` left for later, made now from the copy taken before the step:
-        (its index among the checkpoint's state files, the plan)."""
-        assert job.replan is not None
-        index, frozen = job.replan
-        job.replan = None
-        return index, self.optimizer_plans.replan(frozen)
-
-    def _queue(self, job: Request) -> None:
-        """Queues what `_capture` left (the request's files, the staged state), makes rank 0's commit and
-        hands the checkpoint to the committer, which is told of any failure here: every rank's committer then
-        agrees that the checkpoint failed. Where the state was staged, this runs once the next optimizer step
-        is launched, beside the step's own work on the GPU."""
-        t0 = time.perf_counter()
-        pending = job.pending
-        try:
-            self._queue_later(job)
-            if job.staged is not None:
-                if job.replan is not None:  # the optimizer's plan, from its state as it was before the step
-                    job.staged.replan(*self._plan_left(job))
-                state, job.staged = job.staged.queue(), None
-                job.handles += state
-                self.gate.add(state, on_wait=functools.partial(add_stall, pending))
-            if job.finalizer is not None:
-                pending.finalize = job.finalizer()
-        except Exception as e:
-            queuing_failed(pending, e)
-        pending.handles = job.handles
-        job.seconds += time.perf_counter() - t0
-        if job.deferred:  # the next step's share of the checkpoint's time on the training thread
-            pending.queued_s = job.seconds
-        self._notify(
-            "queued", step=pending.step, deferred=job.deferred, seconds=job.seconds, captured=job.captured
-        )
-        self.committer.submit(pending)
-
-    def _queue_later(self, job: Request) -> None:
-        """The request's host values (scheduler, random states), once: read as they are and never waited for
-        by a step; queued before the state's files, so that a cache smaller than the checkpoint takes them
-        before the state's pieces."""
-        later, job.later = job.later, []
-        if later:
-            plans = [(path, self.engine.plan(value)) for path, value in later]
-            paths, mirrors, recycle = targets(self.tier, job.pending, plans)
-            job.handles += self.engine.save_plans(paths, mirrors=mirrors, recycle=recycle)
 
     # -- 3. every optimizer step ----------------------------------------------------------------------------
 
@@ -306,6 +227,8 @@ class Saver:
         self.gate.run_deferred()
         if count <= 0:
             return
+        if count > self.committer.held():  # some are still with the queuer
+            self.queuing.drain()
         results = self.committer.take(count)
         self.outstanding -= len(results)
         for r in results:
@@ -335,9 +258,11 @@ class Saver:
         """Bounded (at exit after a crash, other ranks may be gone); idempotent."""
         self.gate.run_deferred()  # a checkpoint asked for after the last step
         try:
+            self.queuing.drain(timeout=600)
             self.committer.take(self.outstanding, timeout=600)
         except TimeoutError as e:
             say.error(f"{e}; exiting anyway")
+        self.queuing.close(timeout=60)
         self.outstanding = 0
         self.committer.close()
         memory.stop_replicas(self.replication, timeout=60)

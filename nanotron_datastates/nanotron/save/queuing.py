@@ -1,0 +1,164 @@
+"""A checkpoint from its capture to the committer, in three parts the Saver calls in order:
+
+1. `capture(job, stage)`, on the training thread before the optimizer step that changes the state: the
+   optimizer's containers copied (`optimizer_plan.py`) and the state's tensors staged on the GPU, nothing
+   more; or, unstaged (or where staging runs out of GPU memory), every file planned and queued now, and the
+   next step gated on their snapshot;
+2. `hand_over(job)`, on the training thread once that step is launched: rank 0's commit made (it reads
+   Nanotron's counters, which move on after the step), then the rest handed to the queuer's thread;
+3. `queue(job)`, on the queuer's thread (`save/queuer.py`): where the files go (the memory tier's checks of
+   the files recycled), the optimizer's plan from the values captured, the host values' files, the core's
+   call, and the checkpoint handed to the committer, which is told of any failure here: every rank's
+   committer then agrees that the checkpoint failed.
+
+What the training thread spends on a staged checkpoint is the capture and the hand-over; the rest runs while
+it trains (on a GPU-bound step, while it waits on the GPU with the GIL released).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable
+
+import torch
+
+from ...engine import DataStatesEngine
+from ...plan import SavePlan
+from ...save.commit import Committer
+from ...save.gate import SnapshotGate
+from ...save.optimizer_plan import OptimizerPlans
+from ...save.queuer import Queuer
+from ...tier.memory import MemoryTier
+from .. import log as say
+from .rank_files import RankFiles, targets
+from .request import Request, add_stall, queuing_failed
+
+
+class Queuing:
+    """The capture, hand-over and queuing of one trainer's checkpoints (see the module's docstring)."""
+
+    def __init__(
+        self,
+        engine: DataStatesEngine,
+        tier: MemoryTier | None,
+        optimizer_plans: OptimizerPlans,
+        gate: SnapshotGate,
+        committer: Committer,
+        files: Callable[[], RankFiles],
+        notify: Callable[..., None],
+    ) -> None:
+        self.engine, self.tier, self.optimizer_plans = engine, tier, optimizer_plans
+        self.gate, self.committer, self.files, self.notify = gate, committer, files, notify
+        self.queuer = Queuer()
+        self.out_of_memory = False  # staging ran out of GPU memory (the Saver decides again)
+
+    def capture(self, job: Request, stage: bool) -> None:
+        """Part 1, on the training thread."""
+        t0 = time.perf_counter()
+        pending = job.pending
+        self.notify("queue_start", step=pending.step, deferred=job.deferred)
+        try:
+            files = self.files()
+            job.files = list(files.weights)
+            if files.optimizer is not None:  # the same tensors each time, the learning rate of the time
+                plan, frozen = self.optimizer_plans.for_checkpoint(stage and job.deferred)
+                if frozen is not None:  # planned once the step is launched (`queue`)
+                    job.replan = (len(job.files), frozen)
+                job.files.append((files.optimizer, plan))
+            if stage:
+                try:
+                    job.staged = self.engine.stage([plan for _, plan in job.files])
+                except torch.cuda.OutOfMemoryError:
+                    self.out_of_memory = True
+                    say.info(
+                        "out of GPU memory copying a checkpoint on the GPU: copied from the state itself"
+                    )
+            if job.staged is None:  # queued now, the request's files first; the next step waits for these
+                self.queuer.drain()  # the tier's files to recycle are drawn on one thread at a time
+                if job.replan is not None:  # planned now, before the step
+                    index, plan = self._plan_left(job)
+                    job.files[index] = (job.files[index][0], plan)
+                self._queue_later(job)
+                paths, mirrors, recycle = targets(self.tier, pending, job.files)
+                state = self.engine.save_plans(paths, mirrors=mirrors, recycle=recycle)
+                job.handles += state
+                self.gate.add(state, on_wait=functools.partial(add_stall, pending))
+        except Exception as e:
+            queuing_failed(pending, e)
+        job.captured = time.perf_counter() - t0
+        job.seconds += job.captured
+
+    def hand_over(self, job: Request) -> None:
+        """Part 2, on the training thread once the step is launched; a checkpoint not staged, or one not
+        deferred to the step, is queued here and now."""
+        t0 = time.perf_counter()
+        try:
+            if job.finalizer is not None:
+                job.pending.finalize, job.finalizer = job.finalizer(), None
+        except Exception as e:
+            queuing_failed(job.pending, e)
+        job.seconds += time.perf_counter() - t0
+        if job.staged is not None and job.deferred:
+            self.queuer.submit(functools.partial(self.queue, job))
+        else:
+            self.queue(job)
+
+    def queue(self, job: Request) -> None:
+        """Part 3: queues what the capture left, then hands the checkpoint to the committer."""
+        t0 = time.perf_counter()
+        pending = job.pending
+        background = job.staged is not None and job.deferred
+        try:
+            self._queue_later(job)
+            if job.staged is not None:
+                staged, job.staged = job.staged, None
+                paths, mirrors, recycle = targets(self.tier, pending, job.files)
+                staged.target([path for _, path in paths], mirrors=mirrors, recycle=recycle)
+                if job.replan is not None:  # the optimizer's plan, from its state as it was before the step
+                    staged.replan(*self._plan_left(job))
+                # Staged: its handles' snapshots are there already, no step waits for them
+                job.handles += staged.queue()
+        except Exception as e:
+            queuing_failed(pending, e)
+        pending.handles = job.handles
+        if background:
+            job.background += time.perf_counter() - t0
+        else:
+            job.seconds += time.perf_counter() - t0
+        if job.deferred:  # the next step's share of the checkpoint's time on the training thread
+            pending.queued_s = job.seconds
+        self.notify(
+            "queued",
+            step=pending.step,
+            deferred=job.deferred,
+            seconds=job.seconds,
+            captured=job.captured,
+            background=job.background,
+        )
+        self.committer.submit(pending)
+
+    def _plan_left(self, job: Request) -> tuple[int, SavePlan]:
+        """The optimizer's plan that the capture left for later, made now from the copy taken before the
+        step: (its index among the checkpoint's state files, the plan)."""
+        assert job.replan is not None
+        index, frozen = job.replan
+        job.replan = None
+        return index, self.optimizer_plans.replan(frozen)
+
+    def _queue_later(self, job: Request) -> None:
+        """The request's host values (scheduler, random states), once: read as they are and never waited for
+        by a step; queued before the state's files, so that a cache smaller than the checkpoint takes them
+        before the state's pieces."""
+        later, job.later = job.later, []
+        if later:
+            plans = [(path, self.engine.plan(value)) for path, value in later]
+            paths, mirrors, recycle = targets(self.tier, job.pending, plans)
+            job.handles += self.engine.save_plans(paths, mirrors=mirrors, recycle=recycle)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Waits until every checkpoint handed over is with the committer."""
+        self.queuer.drain(timeout)
+
+    def close(self, timeout: float | None = None) -> Any:
+        self.queuer.close(timeout)
