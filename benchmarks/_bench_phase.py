@@ -90,12 +90,12 @@ def run_phase(args: argparse.Namespace) -> None:
             return call
 
         DataStatesEngine.plan = adds_to("plan", DataStatesEngine.plan)
-        from nanotron_datastates.nanotron.save import saver as saver_module
+        from nanotron_datastates.nanotron.save import queuing as queuing_module
         from nanotron_datastates.save.optimizer_plan import OptimizerPlans
 
         OptimizerPlans.replan = adds_to("replan", OptimizerPlans.replan)  # type: ignore[method-assign]
         OptimizerPlans.for_checkpoint = adds_to("state", OptimizerPlans.for_checkpoint)  # type: ignore
-        saver_module.targets = adds_to("targets", saver_module.targets)
+        queuing_module.targets = adds_to("targets", queuing_module.targets)
         engine_module.prepare_all = adds_to("prepare", engine_module.prepare_all)
         start_core = engine_module.start_core
 
