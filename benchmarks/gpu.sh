@@ -223,6 +223,21 @@ run_step() {
       memory_run 180m 200 mi180 ;;
     memory-1b) # the same with the 1.1B model (dp=2, 100 steps)
       memory_run 1b 100 mi1b --cache-gib 4 ;;
+    memory-copy) # a memory checkpoint's copy into the tier (staged on the GPU, 8 GiB shaped like the 1.1B's
+      # state, summed by the checksum threads) against a pinned copy_ in the same process, by setting
+      python3 $B/micro/bench_memory_copy.py --out "$OUT/memory-copy" --gib 8 --files 8 --rounds 2 --saves 3 \
+        --settings "default:;sum1:checksum_threads=1;sum8:checksum_threads=8;copy2:copy_threads=2" ;;
+    memory-often-1b) # one GPU, the 1.1B: memory checkpoints of the tier alone every 4 and every 10 steps against
+      # none, MEMORY_ROUNDS rounds in turn (default 1)
+      local t=checkpoint_interval=1000,memory_tier=true
+      (cd $B && python3 bench_nanotron.py all --model 1b --steps 80 --interval 4 --modes none \
+        --variant memtier4:$t,memory_interval=4 --variant memtier10:$t,memory_interval=10 --cache-gib 4 \
+        --rounds "${MEMORY_ROUNDS:-1}" --work "$WORK/mo1b" --out "$OUT/memory-often-1b") ;;
+    memory-often-180m) # one GPU, the 180M: memory checkpoints every 2 steps and at every step against none
+      local t=checkpoint_interval=1000,memory_tier=true
+      (cd $B && python3 bench_nanotron.py all --model 180m --steps 200 --interval 2 --modes none \
+        --variant memtier2:$t,memory_interval=2 --variant memtier1:$t,memory_interval=1 \
+        --rounds "${MEMORY_ROUNDS:-1}" --work "$WORK/mo180" --out "$OUT/memory-often-180m") ;;
     restart-1b) (cd $B && python3 bench_restart.py all --model 1b --step 10 --cache-gib 16 --work "$WORK/rs1b" \
       --out "$OUT/restart-1b" ${RESTART_ONLY:+--only $RESTART_ONLY} ${TIER_COPIES:+--tier-copies $TIER_COPIES} \
       ${RESTART_REPEATS:+--repeats $RESTART_REPEATS}) ;;
