@@ -194,6 +194,7 @@ NB_MODULE(_core, m) {
       "nanotron_datastates core: host cache, copy, io_uring flush, restore (private; use the package API)";
 
   m.attr("built_with_io_uring") = ds::built_with_io_uring();
+  m.attr("io_uring_absent_why") = ds::io_uring_absent_why();
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {

@@ -53,6 +53,8 @@ std::unique_ptr<FlushWorker> make_pwrite_worker(unsigned threads, int nice);
 
 // Whether this build has the io_uring backend (liburing's headers were found when it was built).
 bool built_with_io_uring();
+// Why this build has no io_uring backend ("" where it has one).
+const char* io_uring_absent_why();
 
 // Runs one op to completion with plain syscalls; returns 0 or a positive errno. Shared by the pwrite pool and
 // by the synchronous reader fallback.

@@ -215,6 +215,10 @@ std::unique_ptr<FlushWorker> make_uring_worker(unsigned flush_depth, int nice, s
   return w;
 }
 
+const char* io_uring_absent_why() {
+  return "";
+}
+
 bool built_with_io_uring() {
   return true;
 }

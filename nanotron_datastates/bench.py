@@ -125,7 +125,7 @@ def io_backend_text(used: str, asked: str) -> str:
     if used == "io_uring":
         return "io_uring"
     if not _core.built_with_io_uring:
-        return "pwrite (this build has no io_uring: liburing's headers were missing when it was built)"
+        return f"pwrite (this build has no io_uring: {_core.io_uring_absent_why})"
     return "pwrite (as asked)" if asked == "pwrite" else "pwrite (io_uring is refused on this machine)"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -14,6 +15,7 @@ import torch
 from . import _core
 
 log = logging.getLogger("nanotron_datastates")
+_HANDLES: weakref.WeakSet[SaveHandle] = weakref.WeakSet()  # every handle alive (let go of at exit)
 
 
 class SaveHandle:
@@ -34,6 +36,7 @@ class SaveHandle:
         exact_metadata: bool = False,
     ) -> None:
         self._job = job
+        _HANDLES.add(self)
         self.path = path
         self.exact_metadata = exact_metadata
         """Whether the header holds the caller's metadata only, without checksums (see :meth:`checksums`)."""
@@ -167,3 +170,10 @@ def wait_handles(
         raise TimeoutError(f"{len(handles)} saves not all {what} within {timeout} s")
     for h in handles:
         h._keepalive = None
+
+
+def let_go_of_jobs() -> None:
+    """Every handle's core job let go of (at interpreter exit, once every engine is closed: each job has
+    ended); a handle is of no use after it."""
+    for h in list(_HANDLES):
+        h._job = None

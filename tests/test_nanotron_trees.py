@@ -29,14 +29,14 @@ def test_adapter_on_nanotron(commit):
             pytest.fail(f"{why}: CI runs the adapter's tests on every supported Nanotron")
         pytest.skip(why)
     env = dict(os.environ, NANOTRON_SRC=str(src))
-    args = ["-q", "-rs", "-p", "no:cacheprovider", str(ROOT / "tests" / "adapter")]
+    args = ["-q", "-rfs", "-p", "no:cacheprovider", str(ROOT / "tests" / "adapter")]
     r = subprocess.run(
         [sys.executable, "-m", "pytest", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=1800,
+        timeout=3600,  # about 5 minutes a tree on a quiet 2-core machine; room for a loaded one
     )
     out = r.stdout + r.stderr
     summary = out.strip().splitlines()[-1] if out.strip() else ""

@@ -56,5 +56,6 @@ def test_the_core_builds_without_liburing_says_so_and_runs_on_pwrite(tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr[-20000:]
     assert "on pwrite (built without io_uring): all checks passed" in r.stdout
+    assert "no io_uring: it was built with DATASTATES_IO_URING=OFF" in r.stdout  # not "headers missing"
     symbols = subprocess.run(["nm", "-C", str(build / "ds_stress")], capture_output=True, text=True).stdout
     assert "io_uring_queue_init" not in symbols

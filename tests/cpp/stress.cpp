@@ -310,5 +310,6 @@ int main(int argc, char** argv) {
   }
   std::printf("stress: %d rounds on %s: all checks passed\n", rounds,
               ds::built_with_io_uring() ? "io_uring and pwrite" : "pwrite (built without io_uring)");
+  if (!ds::built_with_io_uring()) std::printf("no io_uring: %s\n", ds::io_uring_absent_why());
   return 0;
 }
