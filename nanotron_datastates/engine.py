@@ -93,8 +93,12 @@ class DataStatesEngine(EngineReads):
         itself keeps the file in memory only (a memory checkpoint): nothing is written to storage, and where
         the mirror cannot be had the save fails, naming why.
         """
+        t0 = time.perf_counter()
         plan = self.plan(state, metadata=metadata, allow_pickle=allow_pickle, exact_metadata=exact_metadata)
-        return self.save_plan(plan, path, stage=stage, mirror=mirror)
+        planned = time.perf_counter() - t0
+        handle = self.save_plan(plan, path, stage=stage, mirror=mirror)
+        handle._stall_s += planned  # the caller's stall counts its whole call, as its own clock does
+        return handle
 
     def plan(
         self,

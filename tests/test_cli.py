@@ -233,6 +233,15 @@ def test_plot_draws_the_telemetry(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rc, _, err = run(capsys, "plot", str(tmp_path / "none.jsonl"))
     assert rc == 1 and "none.jsonl" in err
+    # By default the plot goes beside the telemetry it draws, not into the current folder; an -o into a
+    # folder that does not exist is refused naming it, before anything is drawn
+    rc, out, _ = run(capsys, "plot", str(tmp_path))
+    assert rc == 0 and out.startswith(str(tmp_path / "datastates_telemetry.png"))
+    assert (tmp_path / "datastates_telemetry.png").read_bytes()[:4] == b"\x89PNG"
+    rc, _, err = run(capsys, "plot", str(tmp_path), "-o", str(tmp_path / "missing" / "t.png"))
+    assert (
+        rc == 1 and f"{tmp_path / 'missing'}: no such folder" in err and not (tmp_path / "missing").exists()
+    )
 
 
 def test_the_console_script_and_module_entry_point(ckpt):
@@ -475,7 +484,8 @@ def test_every_option_says_what_it_does_and_its_default(capsys):
     with pytest.raises(SystemExit):
         main(["plot", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "(default: datastates_telemetry.png)" in text and "datastates.telemetry: true" in text
+    assert "(default: datastates_telemetry.png beside the telemetry file drawn)" in text
+    assert "datastates.telemetry: true" in text
 
 
 def test_tier_lists_and_clears_what_jobs_keep_in_memory(tmp_path, capsys):
@@ -504,6 +514,11 @@ def test_tier_lists_and_clears_what_jobs_keep_in_memory(tmp_path, capsys):
     assert rc == 0 and "removed 1 job folder" in out
     rc, out, _ = run(capsys, "tier", "list", "--path", str(base))
     assert rc == 0 and "no checkpoint held in memory" in out
+    # Nothing to clear is said, with a failing status: a tier folder or a job that is not there
+    rc, _, err = run(capsys, "tier", "clear", "--path", str(tmp_path / "nowhere"))
+    assert rc == 1 and f"{tmp_path / 'nowhere'}: no such folder" in err
+    rc, _, err = run(capsys, "tier", "clear", str(tmp_path / "a"), "--path", str(base))
+    assert rc == 1 and f"no job of {tmp_path / 'a'}" in err
 
 
 def test_tier_refuses_a_folder_another_user_planted(tmp_path, capsys):

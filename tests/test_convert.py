@@ -218,6 +218,11 @@ def test_unreadable_pickle_leaves_nothing(tmp_path: Path) -> None:
 
 
 def test_refuses_what_it_cannot_convert(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no such checkpoint folder"):
+        convert(tmp_path / "missing", tmp_path / "out", "torch")
+    (tmp_path / "a.safetensors").write_bytes(b"x")
+    with pytest.raises(ValueError, match="is not a folder"):
+        convert(tmp_path / "a.safetensors", tmp_path / "out", "datastates")
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "notes.txt").write_text("hello")

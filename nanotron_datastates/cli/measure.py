@@ -83,6 +83,9 @@ def telemetry_records(path: str | os.PathLike) -> tuple[Path, list[dict[str, Any
 
 def cmd_plot(args: argparse.Namespace) -> int:
     file, lines = telemetry_records(args.path)
+    out = Path(args.out) if args.out else file.with_name("datastates_telemetry.png")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"{out.parent}: no such folder to write the plot into (-o {args.out})")
     records = [r for r in lines if "event" not in r]  # one per checkpoint
     replicated = {r.get("step"): r for r in lines if r.get("event") == "replicated"}
     try:
@@ -119,6 +122,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
     each = f", {median_size(sizes)} each (median)" if sizes else ""
     top.set_title(f"{plural(len(records), 'checkpoint')} ({len(failed)} failed){each}")
     fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(f"{args.out}: {plural(len(records), 'checkpoint')} from {file}")
+    fig.savefig(out, dpi=110)
+    print(f"{out}: {plural(len(records), 'checkpoint')} from {file}")
     return 0

@@ -119,7 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("path", help=f"a checkpoints folder holding {TELEMETRY}, or a telemetry file")
     c.add_argument(
-        "-o", "--out", default="datastates_telemetry.png", help="the PNG to write (default: %(default)s)"
+        "-o",
+        "--out",
+        help="the PNG to write, in a folder that exists (default: datastates_telemetry.png beside the "
+        "telemetry file drawn)",
     )
     c.set_defaults(func=cmd_plot)
 

@@ -33,7 +33,11 @@ def cmd_tier(args: argparse.Namespace) -> int:
                     f"of other nodes ({human_bytes(j['replica_bytes'])} in all replicas)"
                 )
         return 0
+    if not os.path.lexists(args.path):
+        raise FileNotFoundError(f"{args.path}: no such folder (the memory tier's, --path): nothing to clear")
     folders = [job_folder(args.path, args.checkpoints)] if args.checkpoints else None
+    if folders and not os.path.lexists(folders[0]):
+        raise FileNotFoundError(f"{folders[0]}: the tier holds no job of {args.checkpoints}")
     removed = tier_jobs.clear_jobs(args.path, folders)
     print(f"{args.path}: removed {plural(len(removed), 'job folder')}")
     return 0

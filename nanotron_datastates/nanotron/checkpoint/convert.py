@@ -81,6 +81,12 @@ def convert(
 
 
 def _check_source(src: Path, to: str) -> None:
+    if not os.path.lexists(src):
+        raise FileNotFoundError(f"{src}: no such checkpoint folder (the checkpoint to convert)")
+    if not os.path.isdir(src):
+        raise ValueError(
+            f"{src} is not a folder: convert takes a checkpoint's folder (a step of checkpoints)"
+        )
     if not os.path.lexists(src / METADATA):
         raise ValueError(f"{src} is not a Nanotron checkpoint folder (no {METADATA})")
     regular_files(src)  # an error naming any that is not a regular file, before anything is written
