@@ -258,7 +258,7 @@ class Saver:
         """Bounded (at exit after a crash, other ranks may be gone); idempotent."""
         self.gate.run_deferred()  # a checkpoint asked for after the last step
         try:
-            self.queuing.drain(timeout=600)
+            self.queuing.drain(timeout=60)  # milliseconds of work a checkpoint
             self.committer.take(self.outstanding, timeout=600)
         except TimeoutError as e:
             say.error(f"{e}; exiting anyway")
