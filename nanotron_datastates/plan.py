@@ -9,7 +9,6 @@ and every byte copy happen on the engine's threads.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import operator
 from dataclasses import dataclass, field
@@ -78,6 +77,13 @@ class SavePlan:
             (t.data_ptr(), t.shape, t.stride(), t.dtype, t.requires_grad) for t in tensors
         ]
 
+    def copy(self) -> SavePlan:
+        """A shallow copy (its lists shared: a renewal replaces them, never changes them), made without
+        `copy.copy`'s generic path: a checkpoint copies each of its files' plans on the training thread."""
+        new = object.__new__(SavePlan)
+        new.__dict__.update(self.__dict__)
+        return new
+
     def renew(self, path: str = "") -> None:
         """Makes again, in place, the entries of the tensors this plan no longer describes (`holds`): the same
         tensors under the same names, with the same plain values and metadata, as they are now. Lists are
@@ -107,7 +113,7 @@ def current(plans: Sequence[SavePlan], paths: Sequence[str]) -> list[SavePlan]:
     out = []
     for plan, path in zip(plans, paths):
         plan.renew(path)
-        out.append(copy.copy(plan))
+        out.append(plan.copy())
     return out
 
 
@@ -143,8 +149,8 @@ def prepare_all(
     arrays = [list(p.arrays) for p in plans]
     views: list[list[Any]] = [[] for _ in plans]
     bases: list[torch.Tensor] = []
-    if stage:  # every tensor copied, the non-contiguous ones too
-        bases = (stager or Stager()).stage(arrays, views)
+    if stage:  # every tensor copied, the non-contiguous ones too (the plans' entries: checked by `current`)
+        bases = (stager or Stager()).stage(arrays, views, [p.keys for p in plans])
     else:
         for k, p in enumerate(plans):
             for i, t in p.gathered:  # queued on the caller's stream, before the event the core records

@@ -16,7 +16,7 @@ view per tensor (`benchmarks/micro/bench_staging.py`).
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -68,16 +68,28 @@ class Layout:
     groups: list[_Group]
     views: list[list[tuple[int, int, int, torch.Size]]]  # per file, per tensor: (buffer, offset, size, shape)
 
-    def fits(self, arrays: Sequence[Sequence[torch.Tensor]]) -> bool:
-        """Whether `arrays` are the very tensors this layout was made for, with their shapes and dtypes."""
+    # Per file, what described its tensors when they were last found to fit (a plan's list of entries, which
+    # a plan's renewal replaces, never changes): the same object again needs no check of each tensor.
+    checked: list[Any] = field(default_factory=list)
+
+    def fits(self, arrays: Sequence[Sequence[torch.Tensor]], described: Sequence[Any] | None = None) -> bool:
+        """Whether `arrays` are the very tensors this layout was made for, with their shapes and dtypes.
+        `described`: per file, the object that describes its tensors as checked by the caller (a plan's
+        entries, `SavePlan.keys`): a file described by the same object as at the last fit is not checked
+        tensor by tensor again."""
         if len(arrays) != len(self.keys):
             return False
-        for row, keys in zip(arrays, self.keys):
+        same = described is not None and len(described) == len(self.checked)
+        for k, (row, keys) in enumerate(zip(arrays, self.keys)):
             if len(row) != len(keys):
                 return False
+            if same and described is not None and described[k] is self.checked[k]:
+                continue
             for a, (ref, shape, dtype, device) in zip(row, keys):
                 if ref() is not a or a.shape != shape or a.dtype != dtype or a.device != device:
                     return False
+        if described is not None:
+            self.checked = list(described)
         return True
 
 
@@ -129,13 +141,18 @@ class Stager:
     def __init__(self) -> None:
         self._last: Layout | None = None
 
-    def stage(self, arrays: list[list[torch.Tensor]], views: list[list[Any]]) -> list[torch.Tensor]:
+    def stage(
+        self, arrays: list[list[torch.Tensor]], views: list[list[Any]], described: Sequence[Any] | None = None
+    ) -> list[torch.Tensor]:
         """Replaces every tensor of `arrays` (a list per file) by its copy, fills `views` (a list per file:
-        where each copy lies) and returns the buffers that hold the copies."""
+        where each copy lies) and returns the buffers that hold the copies. `described`: as `Layout.fits`
+        takes it."""
         layout = self._last
-        reused = layout is not None and layout.fits(arrays)
+        reused = layout is not None and layout.fits(arrays, described)
         if layout is None or not reused:
             layout = self._last = layout_of(arrays)
+            if described is not None:
+                layout.checked = list(described)
         # empty_strided: Nanotron patches torch.empty (and others) while it builds a model, forcing its dtype
         bases = [
             torch.empty_strided((n,), (1,), dtype=torch.uint8, device=d)

@@ -64,6 +64,24 @@ def test_a_tensor_resized_in_place_or_replaced_gets_a_fresh_layout(engine, tmp_p
     assert same(engine.load(tmp_path / "2.safetensors")["x"], other)
 
 
+def test_a_plan_saved_again_is_staged_without_a_second_check_unless_its_tensors_changed(engine, tmp_path):
+    """The same plan staged again: its entries, checked by the save (`current`), are the ones the kept layout
+    was last found to fit, so no tensor is checked again; a tensor resized in place renews the plan's
+    entries, and then the layout is checked, found wrong, and made anew."""
+    x, y = torch.arange(12.0), torch.ones(4, 4)
+    plan = engine.plan({"x": x, "y": y})
+    for n in range(2):
+        engine.save_plans([(plan, tmp_path / f"{n}.safetensors")], stage=True)
+    kept = engine._stager._last
+    assert kept is not None and kept.checked[0] is plan.keys  # what the next fit compares, by identity
+    x.resize_(3, 4)
+    engine.save_plans([(plan, tmp_path / "2.safetensors")], stage=True)
+    assert engine._stager._last is not kept and engine._stager._last.checked[0] is plan.keys
+    engine.wait_persisted()
+    assert same(engine.load(tmp_path / "1.safetensors")["x"], torch.arange(12.0))
+    assert same(engine.load(tmp_path / "2.safetensors")["x"], torch.arange(12.0).view(3, 4))
+
+
 def test_the_kept_layout_keeps_no_tensor_alive(engine, tmp_path):
     x = torch.randn(1000)
     gone = weakref.ref(x)
