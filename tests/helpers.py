@@ -33,8 +33,9 @@ def mapped_at(path: Path) -> list[int]:
     return out
 
 
-def wait_until(done: Callable[[], bool], timeout: float = 10.0) -> bool:
-    """Polls `done` until it holds (True) or `timeout` seconds have passed (False)."""
+def wait_until(done: Callable[[], bool], timeout: float = 300.0) -> bool:
+    """Polls `done` until it holds (True) or `timeout` seconds have passed (False): a deadline with room for
+    a loaded machine, where only a hang should reach it."""
     deadline = time.monotonic() + timeout
     while not done():
         if time.monotonic() > deadline:

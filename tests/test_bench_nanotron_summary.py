@@ -37,7 +37,7 @@ def resummarize(folder: Path) -> None:
         cwd=BENCH,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     assert r.returncode == 0, f"resummarize {folder}: {r.stdout}{r.stderr}"
 

@@ -21,7 +21,7 @@ def _summarize(path: Path) -> None:
         cwd=BENCH,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     assert r.returncode == 0, f"summarize {path}: {r.stdout}{r.stderr}"
 

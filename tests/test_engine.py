@@ -390,7 +390,7 @@ def test_at_exit_every_engine_and_handle_lets_go_of_its_core_objects(tmp_path):
         """
     )
     r = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=900
     )
     assert r.returncode == 0 and r.stdout.strip() == "let go", r.stdout + r.stderr
     assert "leaked" not in r.stderr

@@ -95,7 +95,7 @@ def test_eacces(what):
         """
     )
     try:
-        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr
         first, second = r.stdout.strip().splitlines()
         assert first.startswith("EACCES") and first.endswith(f"'{target}'"), first

@@ -157,7 +157,7 @@ def test_a_reshard_warms_the_checkpoint_once_per_node_its_ranks_sharing_the_file
     for rank in (0, 1):
         monkeypatch.setenv("LOCAL_RANK", str(rank))
         warmers.append(warm_for_reshard(manifest, tmp_path, in_memory=False))
-    assert all(w is not None and w.join(30) for w in warmers)
+    assert all(w is not None and w.join(300) for w in warmers)
     shares = [set(w.paths) for w in warmers]
     assert shares[0] and shares[1] and not shares[0] & shares[1]
     assert shares[0] | shares[1] == {tmp_path / n for n in names[:-1]}
@@ -180,7 +180,7 @@ def test_a_reshard_warms_nothing_across_nodes_from_memory_or_beyond_half_the_ava
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert warm_for_reshard(manifest, tmp_path, in_memory=True) is None  # the memory tier's copy
     warmer = warm_for_reshard(manifest, tmp_path, in_memory=False)
-    assert warmer is not None and warmer.join(30) and warmer.nbytes == 1000  # rank 0 of 4: the one file
+    assert warmer is not None and warmer.join(300) and warmer.nbytes == 1000  # rank 0 of 4: the one file
     assert fits_in_memory(1000) and not fits_in_memory(1 << 62)
     manifest["files"]["model/w.safetensors"]["bytes"] = 1 << 62
     assert warm_for_reshard(manifest, tmp_path, in_memory=False) is None

@@ -308,7 +308,7 @@ def test_a_gloo_move_drops_what_cannot_be_reserved_and_both_ranks_finish(small_t
     for p in procs:
         p.start()
     for p in procs:
-        p.join(120)
+        p.join(600)
         assert p.exitcode == 0, f"a rank of the move exited with {p.exitcode}"
     assert json.loads((tmp_path / "rank1.json").read_text()) == {"a": True, "b": errno.ENOSPC}
 

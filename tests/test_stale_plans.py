@@ -61,7 +61,7 @@ def _save(engine: DataStatesEngine, saver: str, plan: SavePlan, state: dict, pat
             (a.data_ptr(), a.shape, a.stride(), a.dtype) for a in fresh.arrays
         ]
         engine.save_plan(again, path)
-    engine.wait_persisted(timeout=60)
+    engine.wait_persisted(timeout=600)
 
 
 def _check_file(engine: DataStatesEngine, path: Path, expected: dict[str, torch.Tensor]) -> None:

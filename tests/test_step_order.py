@@ -45,7 +45,7 @@ def rank_main(rank: int, world: int, work: str) -> None:
         order.at_step()
     last.set()
     order.finish()  # after the last step: what is ready now, then the transfer thread makes its own
-    thread.join(60)
+    thread.join(300)
     Path(work, f"made{rank}.json").write_text(json.dumps(made))
     dist.destroy_process_group()
 
@@ -57,7 +57,7 @@ def test_every_rank_makes_each_call_at_the_same_step_and_the_rest_after_the_last
     for p in procs:
         p.start()
     for p in procs:
-        p.join(120)
+        p.join(600)
         assert p.exitcode == 0
     made = [json.loads((tmp_path / f"made{r}.json").read_text()) for r in range(2)]
     assert [k for k, _, _ in made[0]] == list(range(CALLS)) == [k for k, _, _ in made[1]]
@@ -105,7 +105,7 @@ def test_finish_makes_the_ready_calls_before_any_later_one_and_never_two_at_once
     thread.start()
     started.wait(10)
     order.finish()
-    thread.join(60)
+    thread.join(300)
     assert [f.result(timeout=1) for f in ready] == list(range(20))
     assert overlaps == []
     assert made == list(range(40))

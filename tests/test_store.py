@@ -135,7 +135,7 @@ def test_latest_moves_only_once_another_process_lets_go_of_the_lock(tmp_path):
         assert mover.is_alive() and store.latest() == 10  # waits on the other process's lock
         holder.stdin.write("go\n")
         holder.stdin.flush()
-        mover.join(30)
+        mover.join(300)
         assert not mover.is_alive() and store.latest() == 20
     finally:
         holder.kill()

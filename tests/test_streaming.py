@@ -123,7 +123,7 @@ def test_close_at_a_random_moment_while_threads_save(tmp_path, seed):
     time.sleep(rng.uniform(0.05, 0.5))
     engine.close()
     for t in threads:
-        t.join(60)
+        t.join(300)
     assert len(refused) == 4 and all("closed" in r for r in refused)
     assert saved
     with DataStatesEngine(small_config()) as reader:

@@ -364,7 +364,7 @@ def resume_other(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     }
 
 
-def two_gloo_ranks(target: Any, args_of: Any, timeout: float = 120.0) -> dict[int, Any]:
+def two_gloo_ranks(target: Any, args_of: Any, timeout: float = 600.0) -> dict[int, Any]:
     """Runs `target(rank, *args_of(rank), out)` in two spawned processes, each of which puts (rank, answer)
     on the queue `out`; returns the answers by rank, once both processes have exited 0."""
     import multiprocessing
@@ -517,7 +517,7 @@ def launch(
         )
         for r in range(world)
     ]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {r} of tp={tp} dp={dp} pp={pp} cp={cp} zero={zero}:\n{out[-4000:]}"
     return [json.loads((work / f"rank-{r}.json").read_text()) for r in range(world)]
