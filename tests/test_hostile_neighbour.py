@@ -24,7 +24,7 @@ from nanotron_datastates.checkpoint.manifest import manifest as make_manifest
 from nanotron_datastates.checkpoint.manifest import read_manifest
 from nanotron_datastates.checkpoint.names import LATEST, MANIFEST
 from nanotron_datastates.save import housekeeping
-from nanotron_datastates.save.writer_lock import LOCK, WriterLock
+from nanotron_datastates.store.writer_lock import LOCK, WriterLock
 from nanotron_datastates.tier.memory import MemoryTier
 from nanotron_datastates.tier.replica_check import check_and_place
 from nanotron_datastates.tier.replica_transfer import Transfer, _temporary

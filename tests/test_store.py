@@ -24,9 +24,9 @@ from nanotron_datastates import trust
 from nanotron_datastates.checkpoint.manifest import manifest as make_manifest
 from nanotron_datastates.checkpoint.names import LATEST, MANIFEST, NANOTRON_METADATA
 from nanotron_datastates.save import housekeeping
-from nanotron_datastates.save.writer_lock import FolderBusy
 from nanotron_datastates.store import Store, open_store
 from nanotron_datastates.store.posix import LOCK, FolderStore
+from nanotron_datastates.store.writer_lock import FolderBusy
 
 
 def _checkpoint(store: Store, step: int, *, stock: bool = False) -> Path:

@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from nanotron_datastates import trust
-from nanotron_datastates.save.writer_lock import LOCK, FolderBusy, WriterLock
+from nanotron_datastates.store.writer_lock import LOCK, FolderBusy, WriterLock
 
 
 def _hold(root: str, held, done) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ContextManager, Protocol
 
 if TYPE_CHECKING:
-    from ..save.writer_lock import WriterLock
+    from .writer_lock import WriterLock
 
 __all__ = ["Store", "open_store"]
 

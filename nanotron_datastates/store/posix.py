@@ -1,7 +1,7 @@
 """`FolderStore`: the `Store` of a checkpoints folder on a POSIX file system, made of the package's existing
 pieces: atomic writes (`checkpoint/file_io.py`), the listing and `latest.txt` read strictly
 (`checkpoint/folder.py`), removal by descriptor with no link followed (`trust.py`), the inter-process lock
-file `.datastates.lock` (fasteners: a POSIX record lock) and the writer lock (`save/writer_lock.py`)."""
+file `.datastates.lock` (fasteners: a POSIX record lock) and the writer lock (`store/writer_lock.py`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from .. import telemetry, trust
 from ..checkpoint import folder as listing
 from ..checkpoint.file_io import fsync_path, write_atomic
 from ..checkpoint.names import LATEST, MANIFEST, NANOTRON_METADATA
-from ..save.writer_lock import WriterLock
+from .writer_lock import WriterLock
 
 LOCK = ".datastates.lock"  # latest.txt moves, and checkpoints are removed, only under this lock
 MARKERS = (MANIFEST, NANOTRON_METADATA)  # what makes a folder a checkpoint (`is_committed`)

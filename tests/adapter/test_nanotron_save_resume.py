@@ -628,7 +628,7 @@ def test_a_second_trainer_on_the_same_checkpoints_folder_is_refused(rank0, tmp_p
     """Two writers committing the same steps would mix one's manifest with the other's files: the rank that
     commits holds the folder's writer lock, so a second Saver there fails at its start, and the folder is
     free again once the first closes."""
-    from nanotron_datastates.save.writer_lock import FolderBusy
+    from nanotron_datastates.store.writer_lock import FolderBusy
 
     root = tmp_path / "ckpt"
     first = saver_of(rank0, root)
