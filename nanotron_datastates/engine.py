@@ -166,22 +166,41 @@ class DataStatesEngine(EngineReads):
         staged.target([path for _, path in files], mirrors=mirrors, recycle=recycle)
         return staged
 
-    def stage(self, plans: Sequence[SavePlan]) -> StagedSave:
+    def stage(self, plans: Sequence[SavePlan], *, keep: bool = False) -> StagedSave:
         """Every tensor of `plans` copied where it is, now, as :meth:`stage_plans` does, before anything is
         known of where the files go: :meth:`StagedSave.target` says it, then :meth:`StagedSave.queue`, from
         any thread (the core's copies follow these staging copies alone). A trainer stages before its
-        optimizer step and leaves the rest to a thread of its own once the step is launched."""
-        return self._prepare(plans, True, events=True)
+        optimizer step and leaves the rest to a thread of its own once the step is launched.
+
+        `keep`: the copies' memory stays with the engine once the save has read it, for the next staging of
+        the same tensors to copy into (no allocation, no view made: what staging costs the caller then is one
+        multi-tensor copy per dtype); a staging while a save still reads them takes new memory, kept in
+        their place. :meth:`release_staging` lets go of it."""
+        return self._prepare(plans, True, events=True, keep=keep)
+
+    @property
+    def staging_nbytes(self) -> int:
+        """Bytes of device memory kept by ``stage(..., keep=True)``."""
+        return self._stager.kept_nbytes
+
+    def release_staging(self) -> None:
+        """Lets go of the memory kept by ``stage(..., keep=True)``; it goes back once no save reads it."""
+        self._stager.release()
 
     def _prepare(
-        self, plans: Sequence[SavePlan], stage: bool, events: bool = False, names: list[str] | None = None
+        self,
+        plans: Sequence[SavePlan],
+        stage: bool,
+        events: bool = False,
+        names: list[str] | None = None,
+        keep: bool = False,
     ) -> StagedSave:
         """`names`: the files' paths, for the errors of plans whose tensors can no longer be saved."""
         if self._closed:
             raise ValueError("the engine is closed; create a new DataStatesEngine")
         t0 = time.perf_counter()
         fresh = current(plans, names or [f"file {k} of the save" for k in range(len(plans))])
-        prep = prepare_all(fresh, stage=stage, stager=self._stager, events=events)
+        prep = prepare_all(fresh, stage=stage, stager=self._stager, events=events, keep=keep)
         return StagedSave(self, fresh, prep, stage, time.perf_counter() - t0)
 
     def keep_mirrors(self, paths: Sequence[str | os.PathLike] | None = None) -> int:
@@ -257,6 +276,7 @@ class DataStatesEngine(EngineReads):
             return
         self._in_flight.log_remaining()
         self._closed = True
+        self._stager.release()
         self._core.close()
         self._in_flight.close()
 

@@ -141,16 +141,21 @@ class Prepared:
 
 
 def prepare_all(
-    plans: Sequence[SavePlan], *, stage: bool = False, stager: Stager | None = None, events: bool = False
+    plans: Sequence[SavePlan],
+    *,
+    stage: bool = False,
+    stager: Stager | None = None,
+    events: bool = False,
+    keep: bool = False,
 ) -> Prepared:
     """:func:`prepare_many`'s work without a copy of each plan (what a save of a checkpoint's many files
     does on the caller's thread). `events`: staged, an event recorded on each device's stream after the
-    copies (`Prepared.events`)."""
+    copies (`Prepared.events`). `keep`: the staging's buffers kept by `stager` (`Stager.stage`)."""
     arrays = [list(p.arrays) for p in plans]
     views: list[list[Any]] = [[] for _ in plans]
     bases: list[torch.Tensor] = []
     if stage:  # every tensor copied, the non-contiguous ones too (the plans' entries: checked by `current`)
-        bases = (stager or Stager()).stage(arrays, views, [p.keys for p in plans])
+        bases = (stager or Stager()).stage(arrays, views, [p.keys for p in plans], keep=keep)
     else:
         for k, p in enumerate(plans):
             for i, t in p.gathered:  # queued on the caller's stream, before the event the core records

@@ -32,6 +32,7 @@ _SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _PLAIN = (type(None), bool, int, str)  # JSON stands for them as they are
 _PLAIN_TYPES = frozenset(_PLAIN)
 _SCALAR_TYPES = _PLAIN_TYPES | {float}  # immutable leaves: a container of only these is copied flat
+_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def encode(state: Any, on_tensor: Callable[[torch.Tensor, str], str], *, allow_pickle: bool = False) -> str:
@@ -103,6 +104,15 @@ def freeze(state: Any) -> tuple[Any, list[torch.Tensor]]:
     def node(x: Any) -> Any:
         tx = type(x)
         if tx in (dict, collections.OrderedDict):
+            types = set(map(type, x.values()))  # at C speed: an optimizer's state is dicts of tensors
+            if types <= _TENSOR_TYPES:
+                ids = set(map(id, x.values()))
+                if len(ids) == len(x) and seen.isdisjoint(ids):  # each met for the first time
+                    seen.update(ids)
+                    tensors.extend(x.values())
+                    return tx(x)
+            elif types <= _SCALAR_TYPES:
+                return tx(x)
             return tx((k, v if type(v) in _PLAIN_TYPES else node(v)) for k, v in x.items())
         if tx is list or tx is tuple:
             if set(map(type, x)) <= _SCALAR_TYPES:

@@ -15,6 +15,8 @@ view per tensor (`benchmarks/micro/bench_staging.py`).
 
 from __future__ import annotations
 
+import itertools
+import operator
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -37,6 +39,7 @@ class _Group:
     split: list[int]  # the buffer seen as `dtype`, cut in turn: gap, tensor, gap, tensor, ..., the rest
     shapes: list[torch.Size]
     places: list[tuple[int, int]]  # (file, index in the file) of each tensor
+    flat: list[int]  # each tensor's index among every file's tensors in turn
     # From the layout's second use on: meta tensors of the gaps' and tensors' shapes, for one call that
     # makes every view (torch's unflatten_dense_tensors, a C++ loop), and which of them are the tensors.
     templates: list[torch.Tensor] | None = None
@@ -110,6 +113,7 @@ def layout_of(arrays: Sequence[Sequence[torch.Tensor]]) -> Layout:
             starts[a.device] += a.numel() * a.element_size()
         sizes.update(starts)
     devices = list(places)
+    first = list(itertools.accumulate((len(row) for row in arrays), initial=0))  # each file's first tensor
     groups: list[_Group] = []
     for b, device in enumerate(devices):
         size = sizes[device] = -(-sizes[device] // 16) * 16  # a whole number of elements of every dtype
@@ -130,43 +134,101 @@ def layout_of(arrays: Sequence[Sequence[torch.Tensor]]) -> Layout:
                 end = at // itemsize + n
             split.append(size // itemsize - end)
             shapes = [arrays[k][i].shape for k, i, _ in where]
-            groups.append(_Group(b, dtype, split, shapes, [(k, i) for k, i, _ in where]))
+            flat = [first[k] + i for k, i, _ in where]
+            groups.append(_Group(b, dtype, split, shapes, [(k, i) for k, i, _ in where], flat))
     keys = [[(weakref.ref(a), a.shape, a.dtype, a.device) for a in row] for row in arrays]
     return Layout(keys, devices, [sizes[d] for d in devices], groups, views)
 
 
 class Stager:
-    """Stages files, keeping the last layout for the next files that hold the same tensors."""
+    """Stages files, keeping the last layout for the next files that hold the same tensors, and, where asked
+    (`keep`), the buffers with every tensor's view in them: the next staging of the same tensors, once the
+    engine no longer reads the buffers (`lend`), copies into them without an allocation or a view made."""
 
     def __init__(self) -> None:
         self._last: Layout | None = None
+        self._kept: _Kept | None = None
 
     def stage(
-        self, arrays: list[list[torch.Tensor]], views: list[list[Any]], described: Sequence[Any] | None = None
+        self,
+        arrays: list[list[torch.Tensor]],
+        views: list[list[Any]],
+        described: Sequence[Any] | None = None,
+        keep: bool = False,
     ) -> list[torch.Tensor]:
         """Replaces every tensor of `arrays` (a list per file) by its copy, fills `views` (a list per file:
         where each copy lies) and returns the buffers that hold the copies. `described`: as `Layout.fits`
-        takes it."""
+        takes it. `keep`: the buffers kept for the next staging of the same tensors (`lend` says when the
+        engine is done with them; `release` lets go of them)."""
         layout = self._last
         reused = layout is not None and layout.fits(arrays, described)
         if layout is None or not reused:
             layout = self._last = layout_of(arrays)
             if described is not None:
                 layout.checked = list(described)
-        # empty_strided: Nanotron patches torch.empty (and others) while it builds a model, forcing its dtype
-        bases = [
-            torch.empty_strided((n,), (1,), dtype=torch.uint8, device=d)
-            for d, n in zip(layout.devices, layout.sizes)
-        ]
-        for group in layout.groups:
-            dsts, srcs = group.views(bases[group.buffer].view(group.dtype), reused), []
-            for dst, (k, i) in zip(dsts, group.places):
-                srcs.append(arrays[k][i])
-                arrays[k][i] = dst
-            copy_many(dsts, srcs)
+        kept = self._kept
+        if kept is not None and not (keep and kept.layout is layout):
+            kept = self._kept = None  # not wanted, or made for other tensors
+        if kept is not None and not kept.free():
+            kept = None  # a save still reads them: new buffers, kept in their place
+        flat = list(itertools.chain.from_iterable(arrays))  # every file's tensors in turn
+        if kept is not None:  # the same tensors into the same buffers: no allocation, no view, no walk
+            for group, dsts in zip(layout.groups, kept.views):
+                copy_many(dsts, list(map(flat.__getitem__, group.flat)))
+            arrays[:] = [list(row) for row in kept.rows]
+            bases = kept.bases
+        else:
+            # empty_strided: Nanotron patches torch.empty (and others) while it builds a model
+            bases = [
+                torch.empty_strided((n,), (1,), dtype=torch.uint8, device=d)
+                for d, n in zip(layout.devices, layout.sizes)
+            ]
+            groups = []
+            for group in layout.groups:
+                dsts = group.views(bases[group.buffer].view(group.dtype), reused)
+                copy_many(dsts, list(map(flat.__getitem__, group.flat)))
+                for dst, (k, i) in zip(dsts, group.places):
+                    arrays[k][i] = dst
+                groups.append(dsts)
+            if keep:
+                kept = self._kept = _Kept(layout, bases, groups, [list(row) for row in arrays])
+        if kept is not None:
+            kept.readers = None  # lent to the save being made, until `lend` names its readers
         for k, row in enumerate(layout.views):
             views[k] = list(row)
         return bases
+
+    def lend(self, bases: Sequence[torch.Tensor], readers: Sequence[Any]) -> None:
+        """The kept buffers, if `bases` are they, are read by `readers` (the core's jobs, each with
+        `snapshot_done()`): free again once every one of them has its snapshot (every byte read)."""
+        kept = self._kept
+        if kept is not None and len(bases) == len(kept.bases) and all(map(operator.is_, bases, kept.bases)):
+            kept.readers = list(readers)
+
+    def release(self) -> None:
+        """Lets go of the kept buffers (their memory goes back once no save reads them)."""
+        self._kept = None
+
+    @property
+    def kept_nbytes(self) -> int:
+        """Bytes of the buffers kept for the next staging."""
+        return sum(b.numel() for b in self._kept.bases) if self._kept is not None else 0
+
+
+@dataclass
+class _Kept:
+    """Buffers kept for the next staging of the same layout, with each group's views in them."""
+
+    layout: Layout
+    bases: list[torch.Tensor]
+    views: list[list[torch.Tensor]]  # per group of the layout
+    rows: list[list[torch.Tensor]]  # per file, its tensors' copies (where the staging puts them)
+    readers: list[Any] | None = None  # the saves that read them; None: lent to a save not yet queued
+
+    def free(self) -> bool:
+        """Whether no save reads the buffers any more. A staging never queued (it failed, or was dropped)
+        leaves them lent: the next staging takes new ones."""
+        return self.readers is not None and all(r.snapshot_done() for r in self.readers)
 
 
 def _meta(shape: Sequence[int]) -> torch.Tensor:

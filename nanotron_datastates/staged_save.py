@@ -101,6 +101,9 @@ class StagedSave:
             )
         ]
         jobs = engine._core.save_many(requests, prep.bases, _streams(engine, prep))  # all, or none (raises)
+        engine._stager.lend(
+            prep.bases, jobs
+        )  # kept buffers (`stage(keep=True)`) free once these have read them
         handles = [
             SaveHandle(job, path, a, p.nbytes, self._staged, m, p.exact_metadata)
             for job, p, a, path, m in zip(jobs, self._plans, prep.arrays, self._paths, self._mirrors)

@@ -347,3 +347,29 @@ def test_copies_of_a_staged_save_go_at_device_copy_gbps_and_others_at_full_speed
             assert same(e.load(path, "cuda")["x"], state["x"]), stage
     assert times[True] >= 0.25, times
     assert times[False] < 0.25, times
+
+
+def test_kept_staging_buffers_still_read_by_a_save_are_never_written(tmp_path):
+    """`stage(keep=True)` while the last save still reads its copies (paced: 64 MiB at 0.25 GB/s, about a
+    quarter of a second): the new staging takes other memory, kept in place of the first; once that save has
+    read them the next staging copies into the kept memory. Every file holds its own staging's values."""
+    x = random_tensor(torch.float32, (16 << 20,), seed=4).cuda()
+    config = DataStatesConfig(host_cache_size=0.25, chunk_size=16, device_copy_gbps=0.25)
+    with DataStatesEngine(config) as e:
+        plan = e.plan({"x": x})
+        expect, ptrs = [], []
+        for n in range(3):
+            x.add_(1)
+            expect.append(x.clone())
+            staged = e.stage([plan], keep=True)
+            ptrs.append(staged._prep.bases[0].data_ptr())
+            staged.target([tmp_path / f"{n}.safetensors"])
+            handle = staged.queue()[0]
+            if n == 0:
+                assert not handle._job.snapshot_done()  # the second staging finds the first's copies read
+            if n == 1:
+                handle.wait_copied()
+        e.wait_persisted()
+        assert ptrs[1] != ptrs[0] and ptrs[2] == ptrs[1], ptrs
+        for n, values in enumerate(expect):
+            assert same(e.load(tmp_path / f"{n}.safetensors", "cuda")["x"], values), n

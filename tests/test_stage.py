@@ -152,3 +152,67 @@ def test_a_staged_file_replanned_before_its_queuing_takes_the_new_plain_values_a
         back = engine.load(tmp_path / "opt.safetensors")
         assert back["lr"] == 5e-4
         assert all(same(back["state"][k], t) for k, t in expect.items())
+
+
+def _staged_values(files, n: int) -> dict[str, dict[str, torch.Tensor]]:
+    for state in files.values():
+        for t in state.values():
+            t.fill_(n) if t.numel() else None
+    return {k: {name: t.clone() for name, t in v.items()} for k, v in files.items()}
+
+
+def _loads_as(engine, folder, expect) -> None:
+    for k, state in expect.items():
+        back = engine.load(folder / f"{k}.safetensors")
+        assert back.keys() == state.keys() and all(same(back[m], t) for m, t in state.items()), (folder, k)
+
+
+def test_kept_buffers_take_the_next_staging_once_the_save_has_read_them(engine, tmp_path):
+    """`stage(keep=True)`: once its save has read the copies, the next staging of the same tensors copies
+    into the same memory, through the same views; each file holds the values of its own staging; without
+    `keep` (or once released) the memory is the allocator's again."""
+    files = _files()
+    plans = [engine.plan(state) for state in files.values()]
+    bases = []
+    for n in range(3):
+        expect = _staged_values(files, n)
+        staged = engine.stage(plans, keep=True)
+        bases.append([b.data_ptr() for b in staged._prep.bases])
+        for state in files.values():  # the step after the staging
+            for t in state.values():
+                t.fill_(-1) if t.numel() else None
+        staged.target([tmp_path / str(n) / f"{k}.safetensors" for k in files])
+        staged.queue()
+        engine.wait_persisted()
+        _loads_as(engine, tmp_path / str(n), expect)
+    assert bases[0] == bases[1] == bases[2]
+    assert engine.staging_nbytes == sum(engine._stager._last.sizes)
+    engine.release_staging()
+    assert engine.staging_nbytes == 0 and engine._stager._kept is None
+    staged = engine.stage(plans)  # not kept
+    staged.target([tmp_path / "3" / f"{k}.safetensors" for k in files])
+    staged.queue()
+    engine.wait_persisted()
+    assert engine.staging_nbytes == 0
+
+
+def test_kept_buffers_lent_to_a_save_not_done_with_them_are_never_written(engine, tmp_path):
+    """A staging whose save was never queued (it failed, or was dropped) still owns the kept buffers: the
+    next staging takes new ones, kept in their place, and the first copies keep their values."""
+    files = _files()
+    plans = [engine.plan(state) for state in files.values()]
+    first_values = _staged_values(files, 1)
+    first = engine.stage(plans, keep=True)
+    second_values = _staged_values(files, 2)
+    second = engine.stage(plans, keep=True)
+    second_bases = [b.data_ptr() for b in second._prep.bases]
+    assert [b.data_ptr() for b in first._prep.bases] != second_bases
+    assert engine._stager._kept.bases is second._prep.bases
+    for staged, n in ((first, 1), (second, 2)):
+        staged.target([tmp_path / str(n) / f"{k}.safetensors" for k in files])
+        staged.queue()
+    engine.wait_persisted()
+    _loads_as(engine, tmp_path / "1", first_values)
+    _loads_as(engine, tmp_path / "2", second_values)
+    third = engine.stage(plans, keep=True)  # the second's buffers, kept and read by now
+    assert [b.data_ptr() for b in third._prep.bases] == second_bases

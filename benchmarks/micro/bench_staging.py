@@ -1,7 +1,8 @@
 """What staging a checkpoint costs the training thread (GPU): its files staged one by one (a clone per
 tensor, as the trainer did until NOTES step 19) against all together (`engine.save_plans`: one allocation per
 dtype, one multi-tensor copy), with the layout made anew (a first checkpoint) and kept from the call before
-(every later checkpoint of the same tensors: stage.py).
+(every later checkpoint of the same tensors: stage.py); and what a trainer's staging alone costs
+(`engine.stage`), its buffers allocated each time or kept (`keep=True`).
 
     python3 benchmarks/bench_staging.py --model 180m --out DIR [--repeat 7 --dir /dev/shm/stage]
 
@@ -123,6 +124,7 @@ def main() -> int:
         return 2
     from nanotron_datastates import DataStatesConfig, DataStatesEngine
     from nanotron_datastates.stage import Stager
+    from nanotron_datastates.staged_save import StagedSave
 
     files = llama_files(args.model, args.device)
     tensors = [t for s in files.values() for t in _tensors(s)]
@@ -147,12 +149,19 @@ def main() -> int:
             "one_by_one": lambda: [engine.save_plan(p, path, stage=True) for p, path in plans],
             "together_new_layout": together_new_layout,
             "together": lambda: engine.save_plans(plans, stage=True),  # the layout just made, kept
+            # What a trainer's checkpoint stages before its step (the rest queued later, untimed here): the
+            # buffers allocated and viewed each time, or kept from the last staging (`stage(keep=True)`).
+            "stage": lambda: engine.stage([p for p, _ in plans]),
+            "stage_kept_buffers": lambda: engine.stage([p for p, _ in plans], keep=True),
         }
         for k in range(args.repeat + 1):  # the first round warms up (allocator, pinning): left out
             for way, save in ways.items():
                 (folder / "model").mkdir(parents=True, exist_ok=True)
                 (folder / "optimizer").mkdir(parents=True, exist_ok=True)
-                call_s, done_s, _ = timed(save)
+                call_s, done_s, out = timed(save)
+                if isinstance(out, StagedSave):
+                    out.target([path for _, path in plans])
+                    out.queue()
                 engine.wait_persisted()
                 shutil.rmtree(folder)
                 if k:
@@ -175,6 +184,7 @@ def main() -> int:
         "times": times,
         "speedup_call": med["one_by_one"]["call_s"] / med["together"]["call_s"],
         "speedup_call_kept_layout": med["together_new_layout"]["call_s"] / med["together"]["call_s"],
+        "speedup_stage_kept_buffers": med["stage"]["call_s"] / med["stage_kept_buffers"]["call_s"],
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

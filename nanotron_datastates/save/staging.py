@@ -15,6 +15,7 @@ from ..plan import SavePlan
 from ..stage import copy_many, staged_nbytes
 
 GIB = 1 << 30
+KEEP_WITHIN = 10  # steps: memory checkpoints at most this far apart keep their staging memory between them
 
 
 def spare_bytes(total: int) -> int:
@@ -28,9 +29,18 @@ def fits(nbytes: int, *, free: int, reserved: int, peak: int, total: int) -> boo
     return nbytes <= free + reserved - peak - spare_bytes(total)
 
 
-def decide(mode: str, nbytes: int) -> tuple[bool, str]:
+def keep(memory_interval: int) -> bool:
+    """Whether a staged checkpoint's GPU memory is kept for the next one (`DataStatesEngine.stage`'s
+    `keep`): where memory checkpoints come every few steps, the next one then copies into it without an
+    allocation or a view made (1-2 ms of the training thread's time a checkpoint). Checkpoints further apart
+    leave it to torch's allocator, which can give it back to training should training run short."""
+    return 0 < memory_interval <= KEEP_WITHIN
+
+
+def decide(mode: str, nbytes: int, held: int = 0) -> tuple[bool, str]:
     """(stage?, why) for a checkpoint of `nbytes` on the current GPU, by `mode` (auto, always, never);
-    'always' without a GPU stages in host memory."""
+    'always' without a GPU stages in host memory. `held`: bytes of staging memory kept from the last
+    checkpoint (`keep`), which the peak counts and this one reuses."""
     if mode in ("never", "always"):
         return mode == "always", f"device_snapshot: {mode}"
     if not torch.cuda.is_available():
@@ -41,8 +51,8 @@ def decide(mode: str, nbytes: int) -> tuple[bool, str]:
     stats = torch.cuda.memory_stats_as_nested_dict(device)
     reserved = stats.get("reserved_bytes", {}).get("all", {}).get("current", 0)
     peak = stats.get("allocated_bytes", {}).get("all", {}).get("peak", 0)
-    room = free + reserved - peak - spare_bytes(total)
-    ok = fits(nbytes, free=free, reserved=reserved, peak=peak, total=total)
+    room = free + reserved - peak - spare_bytes(total) + held
+    ok = fits(nbytes - held, free=free, reserved=reserved, peak=peak, total=total)
     return ok, f"{nbytes / GIB:.2f} GiB to stage, {max(room, 0) / GIB:.2f} GiB of room above the peak"
 
 

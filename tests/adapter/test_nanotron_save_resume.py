@@ -709,3 +709,38 @@ def memory_trainer(rank0, tmp_path: Path, every: int, iteration: int) -> tuple[A
 
 def saver_commits(root: Path) -> list[dict[str, Any]]:
     return [r for r in housekeeping.read_telemetry(root) if "event" not in r]
+
+
+def test_checkpoints_every_few_steps_stage_into_the_memory_kept_from_the_last_one(rank0, tmp_path):
+    """With memory checkpoints every few steps (`memory_interval` 2), a staged checkpoint's memory stays
+    with the engine: the next one, once the last one's copies are read, stages into it. Each checkpoint
+    holds the state of its own request."""
+    pc, c, state, _ = rank0
+    model, optimizer, lr_scheduler, random_states = state
+    saver = saver_of(
+        rank0,
+        tmp_path / "ckpt",
+        device_snapshot="always",
+        memory_tier=True,
+        memory_tier_path=str(tmp_path / "shm"),
+        memory_interval=2,
+    )
+    saver.start()
+    saver.after_first_step()
+    asked, memory = {}, []
+    for at in (5, 6, 7):
+        asked[at] = snapshot(*state)
+        ask(saver, rank0, at)
+        saver.before_step()
+        memory.append([b.data_ptr() for b in saver.engine._stager._kept.bases])
+        step(model, optimizer)
+        saver.after_step()
+        saver.drain(lambda s: None)  # the copies read: the next checkpoint finds the memory free
+    assert memory[0] == memory[1] == memory[2]
+    assert saver.engine.staging_nbytes > 0
+    saver.close()
+    assert saver.engine.staging_nbytes == 0
+    for at, want in asked.items():
+        _, got, _ = resumed(rank0, tmp_path / "ckpt" / str(at))
+        got.pop("random"), want.pop("random")
+        assert differences(want, got) == [], at

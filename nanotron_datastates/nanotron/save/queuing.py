@@ -52,6 +52,7 @@ class Queuing:
         self.gate, self.committer, self.files, self.notify = gate, committer, files, notify
         self.queuer = Queuer()
         self.out_of_memory = False  # staging ran out of GPU memory (the Saver decides again)
+        self.keep_staging = False  # the staging's GPU memory kept for the next checkpoint (staging.keep)
 
     def capture(self, job: Request, stage: bool) -> None:
         """Part 1, on the training thread."""
@@ -68,9 +69,10 @@ class Queuing:
                 job.files.append((files.optimizer, plan))
             if stage:
                 try:
-                    job.staged = self.engine.stage([plan for _, plan in job.files])
+                    job.staged = self.engine.stage([plan for _, plan in job.files], keep=self.keep_staging)
                 except torch.cuda.OutOfMemoryError:
                     self.out_of_memory = True
+                    self.engine.release_staging()
                     say.info(
                         "out of GPU memory copying a checkpoint on the GPU: copied from the state itself"
                     )

@@ -111,6 +111,7 @@ class Saver:
         self.queuing = Queuing(
             engine, self.tier, self.optimizer_plans, self.gate, self.committer, self.files, self._notify
         )
+        self.queuing.keep_staging = staging.keep(settings.memory_interval)
 
     # -- 0. when the trainer is built ------------------------------------------------------------------------
 
@@ -198,7 +199,9 @@ class Saver:
             nbytes = sum(p.nbytes for _, p in self.files().weights)
             if self.files().optimizer is not None:
                 nbytes += self.engine.plan(self.optimizer_plans.state()).nbytes
-        stage, why = staging.decide(self.settings.device_snapshot, nbytes)
+        stage, why = staging.decide(self.settings.device_snapshot, nbytes, held=self.engine.staging_nbytes)
+        if not stage:
+            self.engine.release_staging()
         if self.queuing.out_of_memory:  # the last staging found no room: this decision is new
             self.queuing.out_of_memory, self._staged = False, False
         if stage != self._staged:
@@ -264,6 +267,7 @@ class Saver:
             say.error(f"{e}; exiting anyway")
         self.queuing.close(timeout=60)
         self.outstanding = 0
+        self.engine.release_staging()  # no checkpoint stages after this
         self.committer.close()
         memory.stop_replicas(self.replication, timeout=60)
         if self.writer is not None:
