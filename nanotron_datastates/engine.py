@@ -311,5 +311,5 @@ def _let_go_at_exit() -> None:
             engine.close()
         except Exception as e:  # a save that failed unnoticed: said, not raised, at exit
             log.error("closing a DataStatesEngine at exit: %s", e)
-        engine._core = None
+        engine._core = None  # type: ignore[assignment]  # closed: nothing reads it after this
     let_go_of_jobs()

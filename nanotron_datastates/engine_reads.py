@@ -7,7 +7,7 @@ the engine's core).
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -24,6 +24,9 @@ from .restore import (
     verify_file,
 )
 
+if TYPE_CHECKING:
+    from ._core import Engine as CoreEngine
+
 __all__ = ["EngineReads"]
 
 
@@ -31,7 +34,7 @@ class EngineReads:
     """The reading half of :class:`DataStatesEngine`, over its core, settings and closed flag."""
 
     config: DataStatesConfig
-    _core: Any
+    _core: CoreEngine
     _closed: bool
 
     def load(

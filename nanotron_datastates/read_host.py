@@ -4,7 +4,7 @@ separate storage over its bytes (the mapping goes with the last of them), checke
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 import torch
 
@@ -12,9 +12,12 @@ from . import format as fmt
 from .read_checksums import _expected, _verify
 from .read_open import _opened, empty
 
+if TYPE_CHECKING:
+    from ._core import Engine as CoreEngine
+
 
 def load_tensors(
-    core: Any,
+    core: CoreEngine,
     path: str | os.PathLike,
     names: Iterable[str],
     *,
@@ -35,7 +38,7 @@ def load_tensors(
 
 
 def _read_to_host(
-    core: Any,
+    core: CoreEngine,
     path: str,
     fd: int,
     header: fmt.Header,

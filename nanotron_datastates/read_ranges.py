@@ -5,7 +5,7 @@ once, to be checked."""
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
@@ -15,9 +15,12 @@ from .read_checksums import _expected, _given_blocks, _segments
 from .read_host import _typed
 from .read_open import _opened
 
+if TYPE_CHECKING:
+    from ._core import Engine as CoreEngine
+
 
 def load_ranges(
-    core: Any,
+    core: CoreEngine,
     path: str | os.PathLike,
     ranges: Mapping[str, tuple[int, int]],
     *,
@@ -37,7 +40,7 @@ def load_ranges(
 
 
 def load_range_list(
-    core: Any,
+    core: CoreEngine,
     path: str | os.PathLike,
     items: Sequence[tuple[str, int, int]],
     *,
@@ -53,7 +56,7 @@ def load_range_list(
 
 
 def _range_list(
-    core: Any,
+    core: CoreEngine,
     path: str,
     fd: int,
     header: fmt.Header,

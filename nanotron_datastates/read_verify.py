@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from . import format as fmt
 from . import trust
@@ -16,6 +16,9 @@ from .errors import ChecksumError
 from .read_checksums import _given_blocks, _segments
 from .read_host import _read_to_host
 from .read_open import _check_structure
+
+if TYPE_CHECKING:
+    from ._core import Engine as CoreEngine
 
 
 class FileCheck:
@@ -25,7 +28,7 @@ class FileCheck:
 
     def __init__(
         self,
-        core: Any,
+        core: CoreEngine,
         path: str | os.PathLike,
         checksums: Mapping[str, int] | None = None,
         block_checksums: tuple[int, Mapping[str, Sequence[int]]] | None = None,
@@ -80,7 +83,7 @@ class FileCheck:
 
 
 def verify_file(
-    core: Any,
+    core: CoreEngine,
     path: str | os.PathLike,
     checksums: Mapping[str, int] | None = None,
     block_checksums: tuple[int, Mapping[str, Sequence[int]]] | None = None,

@@ -16,7 +16,7 @@ against), `read_verify` (the check of a file end to end). Their names stay impor
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
@@ -28,6 +28,9 @@ from .read_host import _read_to_host, _typed, load_tensors
 from .read_open import TensorRef, _check_structure, _device, _opened, empty, read_structure
 from .read_ranges import _merged, _range_list, _span, load_range_list, load_ranges
 from .read_verify import verify_file
+
+if TYPE_CHECKING:
+    from ._core import Engine as CoreEngine
 
 __all__ = [
     "DeviceRead",
@@ -60,7 +63,7 @@ __all__ = [
 
 
 def load_file(
-    core: Any,
+    core: CoreEngine,
     path: str | os.PathLike,
     device: str | torch.device = "cpu",
     *,
@@ -86,7 +89,7 @@ def load_file(
 
 
 def load_into_tensors(
-    core: Any,
+    core: CoreEngine,
     path: str | os.PathLike,
     targets: Mapping[str, torch.Tensor],
     *,
@@ -100,7 +103,7 @@ def load_into_tensors(
 
 
 def _load_into(
-    core: Any,
+    core: CoreEngine,
     path: str,
     fd: int,
     header: fmt.Header,

@@ -100,7 +100,8 @@ class StagedSave:
                 self._plans, prep.arrays, prep.views, self._paths, self._mirrors, self._recycle
             )
         ]
-        jobs = engine._core.save_many(requests, prep.bases, _streams(engine, prep))  # all, or none (raises)
+        # All, or none (raises). torch's tensors reach the core's ndarrays by DLPack (not in its stub).
+        jobs = engine._core.save_many(requests, prep.bases, _streams(engine, prep))  # type: ignore[arg-type]
         engine._stager.lend(
             prep.bases, jobs
         )  # kept buffers (`stage(keep=True)`) free once these have read them

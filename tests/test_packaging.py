@@ -1,6 +1,7 @@
 """The package as users get it: a wheel built by pip (scikit-build-core + nanobind) with the private extension
 and its generated stub, installed into a fresh virtual environment and used from outside the source tree."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -11,6 +12,18 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+STUB = ROOT / "nanotron_datastates" / "_core.pyi"  # what mypy checks the package against
+
+
+def test_the_core_stub_in_the_tree_is_the_one_the_build_generates():
+    """The build generates the extension's stub from its binding (nanobind's stubgen) and installs it beside
+    the extension; the tree keeps a copy for mypy and the wheel. A binding changed without its stub fails
+    here."""
+    spec = importlib.util.find_spec("nanotron_datastates._core")
+    assert spec is not None and spec.origin is not None
+    built = Path(spec.origin).with_name("_core.pyi")
+    assert built.exists(), f"{built}: the build installs the stub beside the extension"
+    assert STUB.read_text() == built.read_text(), f"the binding changed: cp {built} {STUB.relative_to(ROOT)}"
 
 
 def run_py(py: str, code: str, **env: str) -> str:
@@ -46,6 +59,8 @@ def test_wheel_installs_and_works_outside_the_tree(tmp_path):
     names = zf.namelist()
     (so,) = [n for n in names if n.startswith("nanotron_datastates/_core") and n.endswith(".so")]
     assert "nanotron_datastates/_core.pyi" in names and "nanotron_datastates/engine.py" in names
+    assert "nanotron_datastates/py.typed" in names  # type checkers read the package's hints and the stub
+    assert zf.read("nanotron_datastates/_core.pyi").decode() == STUB.read_text()
     # One build serves every torch and every machine: no torch, CUDA or Python library among its dependencies.
     needed = subprocess.run(
         ["readelf", "-d", zf.extract(so, tmp_path)], capture_output=True, text=True
