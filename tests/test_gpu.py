@@ -373,3 +373,16 @@ def test_kept_staging_buffers_still_read_by_a_save_are_never_written(tmp_path):
         assert ptrs[1] != ptrs[0] and ptrs[2] == ptrs[1], ptrs
         for n, values in enumerate(expect):
             assert same(e.load(tmp_path / f"{n}.safetensors", "cuda")["x"], values), n
+
+
+def test_a_checkpoint_that_fits_the_staging_memory_kept_is_staged_without_asking_the_allocator(monkeypatch):
+    from nanotron_datastates.save import staging
+
+    def asked(*a, **k):
+        raise AssertionError("the allocator was asked")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", asked)
+    stage, why = staging.decide("auto", 1 << 20, held=2 << 20)
+    assert stage and "kept" in why
+    with pytest.raises(AssertionError, match="allocator was asked"):
+        staging.decide("auto", 3 << 20, held=2 << 20)
