@@ -70,7 +70,7 @@ def run_phase(args: argparse.Namespace) -> None:
 
         for name in ("save", "plan", "save_plan", "save_plans", "stage_plans", "stage"):
             setattr(DataStatesEngine, name, timed(getattr(DataStatesEngine, name)))
-        from nanotron_datastates.staged_save import StagedSave
+        from nanotron_datastates.save.staged_save import StagedSave
 
         # A staged checkpoint's files, queued once the step is launched
         StagedSave.queue = timed(StagedSave.queue)  # type: ignore[method-assign]

@@ -15,19 +15,19 @@ if TYPE_CHECKING:
     from .engine import DataStatesEngine
     from .engine_settings import DataStatesConfig
     from .errors import ChecksumError, DataStatesError, FormatError
-    from .plan import SavePlan
-    from .save_handle import SaveHandle
-    from .staged_save import StagedSave
+    from .save.handle import SaveHandle
+    from .save.plan import SavePlan
+    from .save.staged_save import StagedSave
 
 _WHERE = {
     "DataStatesConfig": "engine_settings",
     "DataStatesEngine": "engine",
-    "SaveHandle": "save_handle",
+    "SaveHandle": "save.handle",
     "ChecksumError": "errors",
     "DataStatesError": "errors",
     "FormatError": "errors",
-    "SavePlan": "plan",
-    "StagedSave": "staged_save",
+    "SavePlan": "save.plan",
+    "StagedSave": "save.staged_save",
 }
 __all__ = [
     "ChecksumError",

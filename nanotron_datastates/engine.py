@@ -23,13 +23,13 @@ import weakref
 from typing import Any, Mapping, Sequence
 
 from .core_setup import start_core
-from .engine_reads import EngineReads
 from .engine_settings import DataStatesConfig
-from .in_flight import InFlight
-from .plan import SavePlan, current, plan_save, prepare_all
-from .save_handle import SaveHandle, let_go_of_jobs, wait_handles
-from .stage import Stager
-from .staged_save import StagedSave
+from .load.engine_reads import EngineReads
+from .save.handle import SaveHandle, let_go_of_jobs, wait_handles
+from .save.in_flight import InFlight
+from .save.plan import SavePlan, current, plan_save, prepare_all
+from .save.stage import Stager
+from .save.staged_save import StagedSave
 
 __all__ = ["DataStatesEngine", "SaveHandle", "StagedSave", "wait_handles"]
 

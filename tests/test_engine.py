@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
-from nanotron_datastates.save_handle import wait_handles
+from nanotron_datastates.save.handle import wait_handles
 
 from helpers import injected_fault, same, small_config, wait_until
 
@@ -359,8 +359,8 @@ def test_the_core_refuses_a_staged_view_outside_its_buffer_and_queues_none_of_th
 
 
 def test_staged_nbytes_bounds_the_staged_buffer(engine):
-    from nanotron_datastates.plan import prepare_many
-    from nanotron_datastates.stage import staged_nbytes
+    from nanotron_datastates.save.plan import prepare_many
+    from nanotron_datastates.save.stage import staged_nbytes
 
     plans = [engine.plan({"a": torch.randn(333, 7), "b": torch.arange(5)}), engine.plan({"c": torch.ones(3)})]
     plans.append(engine.plan({"d": torch.randn(100).to(torch.bfloat16)}))

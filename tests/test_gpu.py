@@ -88,7 +88,7 @@ def test_a_staged_save_is_copied_in_the_callers_stream_order(gpu_engine, tmp_pat
 
 
 def test_staged_plans_saved_together_are_copied_in_the_callers_stream_order(gpu_engine, tmp_path):
-    """Twice: the second save stages with the layout the first one made (stage.py)."""
+    """Twice: the second save stages with the layout the first one made (save/stage.py)."""
     w = torch.zeros(3 << 20, device="cuda", dtype=torch.bfloat16)
     m, cpu = torch.zeros(5 << 20, device="cuda"), torch.zeros(1000)
     plans = [gpu_engine.plan({"w": w, "m": m}), gpu_engine.plan({"m2": m[1:], "cpu": cpu})]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nanotron_datastates.plan import plan_save
+from nanotron_datastates.save.plan import plan_save
 
 
 def test_flat_dict_keeps_its_keys_as_tensor_names():

@@ -8,8 +8,9 @@ import safetensors
 import safetensors.torch
 import torch
 
-from nanotron_datastates import ChecksumError, DataStatesEngine, _core, restore
+from nanotron_datastates import ChecksumError, DataStatesEngine, _core
 from nanotron_datastates import format as fmt
+from nanotron_datastates.load import restore
 
 from helpers import constructors_forced_to, random_tensor, same, small_config
 

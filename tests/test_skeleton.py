@@ -118,7 +118,7 @@ def test_freeze_copies_every_container_and_lists_the_tensors_in_the_plans_order(
     """`freeze`: a copy whose containers the original's later changes do not reach, and the tensors in the
     order a plan of it holds them, each once (a tied tensor, an OrderedDict, tuples and plain lists in
     between): a trainer checks the copy against the plan kept from the last checkpoint by that order."""
-    from nanotron_datastates.plan import plan_save
+    from nanotron_datastates.save.plan import plan_save
 
     w, m, tied = torch.zeros(3), torch.ones(2, 2), torch.arange(4)
     own = {"step": 3, "m": m}  # an optimizer's own per-parameter state

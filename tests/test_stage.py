@@ -1,5 +1,5 @@
-"""Staging's kept layout (stage.py): reused only for the very tensors it was made for, unchanged, and holding
-none of them alive; every save staged with it holds the values of its own time."""
+"""Staging's kept layout (save/stage.py): reused only for the very tensors it was made for, unchanged, and
+holding none of them alive; every save staged with it holds the values of its own time."""
 
 import gc
 import weakref

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from nanotron_datastates import DataStatesEngine
-from nanotron_datastates.plan import SavePlan, plan_save
+from nanotron_datastates.save.plan import SavePlan, plan_save
 
 from helpers import random_tensor, same, small_config
 

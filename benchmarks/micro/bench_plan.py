@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the helpers in benchmarks/
 from _common import command_info  # noqa: E402
 
-from nanotron_datastates.plan import plan_save  # noqa: E402
+from nanotron_datastates.save.plan import plan_save  # noqa: E402
 from nanotron_datastates.skeleton import freeze  # noqa: E402
 
 

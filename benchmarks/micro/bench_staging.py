@@ -1,7 +1,7 @@
 """What staging a checkpoint costs the training thread (GPU): its files staged one by one (a clone per
 tensor, as the trainer did until NOTES step 19) against all together (`engine.save_plans`: one allocation per
 dtype, one multi-tensor copy), with the layout made anew (a first checkpoint) and kept from the call before
-(every later checkpoint of the same tensors: stage.py); and what a trainer's staging alone costs
+(every later checkpoint of the same tensors: save/stage.py); and what a trainer's staging alone costs
 (`engine.stage`), its buffers allocated each time or kept (`keep=True`).
 
     python3 benchmarks/bench_staging.py --model 180m --out DIR [--repeat 7 --dir /dev/shm/stage]
@@ -123,8 +123,8 @@ def main() -> int:
         print("needs a CUDA GPU (--device cpu: a smoke test of this script)", file=sys.stderr)
         return 2
     from nanotron_datastates import DataStatesConfig, DataStatesEngine
-    from nanotron_datastates.stage import Stager
-    from nanotron_datastates.staged_save import StagedSave
+    from nanotron_datastates.save.stage import Stager
+    from nanotron_datastates.save.staged_save import StagedSave
 
     files = llama_files(args.model, args.device)
     tensors = [t for s in files.values() for t in _tensors(s)]

@@ -19,9 +19,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from .. import restore, state_parts, trust
+from .. import state_parts, trust
 from ..checkpoint.manifest import ManifestError, member
 from ..engine import DataStatesEngine
+from ..load import restore
 from ..tier.peer_reads import PeerReads
 
 log = logging.getLogger("nanotron_datastates")

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import DataStatesError
-from ..restore import empty
+from ..load.restore import empty
 
 _CPU = torch.device("cpu")
 

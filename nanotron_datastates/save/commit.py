@@ -30,7 +30,7 @@ import torch.distributed as dist
 from .. import cpu_use
 from ..checkpoint.checksums import file_entry
 from ..errors import CheckpointError
-from ..save_handle import wait_handles
+from .handle import wait_handles
 
 __all__ = ["CheckpointError", "CommitResult", "Committer", "PendingCheckpoint"]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from .. import skeleton, state_parts
 from ..engine import DataStatesEngine
-from ..plan import SavePlan
+from .plan import SavePlan
 
 
 class OptimizerPlans:

@@ -11,8 +11,8 @@ from typing import Sequence
 
 import torch
 
-from ..plan import SavePlan
-from ..stage import copy_many, staged_nbytes
+from .plan import SavePlan
+from .stage import copy_many, staged_nbytes
 
 GIB = 1 << 30
 KEEP_WITHIN = 10  # steps: memory checkpoints at most this far apart keep their staging memory between them

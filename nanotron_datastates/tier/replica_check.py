@@ -15,7 +15,7 @@ from typing import Any, Callable
 from .. import trust
 from ..checkpoint.checksums import file_block_checksums, file_checksums
 from ..format import header_end
-from ..read_verify import FileCheck
+from ..load.verify import FileCheck
 from .replica_transfer import Transfer
 
 THREADS = 8  # files, or runs of a large file's tensors, checked at once (each over the engine's parsers too)

@@ -33,7 +33,7 @@ from ...checkpoint.folder_copy import CONFIG, MODEL, PICKLED, RANDOM, regular_fi
 from ...checkpoint.manifest import is_datastates_checkpoint, read_manifest
 from ...checkpoint.names import MANIFEST, NANOTRON_METADATA
 from ...engine import DataStatesEngine
-from ...save_handle import SaveHandle
+from ...save.handle import SaveHandle
 from ...store import open_store
 from .convert_from_stock import to_datastates
 from .convert_to_stock import to_torch

@@ -26,7 +26,7 @@ from ...checkpoint.manifest import manifest_text
 from ...checkpoint.names import MANIFEST, NANOTRON_METADATA, as_safetensors
 from ...checkpoint.topology import topology as make_topology
 from ...engine import DataStatesEngine
-from ...save_handle import SaveHandle
+from ...save.handle import SaveHandle
 from ...store import open_store
 from .stock_pickles import load_stock, nanotron_random, random_state_globals, random_states_to_plain
 

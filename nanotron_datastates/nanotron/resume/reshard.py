@@ -25,7 +25,7 @@ import torch
 from ...checkpoint.checksums import file_block_checksums, file_checksums
 from ...checkpoint.manifest import member
 from ...engine import DataStatesEngine
-from ...restore import TensorRef
+from ...load.restore import TensorRef
 from ...resume import reshard_plan
 from ...resume.reshard_plan import Need, Piece, ReshardError, Source
 from .saved_layout import MASTER, SavedFile, read_saved, saved_pieces, whole_pair, zero_ranges

@@ -18,7 +18,7 @@ from ...checkpoint.reads import optimizer_files
 from ...checkpoint.topology import stock_topology, topology_changes
 from ...engine import DataStatesEngine
 from ...format import read_header
-from ...restore import TensorRef, read_structure
+from ...load.restore import TensorRef, read_structure
 from ...resume.reshard_plan import Piece, ReshardError
 
 _OPTIMIZER = re.compile(

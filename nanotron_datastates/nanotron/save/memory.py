@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from ...engine import DataStatesEngine
 from ...engine_settings import MIN_PARSER_THREADS
-from ...plan import SavePlan
+from ...save.plan import SavePlan
 from ...store import open_store
 from ...tier.links import open_link
 from ...tier.memory import REPLICAS, MemoryTier

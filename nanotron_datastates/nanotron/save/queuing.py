@@ -24,10 +24,10 @@ from typing import Any, Callable
 import torch
 
 from ...engine import DataStatesEngine
-from ...plan import SavePlan
 from ...save.commit import Committer
 from ...save.gate import SnapshotGate
 from ...save.optimizer_plan import OptimizerPlans
+from ...save.plan import SavePlan
 from ...save.queuer import Queuer
 from ...tier.memory import MemoryTier
 from .. import log as say

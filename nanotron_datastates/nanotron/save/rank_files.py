@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from ...engine import DataStatesEngine
-from ...plan import SavePlan
 from ...save.commit import PendingCheckpoint
+from ...save.plan import SavePlan
 from ...tier.memory import MemoryTier
 from .. import shards
 

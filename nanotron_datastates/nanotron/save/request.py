@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from ...save.commit import PendingCheckpoint
-from ...staged_save import StagedSave
+from ...save.staged_save import StagedSave
 from .. import log as say
 from .. import rng_states as states
 from .rank_files import RankFiles

@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...engine import DataStatesEngine
-from ...plan import SavePlan
 from ...save import staging
 from ...save.commit import CheckpointError, CommitResult, Committer, PendingCheckpoint
 from ...save.gate import SnapshotGate
 from ...save.optimizer_plan import OptimizerPlans
+from ...save.plan import SavePlan
 from ...store import open_store
 from ...trainer_settings import TrainerSettings
 from .. import groups

@@ -11,9 +11,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import torch
 
-from . import format as fmt
-from .engine_settings import DataStatesConfig
-from .read_verify import FileCheck
+from .. import format as fmt
+from ..engine_settings import DataStatesConfig
 from .restore import (
     load_file,
     load_into_tensors,
@@ -23,9 +22,10 @@ from .restore import (
     read_structure,
     verify_file,
 )
+from .verify import FileCheck
 
 if TYPE_CHECKING:
-    from ._core import Engine as CoreEngine
+    from .._core import Engine as CoreEngine
 
 __all__ = ["EngineReads"]
 

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Mapping
 
 import torch
 
-from . import format as fmt
-from .read_checksums import _expected, _verify
+from .. import format as fmt
+from .checksums import _expected, _verify
 
 if TYPE_CHECKING:
-    from ._core import Engine as CoreEngine
+    from .._core import Engine as CoreEngine
 
 _last_device_read = threading.local()
 

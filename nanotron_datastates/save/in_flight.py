@@ -9,8 +9,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import telemetry
-from .save_handle import SaveHandle
+from .. import telemetry
+from .handle import SaveHandle
 
 log = logging.getLogger("nanotron_datastates")
 

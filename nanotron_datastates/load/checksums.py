@@ -7,8 +7,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from . import format as fmt
-from .errors import ChecksumError
+from .. import format as fmt
+from ..errors import ChecksumError
 
 
 def _expected(path: str, header: fmt.Header, checksums: Mapping[str, int] | None) -> dict[str, int] | None:
@@ -55,7 +55,7 @@ def _segments(
     e: fmt.TensorEntry, lo: int, hi: int, size: int, sums: dict[str, list[int]]
 ) -> tuple[int, int, int]:
     """The block segments of `e` over bytes [lo, hi) of the data section: [begin, end) and their CRC."""
-    from . import _core
+    from .. import _core
 
     first, last = lo // size, (hi - 1) // size
     skip = e.begin // size  # the tensor's first segment

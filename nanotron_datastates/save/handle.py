@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import _core
+from .. import _core
 
 log = logging.getLogger("nanotron_datastates")
 _HANDLES: weakref.WeakSet[SaveHandle] = weakref.WeakSet()  # every handle alive (let go of at exit)

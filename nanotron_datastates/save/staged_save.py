@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from .handle import SaveHandle
 from .plan import Prepared, SavePlan
-from .save_handle import SaveHandle
 
 if TYPE_CHECKING:
-    from .engine import DataStatesEngine
+    from ..engine import DataStatesEngine
 
 
 class StagedSave:

@@ -10,8 +10,8 @@ from typing import Any, Iterator
 
 import torch
 
-from . import format as fmt
-from . import skeleton, trust
+from .. import format as fmt
+from .. import skeleton, trust
 
 
 @contextlib.contextmanager

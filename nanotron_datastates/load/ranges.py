@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
-from . import format as fmt
-from .errors import ChecksumError
-from .read_checksums import _expected, _given_blocks, _segments
-from .read_host import _typed
-from .read_open import _opened
+from .. import format as fmt
+from ..errors import ChecksumError
+from .checksums import _expected, _given_blocks, _segments
+from .host import _typed
+from .opening import _opened
 
 if TYPE_CHECKING:
-    from ._core import Engine as CoreEngine
+    from .._core import Engine as CoreEngine
 
 
 def load_ranges(

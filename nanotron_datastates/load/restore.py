@@ -20,17 +20,17 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from . import format as fmt
-from . import skeleton
-from .read_checksums import _expected, _given_blocks, _segments, _verify
-from .read_device import DeviceRead, _last_device_read, _read_to_device, last_device_read
-from .read_host import _read_to_host, _typed, load_tensors
-from .read_open import TensorRef, _check_structure, _device, _opened, empty, read_structure
-from .read_ranges import _merged, _range_list, _span, load_range_list, load_ranges
-from .read_verify import verify_file
+from .. import format as fmt
+from .. import skeleton
+from .checksums import _expected, _given_blocks, _segments, _verify
+from .device import DeviceRead, _last_device_read, _read_to_device, last_device_read
+from .host import _read_to_host, _typed, load_tensors
+from .opening import TensorRef, _check_structure, _device, _opened, empty, read_structure
+from .ranges import _merged, _range_list, _span, load_range_list, load_ranges
+from .verify import verify_file
 
 if TYPE_CHECKING:
-    from ._core import Engine as CoreEngine
+    from .._core import Engine as CoreEngine
 
 __all__ = [
     "DeviceRead",

@@ -10,15 +10,15 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from . import format as fmt
-from . import trust
-from .errors import ChecksumError
-from .read_checksums import _given_blocks, _segments
-from .read_host import _read_to_host
-from .read_open import _check_structure
+from .. import format as fmt
+from .. import trust
+from ..errors import ChecksumError
+from .checksums import _given_blocks, _segments
+from .host import _read_to_host
+from .opening import _check_structure
 
 if TYPE_CHECKING:
-    from ._core import Engine as CoreEngine
+    from .._core import Engine as CoreEngine
 
 
 class FileCheck:

@@ -16,8 +16,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from . import format as fmt
-from . import skeleton
+from .. import format as fmt
+from .. import skeleton
 from .stage import Stager
 
 # Dtypes every supported torch exports through DLPack; others are exported as a same-size integer view.

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 import torch
 
-from . import format as fmt
-from .read_checksums import _expected, _verify
-from .read_open import _opened, empty
+from .. import format as fmt
+from .checksums import _expected, _verify
+from .opening import _opened, empty
 
 if TYPE_CHECKING:
-    from ._core import Engine as CoreEngine
+    from .._core import Engine as CoreEngine
 
 
 def load_tensors(
