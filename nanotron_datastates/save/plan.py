@@ -237,13 +237,15 @@ def plan_save(
         taken.add(name)
         return name
 
+    met: list[tuple[torch.Tensor, str, str]] = []  # each tensor once, in the walk's order: (it, name, path)
+
     def on_tensor(t: torch.Tensor, path: str) -> str:
         known = by_id.get(id(t))
         if known is not None:  # the same tensor twice (tied weights): stored once, aliased on load
             return known
-        name = name_of(path)  # a refusal below fails the whole plan: naming first changes nothing
+        name = name_of(path)
         by_id[id(t)] = name
-        _add(plan, t, name, path, devices, like)
+        met.append((t, name, path))
         return name
 
     if exact_metadata:  # no skeleton to write: the flat dict is walked as it is
@@ -252,10 +254,28 @@ def plan_save(
             on_tensor(v, k)
     else:
         skel = skeleton.encode(state, on_tensor, allow_pickle=allow_pickle)
-    plan.devices = sorted(devices)
+    if not _take_whole(plan, met, like):
+        for t, name, path in met:  # a refusal fails the whole plan
+            _add(plan, t, name, path, devices, like)
+        plan.devices = sorted(devices)
 
     plan.metadata = fmt.header_metadata(dict(metadata or {}), None if exact_metadata else skel)
     return plan
+
+
+def _take_whole(plan: SavePlan, met: list[tuple[torch.Tensor, str, str]], like: SavePlan | None) -> bool:
+    """Where `like` planned these very tensors under these names, as they are now (`SavePlan.holds`), its
+    entries go into `plan` whole: an optimizer's state planned at every checkpoint is checked in one pass
+    over its tensors, not entry by entry. False (nothing taken) otherwise."""
+    if like is None or len(met) != len(like.sources) or not like.names:
+        return False
+    tensors = [m[0] for m in met]
+    if [m[1] for m in met] != like.names or not like.holds(tensors):
+        return False
+    plan.names, plan.dtypes, plan.arrays = list(like.names), list(like.dtypes), list(like.arrays)
+    plan.sources, plan.keys, plan.gathered = tensors, list(like.keys), list(like.gathered)
+    plan.nbytes, plan.devices = like.nbytes, list(like.devices)
+    return True
 
 
 def _add(
