@@ -434,6 +434,7 @@ def _console_script() -> str:
     return exe
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unbuffered", ["1", ""])
 def test_a_closed_pipe_ends_the_command_quietly(tiny_lm, unbuffered):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}

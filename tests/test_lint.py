@@ -11,8 +11,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize(
     "command",
-    [["ruff", "check", "."], ["ruff", "format", "--check", "."], ["mypy", "--no-incremental"]],
-    ids=["ruff-check", "ruff-format", "mypy"],
+    [
+        pytest.param(["ruff", "check", "."], id="ruff-check"),
+        pytest.param(["ruff", "format", "--check", "."], id="ruff-format"),
+        pytest.param(["mypy", "--no-incremental"], id="mypy", marks=pytest.mark.slow),
+    ],
 )
 def test_clean(command):
     r = subprocess.run(

@@ -20,6 +20,7 @@ TREES = Path(os.environ.get("NANOTRON_TREES", ROOT.parent / "shared" / "nanotron
 COMMITS = ("2cde8f6", "7bc99232")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("commit", COMMITS)
 def test_adapter_on_nanotron(commit):
     src = TREES / commit / "src"

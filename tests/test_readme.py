@@ -101,6 +101,7 @@ def readme_dir(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_command_examples_run(readme_dir):
     commands = _commands()
     assert {c.split()[1] for c in commands} == {"inspect", "verify", "convert", "bench", "plot", "tier"}

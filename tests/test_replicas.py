@@ -121,6 +121,7 @@ def test_the_first_two_replicas_are_received_into_files_made_ahead_and_a_lost_no
     assert all(o["step"] == 3 and o["equal"] == [True, True] and not o["leftovers"] for o in out), out
 
 
+@pytest.mark.slow
 def test_replicas_sent_by_a_process_of_each_ranks_own_are_made_ahead_received_and_a_lost_node_resumes(
     tmp_path, ctx
 ):

@@ -143,6 +143,7 @@ def test_latest_moves_only_once_another_process_lets_go_of_the_lock(tmp_path):
     assert (tmp_path / LATEST).read_text() == "20" and (tmp_path / LOCK).is_file()
 
 
+@pytest.mark.slow
 def test_the_lock_is_reentrant_and_an_inner_block_never_lets_it_go(tmp_path):
     store = open_store(tmp_path)
     assert _probe(tmp_path) == "free"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import time
 
+import pytest
 import torch
 
 from nanotron_datastates import DataStatesEngine
@@ -42,6 +43,7 @@ def _consistent(got: dict) -> bool:
     )
 
 
+@pytest.mark.slow
 def test_loads_racing_a_writer_each_see_one_whole_version(tmp_path):
     path = tmp_path / "state.safetensors"
     ctx = multiprocessing.get_context("spawn")
