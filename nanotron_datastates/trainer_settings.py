@@ -45,7 +45,8 @@ class TrainerSettings(Settings):
     optimizer step never waits for the copies to the host, which then read from that copy. 'auto' does so
     when the GPU has room for it above the peak memory training has used so far, with the larger of 1 GiB
     and 5% of the GPU to spare; 'always' whenever the memory can be had (without a GPU: a copy in host
-    memory); 'never'."""
+    memory); 'never'. With memory checkpoints every 10 steps or fewer (`memory_interval`), the copy's
+    memory stays allocated between checkpoints, and each checkpoint copies into it."""
     queue_at_step: bool = True
     """For checkpoints copied on the GPU first: plan and copy the state's files at the start of the next
     optimizer step instead of in `save_checkpoint` (neither the forward nor the backward pass changes them),
