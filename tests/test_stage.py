@@ -24,15 +24,25 @@ def _places(handles) -> list[list[tuple[int, torch.Size]]]:
     return [[(t.storage_offset() * t.element_size(), t.shape) for t in h._keepalive] for h in handles]
 
 
+def _staged_values(files, n: int) -> dict[str, dict[str, torch.Tensor]]:
+    for state in files.values():
+        for t in state.values():
+            t.fill_(n) if t.numel() else None
+    return {k: {name: t.clone() for name, t in v.items()} for k, v in files.items()}
+
+
+def _loads_as(engine, folder, expect) -> None:
+    for k, state in expect.items():
+        back = engine.load(folder / f"{k}.safetensors")
+        assert back.keys() == state.keys() and all(same(back[m], t) for m, t in state.items()), (folder, k)
+
+
 def test_checkpoints_of_the_same_tensors_reuse_the_layout_and_each_holds_its_own_values(engine, tmp_path):
     files = _files()
     plans = [engine.plan(state) for state in files.values()]
     places, layouts = [], []
     for n in range(3):
-        for state in files.values():
-            for t in state.values():
-                t.fill_(n) if t.numel() else None
-        expect = {k: {name: t.clone() for name, t in v.items()} for k, v in files.items()}
+        expect = _staged_values(files, n)
         handles = engine.save_plans(
             [(p, tmp_path / str(n) / f"{k}.safetensors") for p, k in zip(plans, files)], stage=True
         )
@@ -42,9 +52,7 @@ def test_checkpoints_of_the_same_tensors_reuse_the_layout_and_each_holds_its_own
             for t in state.values():
                 t.fill_(-1) if t.numel() else None
         engine.wait_persisted()
-        for k, state in expect.items():
-            back = engine.load(tmp_path / str(n) / f"{k}.safetensors")
-            assert back.keys() == state.keys() and all(same(back[m], t) for m, t in state.items()), (n, k)
+        _loads_as(engine, tmp_path / str(n), expect)
     assert layouts[0] is layouts[1] is layouts[2]
     assert places[0] == places[1] == places[2]  # the kept layout packs the files as the first did
 
@@ -114,9 +122,7 @@ def test_a_staged_save_queued_later_holds_the_values_of_its_staging(tmp_path):
         with pytest.raises(ValueError, match="already queued"):
             staged.queue()
         engine.wait_persisted()
-        for k, state in expect.items():
-            back = engine.load(tmp_path / f"{k}.safetensors")
-            assert back.keys() == state.keys() and all(same(back[m], t) for m, t in state.items()), k
+        _loads_as(engine, tmp_path, expect)
         late = engine.stage_plans([(engine.plan({"x": torch.ones(3)}), tmp_path / "late.safetensors")])
     with pytest.raises(ValueError, match="engine is closed"):
         late.queue()
@@ -152,19 +158,6 @@ def test_a_staged_file_replanned_before_its_queuing_takes_the_new_plain_values_a
         back = engine.load(tmp_path / "opt.safetensors")
         assert back["lr"] == 5e-4
         assert all(same(back["state"][k], t) for k, t in expect.items())
-
-
-def _staged_values(files, n: int) -> dict[str, dict[str, torch.Tensor]]:
-    for state in files.values():
-        for t in state.values():
-            t.fill_(n) if t.numel() else None
-    return {k: {name: t.clone() for name, t in v.items()} for k, v in files.items()}
-
-
-def _loads_as(engine, folder, expect) -> None:
-    for k, state in expect.items():
-        back = engine.load(folder / f"{k}.safetensors")
-        assert back.keys() == state.keys() and all(same(back[m], t) for m, t in state.items()), (folder, k)
 
 
 def test_kept_buffers_take_the_next_staging_once_the_save_has_read_them(engine, tmp_path):

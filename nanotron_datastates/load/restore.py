@@ -8,9 +8,9 @@ checked against the header or against checksums kept elsewhere. The skeleton the
 the saved structure.
 
 This module holds the whole-file loads; the pieces are beside it:
-`read_open` (the file and its header, the structure, allocation), `read_host` and `read_device` (the core's
-reads to the host and to GPUs), `read_ranges` (parts of tensors), `read_checksums` (what a read is checked
-against), `read_verify` (the check of a file end to end). Their names stay importable from here.
+`opening` (the file and its header, the structure, allocation), `host` and `device` (the core's reads to
+the host and to GPUs), `ranges` (parts of tensors), `checksums` (what a read is checked against), `verify`
+(the check of a file end to end). Their names stay importable from here.
 """
 
 from __future__ import annotations

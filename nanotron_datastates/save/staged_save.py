@@ -102,9 +102,8 @@ class StagedSave:
         ]
         # All, or none (raises). torch's tensors reach the core's ndarrays by DLPack (not in its stub).
         jobs = engine._core.save_many(requests, prep.bases, _streams(engine, prep))  # type: ignore[arg-type]
-        engine._stager.lend(
-            prep.bases, jobs
-        )  # kept buffers (`stage(keep=True)`) free once these have read them
+        # Kept buffers (`stage(keep=True)`) are free again once these jobs have read them.
+        engine._stager.lend(prep.bases, jobs)
         handles = [
             SaveHandle(job, path, a, p.nbytes, self._staged, m, p.exact_metadata)
             for job, p, a, path, m in zip(jobs, self._plans, prep.arrays, self._paths, self._mirrors)
