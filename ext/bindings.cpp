@@ -9,6 +9,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "bindings_requests.hpp"
 #include "cuda.hpp"
 #include "engine.hpp"
 #include "fault.hpp"
@@ -42,128 +43,6 @@ void set_python_error(const ds::Error& e) {
   }
 }
 
-int device_of(const nb::ndarray<>& a, const std::string& name) {
-  if (a.device_type() == nb::device::cpu::value) return -1;
-  if (a.device_type() == nb::device::cuda::value) return a.device_id();
-  throw ds::ErrorException(
-      ds::Error::value("tensor '" + name + "' is on an unsupported device (CPU and CUDA only)"));
-}
-
-ds::TensorSrc to_src(const nb::ndarray<>& a, std::string name, std::string dtype) {
-  ds::TensorSrc t;
-  t.device = device_of(a, name);
-  t.name = std::move(name);
-  t.dtype = std::move(dtype);
-  t.itemsize = a.itemsize();
-  t.data = static_cast<const char*>(a.data());
-  std::size_t numel = 1;
-  std::int64_t expect = 1;
-  t.contiguous = true;
-  t.shape.resize(a.ndim());
-  t.strides.resize(a.ndim());
-  for (std::size_t d = a.ndim(); d-- > 0;) {
-    t.shape[d] = a.shape(d);
-    t.strides[d] = a.stride(d);
-    numel *= a.shape(d);
-    if (a.shape(d) != 1 && a.stride(d) != expect) t.contiguous = false;
-    expect *= a.shape(d);
-  }
-  if (numel == 0) t.contiguous = true;
-  t.nbytes = numel * t.itemsize;
-  return t;
-}
-
-// A staged tensor: bytes [offset, offset + itemsize * prod(shape)) of one of the bases (uint8 buffers).
-using View = std::tuple<std::size_t, std::size_t, std::size_t, std::vector<std::int64_t>>;
-// A file to save: path, tensor names, safetensors dtypes, then the tensors (arrays), or their views into
-// the bases (a staged checkpoint: two DLPack exports instead of hundreds), metadata, embed_checksums.
-using FileArg =
-    std::tuple<std::string, std::vector<std::string>, std::vector<std::string>, std::vector<nb::ndarray<>>,
-               std::vector<View>, ds::Metadata, bool, std::string, std::string>;
-
-ds::TensorSrc view_src(const View& v, const std::vector<nb::ndarray<>>& bases, std::string name,
-                       std::string dtype, const std::string& path) {
-  const auto& [base, offset, itemsize, shape] = v;
-  auto bad = [&](const std::string& why) {
-    return ds::ErrorException(ds::Error::value("tensor '" + name + "' of " + path + ": " + why));
-  };
-  if (base >= bases.size()) throw bad("its view names buffer " + std::to_string(base) + ", which is absent");
-  const nb::ndarray<>& b = bases[base];
-  if (b.ndim() != 1 || b.itemsize() != 1 || (b.shape(0) > 1 && b.stride(0) != 1))
-    throw bad("its buffer is not a contiguous byte buffer");
-  std::vector<std::int64_t> strides(shape.size());
-  std::size_t numel = 1;
-  for (std::size_t d = shape.size(); d-- > 0;) {
-    if (shape[d] < 0) throw bad("negative dimension");
-    strides[d] = static_cast<std::int64_t>(numel);
-    numel *= static_cast<std::size_t>(shape[d]);
-  }
-  const std::size_t nbytes = numel * itemsize;
-  if (offset > b.shape(0) || nbytes > b.shape(0) - offset) throw bad("its view ends past its buffer");
-  ds::TensorSrc t;
-  t.device = device_of(b, name);
-  t.name = std::move(name);
-  t.dtype = std::move(dtype);
-  t.itemsize = itemsize;
-  t.shape = shape;
-  t.strides = std::move(strides);
-  t.nbytes = nbytes;
-  t.data = static_cast<const char*>(b.data()) + offset;
-  t.buffer = static_cast<int>(base);
-  return t;
-}
-
-ds::SaveRequest to_request(FileArg& f, const std::vector<nb::ndarray<>>& bases) {
-  auto& [path, names, dtypes, arrays, views, metadata, embed_checksums, mirror, recycle] = f;
-  const std::size_t n = views.empty() ? arrays.size() : views.size();
-  if (names.size() != n || dtypes.size() != n || (!views.empty() && !arrays.empty()))
-    throw ds::ErrorException(ds::Error::value(path + ": names, dtypes and tensors differ in length"));
-  ds::SaveRequest r;
-  r.tensors.reserve(n);
-  for (std::size_t i = 0; i < n; ++i)
-    r.tensors.push_back(views.empty() ? to_src(arrays[i], names[i], dtypes[i])
-                                      : view_src(views[i], bases, names[i], dtypes[i], path));
-  r.path = std::move(path);
-  r.metadata = std::move(metadata);
-  r.embed_checksums = embed_checksums;
-  r.mirror = std::move(mirror);
-  r.recycle = std::move(recycle);
-  return r;
-}
-
-// A file's layout without its bytes: path, tensor names, safetensors dtypes, item sizes, shapes, metadata,
-// embed_checksums (Engine::prepare_mirrors).
-using LayoutArg =
-    std::tuple<std::string, std::vector<std::string>, std::vector<std::string>, std::vector<std::size_t>,
-               std::vector<std::vector<std::int64_t>>, ds::Metadata, bool>;
-
-ds::SaveRequest layout_request(const LayoutArg& f) {
-  const auto& [path, names, dtypes, itemsizes, shapes, metadata, embed_checksums] = f;
-  const std::size_t n = names.size();
-  if (dtypes.size() != n || itemsizes.size() != n || shapes.size() != n)
-    throw ds::ErrorException(
-        ds::Error::value(path + ": names, dtypes, item sizes and shapes differ in length"));
-  ds::SaveRequest r;
-  for (std::size_t i = 0; i < n; ++i) {
-    ds::TensorSrc t;
-    t.name = names[i];
-    t.dtype = dtypes[i];
-    t.itemsize = itemsizes[i];
-    t.shape = shapes[i];
-    t.nbytes = t.itemsize;
-    for (std::int64_t d : t.shape) {
-      if (d < 0)
-        throw ds::ErrorException(ds::Error::value(path + ": tensor '" + names[i] + "': negative dimension"));
-      t.nbytes *= static_cast<std::size_t>(d);
-    }
-    r.tensors.push_back(std::move(t));
-  }
-  r.path = path;
-  r.metadata = metadata;
-  r.embed_checksums = embed_checksums;
-  return r;
-}
-
 ds::HostCache& open_cache(ds::Engine& e) {
   if (!e.cache()) throw ds::ErrorException(ds::Error::value("the engine is closed"));
   return *e.cache();
@@ -190,6 +69,7 @@ NB_MODULE(_core, m) {
   ds::bind_options(m);
   ds::bind_files(m);
   ds::bind_bytes(m);
+  ds::bind_requests(m);
   m.doc() =
       "nanotron_datastates core: host cache, copy, io_uring flush, restore (private; use the package API)";
 
@@ -240,29 +120,30 @@ NB_MODULE(_core, m) {
       .def_prop_ro("options", &ds::Engine::options, "The settings it was started with")
       .def(
           "save_many",
-          [](ds::Engine& e, std::vector<FileArg> files, const std::vector<nb::ndarray<>>& bases,
+          [](ds::Engine& e, std::vector<ds::FileSave> files, const std::vector<ds::Array>& bases,
              const std::vector<std::pair<int, std::uintptr_t>>& streams) {
             std::vector<ds::SaveRequest> requests;
             requests.reserve(files.size());
-            for (FileArg& f : files) requests.push_back(to_request(f, bases));
+            for (ds::FileSave& f : files) requests.push_back(ds::to_request(f, bases));
             nb::gil_scoped_release release;
             return e.save_many(std::move(requests), streams);
           },
           "files"_a, "bases"_a, "streams"_a,
-          "Queues files [(path, names, dtypes, arrays, views, metadata, embed_checksums, mirror, recycle)]; "
-          "one Job each")
+          "Queues the files (FileSave each; their views' bytes in `bases`), their device copies after an "
+          "event "
+          "recorded on each of `streams` [(device, stream)]; one Job each")
       .def(
           "prepare_mirrors",
-          [](ds::Engine& e, const std::vector<LayoutArg>& files) {
+          [](ds::Engine& e, const std::vector<ds::MirrorLayout>& files) {
             std::vector<ds::SaveRequest> requests;
-            for (const LayoutArg& f : files) requests.push_back(layout_request(f));
+            for (const ds::MirrorLayout& f : files) requests.push_back(ds::layout_request(f));
             nb::gil_scoped_release release;  // pinning takes seconds
             return e.prepare_mirrors(requests);
           },
           "files"_a,
-          "Makes, maps and pins a mirror file for each of [(path, names, dtypes, itemsizes, shapes, "
-          "metadata, "
-          "embed_checksums)], laid out as a save of such tensors; kept mapped for a save to recycle")
+          "Makes, maps and pins a mirror file for each MirrorLayout, laid out as a save of such tensors; "
+          "kept "
+          "mapped for a save to recycle")
       .def(
           "keep_mirrors",
           [](ds::Engine& e, const std::optional<std::vector<std::string>>& paths) {
@@ -305,14 +186,14 @@ NB_MODULE(_core, m) {
       .def(
           "restore_device",
           [](ds::Engine& e, const std::string& path, std::uint64_t data_start, std::uint64_t data_len,
-             const std::vector<std::uint64_t>& begins, const std::vector<nb::ndarray<>>& dests, bool verify,
+             const std::vector<std::uint64_t>& begins, const std::vector<ds::Array>& dests, bool verify,
              int fd, bool page_cache) {
             if (begins.size() != dests.size())
               throw ds::ErrorException(ds::Error::value("begins and destinations differ in length"));
             std::vector<ds::RestoreSpan> spans(begins.size());
             for (std::size_t i = 0; i < spans.size(); ++i) {
               spans[i] = {begins[i], begins[i] + dests[i].nbytes(), static_cast<char*>(dests[i].data()),
-                          device_of(dests[i], "destination " + std::to_string(i))};
+                          ds::device_of(dests[i], "destination " + std::to_string(i))};
             }
             nb::gil_scoped_release release;
             return e.restore(path, data_start, data_len, spans, true, verify, fd, page_cache).crcs;

@@ -4,7 +4,7 @@ nanotron_datastates core: host cache, copy, io_uring flush, restore (private; us
 
 from collections.abc import Sequence
 
-from numpy.typing import NDArray
+import torch
 
 
 class EngineOptions:
@@ -101,6 +101,144 @@ def encode_header(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[
     The header bytes the engine writes for these tensors (checksums as zeros): for tests and tools
     """
 
+class StagedView:
+    def __init__(self, *, base: int, offset: int, itemsize: int, shape: Sequence[int]) -> None:
+        """
+        A staged tensor: bytes [offset, offset + itemsize * prod(shape)) of the save's buffer `base` (a uint8 buffer), C-contiguous
+        """
+
+    @property
+    def base(self) -> int: ...
+
+    @base.setter
+    def base(self, arg: int, /) -> None: ...
+
+    @property
+    def offset(self) -> int: ...
+
+    @offset.setter
+    def offset(self, arg: int, /) -> None: ...
+
+    @property
+    def itemsize(self) -> int: ...
+
+    @itemsize.setter
+    def itemsize(self, arg: int, /) -> None: ...
+
+    @property
+    def shape(self) -> list[int]: ...
+
+    @shape.setter
+    def shape(self, arg: Sequence[int], /) -> None: ...
+
+class FileSave:
+    def __init__(self, *, path: str, names: Sequence[str], dtypes: Sequence[str], metadata: Sequence[tuple[str, str]], embed_checksums: bool, arrays: Sequence[torch.Tensor] = [], views: Sequence[StagedView] = [], mirror: str = '', recycle: str = '') -> None:
+        """
+        A file to save at `path`: its tensors' names and safetensors dtypes, and the tensors (`arrays`) or their places in the save's buffers (`views`); `mirror`: a second copy's path, the save's staging memory (empty: none); `recycle`: an earlier save's mirror file to take this one's bytes (empty: none)
+        """
+
+    @property
+    def path(self) -> str: ...
+
+    @path.setter
+    def path(self, arg: str, /) -> None: ...
+
+    @property
+    def names(self) -> list[str]: ...
+
+    @names.setter
+    def names(self, arg: Sequence[str], /) -> None: ...
+
+    @property
+    def dtypes(self) -> list[str]: ...
+
+    @dtypes.setter
+    def dtypes(self, arg: Sequence[str], /) -> None: ...
+
+    @property
+    def metadata(self) -> list[tuple[str, str]]: ...
+
+    @metadata.setter
+    def metadata(self, arg: Sequence[tuple[str, str]], /) -> None: ...
+
+    @property
+    def embed_checksums(self) -> bool: ...
+
+    @embed_checksums.setter
+    def embed_checksums(self, arg: bool, /) -> None: ...
+
+    @property
+    def arrays(self) -> list[torch.Tensor]: ...
+
+    @arrays.setter
+    def arrays(self, arg: Sequence[torch.Tensor], /) -> None: ...
+
+    @property
+    def views(self) -> list[StagedView]: ...
+
+    @views.setter
+    def views(self, arg: Sequence[StagedView], /) -> None: ...
+
+    @property
+    def mirror(self) -> str: ...
+
+    @mirror.setter
+    def mirror(self, arg: str, /) -> None: ...
+
+    @property
+    def recycle(self) -> str: ...
+
+    @recycle.setter
+    def recycle(self, arg: str, /) -> None: ...
+
+class MirrorLayout:
+    def __init__(self, *, path: str, names: Sequence[str], dtypes: Sequence[str], itemsizes: Sequence[int], shapes: Sequence[Sequence[int]], metadata: Sequence[tuple[str, str]], embed_checksums: bool) -> None:
+        """
+        A mirror file to make at `path`, laid out as a save of tensors of these names, dtypes, item sizes and shapes with this metadata lays out its file
+        """
+
+    @property
+    def path(self) -> str: ...
+
+    @path.setter
+    def path(self, arg: str, /) -> None: ...
+
+    @property
+    def names(self) -> list[str]: ...
+
+    @names.setter
+    def names(self, arg: Sequence[str], /) -> None: ...
+
+    @property
+    def dtypes(self) -> list[str]: ...
+
+    @dtypes.setter
+    def dtypes(self, arg: Sequence[str], /) -> None: ...
+
+    @property
+    def itemsizes(self) -> list[int]: ...
+
+    @itemsizes.setter
+    def itemsizes(self, arg: Sequence[int], /) -> None: ...
+
+    @property
+    def shapes(self) -> list[list[int]]: ...
+
+    @shapes.setter
+    def shapes(self, arg: Sequence[Sequence[int]], /) -> None: ...
+
+    @property
+    def metadata(self) -> list[tuple[str, str]]: ...
+
+    @metadata.setter
+    def metadata(self, arg: Sequence[tuple[str, str]], /) -> None: ...
+
+    @property
+    def embed_checksums(self) -> bool: ...
+
+    @embed_checksums.setter
+    def embed_checksums(self, arg: bool, /) -> None: ...
+
 built_with_io_uring: bool = True
 
 io_uring_absent_why: str = ''
@@ -150,14 +288,14 @@ class Engine:
     def options(self) -> EngineOptions:
         """The settings it was started with"""
 
-    def save_many(self, files: Sequence[tuple[str, Sequence[str], Sequence[str], Sequence[NDArray], Sequence[tuple[int, int, int, Sequence[int]]], Sequence[tuple[str, str]], bool, str, str]], bases: Sequence[NDArray], streams: Sequence[tuple[int, int]]) -> list[Job]:
+    def save_many(self, files: Sequence[FileSave], bases: Sequence[torch.Tensor], streams: Sequence[tuple[int, int]]) -> list[Job]:
         """
-        Queues files [(path, names, dtypes, arrays, views, metadata, embed_checksums, mirror, recycle)]; one Job each
+        Queues the files (FileSave each; their views' bytes in `bases`), their device copies after an event recorded on each of `streams` [(device, stream)]; one Job each
         """
 
-    def prepare_mirrors(self, files: Sequence[tuple[str, Sequence[str], Sequence[str], Sequence[int], Sequence[Sequence[int]], Sequence[tuple[str, str]], bool]]) -> int:
+    def prepare_mirrors(self, files: Sequence[MirrorLayout]) -> int:
         """
-        Makes, maps and pins a mirror file for each of [(path, names, dtypes, itemsizes, shapes, metadata, embed_checksums)], laid out as a save of such tensors; kept mapped for a save to recycle
+        Makes, maps and pins a mirror file for each MirrorLayout, laid out as a save of such tensors; kept mapped for a save to recycle
         """
 
     def keep_mirrors(self, paths: Sequence[str] | None) -> int:
@@ -170,7 +308,7 @@ class Engine:
         Maps the file (`fd`, an open descriptor of `path`, where >= 0) and reads its data section in parallel: ([uint8 tensor per span], crcs)
         """
 
-    def restore_device(self, path: str, data_start: int, data_len: int, begins: Sequence[int], dests: Sequence[NDArray], verify: bool, fd: int = -1, page_cache: bool = False) -> list[int]:
+    def restore_device(self, path: str, data_start: int, data_len: int, begins: Sequence[int], dests: Sequence[torch.Tensor], verify: bool, fd: int = -1, page_cache: bool = False) -> list[int]:
         """
         Reads the data section (of `fd`, an open descriptor of `path`, where >= 0) into CUDA tensors through pinned chunks (host destinations take the same path, memcpy for the upload; `page_cache`: never with O_DIRECT); returns the crcs
         """

@@ -22,6 +22,7 @@ import time
 import weakref
 from typing import Any, Mapping, Sequence
 
+from . import _core
 from .core_setup import start_core
 from .engine_settings import DataStatesConfig
 from .load.engine_reads import EngineReads
@@ -218,10 +219,17 @@ class DataStatesEngine(EngineReads):
         :meth:`keep_mirrors` says. Raises OSError naming a file that cannot be made (those before it stay);
         returns how many were made."""
         described = [
-            (os.path.abspath(os.fspath(path)), p.names, p.dtypes, [a.element_size() for a in p.arrays],
-             [list(a.shape) for a in p.arrays], p.metadata, not p.exact_metadata)
+            _core.MirrorLayout(
+                path=os.path.abspath(os.fspath(path)),
+                names=p.names,
+                dtypes=p.dtypes,
+                itemsizes=[a.element_size() for a in p.arrays],
+                shapes=[list(a.shape) for a in p.arrays],
+                metadata=p.metadata,
+                embed_checksums=not p.exact_metadata,
+            )
             for p, path in files
-        ]  # fmt: skip
+        ]
         return self._core.prepare_mirrors(described)
 
     def wait_snapshot(self, timeout: float | None = None) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanotron_datastates import DataStatesConfig, DataStatesEngine
+from nanotron_datastates import DataStatesConfig, DataStatesEngine, _core
 from nanotron_datastates.save.handle import wait_handles
 
 from helpers import injected_fault, same, small_config, wait_until
@@ -347,11 +347,22 @@ def test_the_core_refuses_a_staged_view_outside_its_buffer_and_queues_none_of_th
     the staged buffers): a bad one is a ValueError naming the file and the tensor, no file of the call is
     queued, and the engine goes on."""
     base = torch.zeros(64, dtype=torch.uint8)
-    good = (str(tmp_path / "a.safetensors"), ["x"], ["F32"], [], [(0, 0, 4, (4,))], [], True, "", "")
-    past = (str(tmp_path / "b.safetensors"), ["y"], ["F32"], [], [(0, 60, 4, (2,))], [], True, "", "")
+
+    def staged(name: str, tensor: str, base: int, offset: int, shape: tuple[int, ...]) -> _core.FileSave:
+        view = _core.StagedView(base=base, offset=offset, itemsize=4, shape=shape)
+        return _core.FileSave(
+            path=str(tmp_path / name),
+            names=[tensor],
+            dtypes=["F32"],
+            views=[view],
+            metadata=[],
+            embed_checksums=True,
+        )
+
+    good, past = staged("a.safetensors", "x", 0, 0, (4,)), staged("b.safetensors", "y", 0, 60, (2,))
     with pytest.raises(ValueError, match=r"tensor 'y' of .*b\.safetensors: its view ends past its buffer"):
         engine._core.save_many([good, past], [base], [])
-    absent = (str(tmp_path / "c.safetensors"), ["z"], ["F32"], [], [(1, 0, 4, (1,))], [], True, "", "")
+    absent = staged("c.safetensors", "z", 1, 0, (1,))
     with pytest.raises(ValueError, match="names buffer 1, which is absent"):
         engine._core.save_many([absent], [base], [])
     engine.save({"w": torch.ones(3)}, tmp_path / "d.safetensors").wait_persisted()

@@ -56,15 +56,8 @@ def _read_to_device(
     t1 = time.perf_counter()
     data_len = header.file_size - header.data_start
     begins = [e.begin for e in entries]
-    sums = core.restore_device(  # torch's tensors reach the core's ndarrays by DLPack (not in its stub)
-        path,
-        header.data_start,
-        data_len,
-        begins,
-        dests,  # type: ignore[arg-type]
-        expected is not None,
-        fd=fd,
-        page_cache=page_cache,
+    sums = core.restore_device(
+        path, header.data_start, data_len, begins, dests, expected is not None, fd=fd, page_cache=page_cache
     )
     _last_device_read.value = DeviceRead(sum(e.nbytes for e in entries), t1 - t0, time.perf_counter() - t1)
     if expected is not None:

@@ -16,8 +16,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .. import _core, skeleton
 from .. import format as fmt
-from .. import skeleton
 from .stage import Stager
 
 # Dtypes every supported torch exports through DLPack; others are exported as a same-size integer view.
@@ -52,9 +52,9 @@ class SavePlan:
     devices: list[int] = field(default_factory=list)  # CUDA devices of the tensors
     # CUDA tensors that are not contiguous, by index into `arrays`: each save copies them (prepare()).
     gathered: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    # Set by a staging prepare(): every tensor's place in the staged copies, as (index into `bases`, byte
-    # offset, element size, shape): the core takes the few buffers instead of a DLPack export per tensor.
-    views: list[tuple[int, int, int, torch.Size]] = field(default_factory=list)
+    # Set by a staging prepare(): every tensor's place in the staged copies (in which of `bases`, where,
+    # element size, shape): the core takes the few buffers instead of a DLPack export per tensor.
+    views: list[_core.StagedView] = field(default_factory=list)
     bases: list[torch.Tensor] = field(default_factory=list)  # one uint8 buffer per device
     # Each tensor as planned, in `arrays` order: the tensor given, and its `_Key` (what its entry depends
     # on), CUDA device (-1: host) and bytes. A plan `like` this one reuses the entries of those it holds.
@@ -132,7 +132,7 @@ class Prepared:
     and each CUDA device's current stream; and the staged buffers."""
 
     arrays: list[list[torch.Tensor]]
-    views: list[list[tuple[int, int, int, torch.Size]]]
+    views: list[list[_core.StagedView]]
     streams: list[list[tuple[int, int]]]
     bases: list[torch.Tensor]
     # Per CUDA device, an event recorded right after the staging copies (where asked for): the core's
@@ -152,7 +152,7 @@ def prepare_all(
     does on the caller's thread). `events`: staged, an event recorded on each device's stream after the
     copies (`Prepared.events`). `keep`: the staging's buffers kept by `stager` (`Stager.stage`)."""
     arrays = [list(p.arrays) for p in plans]
-    views: list[list[Any]] = [[] for _ in plans]
+    views: list[list[_core.StagedView]] = [[] for _ in plans]
     bases: list[torch.Tensor] = []
     if stage:  # every tensor copied, the non-contiguous ones too (the plans' entries: checked by `current`)
         bases = (stager or Stager()).stage(arrays, views, [p.keys for p in plans], keep=keep)

@@ -23,6 +23,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .. import _core
+
 ALIGN = 256  # bytes: each file's staged copy starts where vectorized kernels and DMA like it
 
 # What the layout of a tensor depends on, and the tensor itself (by a weak reference: a kept layout keeps no
@@ -69,7 +71,7 @@ class Layout:
     devices: list[torch.device]  # per buffer
     sizes: list[int]  # bytes, per buffer
     groups: list[_Group]
-    views: list[list[tuple[int, int, int, torch.Size]]]  # per file, per tensor: (buffer, offset, size, shape)
+    views: list[list[_core.StagedView]]  # per file, per tensor: its place in the buffers
 
     # Per file, what described its tensors when they were last found to fit (a plan's list of entries, which
     # a plan's renewal replaces, never changes): the same object again needs no check of each tensor.
@@ -100,9 +102,8 @@ def layout_of(arrays: Sequence[Sequence[torch.Tensor]]) -> Layout:
     """The layout of `arrays` (a list of tensors per file), files one after the other on each device."""
     places: dict[torch.device, list[tuple[int, int, int]]] = {}  # per device: (file, index, byte offset)
     sizes: dict[torch.device, int] = {}
-    views: list[list[Any]] = []
+    placed: list[dict[int, _core.StagedView]] = [{} for _ in arrays]  # per file, by tensor index
     for k, row in enumerate(arrays):
-        views.append([None] * len(row))
         order = sorted(range(len(row)), key=lambda i: -row[i].element_size())  # stable, as the core's layout
         starts: dict[torch.device, int] = {}  # this file's next byte on each device
         for i in order:
@@ -120,7 +121,7 @@ def layout_of(arrays: Sequence[Sequence[torch.Tensor]]) -> Layout:
         by_dtype: dict[torch.dtype, list[tuple[int, int, int]]] = {}
         for k, i, at in places[device]:
             a = arrays[k][i]
-            views[k][i] = (b, at, a.element_size(), a.shape)
+            placed[k][i] = _core.StagedView(base=b, offset=at, itemsize=a.element_size(), shape=a.shape)
             by_dtype.setdefault(a.dtype, []).append((k, i, at))
         for dtype, where in by_dtype.items():
             where = sorted((w for w in where if arrays[w[0]][w[1]].numel()), key=lambda w: w[2])
@@ -137,6 +138,7 @@ def layout_of(arrays: Sequence[Sequence[torch.Tensor]]) -> Layout:
             flat = [first[k] + i for k, i, _ in where]
             groups.append(_Group(b, dtype, split, shapes, [(k, i) for k, i, _ in where], flat))
     keys = [[(weakref.ref(a), a.shape, a.dtype, a.device) for a in row] for row in arrays]
+    views = [[where[i] for i in range(len(row))] for where, row in zip(placed, arrays)]
     return Layout(keys, devices, [sizes[d] for d in devices], groups, views)
 
 
@@ -152,7 +154,7 @@ class Stager:
     def stage(
         self,
         arrays: list[list[torch.Tensor]],
-        views: list[list[Any]],
+        views: list[list[_core.StagedView]],
         described: Sequence[Any] | None = None,
         keep: bool = False,
     ) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from .. import _core
 from .handle import SaveHandle
 from .plan import Prepared, SavePlan
 
@@ -85,23 +86,22 @@ class StagedSave:
         # One call to the core for all: one event per device on the streams the copies follow, and a staged
         # file's tensors as places in the staged buffers rather than a DLPack export each.
         requests = [
-            (
-                path,
-                p.names,
-                p.dtypes,
-                [] if v else a,
-                v,
-                p.metadata,
-                not p.exact_metadata,
-                m or "",
-                r if m else "",
+            _core.FileSave(
+                path=path,
+                names=p.names,
+                dtypes=p.dtypes,
+                arrays=[] if v else a,
+                views=v,
+                metadata=p.metadata,
+                embed_checksums=not p.exact_metadata,
+                mirror=m or "",
+                recycle=r if m else "",
             )
             for p, a, v, path, m, r in zip(
                 self._plans, prep.arrays, prep.views, self._paths, self._mirrors, self._recycle
             )
         ]
-        # All, or none (raises). torch's tensors reach the core's ndarrays by DLPack (not in its stub).
-        jobs = engine._core.save_many(requests, prep.bases, _streams(engine, prep))  # type: ignore[arg-type]
+        jobs = engine._core.save_many(requests, prep.bases, _streams(engine, prep))  # all, or none (raises)
         # Kept buffers (`stage(keep=True)`) are free again once these jobs have read them.
         engine._stager.lend(prep.bases, jobs)
         handles = [
