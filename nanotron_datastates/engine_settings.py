@@ -1,7 +1,7 @@
 """DataStatesConfig: every knob of the engine, validated, with defaults that suit a laptop and an 8-GPU node.
 
-The Nanotron trainer's own settings (rotation, staging, telemetry) are `nanotron.settings.TrainerSettings`;
-Nanotron's YAML `datastates:` section holds the keys of both (see `Settings.from_dict`).
+The Nanotron trainer's settings (`trainer_settings.TrainerSettings`) extend it with its own keys (rotation,
+staging, telemetry, the memory tier): Nanotron's YAML `datastates:` section holds both (`Settings.from_dict`).
 """
 
 from __future__ import annotations
@@ -64,6 +64,15 @@ class Settings:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    # Read by key too, as Nanotron's sections are (`config.datastates["keep_last_n"]`).
+    def __getitem__(self, key: str) -> object:
+        if key not in self.keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def keys(self) -> list[str]:
+        return [f.name for f in fields(self)]  # type: ignore[arg-type]
 
 
 def _kind(f: dataclasses.Field) -> str:

@@ -1,29 +1,32 @@
-"""The `datastates:` section of Nanotron's YAML: the engine's settings (`DataStatesConfig`) and the trainer's
-own (`TrainerSettings`: rotation, staging on the GPU, queuing at the step, telemetry), side by side under one
-section, each key once. Imports no Nanotron.
+"""TrainerSettings: the whole `datastates:` section of Nanotron's YAML, one flat, validated dataclass.
+
+The engine's keys are those of `DataStatesConfig`, which it extends; the trainer's own follow (rotation,
+staging on the GPU, queuing at the step, telemetry, the memory tier). Parsed once from the YAML
+(`TrainerSettings.from_dict`), it is `config.datastates`, the Saver's settings and the engine's config alike.
+Imports no Nanotron.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from dataclasses import dataclass
 
-from .engine_settings import DataStatesConfig, Settings
+from .engine_settings import DataStatesConfig
 
 _ALWAYS_NEVER = {True: "always", False: "never", "true": "always", "false": "never"}
 
 
-def _key(value: Any) -> Any:
+def _key(value: object) -> bool | str | None:
     """`value` as a key of _ALWAYS_NEVER: a bool itself, a string lowered (None for anything else)."""
     return value if isinstance(value, bool) else value.strip().lower() if isinstance(value, str) else None
 
 
 @dataclass(frozen=True)
-class TrainerSettings(Settings):
-    """What the Nanotron trainer does around the engine."""
+class TrainerSettings(DataStatesConfig):
+    """Every key of the `datastates:` section: the engine's (`DataStatesConfig`), then what the Nanotron
+    trainer does around the engine. Read by attribute (`config.datastates.keep_last_n`) or by key."""
 
     RANGES = {
+        **DataStatesConfig.RANGES,
         "keep_last_n": (0, 1 << 20, "expected an integer >= 0 (0 keeps every checkpoint)"),
         "memory_tier_copies": (1, 2, "expected 1 or 2"),
         "memory_replicas": (0, 64, "expected an integer in [0, 64] (0: none)"),
@@ -31,6 +34,7 @@ class TrainerSettings(Settings):
         "memory_interval": (0, 1 << 30, "expected a number of steps >= 0 (0: none)"),
     }
     CHOICES = {
+        **DataStatesConfig.CHOICES,
         "device_snapshot": ("auto", "always", "never"),
         "memory_replica_transport": ("auto", "nccl", "gloo"),
         "memory_replica_process": ("auto", "always", "never"),
@@ -127,68 +131,3 @@ class TrainerSettings(Settings):
                 f"datastates.memory_interval={self.memory_interval} is invalid: expected a number of steps "
                 ">= 0, and 0 where datastates.memory_tier is false (memory checkpoints go into the tier)"
             )
-
-
-@dataclass(frozen=True)
-class Section:
-    """The parsed `datastates:` section."""
-
-    engine: DataStatesConfig = dataclasses.field(default_factory=DataStatesConfig)
-    trainer: TrainerSettings = dataclasses.field(default_factory=TrainerSettings)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None = None, *, env: bool = True) -> Section:
-        """Splits the section's keys between the two; a key of neither raises ValueError naming it and every
-        known key. `env`: see `Settings.from_dict`."""
-        d = dict(d or {})
-        names = {c: {f.name for f in fields(c)} for c in (DataStatesConfig, TrainerSettings)}
-        unknown = sorted(set(d) - names[DataStatesConfig] - names[TrainerSettings])
-        if unknown:
-            known = sorted(names[DataStatesConfig] | names[TrainerSettings])
-            raise ValueError(
-                f"unknown datastates key(s): {', '.join(unknown)}; known keys: {', '.join(known)}"
-            )
-        engine = DataStatesConfig.from_dict(
-            {k: v for k, v in d.items() if k in names[DataStatesConfig]}, env=env
-        )
-        trainer = TrainerSettings.from_dict(
-            {k: v for k, v in d.items() if k in names[TrainerSettings]}, env=env
-        )
-        return cls(engine, trainer)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**self.engine.to_dict(), **self.trainer.to_dict()}
-
-
-def _keys_class() -> type:
-    """`config.datastates`: every key of the section with its value in effect, read by attribute like every
-    section of Nanotron's config (`config.datastates.host_cache_size`), or by key. A flat dataclass, so that
-    Nanotron's `serialize` writes its plain keys into `config.yaml`."""
-    names = [
-        (f.name, Any, dataclasses.field(default=None))
-        for c in (DataStatesConfig, TrainerSettings)
-        for f in fields(c)
-    ]
-
-    def getitem(self: Any, key: str) -> Any:
-        if key not in self.__dataclass_fields__:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def keys(self: Any) -> list[str]:
-        return list(self.__dataclass_fields__)
-
-    return dataclasses.make_dataclass(
-        "DatastatesSection",
-        names,
-        frozen=True,
-        namespace={"__getitem__": getitem, "keys": keys, "__module__": __name__},
-    )
-
-
-DatastatesSection = _keys_class()
-
-
-def section_keys(parsed: Section) -> Any:
-    """The `DatastatesSection` of a parsed section."""
-    return DatastatesSection(**parsed.to_dict())

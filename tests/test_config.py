@@ -1,12 +1,12 @@
-"""DataStatesConfig (the engine's settings), TrainerSettings (the Nanotron trainer's) and the `datastates:`
-section holding both: defaults, validation naming the field, from_dict, environment overrides."""
+"""DataStatesConfig (the engine's settings) and TrainerSettings (the `datastates:` section: the engine's keys
+and the Nanotron trainer's): defaults, validation naming the field, from_dict, environment overrides."""
 
 import dataclasses
 
 import pytest
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
-from nanotron_datastates.trainer_settings import Section, TrainerSettings
+from nanotron_datastates.trainer_settings import TrainerSettings
 
 
 def test_defaults_are_valid_and_sized():
@@ -81,10 +81,10 @@ ACCEPTS = {
 
 
 ENGINE = {f.name for f in dataclasses.fields(DataStatesConfig)}
-TRAINER = {f.name for f in dataclasses.fields(TrainerSettings)}
+TRAINER = {f.name for f in dataclasses.fields(TrainerSettings)} - ENGINE  # the trainer's own keys
 
 
-def test_every_key_has_bad_values_under_test_and_belongs_to_one_of_the_two():
+def test_every_key_has_bad_values_under_test():
     assert set(BAD) == ENGINE | TRAINER and not ENGINE & TRAINER
 
 
@@ -136,15 +136,18 @@ def test_environment_overrides(monkeypatch):
         DataStatesConfig.from_dict({})
 
 
-def test_the_section_splits_its_keys_between_engine_and_trainer(monkeypatch):
-    s = Section.from_dict({"host_cache_size": 0.5, "keep_last_n": 3})
-    assert s.engine.host_cache_size == 0.5 and s.trainer.keep_last_n == 3
-    assert s.to_dict() == {**s.engine.to_dict(), **s.trainer.to_dict()}
-    assert Section.from_dict(s.to_dict()) == s
+def test_the_section_is_one_flat_settings_that_the_engine_takes_as_it_is(monkeypatch):
+    s = TrainerSettings.from_dict({"host_cache_size": 1 / 64, "keep_last_n": 3})
+    assert s.host_cache_size == 1 / 64 and s.keep_last_n == 3 and s["keep_last_n"] == 3
+    assert TrainerSettings.from_dict(s.to_dict()) == s and set(s.keys()) == ENGINE | TRAINER
+    with pytest.raises(KeyError, match="keep_lst_n"):
+        s["keep_lst_n"]
     with pytest.raises(ValueError, match=r"keep_lst_n; known keys: .*host_cache_size.*keep_last_n"):
-        Section.from_dict({"keep_lst_n": 3})
+        TrainerSettings.from_dict({"keep_lst_n": 3})
+    with DataStatesEngine(s, pin_host_cache=False) as engine:  # an override keeps the trainer's keys
+        assert engine.config.keep_last_n == 3 and engine.config.pin_host_cache is False
     monkeypatch.setenv("DATASTATES_KEEP_LAST_N", "5")
-    assert Section.from_dict({}).trainer.keep_last_n == 5
+    assert TrainerSettings.from_dict({}).keep_last_n == 5
 
 
 def test_small_cache_clamps_chunks():

@@ -39,7 +39,7 @@ from .resume.resume import Resume
 from .save import memory_pace
 from .save.commit_files import finalizer, memory_documents
 from .save.saver import Saver
-from .yaml_config import engine_for, section
+from .yaml_config import engine_for, settings_of
 
 if TYPE_CHECKING:  # for type checkers: the mixin's attributes and hooks are those of Nanotron's trainer
     from nanotron.trainer import DistributedTrainer as _Trainer
@@ -71,7 +71,7 @@ class DataStatesTrainerMixin(_Trainer):
             checkpoints = Path(self.config.checkpoints.checkpoints_path)
             self.datastates = Saver(
                 engine,
-                section(self.config).trainer,
+                settings_of(self.config),
                 self.parallel_context,
                 self.unwrapped_model,
                 self.optimizer,

@@ -4,10 +4,10 @@ Nanotron builds its Config with dacite in strict mode, so unknown keys are error
 therefore swaps in subclasses of Nanotron's own `Config` and `CheckpointsArgs` that add our keys, everywhere
 Nanotron looks them up (the `nanotron.config` namespaces, the default arguments of `get_config_from_file`
 and of `DistributedTrainer`). After parsing, `config.checkpoints.checkpointing_engine` is "torch" (Nanotron's
-own behaviour, the default) or "datastates"; `config.datastates` holds the section's keys with the values in
-effect (environment overrides applied: what `config.yaml` then records), read by attribute like Nanotron's
-own sections (`config.datastates.keep_last_n`) or by key, and `section(config)` the parsed `Section`
-(engine and trainer settings).
+own behaviour, the default) or "datastates"; `config.datastates` is the section parsed and validated, a
+`TrainerSettings` with every key's value in effect (environment overrides applied: what `config.yaml` then
+records), read by attribute like Nanotron's own sections (`config.datastates.keep_last_n`) or by key; the
+same object is the engine's config and the Saver's settings.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import dataclasses
 import sys
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..trainer_settings import DatastatesSection, Section, section_keys
+from ..trainer_settings import TrainerSettings
 from . import compat
 
 if TYPE_CHECKING:
@@ -48,8 +48,8 @@ def make_classes(ncc: Any) -> tuple[type, type]:
         checkpoints: Optional[CheckpointsArgs] = None
         # DataStates' own Nanotron docs put the key at the top level; it is moved into `checkpoints`.
         checkpointing_engine: Optional[str] = None
-        # Parsed by Section.from_dict, not by dacite: its messages name the key, and YAML ints are accepted
-        # where floats are expected. After __post_init__: every key, with its value in effect.
+        # Parsed by TrainerSettings.from_dict, not by dacite: its messages name the key, and YAML ints are
+        # accepted where floats are expected. After __post_init__: a TrainerSettings, every key in effect.
         datastates: Optional[dict] = None
 
         def __post_init__(self) -> None:
@@ -67,11 +67,8 @@ def make_classes(ncc: Any) -> tuple[type, type]:
                 self.checkpoints.checkpointing_engine = self.checkpointing_engine
                 self.checkpointing_engine = None
             given: Any = self.datastates
-            if isinstance(given, DatastatesSection):  # a parsed config's, given again
-                given = dict(vars(given))
-            parsed = given if isinstance(given, Section) else Section.from_dict(given)
-            self.datastates = section_keys(parsed)  # by attribute or key; config.yaml records plain keys
-            self._datastates_section = parsed  # not a field
+            if not isinstance(given, TrainerSettings):  # a parsed config's is kept as it is
+                self.datastates = TrainerSettings.from_dict(given)  # config.yaml records its plain keys
 
         @property
         def uses_datastates(self) -> bool:
@@ -84,10 +81,10 @@ def make_classes(ncc: Any) -> tuple[type, type]:
     return Config, CheckpointsArgs
 
 
-def section(config: Any) -> Section:
-    """The parsed `datastates:` section of a config (the defaults where it has none)."""
-    parsed = getattr(config, "_datastates_section", None)
-    return parsed if isinstance(parsed, Section) else Section()
+def settings_of(config: Any) -> TrainerSettings:
+    """The `datastates:` section of a config, parsed (the defaults where it has none)."""
+    parsed = getattr(config, "datastates", None)
+    return parsed if isinstance(parsed, TrainerSettings) else TrainerSettings()
 
 
 def engine_for(config: Any) -> DataStatesEngine:
@@ -95,7 +92,7 @@ def engine_for(config: Any) -> DataStatesEngine:
     of the trainer's first line or by the resume, and handed on to the Saver (mixin.py)."""
     from ..engine import DataStatesEngine  # here: this module is imported when Nanotron is, torch or not
 
-    return DataStatesEngine(section(config).engine)
+    return DataStatesEngine(settings_of(config))
 
 
 def _swap_default(fn: Any, old: type, new: type) -> None:

@@ -80,8 +80,7 @@ def tier_switch(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     checkpoint 9, then is killed. "final": checkpoint 9 resumed from storage (the tier off), then from the
     tier. Each state saved is kept in `work/state-<step>-<rank>.pt`; each resume reports what differs."""
     from nanotron_datastates.nanotron.resume.resume import Resume
-    from nanotron_datastates.nanotron.yaml_config import section
-    from nanotron_datastates.trainer_settings import Section
+    from nanotron_datastates.trainer_settings import TrainerSettings
 
     phase, rank = os.environ["BALANCED_PHASE"], torch.distributed.get_rank()
     keys = {"memory_tier": True, "memory_tier_path": str(work / "shm"),
@@ -93,7 +92,7 @@ def tier_switch(pc: Any, c: Any, work: Path) -> dict[str, Any]:
         torch.save(snapshot(*state), work / f"state-{at}-{rank}.pt")
 
     def resume(at: int, tier: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        c._datastates_section = Section.from_dict({**keys, "memory_tier": tier}, env=False)
+        c.datastates = TrainerSettings.from_dict({**keys, "memory_tier": tier}, env=False)
         fresh = training_state(pc, c, seed=1)
         r = Resume()
         assert r.plan(c, pc, checkpoints / str(at), device=torch.device("cpu"))
@@ -111,16 +110,16 @@ def tier_switch(pc: Any, c: Any, work: Path) -> dict[str, Any]:
         }
         return fresh, report
 
-    c._datastates_section = Section.from_dict(keys, env=False)
+    c.datastates = TrainerSettings.from_dict(keys, env=False)
     if phase == "save":
         state = training_state(pc, c)
         keep(state, 7)
-        return {"writes": _written(_save(pc, c, state, checkpoints, 7, section(c).trainer))}
+        return {"writes": _written(_save(pc, c, state, checkpoints, 7, c.datastates))}
     if phase == "switch":
         state, report = resume(7, tier=True)
         step(*state[:2], 3)
         keep(state, 9)
-        saver = _save(pc, c, state, checkpoints, 9, Section.from_dict(keys, env=False).trainer)
+        saver = _save(pc, c, state, checkpoints, 9, TrainerSettings.from_dict(keys, env=False))
         return {**report, "writes": _written(saver)}
     return {"storage": resume(9, tier=False)[1], "tier": resume(9, tier=True)[1]}
 

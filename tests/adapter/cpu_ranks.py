@@ -190,8 +190,7 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     from nanotron_datastates.nanotron.resume.resume import Resume
     from nanotron_datastates.nanotron.save.commit_files import finalizer
     from nanotron_datastates.nanotron.save.saver import Saver
-    from nanotron_datastates.nanotron.yaml_config import section
-    from nanotron_datastates.trainer_settings import Section
+    from nanotron_datastates.trainer_settings import TrainerSettings
 
     replicas = int(os.environ.get("CPU_RANKS_REPLICAS", "0"))
     memory = os.environ.get("CPU_RANKS_MEMORY") == "1"
@@ -199,7 +198,7 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     node = rank // max(1, world // 2) if replicas else 0
     if replicas or memory:
         os.environ["GROUP_RANK"] = str(node)
-        c._datastates_section = Section.from_dict(
+        c.datastates = TrainerSettings.from_dict(
             {"memory_tier": True, "memory_tier_path": str(work / f"node{node}-shm"),
              "memory_replicas": replicas, "memory_replica_gbps": 0, "memory_interval": 3 if memory else 0,
              "memory_replica_process": os.environ.get("CPU_RANKS_REPLICA_PROCESS", "never")},
@@ -209,7 +208,7 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     model, optimizer, lr_scheduler, random_states = state
     ckpt = work / "ckpt"
     engine = DataStatesEngine(host_cache_size=1 / 64, chunk_size=1)
-    saver = Saver(engine, section(c).trainer, pc, model, optimizer, ckpt)
+    saver = Saver(engine, c.datastates, pc, model, optimizer, ckpt)
     saver.start()  # in the mixin's order
     events: list[str] = []
     saver.observers.append(lambda event, fields: events.append(event))

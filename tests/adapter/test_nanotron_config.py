@@ -13,7 +13,7 @@ import yaml
 
 from nanotron_datastates import DataStatesConfig  # noqa: E402
 from nanotron_datastates.nanotron import yaml_config as ds_config  # noqa: E402
-from nanotron_datastates.trainer_settings import Section, TrainerSettings  # noqa: E402
+from nanotron_datastates.trainer_settings import TrainerSettings  # noqa: E402
 
 BASE = {
     "checkpoints": {"checkpoint_interval": 5, "checkpoints_path": "/tmp/ckpt"},
@@ -124,7 +124,7 @@ def parse(tmp_path, **changes):
 def test_default_is_nanotrons_engine(tmp_path):
     c = parse(tmp_path)
     assert c.checkpoints.checkpointing_engine == "torch" and not c.uses_datastates
-    assert ds_config.section(c) == Section.from_dict({})
+    assert ds_config.settings_of(c) == TrainerSettings.from_dict({}) == c.datastates
 
 
 def test_datastates_under_checkpoints_with_a_section(tmp_path):
@@ -134,7 +134,8 @@ def test_datastates_under_checkpoints_with_a_section(tmp_path):
         datastates={"host_cache_size": 8, "parser_threads": 3, "pin_host_cache": False, "keep_last_n": 2},
     )
     assert c.uses_datastates and c.checkpoints.checkpointing_engine == "datastates"
-    engine, trainer = ds_config.section(c).engine, ds_config.section(c).trainer
+    engine = trainer = ds_config.settings_of(c)
+    assert engine is c.datastates  # one object: the engine's config and the trainer's settings
     assert (engine.host_cache_size, engine.parser_threads, engine.pin_host_cache) == (8, 3, False)
     assert engine.flush_threads == DataStatesConfig().flush_threads  # the engine's default
     assert trainer.keep_last_n == 2 and trainer.telemetry is TrainerSettings().telemetry
@@ -143,7 +144,7 @@ def test_datastates_under_checkpoints_with_a_section(tmp_path):
     written = tmp_path / "written.yaml"
     c.save_as_yaml(written)  # plain keys, read back the same
     text = written.read_text()
-    assert "DatastatesSection" not in text and "keep_last_n: 2" in text
+    assert "TrainerSettings" not in text and "keep_last_n: 2" in text
     from nanotron.config import get_config_from_file
 
     assert get_config_from_file(str(written)).datastates == c.datastates
@@ -178,8 +179,8 @@ def test_config_yaml_round_trip(tmp_path):
     from nanotron.config import get_config_from_file
 
     again = get_config_from_file(str(tmp_path / "again.yaml"))
-    assert again.uses_datastates and ds_config.section(again) == ds_config.section(c)
-    assert ds_config.section(again).engine.host_cache_size == 0.5
+    assert again.uses_datastates and ds_config.settings_of(again) == ds_config.settings_of(c)
+    assert ds_config.settings_of(again).host_cache_size == 0.5
 
 
 HOOK = textwrap.dedent(

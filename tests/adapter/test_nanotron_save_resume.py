@@ -39,7 +39,7 @@ from nanotron_datastates.save.commit import CheckpointError
 from nanotron_datastates.tier.held_copy import why_not
 from nanotron_datastates.tier.memory import TierError
 from nanotron_datastates.tier.room import check_room
-from nanotron_datastates.trainer_settings import Section, TrainerSettings
+from nanotron_datastates.trainer_settings import TrainerSettings
 
 from helpers import mapped_at, wait_until
 
@@ -268,7 +268,7 @@ def resumed(rank0, folder: Path, **settings) -> tuple[Resume, dict, Any]:
     """A state built afresh, resumed from `folder`: (the Resume, the state's snapshot, the metadata)."""
     pc, c, _, _ = rank0
     if settings:
-        c._datastates_section = Section.from_dict({**c.datastates, **settings})
+        c.datastates = TrainerSettings.from_dict({**c.datastates.to_dict(), **settings})
     model, optimizer, lr_scheduler, random_states = training_state(pc, c, seed=1)
     resume = Resume()
     assert resume.plan(c, pc, folder, device=torch.device("cpu"))

@@ -28,7 +28,7 @@ from ...tier.held_copy import tier_copy
 from ...tier.memory import MemoryTier
 from ...tier.memory_steps import steps_with_manifest
 from ...tier.peer_reads import PeerReads
-from ..yaml_config import engine_for, section
+from ..yaml_config import engine_for, settings_of
 from .source import asked_layout, loads, parse_config, resume_folder
 
 
@@ -65,7 +65,7 @@ def find(args: Sequence[Any], kwargs: dict[str, Any]) -> EarlyRead | None:
         if folder is None:
             return None
         manifest = read_manifest(folder)
-        settings = section(config).trainer
+        settings = settings_of(config)
         if settings.memory_interval and newer_in_memory(settings, folder):
             return None  # a memory checkpoint newer than storage's is resumed instead (from_memory.py)
         source = tier_copy(settings, folder, manifest, int(os.environ.get("RANK", "0")))

@@ -48,7 +48,7 @@ from ...resume.read_ahead import PageCacheWarmer, Prefetch, warm_for_reshard, wa
 from ...tier.peer_reads import PeerReads
 from .. import groups
 from .. import log as say
-from ..yaml_config import engine_for, section
+from ..yaml_config import engine_for, settings_of
 from . import fallback as recovery
 from . import from_memory, optimizer_state, saved_layout, weights
 from . import scheduler_and_rng as rest
@@ -135,7 +135,7 @@ class Resume:
         from nanotron.s3_checkpoints import check_path_is_local
 
         early, self._early = self._early, None
-        settings = section(config).trainer
+        settings = settings_of(config)
         # A manifest that is not a regular file (a FIFO): a checkpoint that cannot be read, which falls back.
         ours = folder is not None and os.path.lexists(Path(folder) / MANIFEST) and check_path_is_local(folder)
         stored = Path(folder) if ours and folder is not None else None
