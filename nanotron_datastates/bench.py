@@ -11,13 +11,34 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import torch
 
 from .engine import DataStatesEngine
 from .engine_settings import DataStatesConfig
 from .store import open_store
+
+
+class _Measured(TypedDict):
+    bytes: int
+    tensors: int
+    device: str
+    directory: str
+    io_backend: str
+    repeat: int
+    config: dict[str, object]  # DataStatesConfig.to_dict()
+    raw: dict[str, list[float]]  # every value, by measure
+    median: dict[str, float]
+    persisted_gbps: float
+    load_gbps: float
+
+
+class Measured(_Measured, total=False):
+    """What :func:`run` measured; the comparisons with `torch.save` where it ran (`baseline`)."""
+
+    torch_save_gbps: float
+    blocking_vs_torch_save: float
 
 
 def make_state(size_mib: int, device: str) -> dict[str, torch.Tensor]:
@@ -42,7 +63,7 @@ def run(
     config: DataStatesConfig | None = None,
     baseline: bool = True,
     progress: bool = True,
-) -> dict[str, Any]:
+) -> Measured:
     """Saves a `size_mib` state `repeat` times (after one warm-up) and loads it back; returns medians and
     every value. Seconds; throughputs in GB/s (1e9 bytes/s)."""
     from tqdm import tqdm
@@ -99,7 +120,7 @@ def run(
     finally:
         open_store(work.parent).remove(work.name)
     med = {k: statistics.median(v) for k, v in raw.items() if v}
-    out: dict[str, Any] = {
+    out: Measured = {
         "bytes": nbytes,
         "tensors": len(state),
         "device": device,
@@ -129,7 +150,7 @@ def io_backend_text(used: str, asked: str) -> str:
     return "pwrite (as asked)" if asked == "pwrite" else "pwrite (io_uring is refused on this machine)"
 
 
-def table(r: dict[str, Any]) -> str:
+def table(r: Measured) -> str:
     """The summary as a small text table."""
     m = r["median"]
     rows = [

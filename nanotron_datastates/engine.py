@@ -20,7 +20,8 @@ import logging
 import os
 import time
 import weakref
-from typing import Any, Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from . import _core
 from .core_setup import start_core
@@ -31,6 +32,9 @@ from .save.in_flight import InFlight
 from .save.plan import SavePlan, current, plan_save, prepare_all
 from .save.stage import Stager
 from .save.staged_save import StagedSave
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DataStatesEngine", "SaveHandle", "StagedSave", "wait_handles"]
 
@@ -56,14 +60,15 @@ class DataStatesEngine(EngineReads):
         self._in_flight = InFlight(config.telemetry_path, self.cache_stats)
         _ENGINES.add(self)
         self._stager = Stager()  # the last staged layout, for the next save of the same tensors
-        self._side_streams: dict[int, Any] = {}  # per device: the core's copies of a staging wait there
+        # Per device: the stream the core's copies of a staging wait on
+        self._side_streams: dict[int, torch.cuda.Stream] = {}
         self._closed = False
 
     # -- saving -------------------------------------------------------------------------------------------
 
     def save(
         self,
-        state: Any,
+        state: object,
         path: str | os.PathLike,
         *,
         metadata: Mapping[str, str] | None = None,
@@ -103,7 +108,7 @@ class DataStatesEngine(EngineReads):
 
     def plan(
         self,
-        state: Any,
+        state: object,
         *,
         metadata: Mapping[str, str] | None = None,
         allow_pickle: bool = False,
@@ -252,7 +257,7 @@ class DataStatesEngine(EngineReads):
         """Whether the host cache is page-locked for DMA (decided when the engine starts)."""
         return self._core.pinned
 
-    def cache_stats(self, reset: bool = False) -> dict[str, Any]:
+    def cache_stats(self, reset: bool = False) -> dict[str, int]:
         """Chunks, chunks in use, high-water mark, time spent waiting for a free chunk, and how many chunks
         are prepared (faulted in and pinned) so far."""
         return self._core.cache_stats(reset)
@@ -291,7 +296,9 @@ class DataStatesEngine(EngineReads):
     def __enter__(self) -> DataStatesEngine:
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.close()
             return

@@ -13,7 +13,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 
@@ -182,7 +182,7 @@ def _fail(path: str, msg: str) -> FormatError:
     return FormatError(f"{path}: not a valid safetensors file: {msg}")
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     d = dict(pairs)
     if len(d) != len(pairs):
         seen: set[str] = set()
@@ -193,7 +193,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return d
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 

@@ -22,7 +22,7 @@ import collections
 import json
 import math
 import pickle
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -35,10 +35,13 @@ _SCALAR_TYPES = _PLAIN_TYPES | {float}  # immutable leaves: a container of only 
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
-def encode(state: Any, on_tensor: Callable[[torch.Tensor, str], str], *, allow_pickle: bool = False) -> str:
+def encode(
+    state: object, on_tensor: Callable[[torch.Tensor, str], str], *, allow_pickle: bool = False
+) -> str:
     """JSON skeleton of `state`. `on_tensor(tensor, path)` returns the name the tensor is stored under."""
 
-    def node(x: Any, path: str, in_key: bool = False) -> Any:
+    # `x` dispatched on its exact type, without isinstance's cost: Any, as no narrowing follows.
+    def node(x: Any, path: str, in_key: bool = False) -> object:
         tx = type(x)
         if x is None or tx in (bool, int, str):
             return x
@@ -64,13 +67,13 @@ def encode(state: Any, on_tensor: Callable[[torch.Tensor, str], str], *, allow_p
             # Fast path, e.g. the parameter names of an optimizer's param groups, or its betas (finite floats
             # stand for themselves too): no per-item paths.
             types = set(map(type, x))  # at C speed: a generator's state holds 625 ints
-            items = (
+            seq: list[object] = (
                 list(x)
                 if types <= _PLAIN_TYPES
                 or (types <= _SCALAR_TYPES and all(math.isfinite(v) for v in x if type(v) is float))
                 else [node(v, _join(path, i), in_key) for i, v in enumerate(x)]
             )
-            return {"l" if tx is list else "u": items}
+            return {"l" if tx is list else "u": seq}
         if isinstance(x, torch.Tensor) and not in_key:  # a subclass
             return {"t": on_tensor(x, path)}
         if tx is torch.Size:
@@ -93,7 +96,7 @@ def encode(state: Any, on_tensor: Callable[[torch.Tensor, str], str], *, allow_p
     return json.dumps(node(state, ""), separators=(",", ":"), allow_nan=False)
 
 
-def freeze(state: Any) -> tuple[Any, list[torch.Tensor]]:
+def freeze(state: object) -> tuple[object, list[torch.Tensor]]:
     """`state` with every container copied (dicts, lists, tuples; tensors and other leaves as they are), and
     its tensors in the order `encode` meets them, each once. Plain values may be replaced in the state's own
     containers later (an optimizer's step count); the copy keeps those of now, at a fraction of a plan's
@@ -101,7 +104,7 @@ def freeze(state: Any) -> tuple[Any, list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
     seen: set[int] = set()
 
-    def node(x: Any) -> Any:
+    def node(x: Any) -> object:  # dispatched on its exact type, as `encode`'s
         tx = type(x)
         if tx in (dict, collections.OrderedDict):
             types = set(map(type, x.values()))  # at C speed: an optimizer's state is dicts of tensors
@@ -126,7 +129,7 @@ def freeze(state: Any) -> tuple[Any, list[torch.Tensor]]:
     return node(state), tensors
 
 
-def _join(path: str, key: Any) -> str:
+def _join(path: str, key: object) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
@@ -136,12 +139,12 @@ def uses_pickle(skeleton: str) -> bool:
 
 def decode(
     skeleton: str,
-    tensors: dict[str, Any],
+    tensors: Mapping[str, object],
     *,
     allow_pickle: bool = False,
     path: str = "",
     unpickle: bool = True,
-) -> Any:
+) -> object:
     """Rebuilds the state from its skeleton and the loaded tensors. FormatError on anything malformed.
     `unpickle=False` checks the skeleton only (what `verify` does): a pickled leaf's base64 is checked and
     None stands for it, whether or not `allow_pickle`; nothing is unpickled."""
@@ -153,7 +156,7 @@ def decode(
     def bad(msg: str) -> FormatError:
         return FormatError(f"{path}: malformed skeleton: {msg}")
 
-    def node(x: Any) -> Any:
+    def node(x: object) -> object:
         if x is None or type(x) in (bool, int, str, float):
             return x
         if type(x) is not dict or len(x) != 1:
@@ -179,9 +182,10 @@ def decode(
                 raise bad(f"'{tag}' must hold a list")
             items = [node(i) for i in v]
             if tag == "s":
-                if not all(type(i) is int for i in items):
+                sizes = [i for i in items if type(i) is int]
+                if len(sizes) != len(items):
                     raise bad("torch.Size must hold integers")
-                return torch.Size(items)
+                return torch.Size(sizes)
             return items if tag == "l" else tuple(items)
         if tag == "f":
             if type(v) is not str or v not in _SPECIAL_FLOATS:  # a list would not even hash

@@ -13,25 +13,25 @@ A leaf is a tensor, a plain value, or a list or tuple (kept whole: its items are
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
 
 from .errors import FormatError
 
-Path = tuple[Any, ...]  # the keys from the root to a leaf
+Path = tuple[Hashable, ...]  # the keys from the root to a leaf
 
 
-def _leaves(state: Any, path: Path = ()) -> list[tuple[Path, Any]]:
+def _leaves(state: object, path: Path = ()) -> list[tuple[Path, object]]:
     """(path, leaf) of every leaf, in the state's order. A list filled by plain recursion, not nested
     generators: an optimizer's state is walked at every checkpoint on the training thread."""
-    out: list[tuple[Path, Any]] = []
+    out: list[tuple[Path, object]] = []
     _collect(state, path, out)
     return out
 
 
-def _collect(state: Any, path: Path, out: list[tuple[Path, Any]]) -> None:
+def _collect(state: object, path: Path, out: list[tuple[Path, object]]) -> None:
     if isinstance(state, dict) and state:
         for key, value in state.items():
             _collect(value, (*path, key), out)
@@ -39,7 +39,7 @@ def _collect(state: Any, path: Path, out: list[tuple[Path, Any]]) -> None:
         out.append((path, state))
 
 
-def _nbytes(value: Any) -> int:
+def _nbytes(value: object) -> int:
     if isinstance(value, torch.Tensor):
         return value.nbytes
     if isinstance(value, (list, tuple)):
@@ -47,7 +47,7 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
-def owners(state: Any, count: int) -> dict[Path, int]:
+def owners(state: object, count: int) -> dict[Path, int]:
     """The part (0 to `count` - 1) each leaf of `state` belongs to: leaves holding tensors in runs of about
     equal bytes, each at the run its middle byte falls in; the others to part 0."""
     if count < 1:
@@ -61,7 +61,7 @@ def owners(state: Any, count: int) -> dict[Path, int]:
     return out
 
 
-def split(state: Any, part: int, count: int) -> Any:
+def split(state: object, part: int, count: int) -> object:
     """The leaves of `state` that belong to `part` of `count` (see `owners`), in `state`'s own containers'
     types and order. `count` 1: `state` itself."""
     if count == 1:
@@ -71,8 +71,8 @@ def split(state: Any, part: int, count: int) -> Any:
     mine = {path for path, owner in owners(state, count).items() if owner == part}
     on_the_way = {path[:i] for path in mine for i in range(len(path) + 1)}
 
-    def keep(node: Any, path: Path) -> Any:
-        if path in mine:
+    def keep(node: object, path: Path) -> object:
+        if path in mine or not isinstance(node, dict):  # a leaf (the others are dicts on the way to one)
             return node
         out = type(node)()
         for key, value in node.items():
@@ -83,7 +83,7 @@ def split(state: Any, part: int, count: int) -> Any:
     return keep(state, ())
 
 
-def merge(parts: Sequence[Any]) -> Any:
+def merge(parts: Sequence[object]) -> Any:  # Any: a state as loaded, which its callers take apart
     """The state whose parts `parts` are (in part order). Raises FormatError where two parts hold the same
     leaf, which no split makes."""
     if not parts:
@@ -94,7 +94,7 @@ def merge(parts: Sequence[Any]) -> Any:
     return out
 
 
-def _merge(a: Any, b: Any, path: Path, index: int) -> Any:
+def _merge(a: object, b: object, path: Path, index: int) -> object:
     if not (isinstance(a, dict) and isinstance(b, dict)):
         where = "/".join(map(str, path)) or "the root"
         raise FormatError(f"part {index} of the state holds {where} again")

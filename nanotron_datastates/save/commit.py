@@ -23,16 +23,18 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict, TypeVar
 
 import torch.distributed as dist
 
 from .. import cpu_use
 from ..checkpoint.checksums import file_entry
 from ..errors import CheckpointError
-from .handle import wait_handles
+from .handle import SaveHandle, wait_handles
 
 __all__ = ["CheckpointError", "CommitResult", "Committer", "PendingCheckpoint"]
+
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass
@@ -41,7 +43,7 @@ class PendingCheckpoint:
 
     step: int
     folder: Path
-    handles: list[Any]  # SaveHandle of every file this rank writes
+    handles: list[SaveHandle]  # every file this rank writes
     finalize: Callable[[dict[str, Any]], None] | None = None  # rank 0: commit, given every rank's files
     t_start: float = dataclasses.field(default_factory=time.monotonic)
     stall_s: float = 0.0  # caller's time in save plus waits for the snapshot, filled in by the trainer
@@ -94,10 +96,19 @@ def summary(errors: list[str]) -> str:
     return errors[0] + (f"; and {more} more error{'s' if more > 1 else ''} (all in the log)" if more else "")
 
 
+class _Outcome(TypedDict):
+    """A rank's part of a checkpoint, as every rank gathers it."""
+
+    errors: list[str]
+    files: dict[str, dict[str, Any]]  # by path in the folder: its manifest entry (checksums.file_entry)
+
+
 class Committer:
     """The background committer of one rank. `group` is a gloo process group over all ranks (None: alone)."""
 
-    def __init__(self, group: Any = None, on_result: Callable[[CommitResult], None] | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, on_result: Callable[[CommitResult], None] | None = None
+    ) -> None:
         self._group = group
         self._rank = dist.get_rank(group) if group is not None else 0
         self._world = dist.get_world_size(group) if group is not None else 1
@@ -222,14 +233,14 @@ class Committer:
             entries=all_files if p.memory and not all_errors else {},
         )
 
-    def _gather(self, obj: Any) -> list[Any]:
+    def _gather(self, obj: _Outcome) -> list[_Outcome]:
         if self._group is None:
             return [obj]
-        out: list[Any] = [None] * self._world
+        out = [obj] * self._world  # all_gather_object puts every rank's in its place
         dist.all_gather_object(out, obj, group=self._group)
         return out
 
-    def _broadcast(self, obj: Any) -> Any:
+    def _broadcast(self, obj: _T) -> _T:
         if self._group is None:
             return obj
         box = [obj]

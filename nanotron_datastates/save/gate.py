@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
+
+if TYPE_CHECKING:
+    from .handle import SaveHandle
 
 
 class SnapshotGate:
     def __init__(self) -> None:
-        self._pending: list[tuple[list[Any], Callable[[float], None] | None]] = []
+        self._pending: list[tuple[list[SaveHandle], Callable[[float], None] | None]] = []
         self._deferred: list[Callable[[], None]] = []
         self._after: list[Callable[[], None]] = []
 
@@ -49,7 +52,7 @@ class SnapshotGate:
         while self._deferred:
             self._deferred.pop(0)()
 
-    def add(self, handles: Iterable[Any], on_wait: Callable[[float], None] | None = None) -> None:
+    def add(self, handles: Iterable[SaveHandle], on_wait: Callable[[float], None] | None = None) -> None:
         """Handles of a checkpoint just queued; `on_wait(seconds)` is told how long the next step waited for
         it (and for any older one still pending)."""
         self._pending.append((list(handles), on_wait))

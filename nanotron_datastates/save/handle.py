@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Sequence, TypedDict
 
 import torch
 
@@ -16,6 +16,20 @@ from .. import _core
 
 log = logging.getLogger("nanotron_datastates")
 _HANDLES: weakref.WeakSet[SaveHandle] = weakref.WeakSet()  # every handle alive (let go of at exit)
+
+
+class SaveStats(TypedDict):
+    """:attr:`SaveHandle.stats`: bytes, and seconds since submission (None until that point is reached)."""
+
+    path: str
+    file_bytes: int
+    tensor_bytes: int
+    snapshot_s: float | None
+    persisted_s: float | None
+    direct_io: bool
+    mirrored: bool
+    mirror_kept: bool  # took over a kept mapping: nothing mapped or pinned anew
+    mirror_refused: str  # why the kept mapping of the file recycled was refused (empty: it was not)
 
 
 class SaveHandle:
@@ -27,7 +41,7 @@ class SaveHandle:
 
     def __init__(
         self,
-        job: Any,
+        job: _core.Job,
         path: str,
         keepalive: list[torch.Tensor],
         nbytes: int,
@@ -98,7 +112,7 @@ class SaveHandle:
         return None
 
     @property
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> SaveStats:
         """Bytes and seconds since submission: ``snapshot_s`` and ``persisted_s`` (None until done)."""
         s = self._job.stats()
         t0 = s["t_submit_ns"]
@@ -110,8 +124,8 @@ class SaveHandle:
             "persisted_s": (s["t_persisted_ns"] - t0) / 1e9 if s["t_persisted_ns"] else None,
             "direct_io": s["direct_io"],
             "mirrored": s["mirrored"],
-            "mirror_kept": s["mirror_kept"],  # took over a kept mapping: nothing mapped or pinned anew
-            # why the kept mapping of the file recycled was refused (a second name since): a new file instead
+            "mirror_kept": s["mirror_kept"],
+            # refused where the file recycled has had a second name since: a new file instead
             "mirror_refused": s["mirror_refused"],
         }
 
@@ -174,6 +188,7 @@ def wait_handles(
 
 def let_go_of_jobs() -> None:
     """Every handle's core job let go of (at interpreter exit, once every engine is closed: each job has
-    ended); a handle is of no use after it."""
+    ended); a handle is of no use after it (it has no job any more)."""
     for h in list(_HANDLES):
-        h._job = None
+        _HANDLES.discard(h)
+        del h._job

@@ -11,12 +11,25 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Mapping, Protocol
 
 from .. import telemetry, trust
 from ..store import open_store
 
+if TYPE_CHECKING:
+    from .commit import CommitResult
+
 TELEMETRY = telemetry.FILE
+
+
+class Settings(Protocol):
+    """What `after_commit` reads of the trainer's settings."""
+
+    @property
+    def keep_last_n(self) -> int: ...
+
+    @property
+    def telemetry(self) -> bool: ...
 
 
 def rotate(root: str | os.PathLike, keep_last_n: int, committed_step: int) -> list[Path]:
@@ -44,8 +57,8 @@ def rotate(root: str | os.PathLike, keep_last_n: int, committed_step: int) -> li
     return [store.path(str(step)) for step in doomed if store.remove_step(step)]
 
 
-def after_commit(result: Any, root: Path, settings: Any, cache: dict[str, Any]) -> list[Path]:
-    """Rank 0, after each checkpoint's outcome (`result`, a CommitResult): for a committed one, its folder's
+def after_commit(result: CommitResult, root: Path, settings: Settings, cache: dict[str, int]) -> list[Path]:
+    """Rank 0, after each checkpoint's outcome (`result`): for a committed one, its folder's
     stale temporaries removed and rotation (`settings.keep_last_n`); then the telemetry line (with `cache`,
     the engine's cache statistics since the last one) where `settings.telemetry`. Returns what was removed."""
     removed: list[Path] = []
@@ -61,8 +74,8 @@ def after_commit(result: Any, root: Path, settings: Any, cache: dict[str, Any]) 
     return removed
 
 
-def describe(r: Any) -> str:
-    """The log line of a committed checkpoint (`r`, a CommitResult)."""
+def describe(r: CommitResult) -> str:
+    """The log line of a committed checkpoint."""
     queued = f" (queued at the next step in {1e3 * r.queued_s:.1f} ms)" if r.queued_s else ""
     cpu = r.engine_cpu_s
     used = ""
@@ -90,9 +103,8 @@ def remove_temporaries(folder: str | os.PathLike) -> int:
     return open_store(folder.parent).remove_temporaries(step)
 
 
-def telemetry_record(result: Any, cache: dict[str, Any], removed: list[Path]) -> dict[str, Any]:
-    """One checkpoint's line: `result` is a CommitResult, `cache` the engine's cache statistics since the
-    previous line."""
+def telemetry_record(result: CommitResult, cache: dict[str, int], removed: list[Path]) -> dict[str, object]:
+    """One checkpoint's line: `cache` holds the engine's cache statistics since the previous line."""
     return telemetry.record(
         step=result.step,
         where=str(result.folder),
@@ -113,7 +125,7 @@ def telemetry_record(result: Any, cache: dict[str, Any], removed: list[Path]) ->
     )
 
 
-def append_telemetry(root: str | os.PathLike, record: dict[str, Any]) -> None:
+def append_telemetry(root: str | os.PathLike, record: Mapping[str, object]) -> None:
     """Appends one line to the checkpoints folder's telemetry file."""
     open_store(root).append_line(TELEMETRY, json.dumps(record))
 

@@ -7,7 +7,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from .. import telemetry
 from .handle import SaveHandle
@@ -21,7 +21,7 @@ class InFlight:
     `cache_stats(reset)` is the core's: its counters go on the first telemetry line of each batch.
     """
 
-    def __init__(self, telemetry_path: str | None, cache_stats: Callable[[bool], dict[str, Any]]) -> None:
+    def __init__(self, telemetry_path: str | None, cache_stats: Callable[[bool], dict[str, int]]) -> None:
         self._telemetry_path = telemetry_path
         self._cache_stats = cache_stats
         self._lock = threading.Lock()

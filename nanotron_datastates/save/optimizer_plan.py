@@ -4,7 +4,7 @@ are read at each checkpoint."""
 
 from __future__ import annotations
 
-from typing import Any
+import torch
 
 from .. import skeleton, state_parts
 from ..engine import DataStatesEngine
@@ -14,12 +14,12 @@ from .plan import SavePlan
 class OptimizerPlans:
     """The plans of `optimizer`'s state, each made like `kept`, the last one."""
 
-    def __init__(self, engine: DataStatesEngine, optimizer: Any) -> None:
+    def __init__(self, engine: DataStatesEngine, optimizer: torch.optim.Optimizer) -> None:
         self.engine, self.optimizer = engine, optimizer
         self.kept: SavePlan | None = None  # the last plan, to plan the next checkpoint's like it
         self.part = (0, 1)  # (part, parts): the part of the state this rank writes (state_parts.py)
 
-    def state(self) -> Any:
+    def state(self) -> object:
         """The optimizer's state this rank writes: all of it, or its part."""
         return state_parts.split(self.optimizer.state_dict(), *self.part)
 
@@ -34,7 +34,7 @@ class OptimizerPlans:
             self.kept = again
         return again
 
-    def for_checkpoint(self, staged_before_step: bool) -> tuple[SavePlan, Any]:
+    def for_checkpoint(self, staged_before_step: bool) -> tuple[SavePlan, object | None]:
         """(the plan for a checkpoint, the copy of the state's containers to plan it from once the step is
         launched, or None). Where the checkpoint is staged before the step and queued after it, and the
         optimizer still holds the tensors of the kept plan, that kept plan is staged now and the plan itself
@@ -49,7 +49,7 @@ class OptimizerPlans:
                 return kept, frozen
         return self.replan(state), None
 
-    def replan(self, state: Any) -> SavePlan:
+    def replan(self, state: object) -> SavePlan:
         """`state` planned like the last checkpoint's optimizer plan, kept for the next one where it is."""
         plan = self.engine.plan(state, like=self.kept)
         if self.kept is not None:

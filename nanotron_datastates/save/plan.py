@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -137,7 +137,7 @@ class Prepared:
     bases: list[torch.Tensor]
     # Per CUDA device, an event recorded right after the staging copies (where asked for): the core's
     # copies then follow those, not what the caller launches between the staging and the queuing.
-    events: dict[int, Any] = field(default_factory=dict)
+    events: dict[int, torch.cuda.Event] = field(default_factory=dict)
 
 
 def prepare_all(
@@ -201,7 +201,7 @@ def export_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def plan_save(
-    state: Any,
+    state: object,
     *,
     metadata: Mapping[str, str] | None = None,
     allow_pickle: bool = False,
@@ -248,7 +248,7 @@ def plan_save(
         met.append((t, name, path))
         return name
 
-    if exact_metadata:  # no skeleton to write: the flat dict is walked as it is
+    if exact_metadata and isinstance(state, dict):  # a flat dict (checked above): no skeleton to write
         skel = ""
         for k, v in state.items():
             on_tensor(v, k)

@@ -19,11 +19,14 @@ import itertools
 import operator
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from .. import _core
+
+if TYPE_CHECKING:
+    from .plan import SavePlan
 
 ALIGN = 256  # bytes: each file's staged copy starts where vectorized kernels and DMA like it
 
@@ -75,9 +78,11 @@ class Layout:
 
     # Per file, what described its tensors when they were last found to fit (a plan's list of entries, which
     # a plan's renewal replaces, never changes): the same object again needs no check of each tensor.
-    checked: list[Any] = field(default_factory=list)
+    checked: list[object] = field(default_factory=list)
 
-    def fits(self, arrays: Sequence[Sequence[torch.Tensor]], described: Sequence[Any] | None = None) -> bool:
+    def fits(
+        self, arrays: Sequence[Sequence[torch.Tensor]], described: Sequence[object] | None = None
+    ) -> bool:
         """Whether `arrays` are the very tensors this layout was made for, with their shapes and dtypes.
         `described`: per file, the object that describes its tensors as checked by the caller (a plan's
         entries, `SavePlan.keys`): a file described by the same object as at the last fit is not checked
@@ -155,7 +160,7 @@ class Stager:
         self,
         arrays: list[list[torch.Tensor]],
         views: list[list[_core.StagedView]],
-        described: Sequence[Any] | None = None,
+        described: Sequence[object] | None = None,
         keep: bool = False,
     ) -> list[torch.Tensor]:
         """Replaces every tensor of `arrays` (a list per file) by its copy, fills `views` (a list per file:
@@ -200,7 +205,7 @@ class Stager:
             views[k] = list(row)
         return bases
 
-    def lend(self, bases: Sequence[torch.Tensor], readers: Sequence[Any]) -> None:
+    def lend(self, bases: Sequence[torch.Tensor], readers: Sequence[_core.Job]) -> None:
         """The kept buffers, if `bases` are they, are read by `readers` (the core's jobs, each with
         `snapshot_done()`): free again once every one of them has its snapshot (every byte read)."""
         kept = self._kept
@@ -225,7 +230,7 @@ class _Kept:
     bases: list[torch.Tensor]
     views: list[list[torch.Tensor]]  # per group of the layout
     rows: list[list[torch.Tensor]]  # per file, its tensors' copies (where the staging puts them)
-    readers: list[Any] | None = None  # the saves that read them; None: lent to a save not yet queued
+    readers: list[_core.Job] | None = None  # the saves that read them; None: lent to a save not yet queued
 
     def free(self) -> bool:
         """Whether no save reads the buffers any more. A staging never queued (it failed, or was dropped)
@@ -243,8 +248,8 @@ def _meta(shape: Sequence[int]) -> torch.Tensor:
     return torch.empty_strided(tuple(shape), tuple(reversed(strides)), device="meta")
 
 
-def staged_nbytes(plans: Sequence[Any]) -> int:
-    """The most bytes staging these plans (SavePlans) together takes on one device."""
+def staged_nbytes(plans: Sequence[SavePlan]) -> int:
+    """The most bytes staging these plans together takes on one device."""
     return sum(-(-p.nbytes // ALIGN) * ALIGN for p in plans) + 16
 
 
