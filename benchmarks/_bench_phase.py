@@ -14,7 +14,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from _bench_baselines import RawCopy, checkpoint_bytes, dcp_key_prefixes, dcp_zero_overhead_stager
 from _bench_checkpoints import prune_before
@@ -174,8 +174,10 @@ def run_phase(args: argparse.Namespace) -> None:
                 return out
 
             self.optimizer.step = first_step
-            if getattr(self, "datastates", None) is not None:  # datastates: the saver's public observers
-                self.datastates.observers.append(self._observe)
+            manager = getattr(self, "datastates", None)  # the CheckpointManager (stock Nanotron: none)
+            if manager is not None and manager.saver is not None:  # datastates: the saver's public observers
+                manager.saver.observers.append(self._observe)
+                manager.memory_checkpoint = self._timed_memory_checkpoint(manager.memory_checkpoint)
             self._queue_start: dict[str, Any] = {}
 
         def pre_init(self) -> None:  # the read-ahead of a datastates resume starts here
@@ -228,27 +230,33 @@ def run_phase(args: argparse.Namespace) -> None:
                 prune_before(path.parent, self.iteration_step)
             return path
 
-        def _ds_memory_checkpoint(self, saver: Any) -> None:  # a memory checkpoint (memory_interval): a save
-            step = self.metadata.last_train_step
-            if not saver.memory_due(step):
-                return
-            book_dummy_tokens(self.metadata)
-            engine_s0, staged0 = engine_time[0], staged[0]
-            t0 = time.perf_counter()
-            if memory_prof is not None and rec["saves"]:
-                memory_prof.on()
-            super()._ds_memory_checkpoint(saver)
-            if memory_prof is not None and rec["saves"]:
-                memory_prof.off()
-            rec["saves"].append(
-                {
-                    "step": step,
-                    "call_s": time.perf_counter() - t0,
-                    "engine_save_s": engine_time[0] - engine_s0,
-                    "staged_files": staged[0] - staged0,
-                    "memory": True,
-                }
-            )
+        def _timed_memory_checkpoint(self, take: Callable[[], None]) -> Callable[[], None]:
+            """The manager's memory checkpoint (memory_interval), recorded as a save where one is due."""
+            manager = self.datastates
+
+            def timed() -> None:
+                saver, step = manager.saver, self.metadata.last_train_step
+                if saver is None or not manager.stepped or not saver.memory_due(step):
+                    return take()
+                book_dummy_tokens(self.metadata)
+                engine_s0, staged0 = engine_time[0], staged[0]
+                t0 = time.perf_counter()
+                if memory_prof is not None and rec["saves"]:
+                    memory_prof.on()
+                take()
+                if memory_prof is not None and rec["saves"]:
+                    memory_prof.off()
+                rec["saves"].append(
+                    {
+                        "step": step,
+                        "call_s": time.perf_counter() - t0,
+                        "engine_save_s": engine_time[0] - engine_s0,
+                        "staged_files": staged[0] - staged0,
+                        "memory": True,
+                    }
+                )
+
+            return timed
 
         def _dcp_save(self) -> Path:
             import torch.distributed.checkpoint as dcp
@@ -317,7 +325,7 @@ def run_phase(args: argparse.Namespace) -> None:
                         **{f"{k}_cpu_s": v - s0[f"{k}_cpu"] for k, v in split_cpu.items()},
                         "engine_s": engine_time[0] - s0["engine"],
                         "cuda_mallocs": allocs,
-                        "cache": self.datastates.engine.cache_stats() if args.profile else None,
+                        "cache": self.datastates.saver.engine.cache_stats() if args.profile else None,
                     }
                 )
             elif event == "committed":  # on the committer's thread

@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from _bench_measure import MemorySampler
 from _nanotron import book_dummy_tokens, load_run_train, time_library_report
@@ -51,8 +51,10 @@ def run_phase(args: argparse.Namespace) -> None:
     class Trainer(DistributedTrainer):
         def __init__(self, *a: Any, **k: Any) -> None:
             super().__init__(*a, **k)
-            if getattr(self, "datastates", None) is not None:
-                self.datastates.observers.append(self._observe)
+            manager = getattr(self, "datastates", None)  # the CheckpointManager (stock Nanotron: none)
+            if manager is not None and manager.saver is not None:
+                manager.saver.observers.append(self._observe)
+                manager.memory_checkpoint = self._reference_at_memory_checkpoint(manager.memory_checkpoint)
 
         def save_checkpoint(self) -> Path:
             book_dummy_tokens(self.metadata)
@@ -61,16 +63,22 @@ def run_phase(args: argparse.Namespace) -> None:
                 torch.save(capture(self), reference)  # the state this checkpoint must bring back
             return super().save_checkpoint()
 
-        def _ds_memory_checkpoint(self, saver: Any) -> None:
-            step = self.metadata.last_train_step
-            if saver.memory_due(step):
-                book_dummy_tokens(self.metadata)
-                if killing and step == args.step:
-                    torch.cuda.synchronize()
-                    state = capture(self)  # the state this memory checkpoint must bring back
-                    state["iteration_step"] = step  # Nanotron's loop is at the next iteration already
-                    torch.save(state, reference)
-            super()._ds_memory_checkpoint(saver)
+        def _reference_at_memory_checkpoint(self, take: Callable[[], None]) -> Callable[[], None]:
+            """The manager's memory checkpoint, the state it must bring back kept first at --step."""
+            manager = self.datastates
+
+            def keep_then_take() -> None:
+                saver, step = manager.saver, self.metadata.last_train_step
+                if saver is not None and manager.stepped and saver.memory_due(step):
+                    book_dummy_tokens(self.metadata)
+                    if killing and step == args.step:
+                        torch.cuda.synchronize()
+                        state = capture(self)  # the state this memory checkpoint must bring back
+                        state["iteration_step"] = step  # Nanotron's loop is at the next iteration already
+                        torch.save(state, reference)
+                take()
+
+            return keep_then_take
 
         def _observe(self, event: str, fields: dict[str, Any]) -> None:
             r = fields.get("result")
@@ -89,10 +97,11 @@ def run_phase(args: argparse.Namespace) -> None:
             out = super().training_step(dataloader)
             # The memory checkpoint of --step, asked for next, is never skipped (memory_pace.py): none is
             # left in flight before it (stock Nanotron's trainer, `none` and `torch`, has no `datastates`)
-            saver = getattr(self, "datastates", None)
+            manager = getattr(self, "datastates", None)
+            saver = manager.saver if manager is not None else None
             memory = args.lose_node and killing and self.iteration_step == args.step
             if memory and saver is not None and saver.settings.memory_interval:
-                saver.take(saver.outstanding, self._ds_post_save)
+                saver.take(saver.outstanding, manager.post_save)
             # After the step that follows the checkpoint: a checkpoint staged on the GPU is queued at that
             # step's optimizer step, so waiting before it for the replication would wait forever.
             if args.lose_node and killing and self.iteration_step == args.step + 1:
@@ -121,7 +130,7 @@ def run_phase(args: argparse.Namespace) -> None:
 
     trainer = Trainer(args.config)
     rec["init_s"] = time.perf_counter() - t_start
-    resume = getattr(trainer, "_ds_resume", None)
+    resume = trainer.datastates.resume if hasattr(trainer, "datastates") else None
     here = bool(resume is not None and resume.source is not None)
     from_memory = [here] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(from_memory, here)

@@ -16,6 +16,7 @@ and telemetry), `engine_reads` (the loading methods, which the engine inherits) 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import time
@@ -54,7 +55,7 @@ class DataStatesEngine(EngineReads):
         if config is None:
             config = DataStatesConfig(**overrides)
         elif overrides:
-            config = DataStatesConfig(**{**config.to_dict(), **overrides})
+            config = dataclasses.replace(config, **overrides)  # a TrainerSettings stays one
         self.config = config
         self._core = start_core(config)
         self._in_flight = InFlight(config.telemetry_path, self.cache_stats)

@@ -49,7 +49,8 @@ def make_classes(ncc: Any) -> tuple[type, type]:
         # DataStates' own Nanotron docs put the key at the top level; it is moved into `checkpoints`.
         checkpointing_engine: Optional[str] = None
         # Parsed by TrainerSettings.from_dict, not by dacite: its messages name the key, and YAML ints are
-        # accepted where floats are expected. After __post_init__: a TrainerSettings, every key in effect.
+        # accepted where floats are expected. After __post_init__: a TrainerSettings, every key in effect
+        # (the annotation is what dacite checks the YAML against: resolved in Nanotron's module, a mapping).
         datastates: Optional[dict] = None
 
         def __post_init__(self) -> None:
@@ -68,7 +69,7 @@ def make_classes(ncc: Any) -> tuple[type, type]:
                 self.checkpointing_engine = None
             given: Any = self.datastates
             if not isinstance(given, TrainerSettings):  # a parsed config's is kept as it is
-                self.datastates = TrainerSettings.from_dict(given)  # config.yaml records its plain keys
+                self.datastates = TrainerSettings.from_dict(given)  # type: ignore[assignment]
 
         @property
         def uses_datastates(self) -> bool:
@@ -89,7 +90,7 @@ def settings_of(config: Any) -> TrainerSettings:
 
 def engine_for(config: Any) -> DataStatesEngine:
     """The trainer's one engine, from its config's `datastates:` section: built here only, by the read-ahead
-    of the trainer's first line or by the resume, and handed on to the Saver (mixin.py)."""
+    of the trainer's first line or by the resume, and handed on to the Saver (manager.py)."""
     from ..engine import DataStatesEngine  # here: this module is imported when Nanotron is, torch or not
 
     return DataStatesEngine(settings_of(config))

@@ -11,7 +11,7 @@ Per checkpoint, in order, on a background thread of every rank:
 4. every rank records the same outcome, so the main thread of every rank takes the same decisions at its
    next synchronization point (the next checkpoint, or the end of training).
 
-This module does not import Nanotron: the trainer mixin supplies `finalize`.
+This module does not import Nanotron: the CheckpointManager supplies `finalize`.
 """
 
 from __future__ import annotations

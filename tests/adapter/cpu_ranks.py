@@ -209,7 +209,7 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     ckpt = work / "ckpt"
     engine = DataStatesEngine(host_cache_size=1 / 64, chunk_size=1)
     saver = Saver(engine, c.datastates, pc, model, optimizer, ckpt)
-    saver.start()  # in the mixin's order
+    saver.start()  # in the CheckpointManager's order
     events: list[str] = []
     saver.observers.append(lambda event, fields: events.append(event))
     saver.after_first_step()

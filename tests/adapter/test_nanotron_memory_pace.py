@@ -25,7 +25,7 @@ def test_a_memory_checkpoint_due_while_two_are_in_flight_is_skipped_and_the_next
     committer's commit of each checkpoint takes): steps 1 and 2 are asked for, 3 to 5 skipped at once (a
     wait here would never end: the alarm fails the test); once the commits go through, 6 is taken."""
     t, saver = memory_trainer(rank0, tmp_path, every=1, iteration=1)
-    t._ds_stepped = True
+    t.datastates.stepped = True
     saver.start()
     saver.after_first_step()
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as tdist
 
+from nanotron_datastates.nanotron.manager import CheckpointManager
+from nanotron_datastates.nanotron.resume.resume import Resume
 from nanotron_datastates.nanotron.trainer import DataStatesTrainer
 
 
@@ -39,13 +41,14 @@ def trainer(tmp_path):
     )
     t.parallel_context = types.SimpleNamespace(world_pg=tdist.group.WORLD)
     t.iteration_step = 25  # training moved on since the checkpoint of step 20 was asked for
+    t.datastates = CheckpointManager(t, Resume())
     yield t
     tdist.destroy_process_group()
 
 
 def test_s3_upload_sees_the_checkpoints_step(trainer):
     trainer.s3_mover = Recorder(trainer)
-    trainer._ds_post_save(20)
+    trainer.datastates.post_save(20)
     assert trainer.s3_mover.calls == [("upload", 20, 20)]
     assert (trainer.iteration_step, trainer.config.general.step) == (25, 25)
 
@@ -55,10 +58,10 @@ def test_lighteval_evaluates_the_committed_checkpoint(trainer, tmp_path):
     trainer.s3_mover = None
     trainer.config.lighteval = types.SimpleNamespace(eval_interval=10)
     trainer.lighteval_runner = Recorder(trainer)
-    trainer._ds_post_save(20)
+    trainer.datastates.post_save(20)
     has_lighteval = "lighteval" in DataStatesTrainer.post_save_checkpoint.__code__.co_names
     expected = [("eval", tmp_path / "ckpt" / "20")] if has_lighteval else []
     assert trainer.lighteval_runner.calls == expected
-    trainer._ds_post_save(25)  # not on the evaluation interval
+    trainer.datastates.post_save(25)  # not on the evaluation interval
     assert trainer.lighteval_runner.calls == expected
     assert trainer.iteration_step == 25

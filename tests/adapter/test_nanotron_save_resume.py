@@ -667,10 +667,10 @@ def test_the_trainer_takes_a_memory_checkpoint_where_due_at_the_start_of_an_iter
     t, saver = memory_trainer(rank0, tmp_path, every=2, iteration=6)
     saver.start()
     saver.after_first_step()
-    t.metadata, t._ds_stepped = training_metadata(2), False
+    t.metadata, t.datastates.stepped = training_metadata(2), False
     t._update_dataloader_based_on_training_stages(None)  # a resumed run, before its first step: nothing
     assert saver.memory_step is None
-    t._ds_stepped = True
+    t.datastates.stepped = True
     ask(saver, rank0, 6)  # storage's checkpoint of step 6: no memory one of the same step
     for at in (2, 3, 4, 4, 5, 6):
         # Each outcome in first: one due while two are in flight would be skipped (test_nanotron_memory_pace)
@@ -692,6 +692,7 @@ def test_the_trainer_takes_a_memory_checkpoint_where_due_at_the_start_of_an_iter
 def memory_trainer(rank0, tmp_path: Path, every: int, iteration: int) -> tuple[Any, Saver]:
     """Nanotron's real trainer class, as its loop holds it at `iteration`, around a Saver into
     `tmp_path/ckpt` with the memory tier in `tmp_path/shm` and a memory checkpoint every `every` steps."""
+    from nanotron_datastates.nanotron.manager import CheckpointManager
     from nanotron_datastates.nanotron.trainer import DataStatesTrainer
 
     pc, c, (model, optimizer, lr_scheduler, random_states), engine = rank0
@@ -703,7 +704,8 @@ def memory_trainer(rank0, tmp_path: Path, every: int, iteration: int) -> tuple[A
     c.data_stages = None
     t.optimizer, t.lr_scheduler, t.random_states = optimizer, lr_scheduler, random_states
     t.iteration_step, t.s3_mover = iteration, None  # Nanotron's post-save hooks, for storage's checkpoints
-    t.datastates = saver = Saver(engine, settings, pc, model, optimizer, tmp_path / "ckpt")
+    saver = Saver(engine, settings, pc, model, optimizer, tmp_path / "ckpt")
+    t.datastates = CheckpointManager(t, Resume(), saver)
     return t, saver
 
 

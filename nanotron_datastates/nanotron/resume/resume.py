@@ -1,5 +1,5 @@
 """Resume: everything from the trainer's first line to the optimizer state being loaded, for a checkpoint with
-a manifest (any other is left to Nanotron). The trainer mixin calls, in this order:
+a manifest (any other is left to Nanotron). The CheckpointManager (manager.py) calls, in this order:
 
 1. `Resume.start(args, kwargs)`, the trainer's first line, before Nanotron sets up its process groups (0.4 to
    0.7 s on an H100): from the config and the manifest alone it starts reading ahead the files every rank

@@ -1,4 +1,5 @@
-"""Saving: each checkpoint the trainer asks for, from the request to its outcome. The trainer mixin calls:
+"""Saving: each checkpoint the trainer asks for, from the request to its outcome. The CheckpointManager
+(manager.py) calls:
 
 0. `start()`, once, when the trainer is built: the weights' files are planned (once, with Nanotron's names and
    tensor metadata) and the host cache chunks they fill are pinned in the background, while Nanotron builds
