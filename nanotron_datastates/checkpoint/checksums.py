@@ -4,24 +4,29 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from .manifest import ManifestError
+from .manifest import ManifestError, entries
 from .names import MANIFEST
+
+if TYPE_CHECKING:
+    from ..save.handle import SaveHandle
 
 
 def file_checksums(
-    doc: dict[str, Any], folder: str | os.PathLike, path: str | os.PathLike
+    doc: Mapping[str, object], folder: str | os.PathLike, path: str | os.PathLike
 ) -> dict[str, int] | None:
     """The checksums the manifest holds for `path` (a file of the checkpoint in `folder`), if any."""
-    entry = doc["files"].get(Path(os.path.relpath(path, folder)).as_posix())
-    if not entry or "crc32c" not in entry:
+    entry = entries(doc).get(Path(os.path.relpath(path, folder)).as_posix())
+    sums = entry.get("crc32c") if entry else None
+    if not isinstance(sums, dict):
         return None
-    return {name: int(v, 16) for name, v in entry["crc32c"].items()}
+    return {name: int(v, 16) for name, v in sums.items()}
 
 
-def file_entry(nbytes: int, handle: Any) -> dict[str, Any]:
+def file_entry(nbytes: int, handle: SaveHandle) -> dict[str, object]:
     """The manifest's entry for a persisted file (a SaveHandle's): its size and its tensors' CRCs; for a
     file whose header holds none (`exact_metadata`: Nanotron's weight files), its block segments' CRCs too,
     spelled as in a header (`B:` and 8 hex digits per segment), so that a part of it can be read and
@@ -29,7 +34,7 @@ def file_entry(nbytes: int, handle: Any) -> dict[str, Any]:
     from .. import format as fmt  # here: this module stays free of torch
 
     sums = handle.checksums()
-    entry: dict[str, Any] = {"bytes": nbytes, "crc32c": {n: f"{c:08x}" for n, c in sums.items()}}
+    entry: dict[str, object] = {"bytes": nbytes, "crc32c": {n: f"{c:08x}" for n, c in sums.items()}}
     if handle.exact_metadata:
         size, blocks = handle.block_checksums()
         if size:
@@ -38,13 +43,13 @@ def file_entry(nbytes: int, handle: Any) -> dict[str, Any]:
 
 
 def file_block_checksums(
-    doc: dict[str, Any], folder: str | os.PathLike, path: str | os.PathLike
+    doc: Mapping[str, object], folder: str | os.PathLike, path: str | os.PathLike
 ) -> tuple[int, dict[str, list[int]]] | None:
     """The block checksums the manifest holds for `path`, if any (see `file_entry`)."""
     from .. import format as fmt  # here: this module stays free of torch
 
     rel = Path(os.path.relpath(path, folder)).as_posix()
-    raw = (doc["files"].get(rel) or {}).get("crc32c_blocks")
+    raw = (entries(doc).get(rel) or {}).get("crc32c_blocks")
     if raw is None:
         return None
     bad = ManifestError(f"{folder}/{MANIFEST}: the block checksums of {rel} are malformed")

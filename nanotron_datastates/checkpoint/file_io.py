@@ -8,7 +8,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .. import trust
 
@@ -54,7 +54,9 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return _read_doc(path, yaml.safe_load, yaml.YAMLError)
 
 
-def _read_doc(path: str | os.PathLike, parse: Any, bad: type[Exception]) -> dict[str, Any]:
+def _read_doc(
+    path: str | os.PathLike, parse: Callable[[bytes], object], bad: type[Exception]
+) -> dict[str, object]:
     try:
         with os.fdopen(trust.open_to_read(path), "rb") as f:
             doc = parse(f.read())

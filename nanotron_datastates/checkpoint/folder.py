@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 from .. import format as fmt
 from .. import trust
 from ..errors import DataStatesError
+from .described import CheckpointInfo, Described, FileInfo, FolderInfo, ListedFile, RootInfo, TensorInfo
 from .file_io import read_json, read_yaml
-from .manifest import is_datastates_checkpoint, read_manifest
+from .manifest import Entries, entries, is_datastates_checkpoint, read_manifest
 from .names import FOLDERS, LATEST, MANIFEST, NANOTRON_METADATA
 
 NANOTRON_FILES = (NANOTRON_METADATA, "config.yaml", "model_config.json")
@@ -146,7 +147,7 @@ def temporaries(folder: Path) -> list[Path]:
 # -- describe -----------------------------------------------------------------------------------------------
 
 
-def describe(path: str | os.PathLike, tensors: bool = False) -> dict[str, Any]:
+def describe(path: str | os.PathLike, tensors: bool = False) -> Described:
     """What `path` holds, whatever its kind (the dict's "kind"); with `tensors`, every file's tensors too
     (a file's are always listed). NotACheckpoint says why a path is none of them."""
     path = Path(path)
@@ -162,7 +163,7 @@ def describe(path: str | os.PathLike, tensors: bool = False) -> dict[str, Any]:
     raise NotACheckpoint(explain(path))
 
 
-def describe_file(path: str | os.PathLike) -> dict[str, Any]:
+def describe_file(path: str | os.PathLike) -> FileInfo:
     """A safetensors file's tensors (name, dtype, shape, bytes), metadata, writer and checksums."""
     header = fmt.read_header(path)
     return {
@@ -176,7 +177,7 @@ def describe_file(path: str | os.PathLike) -> dict[str, Any]:
     }
 
 
-def describe_folder(folder: str | os.PathLike, tensors: bool = False) -> dict[str, Any]:
+def describe_folder(folder: str | os.PathLike, tensors: bool = False) -> FolderInfo:
     """A folder of engine files (no manifest): its safetensors files, found recursively."""
     folder = Path(folder)
     files = [_file_entry(folder, p, tensors) for p in sorted(safetensors_files(folder))]
@@ -190,44 +191,51 @@ def describe_folder(folder: str | os.PathLike, tensors: bool = False) -> dict[st
     }
 
 
-def describe_checkpoint(folder: str | os.PathLike, tensors: bool = False) -> dict[str, Any]:
+def describe_checkpoint(folder: str | os.PathLike, tensors: bool = False) -> CheckpointInfo:
     """One checkpoint folder: engine, step, topology, whether it is committed, and its files (with
     `tensors`, each safetensors file's tensors as "tensor_list")."""
     folder = Path(folder)
-    out: dict[str, Any] = {"kind": "checkpoint", "path": str(folder), "engine": None, "step": None}
-    out["topology"] = {}
-    listed: dict[str, Any] = {}
+    engine: str | None = None
+    step: object = None
+    topology: dict[str, object] = {}
+    listed: Entries = {}
     if os.path.lexists(folder / MANIFEST):  # read_manifest names one that is not a regular file
         doc = read_manifest(folder)
-        out.update(engine="datastates", step=doc.get("step"), topology=doc.get("topology", {}))
-        listed = doc["files"]
+        engine, step, topology, listed = "datastates", doc.get("step"), doc.get("topology", {}), entries(doc)
     elif (folder / NANOTRON_METADATA).is_file():
-        out["engine"] = "nanotron (torch)"
+        engine = "nanotron (torch)"
     meta = read_json(folder / NANOTRON_METADATA)
     if meta:
-        out["step"] = out["step"] if out["step"] is not None else meta.get("metas", {}).get("last_train_step")
+        step = step if step is not None else meta.get("metas", {}).get("last_train_step")
         for key in ("tp", "dp", "cp"):  # cp: Nanotron main's
             if key in meta:
-                out["topology"].setdefault(key, meta[key])
+                topology.setdefault(key, meta[key])
     parallelism = read_yaml(folder / "config.yaml").get("parallelism") or {}
-    out["topology"].setdefault("pp", parallelism.get("pp"))
+    topology.setdefault("pp", parallelism.get("pp"))
     root = folder.parent
     latest = _safe_latest(root)
-    out["committed"] = is_committed(folder)
-    out["latest"] = latest is not None and str(latest) == folder.name
+    committed = is_committed(folder)
     paths = sorted(q for q in folder.rglob("*") if not q.is_dir() and not q.name.startswith("."))
     files = [_file_entry(folder, p, tensors) for p in paths]
     for f in files:  # the engine's weight files keep Nanotron's metadata: their checksums are the manifest's
         if "tensors" in f and isinstance(listed.get(f["file"]), dict) and "crc32c" in listed[f["file"]]:
             f["checksums_in_manifest"] = True
-    out["files"] = files
-    out["bytes"] = sum(f["bytes"] for f in files)
-    out["tensors"] = sum(f.get("tensors", 0) for f in files)
-    out["temporaries"] = [str(p.relative_to(folder)) for p in temporaries(folder)]
-    return out
+    return {
+        "kind": "checkpoint",
+        "path": str(folder),
+        "engine": engine,
+        "step": step,
+        "topology": topology,
+        "committed": committed,
+        "latest": latest is not None and str(latest) == folder.name,
+        "files": files,
+        "bytes": sum(f["bytes"] for f in files),
+        "tensors": sum(f.get("tensors", 0) for f in files),
+        "temporaries": [str(p.relative_to(folder)) for p in temporaries(folder)],
+    }
 
 
-def describe_root(root: str | os.PathLike, tensors: bool = False) -> dict[str, Any]:
+def describe_root(root: str | os.PathLike, tensors: bool = False) -> RootInfo:
     root = Path(root)
     return {
         "kind": "root",
@@ -241,22 +249,22 @@ def _writer(header: fmt.Header) -> str:
     return "datastates" if fmt.KEY_VERSION in header.metadata else "safetensors"
 
 
-def _tensor_list(header: fmt.Header) -> list[dict[str, Any]]:
+def _tensor_list(header: fmt.Header) -> list[TensorInfo]:
     return [
         {"name": e.name, "dtype": e.dtype.name, "shape": list(e.shape), "bytes": e.nbytes}
         for e in header.tensors
     ]
 
 
-def _file_entry(folder: Path, p: Path, tensors: bool) -> dict[str, Any]:
+def _file_entry(folder: Path, p: Path, tensors: bool) -> ListedFile:
     """One file of a folder: its path in the folder and size; for a safetensors file, its tensors' count,
     dtypes, writer and checksums (with `tensors`, the tensors themselves), or the error reading it."""
-    entry: dict[str, Any] = {"file": str(p.relative_to(folder))}
+    name = str(p.relative_to(folder))
     try:
-        entry["bytes"] = p.stat().st_size
+        size = p.stat().st_size
     except OSError as e:  # gone since it was listed
-        entry.update(bytes=0, error=str(e))
-        return entry
+        return {"file": name, "bytes": 0, "error": str(e)}
+    entry: ListedFile = {"file": name, "bytes": size}
     if not p.is_file():  # a FIFO, a socket: never opened here
         entry["error"] = f"{p}: not a regular file"
     elif p.suffix == ".safetensors":

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .. import trust
 from ..errors import DataStatesError
@@ -26,6 +27,9 @@ MAX_FILES = 1 << 20
 _MAX_DIM = 1 << 20  # ranks per dimension of a topology
 _HEX8 = re.compile(r"[0-9a-f]{8}")
 
+# Files with their manifest entries (size, checksums), by name: a manifest's `files`, or a rank's of them
+Entries = Mapping[str, Mapping[str, object]]
+
 
 class ManifestError(DataStatesError, ValueError):
     """A manifest that is not ours, or names a file outside the checkpoint's layout."""
@@ -37,10 +41,10 @@ def is_datastates_checkpoint(folder: str | os.PathLike) -> bool:
 
 def manifest(
     step: int,
-    topology: dict[str, int],
-    files: dict[str, dict[str, Any]],
-    replicas: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    topology: Mapping[str, int],
+    files: Entries,
+    replicas: Mapping[str, object] | None = None,
+) -> dict[str, object]:
     """A manifest; `replicas`: where each rank's memory copy is replicated (`nodes`: each rank's node;
     `holders`: the ranks keeping each rank's replicas), where it is."""
     doc = {
@@ -53,13 +57,36 @@ def manifest(
     return {**doc, "replicas": replicas} if replicas else doc
 
 
-def manifest_text(doc: dict[str, Any]) -> str:
+def entries(doc: Mapping[str, object]) -> Entries:
+    """The files a manifest lists, by name, each with its entry (size, checksums): as `check_manifest` passed
+    them ({} where it lists none)."""
+    files = doc.get("files")
+    return files if isinstance(files, dict) else {}
+
+
+def manifest_step(doc: Mapping[str, object]) -> int:
+    """The step of the checkpoint a manifest describes; ManifestError where it names none."""
+    step = doc.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ManifestError(f"the manifest names no step (step: {step!r})")
+    return step
+
+
+def entry_bytes(entry: Mapping[str, object]) -> int:
+    """The size of a file, as its manifest entry gives it; ManifestError where the entry gives none."""
+    size = entry.get("bytes")
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise ManifestError(f"a file's entry gives no size (bytes: {size!r})")
+    return size
+
+
+def manifest_text(doc: Mapping[str, object]) -> str:
     """A manifest as written: JSON, each top-level key on a line of its own and each file's entry on one line
     (a person reads it file by file). Made by the JSON module's C encoder, not its indenting one: this runs
     on the committer thread after every checkpoint, whose Python holds the GIL the training thread needs."""
     lines = []
     for key, value in doc.items():
-        if key == "files" and value:
+        if key == "files" and isinstance(value, Mapping) and value:
             body = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in value.items())
             lines.append(f' "files": {{\n{body}\n }}')
         else:
@@ -80,7 +107,7 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
     return check_manifest(doc, path)
 
 
-def check_manifest(doc: Any, path: str | os.PathLike) -> dict[str, Any]:
+def check_manifest(doc: object, path: str | os.PathLike) -> dict[str, Any]:
     """`doc` if it is a manifest this package reads, else ManifestError naming `path` and the key at fault.
     Checked: the format and version; the step, a step number; every file a file of the layout (`member`)
     with its size in 63 bits and its checksums spelled as written (8 lowercase hex digits per tensor; block
@@ -111,7 +138,7 @@ def check_manifest(doc: Any, path: str | os.PathLike) -> dict[str, Any]:
         why = _not_a_member(rel)
         if why:
             raise bad(f"entry {rel!r}", why)
-        _check_entry(entry, lambda key, what, rel=rel: bad(f"files[{rel!r}].{key}", what))
+        _check_entry(entry, f"files[{rel!r}]", bad)
     topo = doc.get("topology", {})
     if not isinstance(topo, dict):
         raise bad("'topology'", "is not an object")
@@ -130,30 +157,31 @@ def check_manifest(doc: Any, path: str | os.PathLike) -> dict[str, Any]:
     return doc
 
 
-def _check_entry(entry: Any, bad: Any) -> None:
-    """A manifest's entry of one file (see `checksums.file_entry`)."""
+def _check_entry(entry: object, where: str, bad: Callable[[str, str], ManifestError]) -> None:
+    """A manifest's entry of one file (see `checksums.file_entry`), at `where` in it: `bad(key, what)` raised
+    for a key of the wrong type or out of range."""
     if not isinstance(entry, dict):
-        raise bad("", "is not an object")
+        raise bad(f"{where}.", "is not an object")
     size = entry.get("bytes")
     if not (isinstance(size, int) and _is_int(size) and 0 <= size < 2**63):
-        raise bad("bytes", f"is {size!r}, not a size")
+        raise bad(f"{where}.bytes", f"is {size!r}, not a size")
     sums = entry.get("crc32c", {})
     if not isinstance(sums, dict) or not all(
         isinstance(k, str) and isinstance(v, str) and _HEX8.fullmatch(v) for k, v in sums.items()
     ):
-        raise bad("crc32c", "must map tensor names to 8 lowercase hex digits")
+        raise bad(f"{where}.crc32c", "must map tensor names to 8 lowercase hex digits")
     blocks = entry.get("crc32c_blocks", {})
     if not isinstance(blocks, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in blocks.items()
     ):
-        raise bad("crc32c_blocks", "must map tensor names to text")
+        raise bad(f"{where}.crc32c_blocks", "must map tensor names to text")
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _not_a_member(rel: Any) -> str | None:
+def _not_a_member(rel: object) -> str | None:
     """Why `rel` cannot name a file of a checkpoint's layout, or None."""
     try:
         p = trust.relative_name(rel)

@@ -6,21 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
-from .manifest import ManifestError, member
+from .manifest import ManifestError, entries, member
 from .names import NANOTRON_METADATA, Place, random_states_name, whole_name
-from .topology import TOPOLOGY_DEFAULTS, topology_changes
+from .topology import TOPOLOGY_DEFAULTS, saved_topology, topology_changes
 
 MAX_SMALL_FILES = 16  # the scheduler's and random states' files read into the page cache first, at most
 
 
-def weight_files(doc: dict[str, Any], folder: Path) -> list[Path]:
+def weight_files(doc: Mapping[str, object], folder: Path) -> list[Path]:
     """Every weight file a manifest names, under `folder`, in name order: what a rank of a layout without
     tensor, pipeline or expert parallelism reads."""
-    return [member(folder, f) for f in sorted(doc["files"]) if f.startswith("model/")]
+    return [member(folder, f) for f in sorted(entries(doc)) if f.startswith("model/")]
 
 
 def optimizer_files(files: Iterable[str]) -> dict[str, list[str]]:
@@ -50,10 +49,10 @@ def optimizer_files(files: Iterable[str]) -> dict[str, list[str]]:
     return {name: [parts[k] for k in sorted(parts)] for name, parts in out.items()}
 
 
-def random_states_at(doc: dict[str, Any], place: Place) -> str:
+def random_states_at(doc: Mapping[str, object], place: Place) -> str:
     """The saved random-state file of the rank at `place`, each rank index taken modulo the saved size of its
     dimension: a deterministic choice for a rank of another layout, which did not exist when it was saved."""
-    saved = doc.get("topology", {})
+    saved = saved_topology(doc)
 
     def at(dim: tuple[int, int], key: str) -> tuple[int, int]:
         size = int(saved.get(key, TOPOLOGY_DEFAULTS.get(key, 1)))
@@ -92,7 +91,7 @@ def relative(paths: Iterable[Path], root: Path) -> list[str]:
 
 
 def files_to_read(
-    doc: dict[str, Any],
+    doc: Mapping[str, object],
     folder: Path,
     here: dict[str, int],
     place: Place | None,
@@ -104,13 +103,13 @@ def files_to_read(
     (`topology`); None where the layout differs from the saved one (the state is resharded). Without a
     `place` (before the process groups exist), only what every rank reads: the optimizer file where there
     is one, the small files where there are few."""
-    if topology_changes(doc.get("topology", {}), here):
+    if topology_changes(saved_topology(doc), here):
         return None
     whole = (here["tp"], here["pp"], here["expert"]) == (1, 1, 1)
     if place is None and not whole:  # which shard a rank holds is not known yet
         return ReadSet([], (), [])
     weights = weight_files(doc, folder) if whole else []
-    files = optimizer_files(doc["files"])
+    files = optimizer_files(entries(doc))
     if place is not None:
         mine = "optimizer/" + place.optimizer_name(zero=here["zero_stage"] > 0)
         files = {name: parts for name, parts in files.items() if name == mine}
@@ -122,6 +121,6 @@ def files_to_read(
         if scheduler:
             small.append(folder / "lr_scheduler" / place.lr_scheduler_name())
     else:
-        rest = [f for f in sorted(doc["files"]) if f.startswith(("lr_scheduler/", "random/"))]
+        rest = [f for f in sorted(entries(doc)) if f.startswith(("lr_scheduler/", "random/"))]
         small += [member(folder, f) for f in rest] if len(rest) <= MAX_SMALL_FILES else []
     return ReadSet(weights, opt, small)

@@ -4,8 +4,8 @@ checkpoint's files say), and how it differs from the layout resuming it."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from .file_io import read_json, read_yaml
 from .names import NANOTRON_METADATA
@@ -42,7 +42,13 @@ def stock_topology(folder: str | os.PathLike) -> dict[str, int]:
     return out
 
 
-def topology_changes(saved: dict[str, Any], here: dict[str, int]) -> dict[str, tuple[Any, int]]:
+def saved_topology(doc: Mapping[str, object]) -> Mapping[str, int]:
+    """A manifest's topology, as `check_manifest` passed it ({} where it has none)."""
+    topo = doc.get("topology", {})
+    return topo if isinstance(topo, dict) else {}
+
+
+def topology_changes(saved: Mapping[str, int], here: Mapping[str, int]) -> dict[str, tuple[int | None, int]]:
     """{key: (saved, here)} for every dimension that differs; a key the manifest lacks has its default."""
     return {
         k: (saved.get(k, TOPOLOGY_DEFAULTS.get(k)), v)

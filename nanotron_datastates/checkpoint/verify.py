@@ -9,7 +9,7 @@ import dataclasses
 import itertools
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 from .. import format as fmt
 from .. import trust
@@ -28,9 +28,9 @@ from .folder import (
     step_folders,
     temporaries,
 )
-from .manifest import ManifestError, member, read_manifest
+from .manifest import ManifestError, entries, member, read_manifest
 from .names import LATEST, MANIFEST, NANOTRON_METADATA, random_states_name
-from .topology import TOPOLOGY_DEFAULTS
+from .topology import TOPOLOGY_DEFAULTS, saved_topology
 
 
 @dataclasses.dataclass
@@ -54,7 +54,7 @@ class Report:
     def ok(self) -> bool:
         return not self.problems
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {
             "path": str(self.path),
             "ok": self.ok,
@@ -182,16 +182,16 @@ def _not_a_file(path: Path) -> str:
     return "not a regular file" if os.path.exists(path) else "missing"
 
 
-def _verify_random_states(folder: Path, doc: dict[str, Any], report: Report) -> None:
+def _verify_random_states(folder: Path, doc: Mapping[str, object], report: Report) -> None:
     """Every rank writes its random states: one file per tp × dp × pp × cp rank of the saved layout."""
-    topo = doc.get("topology", {})
+    topo, listed = saved_topology(doc), entries(doc)
     dims = ("tp", "dp", "pp", "cp")
-    sizes = [topo.get(k, TOPOLOGY_DEFAULTS.get(k)) for k in dims]
-    if not all(isinstance(s, int) and s > 0 for s in sizes):
+    sizes = [s for s in (topo.get(k, TOPOLOGY_DEFAULTS.get(k)) for k in dims) if isinstance(s, int) and s > 0]
+    if len(sizes) < len(dims):
         return
     for ranks in itertools.product(*(range(s) for s in sizes)):
         rel = f"random/{random_states_name(*zip(ranks, sizes))}"
-        if rel not in doc["files"]:
+        if rel not in listed:
             where = " ".join(f"{k}={r}" for k, r in zip(dims, ranks) if k != "cp" or sizes[3] > 1)
             report.problems.append(f"{folder / rel}: no file from rank {where}")
 

@@ -5,10 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
 
 from ..checkpoint import folder as checkpoint
 from ..checkpoint import verify
+from ..checkpoint.described import (
+    CheckpointInfo,
+    Described,
+    FileInfo,
+    FolderInfo,
+    ListedFile,
+    RootInfo,
+    TensorInfo,
+)
 from .words import human_bytes, plural, print_lines, printable
 
 
@@ -28,12 +36,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 1 if _unreadable_files(info) else 0
 
 
-def _unreadable_files(info: dict[str, Any]) -> int:
-    checkpoints = info.get("checkpoints", [info])
-    return sum("error" in f for ck in checkpoints for f in ck.get("files", []))
+def _unreadable_files(info: Described) -> int:
+    if info["kind"] == "root":
+        listings = [ck["files"] for ck in info["checkpoints"]]
+    else:
+        listings = [info["files"]] if info["kind"] != "file" else []
+    return sum("error" in f for files in listings for f in files)
 
 
-def _root_text(info: dict[str, Any], tensors: bool) -> list[str]:
+def _root_text(info: RootInfo, tensors: bool) -> list[str]:
     latest = info["latest"]
     named = f"latest.txt names {latest}" if latest is not None else "no readable latest.txt"
     lines = [f"{info['path']}: {plural(len(info['checkpoints']), 'checkpoint')}, {named}"]
@@ -44,7 +55,7 @@ def _root_text(info: dict[str, Any], tensors: bool) -> list[str]:
     return lines
 
 
-def _checkpoint_line(ck: dict[str, Any]) -> str:
+def _checkpoint_line(ck: CheckpointInfo) -> str:
     topo = ", ".join(f"{k}={v}" for k, v in ck["topology"].items() if v is not None) or "?"
     state = "committed" if ck["committed"] else "NOT committed"
     latest = ", latest" if ck["latest"] else ""
@@ -56,13 +67,13 @@ def _checkpoint_line(ck: dict[str, Any]) -> str:
     )
 
 
-def _checkpoint_text(ck: dict[str, Any]) -> list[str]:
+def _checkpoint_text(ck: CheckpointInfo) -> list[str]:
     lines = [f"{ck['path']}:", _checkpoint_line(ck), *_files_lines(ck["files"], "    ")]
     lines.extend(_temporaries_lines(ck["temporaries"]))
     return lines
 
 
-def _folder_text(info: dict[str, Any]) -> list[str]:
+def _folder_text(info: FolderInfo) -> list[str]:
     files = info["files"]
     lines = [
         f"{info['path']}: {plural(len(files), 'safetensors file')}, {plural(info['tensors'], 'tensor')}, "
@@ -73,7 +84,7 @@ def _folder_text(info: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _files_lines(files: list[dict[str, Any]], indent: str) -> list[str]:
+def _files_lines(files: list[ListedFile], indent: str) -> list[str]:
     """One line per file; under a safetensors file read with its tensors, one line per tensor."""
     lines = []
     for f in files:
@@ -87,7 +98,7 @@ def _files_lines(files: list[dict[str, Any]], indent: str) -> list[str]:
     return lines
 
 
-def _tensor_lines(tensors: list[dict[str, Any]], indent: str) -> list[str]:
+def _tensor_lines(tensors: list[TensorInfo], indent: str) -> list[str]:
     return [f"{indent}{t['name']}: {t['dtype']} {t['shape']} ({human_bytes(t['bytes'])})" for t in tensors]
 
 
@@ -104,7 +115,7 @@ def _writer_text(engine: str, checksums: bool, in_manifest: bool = False) -> str
     return f"{engine}, {'CRC-32C per tensor in datastates.json' if in_manifest else 'no checksums'}"
 
 
-def _file_text(info: dict[str, Any], tensors: bool) -> list[str]:
+def _file_text(info: FileInfo, tensors: bool) -> list[str]:
     listed = info["tensors"]
     dtypes = "/".join(sorted({t["dtype"] for t in listed}))
     size = sum(t["bytes"] for t in listed)
