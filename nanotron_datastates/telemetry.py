@@ -11,12 +11,24 @@ import json
 import os
 import stat
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from . import trust
 
 FILE = "datastates_telemetry.jsonl"  # its name in a checkpoints folder
+
+
+class ReplicaFigures(TypedDict):
+    """One rank's part in one checkpoint's memory replicas (tier/replicas.py, `Replicated.figures`)."""
+
+    transport: str  # the link's name
+    sent_bytes: int
+    received_bytes: int
+    seconds: float
+    to: list[int]  # the ranks it sent to
+    error: str | None
 
 
 def record(
@@ -31,13 +43,13 @@ def record(
     snapshot_s: float,
     persisted_s: float,
     committed_s: float,
-    cache: dict[str, Any],
+    cache: Mapping[str, int],
     queued_s: float = 0.0,
     removed: list[str] | None = None,
     engine_cpu_s: dict[str, float] | None = None,
     rank_bytes: list[int] | None = None,
     memory: bool = False,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """One line. `cache`: the engine's `cache_stats` since the previous line; `engine_cpu_s`: the CPU seconds
     the engine's threads used for it, by role (`cpu_use`); `rank_bytes`: what each rank wrote, by rank;
     `memory`: a memory checkpoint (`memory_interval`: in node memory only), whose line says so."""
@@ -65,7 +77,7 @@ def record(
     }
 
 
-def replication(step: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def replication(step: int, ranks: Sequence[ReplicaFigures]) -> dict[str, object]:
     """One checkpoint's memory replicas (`"event": "replicated"`): `ranks`, each rank's figures (bytes sent
     and received, seconds, the ranks sent to, its error or None); `sent_bytes`, what the checkpoint sent over
     the network in all; `seconds`, the slowest rank's time."""
@@ -80,7 +92,7 @@ def replication(step: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def append(path: str | os.PathLike, records: list[dict[str, Any]]) -> None:
+def append(path: str | os.PathLike, records: Sequence[Mapping[str, object]]) -> None:
     """Appends the lines to `path` (a file; in a folder, its FILE) in one write: lines never mix."""
     path = Path(path)
     append_text(path / FILE if path.is_dir() else path, "".join(json.dumps(r) + "\n" for r in records))
@@ -98,12 +110,13 @@ def append_text(path: Path, text: str) -> None:
         f.write(text)
 
 
-def read(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a telemetry file (or of the one in a folder); a line cut short by a crash is skipped."""
+def read(path: str | os.PathLike) -> list[object]:
+    """The records of a telemetry file (or of the one in a folder), each as its line's JSON reads (an object,
+    where the file is telemetry); a line cut short by a crash is skipped."""
     path = Path(path)
     if path.is_dir():
         path = path / FILE
-    out = []
+    out: list[object] = []
     with os.fdopen(trust.open_to_read(path), encoding="utf-8", errors="replace") as f:
         text = f.read()
     for line in text.splitlines():

@@ -7,7 +7,6 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
 
 from .words import median_size, plural
 
@@ -38,7 +37,7 @@ HOW_TO_GET_TELEMETRY = (
 )
 
 
-def telemetry_records(path: str | os.PathLike) -> tuple[Path, list[dict[str, Any]]]:
+def telemetry_records(path: str | os.PathLike) -> tuple[Path, list[dict[str, object]]]:
     """The telemetry file `path` names (itself, or the one in the folder) and its records; ValueError or
     FileNotFoundError say what was looked for and how to get one."""
     from .. import format as fmt
@@ -69,10 +68,10 @@ def telemetry_records(path: str | os.PathLike) -> tuple[Path, list[dict[str, Any
                 f"or the checkpoints folder holding one: {HOW_TO_GET_TELEMETRY}"
             )
     try:
-        records = read_telemetry(file)
+        lines = read_telemetry(file)
     except UnicodeDecodeError:
-        records = []
-    records = [r for r in records if isinstance(r, dict)]
+        lines = []
+    records = [r for r in lines if isinstance(r, dict)]
     if not records:
         raise ValueError(
             f"{file}: no telemetry records (JSON lines as in {TELEMETRY}); plot needs a telemetry file "
@@ -97,7 +96,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
         raise RuntimeError("plot needs matplotlib: pip install matplotlib") from None
 
     def series(key: str, scale: float = 1.0) -> list[float]:
-        return [scale * r[key] if isinstance(r.get(key), (int, float)) else math.nan for r in records]
+        return [scale * v if isinstance(v := r.get(key), (int, float)) else math.nan for r in records]
 
     have_steps = all(isinstance(r.get("step"), int) for r in records)
     xs = [r["step"] for r in records] if have_steps else list(range(1, len(records) + 1))
@@ -118,7 +117,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     failed = [x for x, r in zip(xs, records) if r.get("committed") is False]
     for x in failed:
         top.axvline(x, color="red", linestyle=":")
-    sizes = [r["bytes"] for r in records if isinstance(r.get("bytes"), (int, float))]
+    sizes = [v for r in records if isinstance(v := r.get("bytes"), (int, float))]
     each = f", {median_size(sizes)} each (median)" if sizes else ""
     top.set_title(f"{plural(len(records), 'checkpoint')} ({len(failed)} failed){each}")
     fig.tight_layout()

@@ -6,28 +6,33 @@ of this user's, reached without a link."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .. import trust
+from ..checkpoint.manifest import entries, manifest_step
 from .folders import regular_size
 from .memory import MemoryTier, marker_rank
 
+if TYPE_CHECKING:
+    from ..trainer_settings import TrainerSettings
 
-def holds(tier: MemoryTier, step: int, manifest: dict[str, Any]) -> bool:
+
+def holds(tier: MemoryTier, step: int, manifest: Mapping[str, object]) -> bool:
     """Whether `tier` holds the whole checkpoint of `step` as the manifest describes it: marked by the ranks
     that wrote its files (on this node), every file present with the manifest's size and the checksums its
     writer recorded."""
     return step_why_not(tier, step, manifest) is None
 
 
-def held(tier: MemoryTier, step: int, manifest: dict[str, Any]) -> dict[str, Path]:
+def held(tier: MemoryTier, step: int, manifest: Mapping[str, object]) -> dict[str, Path]:
     """The files of `step` that `tier`'s folder holds whole, by name: marked held by some rank with the
     manifest's entry, present with its size."""
     folder = tier.folder / str(step)
     if manifest.get("step") != step or not trust.is_real_dir(folder):
         return {}
-    files, out = manifest.get("files", {}), {}
+    files, out = entries(manifest), {}
     for name in tier.markers(step):
         try:
             marked = tier.marked(step, marker_rank(name), strict=True) or {}
@@ -40,19 +45,19 @@ def held(tier: MemoryTier, step: int, manifest: dict[str, Any]) -> dict[str, Pat
     return out
 
 
-def step_why_not(tier: MemoryTier, step: int, manifest: dict[str, Any]) -> str | None:
+def step_why_not(tier: MemoryTier, step: int, manifest: Mapping[str, object]) -> str | None:
     """Why `tier` does not hold the checkpoint of `step` whole (None: it does; see `holds`)."""
     folder = tier.folder / str(step)
     if not trust.is_real_dir(folder):
         return f"no copy of step {step} in {tier.folder}"
-    marked: dict[str, dict[str, Any]] = {}
+    marked: dict[str, dict[str, object]] = {}
     for name in tier.markers(step):
         try:
-            files = tier.marked(step, marker_rank(name), strict=True)
+            theirs = tier.marked(step, marker_rank(name), strict=True)
         except (OSError, ValueError) as e:
             return str(e)
-        marked.update(files or {})
-    files = manifest.get("files", {})
+        marked.update(theirs or {})
+    files = entries(manifest)
     if manifest.get("step") != step:
         return f"the manifest is of step {manifest.get('step')}, not {step}"
     if set(marked) != set(files):
@@ -68,16 +73,18 @@ def step_why_not(tier: MemoryTier, step: int, manifest: dict[str, Any]) -> str |
     return None
 
 
-def tier_copy(settings: Any, folder: Path, manifest: dict[str, Any], rank: int) -> Path | None:
-    """The memory tier's copy of the checkpoint in `folder` (TrainerSettings `settings`), where this node's
-    tier holds it whole; None otherwise, or where the memory tier is off."""
+def tier_copy(
+    settings: TrainerSettings, folder: Path, manifest: Mapping[str, object], rank: int
+) -> Path | None:
+    """The memory tier's copy of the checkpoint in `folder`, where this node's tier holds it whole; None
+    otherwise, or where the memory tier is off."""
     if not settings.memory_tier or why_not(settings, folder, manifest, rank) is not None:
         return None
     tier = MemoryTier(settings.memory_tier_path, folder.parent, rank)
-    return tier.folder / str(int(manifest.get("step", -1)))
+    return tier.folder / str(manifest_step(manifest))
 
 
-def why_not(settings: Any, folder: Path, manifest: dict[str, Any], rank: int) -> str | None:
+def why_not(settings: TrainerSettings, folder: Path, manifest: Mapping[str, object], rank: int) -> str | None:
     """Why the memory tier holds no whole copy of the checkpoint in `folder` (None: it does); a tier folder
     that is not private to this user is a reason."""
     try:

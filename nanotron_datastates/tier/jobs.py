@@ -7,11 +7,22 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from .. import trust
 from .folders import step_numbers, tree_size
 from .memory import REPLICAS, root
+
+
+class Job(TypedDict):
+    """A job's folder in the tier, as `jobs` lists it."""
+
+    folder: str
+    checkpoints: str | None  # its checkpoints folder (None: job.json does not say)
+    steps: list[int]
+    bytes: int
+    replicas: dict[str, list[int]]  # by step: the ranks of other nodes whose replicas it keeps
+    replica_bytes: int
 
 
 def clear_jobs(base: str | os.PathLike, folders: list[Path] | None = None) -> list[Path]:
@@ -22,7 +33,7 @@ def clear_jobs(base: str | os.PathLike, folders: list[Path] | None = None) -> li
     return [f for f in folders if f.parent == top and trust.remove_tree(top, f.name)]
 
 
-def jobs(base: str | os.PathLike) -> list[dict[str, Any]]:
+def jobs(base: str | os.PathLike) -> list[Job]:
     """Every job's folder in the tier: its checkpoints folder, the steps it holds, their bytes (all, and the
     replicas'), and the replicas it keeps for other nodes' ranks ({step: those ranks}). The tier's root must
     be private to this user (nothing is created where it is missing)."""
@@ -30,7 +41,7 @@ def jobs(base: str | os.PathLike) -> list[dict[str, Any]]:
     if not os.path.lexists(path):
         return []
     top = root(path)
-    out = []
+    out: list[Job] = []
     for name in sorted(os.listdir(top)):
         folder = top / name
         if not trust.is_real_dir(folder):

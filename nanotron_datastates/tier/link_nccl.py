@@ -20,10 +20,11 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from .. import _core
 from .replica_transfer import Arriving, Landed, Landing, Transfer, pace
@@ -97,7 +98,7 @@ class NcclLink:
 
     def __init__(
         self,
-        group: Any,
+        group: ProcessGroup,
         device: torch.device,
         chunk: int = CHUNK,
         slots: int = SLOTS,
@@ -164,7 +165,7 @@ class NcclLink:
         written = [torch.cuda.Event(blocking=True) for _ in range(slots)]  # the GPU has written them
         fills: dict[int, list[Future]] = {}
         drains: dict[int, list[Future]] = {}
-        made: dict[int, Future] = {}  # each wave's NCCL calls: their works, once made
+        made: dict[int, Future[list[dist.Work]]] = {}  # each wave's NCCL calls: their works, once made
         drained = _Drained(
             [Landing([(a + t.nbytes, t) for t, a in zip(s.files, s.starts)], landed, arriving) for s in ins],
             c,
@@ -240,17 +241,17 @@ class NcclLink:
             self.down.synchronize()
         return time.monotonic() - t0
 
-    def _make(self, ops: list[Any]) -> Future:
+    def _make(self, ops: list[dist.P2POp]) -> Future[list[dist.Work]]:
         """A wave's NCCL calls (after `up`'s copies, on NCCL's stream): made now, or by the training thread
         at an optimizer step (`order`); the future holds their works."""
 
-        def call() -> list[Any]:
+        def call() -> list[dist.Work]:
             with torch.cuda.device(self.device), torch.cuda.stream(self.up):
                 return dist.batch_isend_irecv(ops) if ops else []
 
         if self.order is not None:
             return self.order.submit(call)
-        done: Future = Future()
+        done: Future[list[dist.Work]] = Future()
         done.set_result(call())
         return done
 
@@ -303,6 +304,6 @@ def streamed(dst: torch.Tensor, src: torch.Tensor) -> None:
         _core.copy_streaming(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
 
 
-def _after(event: torch.cuda.Event, copy: Any, *args: Any) -> None:
+def _after(event: torch.cuda.Event, copy: Callable[..., None], *args: object) -> None:
     event.synchronize()
     copy(*args)

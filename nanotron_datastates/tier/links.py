@@ -8,10 +8,11 @@ than gloo's host copies (benchmarks/NOTES.md). The choice is named in the log an
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from .replica_transfer import CHUNK, Arriving, Landed, ReplicaError, Transfer, gather, move
 from .step_order import StepOrder
@@ -55,7 +56,9 @@ class GlooLink:
     name = "gloo"
     order: StepOrder | None = None  # host to host: nothing in the GPU's queue to keep in order
 
-    def __init__(self, streams: Any, chunk: int = CHUNK) -> None:
+    def __init__(
+        self, streams: Union[ProcessGroup, list[ProcessGroup], tuple[ProcessGroup, ...]], chunk: int = CHUNK
+    ) -> None:
         self.groups = list(streams) if isinstance(streams, (list, tuple)) else [streams]
         self.chunk = chunk
 
@@ -86,7 +89,7 @@ def nccl_here() -> str | None:
     return None
 
 
-def gloo_link(gloo: Any, chunk: int | None = None, streams: int = GLOO_STREAMS) -> GlooLink:
+def gloo_link(gloo: ProcessGroup, chunk: int | None = None, streams: int = GLOO_STREAMS) -> GlooLink:
     """A gloo link over `gloo` and `streams` - 1 gloo groups more over every rank, made now (collective
     over every rank: `gloo` is over every rank too)."""
     more = [dist.new_group(backend="gloo") for _ in range(streams - 1)]
@@ -94,7 +97,7 @@ def gloo_link(gloo: Any, chunk: int | None = None, streams: int = GLOO_STREAMS) 
 
 
 def open_link(
-    gloo: Any,
+    gloo: ProcessGroup,
     transport: str = "auto",
     chunk: int | None = None,
     at_steps: bool = False,

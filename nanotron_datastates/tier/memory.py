@@ -35,11 +35,18 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from .. import trust
+from ..checkpoint.manifest import Entries
 from ..errors import DataStatesError
 from .folders import behind, dead_temporary, ours, remove_behind, remove_empty, set_aside, step_numbers
+
+if TYPE_CHECKING:
+    from typing import Concatenate, ParamSpec
+
+    _P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 MARKER = ".rank-{rank}.json"
 WARM = ".warm-{rank}-{i}"  # a set of files made ahead of the first saves (`warm`), not a step
@@ -68,12 +75,12 @@ def job_folder(base: str | os.PathLike, checkpoints: str | os.PathLike) -> Path:
     return Path(str(base).replace("{uid}", str(os.geteuid()))) / key
 
 
-def _locked(method: Any) -> Any:
+def _locked(method: Callable[Concatenate[MemoryTier, _P], _R]) -> Callable[Concatenate[MemoryTier, _P], _R]:
     """`method` run holding the tier's lock: the spares change on the training thread (`recycle`) and the
     committer's (`commit`)."""
 
     @functools.wraps(method)
-    def run(self: MemoryTier, *args: Any, **kwargs: Any) -> Any:
+    def run(self: MemoryTier, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         self.pruned()
         with self._lock:
             return method(self, *args, **kwargs)
@@ -180,7 +187,7 @@ class MemoryTier:
         return [folder / rel if rel in mine else None for rel in rels]
 
     @_locked
-    def commit(self, step: int, files: dict[str, dict[str, Any]]) -> None:
+    def commit(self, step: int, files: Entries) -> None:
         """Marks `step` as held by this rank (its files, each with the manifest's size and checksums), after
         the checkpoint was committed to storage; then, with 2 copies, the step it held before becomes its
         spare (marker withdrawn, files kept for the next save), and its other older steps are dropped."""
@@ -315,7 +322,7 @@ class MemoryTier:
             return []
         return sorted(n for n in names if n.startswith(".rank-") and n.endswith(".json"))
 
-    def marked(self, step: int, rank: int, strict: bool = False) -> dict[str, dict[str, Any]] | None:
+    def marked(self, step: int, rank: int, strict: bool = False) -> dict[str, dict[str, object]] | None:
         """The files rank `rank` marked held at `step` ({name: entry}); None where there is no marker, or
         (unless `strict`, which raises naming the marker) where it is not a regular file of ours holding a
         marker of that step whose names stay inside the step's folder."""

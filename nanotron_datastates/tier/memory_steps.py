@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from collections.abc import Mapping
 
 from .. import trust
 from ..checkpoint.manifest import MAX_MANIFEST, ManifestError, check_manifest
@@ -57,7 +57,7 @@ def read_documents(tier: MemoryTier, step: int) -> dict[str, str]:
     return out
 
 
-def manifest_of(documents: dict[str, str], step: int, where: str) -> dict[str, Any]:
+def manifest_of(documents: dict[str, str], step: int, where: str) -> Mapping[str, object]:
     """The manifest among `documents`, checked (ManifestError naming `where`), and of `step`."""
     try:
         doc = json.loads(documents[MANIFEST])

@@ -20,15 +20,32 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Callable, TypedDict, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from .. import skeleton
 from ..checkpoint.reads import relative
 from ..errors import FormatError
+
+Spec = tuple[torch.dtype, list[int]]  # a tensor's dtype and shape, as a description gives them
+# A send or a receive (dist.isend, dist.irecv) of a tensor's bytes, with the peer: `_run` makes it
+Op = tuple[Callable[..., object], torch.Tensor, int]
+
+
+class Holding(TypedDict):
+    """What a rank tells the others at a restart (replica_restore.restart_source): its node, the files of the
+    checkpoint its node holds whole in memory (`have`), those it reads (`needs`), and those it reads ahead,
+    by kind (`ahead`)."""
+
+    node: str
+    have: list[str]
+    needs: list[str]
+    ahead: dict[str, list[str]]
 
 
 @dataclasses.dataclass
@@ -38,7 +55,7 @@ class PeerReads:
     reading them; `folder` the folder its read-ahead reads them in; `limits` each file's bytes in the
     manifest (a description of more is refused)."""
 
-    group: Any
+    group: ProcessGroup | None  # the restart's NCCL group
     folder: Path
     out: dict[str, dict[int, list[str]]]
     into: dict[str, dict[int, list[str]]]
@@ -52,7 +69,7 @@ class PeerReads:
         (rel,) = relative([path], self.folder)
         return any(rel in rels for peers in self.into.values() for rels in peers.values())
 
-    def exchange(self, kind: str, read: dict[Path, Any], device: torch.device) -> dict[Path, Any]:
+    def exchange(self, kind: str, read: Mapping[Path, object], device: torch.device) -> dict[Path, object]:
         """Sends the states of `kind`'s files this rank serves (from `read`, by path; absent: could not be
         read) and returns those it receives, by path, on `device`. Once per kind; every rank that serves or
         receives files of `kind` calls it at the same point."""
@@ -74,7 +91,8 @@ class PeerReads:
         _run(_ops(dist.isend, lengths) + _ops(dist.irecv, sizes), self.group)
         down = {p: torch.empty(int(t.item()), dtype=torch.uint8, device=device) for p, t in sizes.items()}
         _run(_ops(dist.isend, up) + _ops(dist.irecv, down), self.group)
-        landing = {}  # by peer: (file, skeleton or None, its tensors)
+        # by peer: (file, skeleton or None where not handed over, its tensors)
+        landing: dict[int, list[tuple[str, str | None, list[torch.Tensor]]]] = {}
         for p, doc in down.items():
             try:
                 files = self._expect(p, ins[p], bytes(doc.cpu().numpy()))
@@ -91,9 +109,9 @@ class PeerReads:
         _run(_ops(dist.isend, sent) + _ops(dist.irecv, into), self.group)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
-        got: dict[Path, Any] = {}
-        for files in landing.values():
-            for rel, skel, tensors in files:
+        got: dict[Path, object] = {}
+        for landed in landing.values():
+            for rel, skel, tensors in landed:
                 named = {str(i): t for i, t in enumerate(tensors)}
                 try:
                     if skel is not None:
@@ -103,7 +121,7 @@ class PeerReads:
                     self.problems.append(f"{rel}: {e}")
         return got
 
-    def _expect(self, peer: int, rels: list[str], doc: bytes) -> list[tuple[str, str | None, list[Any]]]:
+    def _expect(self, peer: int, rels: list[str], doc: bytes) -> list[tuple[str, str | None, list[Spec]]]:
         """The files `peer` describes, checked: (name, skeleton or None where not handed over, specs)."""
         try:
             files = json.loads(doc)["files"]
@@ -111,7 +129,7 @@ class PeerReads:
                 raise ValueError(f"describes {sorted(files)[:3]}, not the files planned")
         except (ValueError, KeyError, TypeError) as e:
             raise FormatError(f"rank {peer}'s description of the files it serves: {e}") from None
-        out: list[tuple[str, str | None, list[Any]]] = []
+        out: list[tuple[str, str | None, list[Spec]]] = []
         for rel in rels:
             entry = files[rel]
             if not isinstance(entry, dict) or "error" in entry:  # nothing of it follows
@@ -126,7 +144,7 @@ class PeerReads:
         return out
 
 
-def plan(everyone: list[dict[str, Any]], kinds: dict[tuple[int, str], str]) -> dict[tuple[int, str], int]:
+def plan(everyone: list[Holding], kinds: dict[tuple[int, str], str]) -> dict[tuple[int, str], int]:
     """Which files each rank receives from another rank's GPU: {(rank, file): server} for every (rank, file)
     of `kinds` (the read-ahead list, by kind, of a file its rank lacks and would pull) that a rank of another
     node reads ahead in the same list from its own node's memory; servers taken in turn. `everyone[r]`:
@@ -143,8 +161,8 @@ def plan(everyone: list[dict[str, Any]], kinds: dict[tuple[int, str], str]) -> d
 
 
 def reads_of(
-    served: dict[tuple[int, str], int], kinds: dict[tuple[int, str], str], me: int, group: Any, folder: Path,
-    limits: dict[str, int],
+    served: dict[tuple[int, str], int], kinds: dict[tuple[int, str], str], me: int,
+    group: ProcessGroup | None, folder: Path, limits: dict[str, int],
 ) -> PeerReads:  # fmt: skip
     """This rank's part of the plan `served`."""
     out: dict[str, dict[int, list[str]]] = {}
@@ -158,10 +176,10 @@ def reads_of(
     return PeerReads(group, folder, out, into, limits)
 
 
-def _describe(states: dict[str, Any], limits: dict[str, int]) -> tuple[bytes, list[torch.Tensor]]:
+def _describe(states: dict[str, object], limits: dict[str, int]) -> tuple[bytes, list[torch.Tensor]]:
     """The JSON description of each file's state (None: could not be read) and its tensors, in order; a
     state of more bytes than its file's in the manifest (`limits`) is described as an error, not sent."""
-    files: dict[str, Any] = {}
+    files: dict[str, object] = {}
     tensors: list[torch.Tensor] = []
     for rel, state in states.items():
         if state is None:
@@ -189,10 +207,13 @@ def _describe(states: dict[str, Any], limits: dict[str, int]) -> tuple[bytes, li
     return json.dumps({"files": files}).encode(), tensors
 
 
-def _specs(entry: Any, rel: str, peer: int) -> list[tuple[torch.dtype, list[int]]]:
+def _specs(entry: dict[str, object], rel: str, peer: int) -> list[Spec]:
     try:
         out = []
-        for name, shape in entry.get("tensors", []):
+        described = entry.get("tensors", [])
+        if not isinstance(described, list):
+            raise TypeError(f"{described!r}")  # not a list of tensors
+        for name, shape in described:
             dtype = getattr(torch, name) if isinstance(name, str) else None
             if not isinstance(dtype, torch.dtype) or not all(type(n) is int and n >= 0 for n in shape):
                 raise ValueError(f"{name!r} {shape!r}")
@@ -202,7 +223,7 @@ def _specs(entry: Any, rel: str, peer: int) -> list[tuple[torch.dtype, list[int]
         raise FormatError(f"rank {peer}'s description of {rel}: a tensor of {e}") from None
 
 
-def _nbytes(specs: list[tuple[torch.dtype, list[int]]]) -> int:
+def _nbytes(specs: list[Spec]) -> int:
     total = 0
     for dtype, shape in specs:
         n = dtype.itemsize
@@ -217,7 +238,9 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _ops(op: Any, tensors: dict[int, Any]) -> list[tuple[Any, torch.Tensor, int]]:
+def _ops(
+    op: Callable[..., object], tensors: Mapping[int, Union[torch.Tensor, list[torch.Tensor]]]
+) -> list[Op]:
     """`op` (send or receive) of each peer's tensor or tensors, as bytes, in order; none of no bytes."""
     out = []
     for peer, ts in tensors.items():
@@ -225,7 +248,7 @@ def _ops(op: Any, tensors: dict[int, Any]) -> list[tuple[Any, torch.Tensor, int]
     return out
 
 
-def _run(ops: list[tuple[Any, torch.Tensor, int]], group: Any) -> None:
+def _run(ops: list[Op], group: ProcessGroup | None) -> None:
     """Every send and receive of one exchange at once (a pair's in the order both list them); waits."""
     if ops:
         for work in dist.batch_isend_irecv([dist.P2POp(op, t, peer, group) for op, t, peer in ops]):

@@ -8,15 +8,22 @@ bytes have (`arrived`), beside the rest of the transfer; `check_and_place` check
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from .. import trust
 from ..checkpoint.checksums import file_block_checksums, file_checksums
 from ..format import header_end
 from ..load.verify import FileCheck
 from .replica_transfer import Transfer
+
+if TYPE_CHECKING:
+    from ..engine import DataStatesEngine
+
+# The manifest entry a received file is checked against
+EntryOf = Callable[[Transfer], Mapping[str, object]]
 
 THREADS = 8  # files, or runs of a large file's tensors, checked at once (each over the engine's parsers too)
 RUN = 256 << 20  # bytes: a larger file is checked in runs of about this many bytes (an optimizer state's
@@ -28,7 +35,7 @@ class Checks:
     not, at `place`; a large file's runs as their bytes arrive (`arrived`). A context manager: on the way out
     no check is left running on the temporaries."""
 
-    def __init__(self, engine: Any, recvs: list[Transfer], entry_of: Callable[[Transfer], dict[str, Any]]):
+    def __init__(self, engine: DataStatesEngine, recvs: list[Transfer], entry_of: EntryOf):
         self.engine, self.recvs, self.entry_of = engine, recvs, entry_of
         self._pool = ThreadPoolExecutor(max(1, min(THREADS, len(recvs))), "datastates-replica-check")
         self._started: dict[int, Future] = {}  # by id(transfer): the file's whole check
@@ -72,22 +79,20 @@ class Checks:
     def __enter__(self) -> Checks:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         for arriving in self._arriving.values():  # never landed: the transfer failed
             arriving.close()
 
 
-def check_and_place(
-    engine: Any, recvs: list[Transfer], entry_of: Callable[[Transfer], dict[str, Any]]
-) -> None:
+def check_and_place(engine: DataStatesEngine, recvs: list[Transfer], entry_of: EntryOf) -> None:
     """Checks each received temporary against its manifest entry (`entry_of(t)`), several files at once,
     then renames each to its name (see `Checks.place`)."""
     with Checks(engine, recvs, entry_of) as checks:
         checks.place()
 
 
-def _check(engine: Any, t: Transfer, entry: dict[str, Any]) -> None:
+def _check(engine: DataStatesEngine, t: Transfer, entry: Mapping[str, object]) -> None:
     assert t.temporary is not None
     if t.reservation is not None:  # a file whose memory could not be reserved was dropped: named here
         t.reservation.check()
@@ -95,7 +100,9 @@ def _check(engine: Any, t: Transfer, entry: dict[str, Any]) -> None:
     engine.verify(t.temporary, sums, blocks, callers=max(1, min(CALLERS, t.nbytes // RUN)))
 
 
-def _sums(t: Transfer, entry: dict[str, Any]) -> tuple[Any, Any]:
+def _sums(
+    t: Transfer, entry: Mapping[str, object]
+) -> tuple[dict[str, int] | None, tuple[int, dict[str, list[int]]] | None]:
     """The checksums and block checksums of `t`'s manifest entry."""
     doc, top = {"files": {t.rel: entry}}, Path("/")  # looked up by the file's name
     return file_checksums(doc, top, top / t.rel), file_block_checksums(doc, top, top / t.rel)
@@ -106,7 +113,9 @@ class _Arriving:
     runs of about RUN bytes (the engine's `check_in_runs`), each checked on `pool` as soon as its bytes are
     in; `landed` starts the rest and gives the future of the whole check."""
 
-    def __init__(self, engine: Any, t: Transfer, entry: dict[str, Any], pool: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, engine: DataStatesEngine, t: Transfer, entry: Mapping[str, object], pool: ThreadPoolExecutor
+    ) -> None:
         self.engine, self.t, self.entry, self.pool = engine, t, entry, pool
         self.check: FileCheck | None = None
         self.runs: list[Future] = []
@@ -114,7 +123,7 @@ class _Arriving:
     def upto(self, n: int) -> None:
         t = self.t
         if self.check is None:
-            if t.fd is None or n < 8 or not t.writable(8):
+            if t.fd is None or t.temporary is None or n < 8 or not t.writable(8):
                 return
             end = header_end(t.fd)
             if end is None or n < end or not t.writable(end):

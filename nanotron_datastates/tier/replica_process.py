@@ -23,14 +23,35 @@ import queue
 import sys
 import threading
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
 
+from ..checkpoint.manifest import Entries
 from .memory import MemoryTier
 from .replica_transfer import ReplicaError
 from .replicas import Ahead, Replicated, keep_for_sending
 
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue as ProcessQueue
+
 START_S = 300.0  # seconds the processes have to meet through the store
 ENDED = "the replica process ended"
+
+# The trainer's messages to its replica process (None: the last): a committed step's files to send, or the
+# files to make ahead (`make_ahead`)
+ToProcess = Union[
+    tuple[Literal["submit"], int, Entries],
+    tuple[Literal["ahead"], dict[int, list[tuple[str, int]]]],
+]
+# The process's messages to the trainer: the step being sent, each step replicated (or not), the outcome of
+# each `make_ahead`, and its last (why it ended, None: as asked); "died" (its exit code) is the listener's
+# own, where the process is gone without a word
+FromProcess = Union[
+    tuple[Literal["sending"], int],
+    tuple[Literal["done"], Replicated],
+    tuple[Literal["ahead"], tuple[int, Optional[BaseException]]],
+    tuple[Literal["ended"], Optional[str]],
+    tuple[Literal["died"], Optional[int]],
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +77,11 @@ class ReplicaProcess:
         self.tier, self.on_done = tier, on_done
         self.sources = [s for s, hs in enumerate(spec.holders) if spec.rank in hs]
         context = multiprocessing.get_context("spawn")
-        self._inbox: Any = context.Queue()
-        self._outbox: Any = context.Queue()
+        self._inbox: ProcessQueue[ToProcess | None] = context.Queue()
+        self._outbox: ProcessQueue[FromProcess] = context.Queue()
         self._sending: int | None = None
-        self._answers: queue.Queue[Any] = queue.Queue()  # the answers make_ahead waits for
+        # the answers make_ahead waits for
+        self._answers: queue.Queue[tuple[int, BaseException | None]] = queue.Queue()
         self._ahead: collections.deque[Ahead | None] = collections.deque()  # each one asked: its `then`
         self._ended = False  # the listener's last message heard: nothing more is answered
         self._lock = threading.Lock()  # over `_ahead` and `_ended`
@@ -80,7 +102,7 @@ class ReplicaProcess:
     def pid(self) -> int | None:
         return self._process.pid
 
-    def submit(self, step: int, files: dict[str, dict[str, Any]]) -> None:
+    def submit(self, step: int, files: Entries) -> None:
         """As `Replicator.submit`: `step` kept busy in the tier until sent or skipped."""
         keep_for_sending(self.tier, self._sending, step)
         self._inbox.put(("submit", step, files))
@@ -123,6 +145,7 @@ class ReplicaProcess:
 
     def _listen(self) -> None:
         while True:
+            message: FromProcess
             try:
                 message = self._outbox.get(timeout=1.0)
             except queue.Empty:
@@ -132,18 +155,19 @@ class ReplicaProcess:
                     message = self._outbox.get(timeout=1.0)
                 except queue.Empty:
                     message = ("died", self._process.exitcode)
-            kind, value = message
-            if kind == "sending":
-                self._sending = value
-            elif kind == "ahead":
+            if message[0] == "sending":
+                self._sending = message[1]
+            elif message[0] == "ahead":
                 with self._lock:
-                    self._answered(value)
-            elif kind == "done":
-                self.tier.busy.discard(value.step)
-                if self._sending == value.step:
+                    self._answered(message[1])
+            elif message[0] == "done":
+                done = message[1]
+                self.tier.busy.discard(done.step)
+                if self._sending == done.step:
                     self._sending = None
-                self._tell(value)
+                self._tell(done)
             else:  # "ended", or "died" with its exit code: nothing is kept busy any more
+                kind, value = message
                 self._sending = None
                 self.tier.busy.clear()
                 if kind == "died" or value is not None:
@@ -175,7 +199,7 @@ def _main_hidden() -> Iterator[None]:
     script again in the child (as `__mp_main__`), which for a training script without a main guard would
     train again; the replica process needs nothing of it."""
     main = sys.modules["__main__"]
-    saved: dict[str, Any] = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    saved: dict[str, object] = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
     main.__dict__.pop("__file__", None)
     main.__dict__["__spec__"] = None
     try:
@@ -185,7 +209,7 @@ def _main_hidden() -> Iterator[None]:
         main.__dict__.update(saved)
 
 
-def _next(inbox: Any) -> Any:
+def _next(inbox: ProcessQueue[ToProcess | None]) -> ToProcess | None:
     """The trainer's next message; the process ends (within a second) where the trainer is gone: a trainer
     killed by SIGKILL leaves no replica process behind, its received files temporaries, never read. Not
     prctl's parent-death signal: that comes when the thread that started the process ends, not its process."""
@@ -198,7 +222,9 @@ def _next(inbox: Any) -> Any:
                 os._exit(1)
 
 
-def _serve(spec: ProcessSpec, inbox: Any, outbox: Any) -> None:
+def _serve(
+    spec: ProcessSpec, inbox: ProcessQueue[ToProcess | None], outbox: ProcessQueue[FromProcess]
+) -> None:
     """The replica process: the gloo world of the ranks' processes, the rank's replicator, then each message
     of the trainer in turn until None (or the trainer gone)."""
     ended: str | None = None
@@ -239,7 +265,9 @@ def _serve(spec: ProcessSpec, inbox: Any, outbox: Any) -> None:
             if message[0] == "submit":
                 replicator.submit(*message[1:])
             else:  # "ahead": its outcome told to the trainer, the error included
-                replicator.make_ahead(message[1], then=lambda *outcome: outbox.put(("ahead", outcome)))
+                replicator.make_ahead(
+                    message[1], then=lambda made, error: outbox.put(("ahead", (made, error)))
+                )
         replicator.close()
         engine.close()
     except Exception as e:  # noqa: BLE001 - told to the trainer, which logs it

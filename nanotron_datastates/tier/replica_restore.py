@@ -10,27 +10,33 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from .. import trust
+from ..checkpoint.manifest import Entries, entries, entry_bytes, manifest_step
 from . import peer_reads
 from .held_copy import held
 from .links import GlooLink, Link
 from .memory import MemoryTier
-from .peer_reads import PeerReads
+from .peer_reads import Holding, PeerReads
 from .replica_check import Checks
 from .replica_reserve import reserved_within
 from .replica_transfer import Transfer, gather, open_all
 from .replicas import node_key, replica_area
 
+if TYPE_CHECKING:
+    from ..engine import DataStatesEngine
 
-def node_copies(tier: MemoryTier, manifest: dict[str, Any]) -> dict[str, Path]:
+
+def node_copies(tier: MemoryTier, manifest: Mapping[str, object]) -> dict[str, Path]:
     """Every file of the manifest's checkpoint this node holds whole in memory, with the folder it is in:
     its ranks' own copies (the tier's step folder) and the replicas it keeps for other nodes' ranks."""
-    step = int(manifest["step"])
+    step = manifest_step(manifest)
     area = replica_area(tier, tier.rank)
     out = {rel: area.folder / str(step) for rel in held(area, step, manifest)}
     out.update({rel: tier.folder / str(step) for rel in held(tier, step, manifest)})
@@ -39,13 +45,13 @@ def node_copies(tier: MemoryTier, manifest: dict[str, Any]) -> dict[str, Path]:
 
 def restart_source(
     tier: MemoryTier,
-    manifest: dict[str, Any],
+    manifest: Mapping[str, object],
     needs: set[str],
-    group: Any,
-    engine: Any,
+    group: ProcessGroup,
+    engine: DataStatesEngine,
     link: Link | None = None,
     ahead: dict[str, list[str]] | None = None,
-    peer_group: Any = None,
+    peer_group: ProcessGroup | None = None,
 ) -> tuple[Path | None, str, PeerReads | None]:
     """Where this rank reads the checkpoint `manifest` describes, why, and the files it sends to or receives
     from other ranks' GPUs: its node's tier folder of that step once every file each rank `needs` is there
@@ -56,12 +62,11 @@ def restart_source(
     `group` (gloo, every rank); the pulled bytes go over `link` (default: over `group`), unpaced: at a
     restart nothing else runs, and every rank waits for the slowest pull."""
     link = link if link is not None else GlooLink(group)
-    step = int(manifest["step"])
+    step = manifest_step(manifest)
     have = node_copies(tier, manifest)
     mine_ahead = ahead if peer_group is not None and ahead else {}
-    everyone = gather(
-        group, {"node": node_key(), "have": sorted(have), "needs": sorted(needs), "ahead": mine_ahead}
-    )
+    holding: Holding = {"node": node_key(), "have": sorted(have), "needs": sorted(needs), "ahead": mine_ahead}
+    everyone = gather(group, holding)
     me = dist.get_rank(group)
     lacking: dict[tuple[int, str], str] = {}  # (rank, file) it lacks and reads ahead -> the read-ahead list
     for r, mine in enumerate(everyone):
@@ -81,9 +86,13 @@ def restart_source(
                 return None, f"rank {r} reads {rel}, which no node holds in memory", None
             if (r, rel) not in served:
                 pulls.setdefault((mine["node"], rel), (r, servers[(r + len(pulls)) % len(servers)]))
-    entries = manifest["files"]
-    sends = [Transfer(r, rel, entries[rel]["bytes"]) for (_, rel), (r, q) in sorted(pulls.items()) if q == me]
-    recvs = [Transfer(q, rel, entries[rel]["bytes"]) for (_, rel), (r, q) in sorted(pulls.items()) if r == me]
+    listed = entries(manifest)
+    sends = [
+        Transfer(r, rel, entry_bytes(listed[rel])) for (_, rel), (r, q) in sorted(pulls.items()) if q == me
+    ]
+    recvs = [
+        Transfer(q, rel, entry_bytes(listed[rel])) for (_, rel), (r, q) in sorted(pulls.items()) if r == me
+    ]
     here = tier.folder / str(step)
     problem, parts, t0 = None, [0.0] * 5, time.monotonic()
     with contextlib.ExitStack() as stack:
@@ -92,7 +101,7 @@ def restart_source(
             return None, "; ".join(problems[:3]), None
         parts[0] = time.monotonic() - t0
         try:  # each file checked as its bytes land, beside the rest of the transfer
-            checks = stack.enter_context(Checks(engine, recvs, lambda t: entries[t.rel]))
+            checks = stack.enter_context(Checks(engine, recvs, lambda t: listed[t.rel]))
             moving = time.monotonic()
             parts[1] = link.move(sends, recvs, landed=checks.landed, arriving=checks.arrived)
             parts[3:] = reserved_within(recvs, moving)
@@ -110,11 +119,11 @@ def restart_source(
     if problems:
         return None, "; ".join(problems[:3]), None
     pulled, waited = sum(t.nbytes for t in recvs), time.monotonic() - t2
-    limits = {rel: int(entries[rel]["bytes"]) for (_, rel) in served}
+    limits = {rel: entry_bytes(listed[rel]) for (_, rel) in served}
     peer = peer_reads.reads_of(served, lacking, me, peer_group, here, limits)
     unmarked, received = "", {rel for (r, rel) in served if r == me}
     try:
-        mark_held(tier, step, {rel: entries[rel] for rel in needs - received})
+        mark_held(tier, step, {rel: listed[rel] for rel in needs - received})
     except (OSError, ValueError) as e:  # the files serve this restart still; a second one reads storage
         unmarked = f"; not marked held ({e})"
     slowest = [max(a[1][i] for a in answers) for i in range(5)]
@@ -133,7 +142,7 @@ def restart_source(
     return here, why, (peer if peer.out or peer.into else None)
 
 
-def mark_held(tier: MemoryTier, step: int, files: dict[str, dict[str, Any]]) -> None:
+def mark_held(tier: MemoryTier, step: int, files: Entries) -> None:
     """This rank's files of `step`, now whole in its node's tier (pulled, linked in, or its own), marked held
     by it, as its save would have: a second restart finds them, and the rank's first step does not make new
     files ahead as on a fresh start (save/memory.prepare_tier). After every rank's pull: a node-mate may have

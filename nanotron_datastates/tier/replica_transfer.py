@@ -19,10 +19,11 @@ import stat
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from .. import trust
 from ..errors import DataStatesError
@@ -30,6 +31,7 @@ from .replica_reserve import Reservation, reserving, room
 
 CHUNK = 64 << 20  # bytes a message carries
 _temporaries = itertools.count()
+_T = TypeVar("_T")
 
 
 class ReplicaError(DataStatesError, RuntimeError):
@@ -151,7 +153,7 @@ def _take_over(top: Path, donor: Path, tmp: Path, dir_fd: int) -> int | None:
 
 
 def move(
-    groups: Sequence[Any],
+    groups: Sequence[ProcessGroup],
     sends: list[Transfer],
     recvs: list[Transfer],
     gbps: float = 0.0,
@@ -213,7 +215,7 @@ class Landing:
                     self.arriving(t, offset - (end - t.nbytes))
 
 
-def pieces(groups: Sequence[Any], lo: int, n: int, align: int = 1 << 16) -> list[tuple[Any, int, int]]:
+def pieces(groups: Sequence[_T], lo: int, n: int, align: int = 1 << 16) -> list[tuple[_T, int, int]]:
     """The bytes [lo, lo + n) split over `groups` as (group, start, end), in pieces of a multiple of `align`
     bytes but the last (fewer pieces than groups where `n` is small; none where n <= 0)."""
     if n <= 0:
@@ -233,7 +235,7 @@ def pace(sent: int, gbps: float, t0: float) -> None:
 
 def open_all(
     stack: contextlib.ExitStack,
-    group: Any,
+    group: ProcessGroup,
     sends: list[Transfer],
     folder_of: Callable[[Transfer], Path],
     recvs: list[Transfer],
@@ -256,8 +258,8 @@ def open_all(
     return [p for p in gather(group, problem) if p]
 
 
-def gather(group: Any, obj: Any) -> list[Any]:
+def gather(group: ProcessGroup, obj: _T) -> list[_T]:
     """Every rank's `obj`, by rank (collective over `group`)."""
-    out: list[Any] = [None] * dist.get_world_size(group)
+    out = [obj] * dist.get_world_size(group)  # each replaced by its rank's
     dist.all_gather_object(out, obj, group=group)
     return out

@@ -29,15 +29,21 @@ import os
 import queue
 import socket
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
+from ..checkpoint.manifest import Entries, entry_bytes
+from ..telemetry import ReplicaFigures
 from .links import GlooLink, Link
 from .memory import REPLICAS, MemoryTier
 from .replica_ahead import make_ahead
 from .replica_check import Checks
 from .replica_transfer import CHUNK, ReplicaError, Transfer, gather, open_all
+
+if TYPE_CHECKING:
+    from ..engine import DataStatesEngine
 
 
 def node_key() -> str:
@@ -105,11 +111,11 @@ class Replicated:
     to: list[int]
     sources: list[int]
     error: str | None = None
-    job: list[dict[str, Any]] | None = None
+    job: list[ReplicaFigures] | None = None
     transport: str = ""  # the link's name: nccl or gloo
     skipped_for: int | None = None  # not sent: the newer checkpoint of this step was, in its place
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self) -> ReplicaFigures:
         return {
             "transport": self.transport,
             "sent_bytes": self.sent_bytes,
@@ -130,8 +136,8 @@ class Replicator:
         self,
         tier: MemoryTier,
         holders: list[list[int]],
-        group: Any,
-        engine: Any,
+        group: ProcessGroup,
+        engine: DataStatesEngine,
         gbps: float = 0.0,
         chunk: int = CHUNK,
         on_done: Callable[[Replicated], None] | None = None,
@@ -146,13 +152,13 @@ class Replicator:
         # The older replica of each rank stays as a spare that the next one is received into (in place of
         # new pages, which a tmpfs allocates one fault at a time): the memory `check_room` counts anyway.
         self.areas = {s: replica_area(tier, s, copies=2) for s in self.sources}
-        self._queue: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, Entries] | None] = queue.Queue()
         self._sending: int | None = None  # the step being sent
         self._broken: str | None = None
         self._thread = threading.Thread(target=self._run, name="datastates-replicator", daemon=True)
         self._thread.start()
 
-    def submit(self, step: int, files: dict[str, dict[str, Any]]) -> None:
+    def submit(self, step: int, files: Entries) -> None:
         """After `step` is committed and marked held in the tier: its files (this rank's manifest entries)
         go to the holders. The tier keeps them from being overwritten until they are sent; the older steps
         still queued, which this one will be sent in place of, are left to the saves to recycle (where the
@@ -182,7 +188,7 @@ class Replicator:
         if not self._thread.is_alive():
             self.link.close()
 
-    def _newest(self, step: int, backlog: list[tuple[int, dict[str, Any]] | None]) -> int:
+    def _newest(self, step: int, backlog: list[tuple[int, Entries] | None]) -> int:
         """The newest step every rank has queued by now (`step` is the oldest; the others wait in `backlog`,
         to which what is queued now is added): the one all replicate next, the same on every rank, so that
         replication slower than the checkpoints come sends the newest and skips the rest."""
@@ -201,7 +207,7 @@ class Replicator:
             return step
 
     def _run(self) -> None:
-        backlog: list[tuple[int, dict[str, Any]] | None] = []
+        backlog: list[tuple[int, Entries] | None] = []
         while (item := backlog.pop(0) if backlog else self._queue.get()) is not None:
             step, files = item
             newest = self._newest(step, backlog)
@@ -239,22 +245,24 @@ class Replicator:
                 with contextlib.suppress(Exception):
                     self.on_done(done)
 
-    def _waves(self, everyone: list[dict[str, dict[str, Any]]]) -> int:
+    def _waves(self, everyone: list[Entries]) -> int:
         """The chunks of the longest stream any rank sends or receives: the waves every rank makes (an NCCL
         link's calls at the steps pair up wave by wave)."""
         chunk = self.link.chunk
-        sizes = [sum(e["bytes"] for e in fs.values()) for r, fs in enumerate(everyone) if self.holders[r]]
+        sizes = [sum(entry_bytes(e) for e in fs.values()) for r, fs in enumerate(everyone) if self.holders[r]]
         return max((-(-n // chunk) for n in sizes), default=0)
 
-    def _replicate(self, step: int, files: dict[str, dict[str, Any]]) -> Replicated:
-        everyone: list[dict[str, dict[str, Any]]] = gather(self.group, files)
+    def _replicate(self, step: int, files: Entries) -> Replicated:
+        everyone = gather(self.group, files)
         to = self.holders[self.rank]
-        sends = [Transfer(h, rel, e["bytes"]) for h in to for rel, e in sorted(files.items())]
+        sends = [Transfer(h, rel, entry_bytes(e)) for h in to for rel, e in sorted(files.items())]
         recvs = []
         for s in self.sources:
             rels = sorted(everyone[s])
             donors = self.areas[s].recycle(step, rels)
-            recvs += [Transfer(s, rel, everyone[s][rel]["bytes"], donor=d) for rel, d in zip(rels, donors)]
+            recvs += [
+                Transfer(s, rel, entry_bytes(everyone[s][rel]), donor=d) for rel, d in zip(rels, donors)
+            ]
         area = replica_area(self.tier, self.rank).folder / str(step)
         with contextlib.ExitStack() as stack:
             own = self.tier.folder / str(step)

@@ -14,12 +14,16 @@ replicas) nothing of training's is queued any more: calls are made by the replic
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+_T = TypeVar("_T")
 
 
 class StepOrder:
@@ -27,9 +31,9 @@ class StepOrder:
     a gloo group over every rank, used by the training thread only. Collective: every rank calls `at_step`
     at each optimizer step and `finish` once, at the same point."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: ProcessGroup) -> None:
         self.group = group
-        self._ready: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
+        self._ready: collections.deque[Callable[[], None]] = collections.deque()  # each call with its future
         self._lock = threading.Lock()
         # Held while a call is made: a communicator takes one thread's calls at a time, and after the last
         # step the replicas' thread's calls wait for those `finish` makes, which are older.
@@ -38,13 +42,13 @@ class StepOrder:
         self.steps = 0  # optimizer steps seen
         self.made = 0  # calls made
 
-    def submit(self, call: Callable[[], Any]) -> Future:
+    def submit(self, call: Callable[[], _T]) -> Future[_T]:
         """From the replicas' thread: `call` (it queues NCCL calls) made at the next step at which every rank
         has its own counterpart ready, or now after `finish`; the future holds its result or exception."""
-        done: Future = Future()
+        done: Future[_T] = Future()
         with self._lock:
             if not self._direct:
-                self._ready.append((call, done))
+                self._ready.append(functools.partial(_make, call, done))
                 return done
         with self._making:
             _make(call, done)
@@ -63,8 +67,8 @@ class StepOrder:
         with self._making:
             for _ in range(n):
                 with self._lock:
-                    call, done = self._ready.popleft()
-                _make(call, done)
+                    make = self._ready.popleft()
+                make()
             self.made += n
         return n
 
@@ -75,12 +79,12 @@ class StepOrder:
             with self._lock:
                 self._direct = True
                 ready, self._ready = list(self._ready), collections.deque()
-            for call, done in ready:
-                _make(call, done)
+            for make in ready:
+                make()
             self.made += len(ready)
 
 
-def _make(call: Callable[[], Any], done: Future) -> None:
+def _make(call: Callable[[], _T], done: Future[_T]) -> None:
     try:
         done.set_result(call())
     except Exception as e:  # noqa: BLE001 - handed to the replicas' thread, which reports it
