@@ -13,7 +13,10 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import torch
 
 
 class DeferredOptimizer:
@@ -23,22 +26,26 @@ class DeferredOptimizer:
     step ever runs on the state from before the resume. `say` logs the line that reports the load."""
 
     def __init__(
-        self, optimizer: Any, read: Callable[[], Any], map_location: Any, say: Callable[[str], None]
+        self,
+        optimizer: Any,  # Nanotron's (untyped; its `state_dict` is wrapped on the instance)
+        read: Callable[[], object],
+        map_location: str | torch.device,
+        say: Callable[[str], None],
     ) -> None:
         self._optimizer, self._read, self._map_location, self._say = optimizer, read, map_location, say
-        self._state: Any = None
+        self._state: object = None
         self.pending = True
         self._lock = threading.RLock()
         original = optimizer.state_dict
 
         @functools.wraps(original)
-        def state_dict(*args: Any, **kwargs: Any) -> Any:
+        def state_dict(*args: object, **kwargs: object) -> object:
             self.load()
             return original(*args, **kwargs)
 
         optimizer.state_dict = state_dict
 
-    def read(self) -> Any:
+    def read(self) -> object:
         """The state (waits for the read; raises what reading raises)."""
         if self._state is None:
             self._state = self._read()

@@ -14,18 +14,20 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import torch
 
 from .. import state_parts, trust
-from ..checkpoint.manifest import ManifestError, member
+from ..checkpoint.manifest import ManifestError, entries, entry_bytes, member
 from ..engine import DataStatesEngine
 from ..load import restore
 from ..tier.peer_reads import PeerReads
 
 log = logging.getLogger("nanotron_datastates")
+_T = TypeVar("_T")
 
 
 def warm_page_cache(paths: Iterable[Path]) -> int:
@@ -118,16 +120,16 @@ def shared_weight_reads(topology: dict[str, int]) -> tuple[int, int] | None:
     return place
 
 
-def warm_for_reshard(manifest: dict[str, Any], folder: Path, in_memory: bool) -> PageCacheWarmer | None:
+def warm_for_reshard(manifest: Mapping[str, object], folder: Path, in_memory: bool) -> PageCacheWarmer | None:
     """The checkpoint's weight and optimizer files read into the page cache while the model is built, shared
     out among the node's ranks, where the job runs on one node and they take at most half its available
     memory (from the memory tier they are in memory already)."""
-    share = node_share()
-    names = [f for f in sorted(manifest.get("files", {})) if f.startswith(("model/", "optimizer/"))]
-    nbytes = sum(int(manifest["files"][f].get("bytes", 0)) for f in names)
-    if in_memory or share is None or not names or not fits_in_memory(nbytes):
-        return None
+    share, listed = node_share(), entries(manifest)
+    names = [f for f in sorted(listed) if f.startswith(("model/", "optimizer/"))]
     try:
+        nbytes = sum(entry_bytes(listed[f]) for f in names)
+        if in_memory or share is None or not names or not fits_in_memory(nbytes):
+            return None
         paths = [member(folder, f) for f in names]
     except ManifestError:
         return None  # the reads that follow report it
@@ -162,7 +164,8 @@ class Prefetch:
     ) -> None:
         self._engine, self._device, self._checksums = engine, device, checksums
         self.shared, self.peer = shared, peer
-        self._received: dict[str, dict[Path, Any]] = {}  # by kind, what other ranks' GPUs sent (`exchange`)
+        # by kind, what other ranks' GPUs sent (`exchange`)
+        self._received: dict[str, dict[Path, object]] = {}
         weights = self._ours(weights)
         self._t0 = time.perf_counter()
         self.timings: dict[str, float] = {}  # seconds after the start: each read's end, each wait
@@ -189,9 +192,10 @@ class Prefetch:
         t = time.perf_counter()
         out = self._result(future, "weights") or {}
         self.timings["weights_waited"] = time.perf_counter() - t
-        return {**out, **self._received.pop("weights", {})}
+        sent = self._received.pop("weights", {})  # each a weight file's state: a dict of tensors
+        return {**out, **{path: state for path, state in sent.items() if isinstance(state, dict)}}
 
-    def optimizer(self, paths: Sequence[Path]) -> Any | None:
+    def optimizer(self, paths: Sequence[Path]) -> object | None:
         """The optimizer state, if the files read are `paths`; waits for it. Once only, as :meth:`weights`."""
         self.exchange("optimizer")
         future, self._optimizer = self._optimizer, None
@@ -212,10 +216,13 @@ class Prefetch:
         back together."""
         if self.peer is None or self._device is None or kind in self.peer.done:
             return
-        future = self._weights if kind == "weights" else self._optimizer
-        done = future is not None and future.exception() is None  # waits; an error is reported at its use
-        got: Any = future.result() if done else None  # type: ignore[union-attr]
-        read: dict[Path, Any] = (got if kind == "weights" else got[1]) if got is not None else {}
+        # waits for the read; an error is reported at its use
+        read: Mapping[Path, object] = {}
+        if kind == "weights":
+            if self._weights is not None and self._weights.exception() is None:
+                read = self._weights.result()
+        elif self._optimizer is not None and self._optimizer.exception() is None:
+            read = self._optimizer.result()[1]
         t = time.perf_counter()
         try:
             self._received[kind] = self.peer.exchange(kind, read, self._device)
@@ -228,7 +235,7 @@ class Prefetch:
         """`paths` but those another rank's GPU sends (`peer`)."""
         return [p for p in paths if self.peer is None or not self.peer.receives(p)]
 
-    def _result(self, future: concurrent.futures.Future | None, what: str) -> Any:
+    def _result(self, future: concurrent.futures.Future[_T] | None, what: str) -> _T | None:
         if future is None:
             return None
         try:
@@ -256,7 +263,7 @@ class Prefetch:
         self.timings["weights_read"] = time.perf_counter() - self._t0
         return out
 
-    def _read_optimizer(self, paths: list[Path]) -> tuple[list[Path], dict[Path, Any]]:
+    def _read_optimizer(self, paths: list[Path]) -> tuple[list[Path], dict[Path, object]]:
         """(every part's path, the state of each this rank reads, by path: the others come from `peer`)."""
         self._on_device()
         t = time.perf_counter()

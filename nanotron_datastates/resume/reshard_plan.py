@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator, Protocol
 
 import torch
 
@@ -29,12 +30,23 @@ class ReshardError(DataStatesError, ValueError):
     """The checkpoint cannot be resumed on this layout (a parameter is missing or changed shape)."""
 
 
+class SlicesPair(Protocol):
+    """Nanotron's SlicesPair, as read here: a piece's local slices (one per dim), and the global slices of
+    the full tensor they map to."""
+
+    @property
+    def local_slices(self) -> Iterable[slice]: ...
+
+    @property
+    def global_slices(self) -> Iterable[slice]: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """Where a tensor-parallel rank's local tensor sits in the full one (and the weight file holding it)."""
 
     local_shape: tuple[int, ...]
-    pairs: tuple[Any, ...]  # Nanotron's SlicesPair (`local_slices`, `global_slices`): local -> global slices
+    pairs: tuple[SlicesPair, ...]  # Nanotron's: local -> global slices
     path: Path | None = None
 
 
@@ -224,10 +236,10 @@ def _windows(
 
 def _map(name: str, piece: Piece, full_shape: tuple[int, ...], rows: tuple[int, int]) -> tuple[int, int]:
     """The piece's local rows that cover the full tensor's `rows`, as one span."""
-    lo, hi = None, None
+    span: tuple[int, int] | None = None
     for (la, _), (ga, gb), _, _ in _pairs(name, piece, full_shape):
         a, b = max(ga, rows[0]), min(gb, rows[1])
         if b > a:
             a, b = a - ga + la, b - ga + la
-            lo, hi = (a, b) if lo is None else (min(lo, a), max(hi, b))  # type: ignore[type-var]
-    return (lo, hi) if lo is not None and hi is not None else (0, 0)
+            span = (a, b) if span is None else (min(span[0], a), max(span[1], b))
+    return span if span is not None else (0, 0)

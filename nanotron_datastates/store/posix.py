@@ -9,7 +9,7 @@ import contextlib
 import os
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import fasteners
 
@@ -30,7 +30,7 @@ class FolderStore:
         self.root = Path(root)
         self._mutex = threading.RLock()  # one thread at a time in `locked`, reentrant
         self._depth = 0
-        self._lock: Any = None  # the fasteners lock while held
+        self._lock: fasteners.InterProcessLock | None = None  # while held
 
     def __repr__(self) -> str:
         return f"FolderStore({str(self.root)!r})"
@@ -66,6 +66,7 @@ class FolderStore:
             finally:
                 self._depth -= 1
                 if self._depth == 0:
+                    assert self._lock is not None
                     self._lock.release()
                     self._lock = None
 
