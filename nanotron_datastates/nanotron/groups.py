@@ -7,13 +7,20 @@ context-parallel replicas of one model shard, which share out the writing of its
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from nanotron import distributed as dist
 
 from ..checkpoint.names import Place
 from ..checkpoint.topology import topology
 from .compat import NanotronUnavailable
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from .types import ParallelContext
+
+T = TypeVar("T")
 
 # What the adapter reads from a ParallelContext; a tuple means any one of these names.
 REQUIRED: tuple[str | tuple[str, ...], ...] = (
@@ -27,7 +34,7 @@ REQUIRED: tuple[str | tuple[str, ...], ...] = (
 )
 
 
-def check(pc: Any) -> None:
+def check(pc: ParallelContext) -> None:
     """Raises NanotronUnavailable, at start-up, if this Nanotron's ParallelContext lacks a group the adapter
     reads (rather than an AttributeError at the first checkpoint)."""
     missing = []
@@ -42,27 +49,27 @@ def check(pc: Any) -> None:
         )
 
 
-def ep(pc: Any) -> Any:
+def ep(pc: ParallelContext) -> ProcessGroup:
     """The expert-parallel group (`ep_pg` on main, `expert_pg` before 2025-03)."""
     return pc.ep_pg if hasattr(pc, "ep_pg") else pc.expert_pg
 
 
-def cp_size(pc: Any) -> int:
+def cp_size(pc: ParallelContext) -> int:
     cp = getattr(pc, "cp_pg", None)
     return cp.size() if cp is not None else 1
 
 
-def cp_rank(pc: Any) -> int:
+def cp_rank(pc: ParallelContext) -> int:
     cp = getattr(pc, "cp_pg", None)
     return dist.get_rank(cp) if cp is not None else 0
 
 
-def dp_cp(pc: Any) -> Any:
+def dp_cp(pc: ParallelContext) -> ProcessGroup:
     """The ranks holding the same model shard: data- and context-parallel replicas."""
     return getattr(pc, "dp_cp_pg", None) or pc.dp_pg
 
 
-def replica_cp_ranks(pc: Any) -> list[int]:
+def replica_cp_ranks(pc: ParallelContext) -> list[int]:
     """The context-parallel rank of each member of `dp_cp(pc)`, in the group's rank order."""
     group = dp_cp(pc)
     if cp_size(pc) == 1:
@@ -71,11 +78,11 @@ def replica_cp_ranks(pc: Any) -> list[int]:
     return [int(pc.get_local_ranks(int(w))["cp"]) for w in world]
 
 
-def rank(pg: Any) -> int:
+def rank(pg: ProcessGroup) -> int:
     return dist.get_rank(pg)
 
 
-def place(pc: Any) -> Place:
+def place(pc: ParallelContext) -> Place:
     """This rank's (rank, size) in each dimension that names its files."""
     return Place(
         tp=(rank(pc.tp_pg), pc.tp_pg.size()),
@@ -86,7 +93,7 @@ def place(pc: Any) -> Place:
     )
 
 
-def layout_of(pc: Any, zero_stage: int) -> dict[str, int]:
+def layout_of(pc: ParallelContext, zero_stage: int) -> dict[str, int]:
     """The manifest's topology for this ParallelContext."""
     return topology(
         tp=pc.tp_pg.size(),
@@ -98,12 +105,12 @@ def layout_of(pc: Any, zero_stage: int) -> dict[str, int]:
     )
 
 
-def gather(obj: Any, pc: Any) -> list[Any]:
+def gather(obj: T, pc: ParallelContext) -> list[T]:
     """`obj` of every rank, in rank order (collective over the world group; [obj] without one)."""
     import torch.distributed as tdist
 
     if not tdist.is_initialized():
         return [obj]
-    out: list[Any] = [None] * tdist.get_world_size(pc.world_pg)
+    out = [obj] * tdist.get_world_size(pc.world_pg)  # each entry replaced by that rank's
     tdist.all_gather_object(out, obj, group=pc.world_pg)
     return out

@@ -40,7 +40,7 @@ from .save.saver import Saver
 from .yaml_config import engine_for, settings_of
 
 if TYPE_CHECKING:
-    from nanotron.trainer import DistributedTrainer
+    from .types import DistributedTrainer, FileEntries
 
 
 class CheckpointManager:
@@ -55,7 +55,7 @@ class CheckpointManager:
 
     @classmethod
     def before_init(
-        cls, trainer: DistributedTrainer, args: Sequence[Any], kwargs: dict[str, Any]
+        cls, trainer: DistributedTrainer, args: Sequence[object], kwargs: dict[str, object]
     ) -> CheckpointManager:
         """The trainer's first line, before Nanotron sets up its process groups: the read-ahead started."""
         return cls(trainer, Resume.start(args, kwargs))
@@ -144,7 +144,7 @@ class CheckpointManager:
         t.config.general.step = t.metadata.last_train_step
         t.config.general.consumed_train_samples = t.metadata.consumed_train_samples
         say.info(f"saving checkpoint {folder}")
-        commit: Callable[..., Any] | None = None
+        commit: Callable[[], Callable[[FileEntries], None]] | None = None
         if groups.rank(t.parallel_context.world_pg) == 0:  # made when the files are queued
             commit = functools.partial(
                 finalizer,

@@ -24,6 +24,8 @@ from .manager import CheckpointManager
 
 if TYPE_CHECKING:  # for type checkers: the mixin's attributes and hooks are those of Nanotron's trainer
     from nanotron.trainer import DistributedTrainer as _Trainer
+
+    from .types import NanotronModel
 else:
     _Trainer = object
 
@@ -46,7 +48,7 @@ class DataStatesTrainerMixin(_Trainer):
         super().pre_init()  # Nanotron resolves the checkpoint to resume from
         self.datastates.pre_init()
 
-    def _load_model_checkpoint(self, model: Any) -> Any:
+    def _load_model_checkpoint(self, model: NanotronModel) -> NanotronModel:
         if not self.datastates.resuming:
             return super()._load_model_checkpoint(model)
         self.datastates.load_weights(model)

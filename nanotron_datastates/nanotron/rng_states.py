@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+if TYPE_CHECKING:
+    from .types import RandomState
 
-def random_state_to_plain(state: Any) -> dict[str, Any]:
+
+def random_state_to_plain(state: RandomState) -> dict[str, object]:
     """A nanotron.random.RandomState as nested plain values and tensors."""
     kind, keys, *rest = state.numpy
     return {  # the engine stores tuples as tuples
@@ -20,7 +23,7 @@ def random_state_to_plain(state: Any) -> dict[str, Any]:
     }
 
 
-def random_state_from_plain(d: dict[str, Any]) -> Any:
+def random_state_from_plain(d: dict[str, Any]) -> RandomState:
     from nanotron.random import RandomState
 
     kind, keys, *rest = d["numpy"]
@@ -32,7 +35,7 @@ def random_state_from_plain(d: dict[str, Any]) -> Any:
     )
 
 
-def global_rng_state() -> dict[str, Any]:
+def global_rng_state() -> dict[str, object]:
     """The process-wide generators (Python, NumPy, torch CPU and current CUDA device)."""
     state: Any = np.random.get_state()  # the legacy tuple (its stubs also allow a dict)
     kind, keys, *rest = state

@@ -17,19 +17,24 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, TypedDict
 
 import torch
 from nanotron import distributed as dist
 from nanotron import optim
 from nanotron.constants import CHECKPOINT_VERSION
 from nanotron.distributed import get_global_rank
-from nanotron.parallel.parameters import NanotronParameter
+from nanotron.parallel.parameters import NanotronParameter, SlicesPair
 from nanotron.serialize.metadata import CheckpointMetadata, TensorMetadata, process_type
 from nanotron.serialize.utils import ObjectType, get_exp_tp_pp_rank_and_size_from, get_path
 
 from ..checkpoint.names import part_name
 from . import groups
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from .types import BaseOptimizer, ParallelContext, TrainingMetadata
 
 
 def _prefixes(model: torch.nn.Module) -> dict[int, str]:
@@ -79,7 +84,9 @@ def assign(sizes: dict[str, int], loads: list[int]) -> dict[str, int]:
     return out
 
 
-def writers(model: torch.nn.Module, optimizer: Any, pc: Any, *, balance: bool = True) -> Writers:
+def writers(
+    model: torch.nn.Module, optimizer: BaseOptimizer, pc: ParallelContext, *, balance: bool = True
+) -> Writers:
     """Who writes each file the replicas of this rank's model shard hold alike: with `balance`, shared out by
     `assign` from sizes the model and topology alone give, the same on every replica (they agree with no
     communication), each replica's ZeRO shard counted as its load; else rank 0 of them, as Nanotron."""
@@ -102,7 +109,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def weight_shards(
-    model: torch.nn.Module, pc: Any, root: Path, writes: Writers | None = None
+    model: torch.nn.Module, pc: ParallelContext, root: Path, writes: Writers | None = None
 ) -> list[tuple[Path, torch.Tensor, dict[str, str]]]:
     """(file, parameter, Nanotron's tensor metadata) for every weight file this rank writes: those `writes`
     gives it (default: every one where it is rank 0 of its replicas, as Nanotron).
@@ -112,7 +119,9 @@ def weight_shards(
     return [(root / rel, p, md) for rel, p, md in _model_files(model, pc) if writes.mine(rel)]
 
 
-def _model_files(model: torch.nn.Module, pc: Any) -> list[tuple[Path, torch.Tensor, dict[str, str]]]:
+def _model_files(
+    model: torch.nn.Module, pc: ParallelContext
+) -> list[tuple[Path, torch.Tensor, dict[str, str]]]:
     """(file relative to the checkpoint, parameter, tensor metadata) of every weight file the replicas of
     this rank's model shard hold."""
     prefixes = _prefixes(model)
@@ -156,10 +165,9 @@ def _model_files(model: torch.nn.Module, pc: Any) -> list[tuple[Path, torch.Tens
     return out
 
 
-def plain_pairs(pairs: Any) -> tuple[Any, ...]:
+def plain_pairs(pairs: Iterable[SlicesPair]) -> tuple[SlicesPair, ...]:
     """Nanotron's slice pairs with Python ints: its fused projections compute them with NumPy, whose
     integers print as `np.int64(48)` from NumPy 2 on, which no reader of the metadata parses back."""
-    from nanotron.parallel.parameters import SlicesPair
 
     def plain(s: slice) -> slice:
         return slice(*(None if x is None else int(x) for x in (s.start, s.stop, s.step)))
@@ -170,7 +178,7 @@ def plain_pairs(pairs: Any) -> tuple[Any, ...]:
 
 
 def weight_sources(
-    model: torch.nn.Module, pc: Any, root: Path, served: Callable[[Path], bool] | None = None
+    model: torch.nn.Module, pc: ParallelContext, root: Path, served: Callable[[Path], bool] | None = None
 ) -> list[tuple[str, torch.Tensor, Path]] | None:
     """(name, destination, file) for every weight, where this topology wrote them; None if any file is
     missing (the topology changed: Nanotron's own loader merges and reshards) and not `served` (at a
@@ -209,12 +217,12 @@ def weight_sources(
     return out
 
 
-def is_zero(optimizer: Any) -> bool:
+def is_zero(optimizer: BaseOptimizer) -> bool:
     return optimizer.inherit_from(optim.ZeroDistributedOptimizer)
 
 
 def optimizer_path(
-    optimizer: Any, pc: Any, root: Path, *, writing: bool, writes: Writers | None = None
+    optimizer: BaseOptimizer, pc: ParallelContext, root: Path, *, writing: bool, writes: Writers | None = None
 ) -> Path | None:
     """This rank's optimizer file; when `writing`, None where it writes none: every DP rank writes its shard
     with ZeRO (context-parallel rank 0 only); without, its part where `writes` has the replicas write the one
@@ -228,21 +236,23 @@ def optimizer_path(
     return path
 
 
-def _mine(pc: Any, writes: Writers | None, rel: Path) -> bool:
+def _mine(pc: ParallelContext, writes: Writers | None, rel: Path) -> bool:
     return (writes or Writers({}, groups.rank(groups.dp_cp(pc)))).mine(rel)
 
 
-def lr_scheduler_file(pc: Any, root: Path) -> Path:
+def lr_scheduler_file(pc: ParallelContext, root: Path) -> Path:
     """The scheduler's file under `root`, which every rank reads."""
     return root / "lr_scheduler" / groups.place(pc).lr_scheduler_name()
 
 
-def optimizer_file(pc: Any, root: Path, *, zero: bool) -> Path:
+def optimizer_file(pc: ParallelContext, root: Path, *, zero: bool) -> Path:
     """This rank's optimizer file under `root`, for a ZeRO optimizer (`zero`) or not."""
     return root / "optimizer" / groups.place(pc).optimizer_name(zero)
 
 
-def lr_scheduler_path(pc: Any, root: Path, *, writing: bool, writes: Writers | None = None) -> Path | None:
+def lr_scheduler_path(
+    pc: ParallelContext, root: Path, *, writing: bool, writes: Writers | None = None
+) -> Path | None:
     """The scheduler's file. Every rank holds the same schedule, and Nanotron's name has no data-parallel rank
     for an integer ZeRO stage, so one replica writes it (the one `writes` gives it to; default: rank 0 of
     them) and every rank reads it."""
@@ -252,15 +262,23 @@ def lr_scheduler_path(pc: Any, root: Path, *, writing: bool, writes: Writers | N
     return path
 
 
-def random_states_path(pc: Any, root: Path) -> Path:
+def random_states_path(pc: ParallelContext, root: Path) -> Path:
     """This rank's random-state file (every rank writes one)."""
     return root / "random" / groups.place(pc).random_states_name()
 
 
-def optimizer_config(optimizer: Any, pc: Any) -> dict[str, Any]:
+class OptimizerConfig(TypedDict):
+    """The document of `optimizer/optimizer_config.json`, every value a string (or containers of them)."""
+
+    type: str
+    parallelism: dict[str, str]
+    configs: dict[str, object]
+
+
+def optimizer_config(optimizer: BaseOptimizer, pc: ParallelContext) -> OptimizerConfig:
     """The `optimizer/optimizer_config.json` Nanotron writes (its tools read the parallelism from it)."""
 
-    def strings(x: Any) -> Any:
+    def strings(x: object) -> object:
         if isinstance(x, dict):
             return {str(k): strings(v) for k, v in x.items()}
         if isinstance(x, list):
@@ -269,7 +287,7 @@ def optimizer_config(optimizer: Any, pc: Any) -> dict[str, Any]:
             return tuple(strings(v) for v in x)
         return str(x)
 
-    config: dict[str, Any] = {
+    config: OptimizerConfig = {
         "type": str(optimizer.__class__.__name__),
         "parallelism": {
             "tp_size": str(pc.tp_pg.size()),
@@ -285,7 +303,7 @@ def optimizer_config(optimizer: Any, pc: Any) -> dict[str, Any]:
     return config
 
 
-def checkpoint_metadata_text(pc: Any, metas: Any) -> str:
+def checkpoint_metadata_text(pc: ParallelContext, metas: TrainingMetadata) -> str:
     """The `checkpoint_metadata.json` Nanotron's `save_meta` writes for the training metadata `metas`: its
     sizes (cp too where this Nanotron's CheckpointMetadata has it) and every field of `metas` (main's
     consumed tokens per dataset folder and sequence lengths, which its dataloader resumes from)."""

@@ -20,12 +20,14 @@ from ..trainer_settings import TrainerSettings
 from . import compat
 
 if TYPE_CHECKING:
+    from types import FunctionType
+
     from ..engine import DataStatesEngine
 
 ENGINES = ("torch", "datastates")
 
 
-def _check_engine(value: Any, key: str) -> None:
+def _check_engine(value: object, key: str) -> None:
     if value not in ENGINES:
         raise ValueError(f"{key}={value!r} is invalid: expected one of {', '.join(ENGINES)}")
 
@@ -67,7 +69,7 @@ def make_classes(ncc: Any) -> tuple[type, type]:
                     )
                 self.checkpoints.checkpointing_engine = self.checkpointing_engine
                 self.checkpointing_engine = None
-            given: Any = self.datastates
+            given: dict | TrainerSettings | None = self.datastates
             if not isinstance(given, TrainerSettings):  # a parsed config's is kept as it is
                 self.datastates = TrainerSettings.from_dict(given)  # type: ignore[assignment]
 
@@ -82,13 +84,13 @@ def make_classes(ncc: Any) -> tuple[type, type]:
     return Config, CheckpointsArgs
 
 
-def settings_of(config: Any) -> TrainerSettings:
+def settings_of(config: object) -> TrainerSettings:
     """The `datastates:` section of a config, parsed (the defaults where it has none)."""
     parsed = getattr(config, "datastates", None)
     return parsed if isinstance(parsed, TrainerSettings) else TrainerSettings()
 
 
-def engine_for(config: Any) -> DataStatesEngine:
+def engine_for(config: object) -> DataStatesEngine:
     """The trainer's one engine, from its config's `datastates:` section: built here only, by the read-ahead
     of the trainer's first line or by the resume, and handed on to the Saver (manager.py)."""
     from ..engine import DataStatesEngine  # here: this module is imported when Nanotron is, torch or not
@@ -96,7 +98,7 @@ def engine_for(config: Any) -> DataStatesEngine:
     return DataStatesEngine(settings_of(config))
 
 
-def _swap_default(fn: Any, old: type, new: type) -> None:
+def _swap_default(fn: FunctionType, old: type, new: type) -> None:
     if fn.__defaults__:
         fn.__defaults__ = tuple(new if d is old else d for d in fn.__defaults__)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 import yaml
@@ -41,7 +40,7 @@ def to_torch(src: Path, out: Path, engine: DataStatesEngine, allow_pickle: bool)
     # An optimizer file the replicas wrote in parts becomes Nanotron's one file, once its parts are read.
     wholes = {name: ps for name, ps in optimizer_files(doc["files"]).items() if ps != [name]}
     whole_of = {p: name for name, ps in wholes.items() for p in ps}
-    parts_read: dict[str, dict[str, Any]] = {}
+    parts_read: dict[str, dict[str, object]] = {}
     for rel, entry in doc["files"].items():
         path = member(src, rel)
         size = path.stat().st_size  # FileNotFoundError names a file the manifest lists but the folder lacks
@@ -103,7 +102,7 @@ def _stock_config(text: str) -> str:
     return yaml.dump(doc) if dropped else text  # untouched configs keep their formatting
 
 
-def _torch_save(obj: Any, path: Path) -> None:
+def _torch_save(obj: object, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
         torch.save(obj, f)

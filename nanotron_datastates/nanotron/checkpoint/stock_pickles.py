@@ -13,7 +13,7 @@ import pickle
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Callable, Union
 
 import torch
 from torch.torch_version import TorchVersion
@@ -22,13 +22,20 @@ from ... import trust
 from ...errors import DataStatesError
 from .. import rng_states as states
 
+if TYPE_CHECKING:
+    from types import ModuleType
+
+# What torch's weights_only load may build besides tensors and plain containers: a class or function, or
+# (a function, the name by which a file names it: torch >= 2.6)
+Allowed = Union[Callable[..., object], tuple[Callable[..., object], str]]
+
 
 class UnpicklingRefused(DataStatesError, pickle.UnpicklingError, ValueError):
     """A stock `.pt` file holds objects that loading without unpickling does not build; `allow_pickle=True`
     (`--allow-pickle`) unpickles it, which runs whatever code it names: only for a trusted checkpoint."""
 
 
-def load_stock(path: Path, allow_pickle: bool, allowed: Sequence[Any] = ()) -> Any:
+def load_stock(path: Path, allow_pickle: bool, allowed: Sequence[Allowed] = ()) -> object:
     """One of Nanotron's `.pt` files. Without `allow_pickle`, torch builds only tensors, plain containers and
     the `allowed` classes and functions (exactly those): anything else raises UnpicklingRefused, unrun."""
     with os.fdopen(trust.open_to_read(path), "rb") as f:
@@ -37,7 +44,7 @@ def load_stock(path: Path, allow_pickle: bool, allowed: Sequence[Any] = ()) -> A
         return _load_weights_only(path, f, allowed)
 
 
-def _load_weights_only(path: Path, f: Any, allowed: Sequence[Any]) -> Any:
+def _load_weights_only(path: Path, f: IO[bytes], allowed: Sequence[Allowed]) -> object:
     try:
         with _safe_globals(path, allowed):
             return torch.load(f, map_location="cpu", weights_only=True)
@@ -57,7 +64,7 @@ def _load_weights_only(path: Path, f: Any, allowed: Sequence[Any]) -> Any:
 
 
 @contextlib.contextmanager
-def _safe_globals(path: Path, allowed: Sequence[Any]) -> Iterator[None]:
+def _safe_globals(path: Path, allowed: Sequence[Allowed]) -> Iterator[None]:
     """Lets weights_only build `allowed` for the duration of one load, where this torch can."""
     serialization = torch.serialization
     if not allowed:
@@ -97,15 +104,17 @@ def _why(e: pickle.UnpicklingError) -> str:
     return " ".join(reason.split())[:300].rstrip(".") or type(e).__name__
 
 
-def random_state_globals(nanotron_random: Any) -> list[Any]:
+def random_state_globals(nanotron_random: ModuleType) -> list[Allowed]:
     """What Nanotron's random-state pickle holds beyond tensors and plain containers (nanotron/random.py),
     exactly: RandomStates of RandomState, whose `numpy` field is NumPy's legacy generator state, a uint32
     array, and how that array unpickles."""
     import numpy as np
 
     # The array's rebuilder, from NumPy itself: `numpy.core.multiarray._reconstruct`, `numpy._core` from 2.0.
-    reconstruct = np.zeros(0).__reduce__()[0]
-    allowed: list[Any] = [
+    reduced = np.zeros(0).__reduce__()
+    assert isinstance(reduced, tuple)  # (rebuilder, its arguments, state), as every array reduces
+    reconstruct = reduced[0]
+    allowed: list[Allowed] = [
         nanotron_random.RandomStates,
         nanotron_random.RandomState,
         np.ndarray,
@@ -122,7 +131,9 @@ def random_state_globals(nanotron_random: Any) -> list[Any]:
     return allowed
 
 
-def random_states_to_plain(path: Path, loaded: Any, nanotron_random: Any) -> dict[str, Any]:
+def random_states_to_plain(
+    path: Path, loaded: object, nanotron_random: ModuleType
+) -> dict[str, dict[str, object]]:
     """The loaded RandomStates as plain values; ValueError naming `path` for anything else, as a crafted
     file can hold (the allowed classes are built without their checks)."""
     if not isinstance(loaded, Mapping):
@@ -138,7 +149,7 @@ def random_states_to_plain(path: Path, loaded: Any, nanotron_random: Any) -> dic
     return plain
 
 
-def nanotron_random() -> Any:
+def nanotron_random() -> ModuleType:
     """Nanotron's `random` module, whose RandomStates the stock random-state pickle holds; RuntimeError
     saying so where Nanotron is not importable."""
     try:

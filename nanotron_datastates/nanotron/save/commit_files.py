@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import yaml
 from nanotron.config.utils_config import serialize
@@ -24,18 +24,29 @@ from ...checkpoint.names import MANIFEST
 from ...store import open_store
 from .. import groups, shards
 
+if TYPE_CHECKING:
+    from ..types import (
+        BaseOptimizer,
+        Config,
+        Documents,
+        FileEntries,
+        NanotronConfigs,
+        ParallelContext,
+        TrainingMetadata,
+    )
+
 
 def finalizer(
     *,
     step: int,
     checkpoints: Path,
-    pc: Any,
-    config: Any,
-    model_config: Any,
-    optimizer: Any,
-    metadata: Any,
-    replicas: dict[str, Any] | None = None,
-) -> Callable[[dict[str, Any]], None]:
+    pc: ParallelContext,
+    config: Config,
+    model_config: NanotronConfigs,
+    optimizer: BaseOptimizer,
+    metadata: TrainingMetadata,
+    replicas: dict[str, object] | None = None,
+) -> Callable[[FileEntries], None]:
     """The commit of the checkpoint of `step` under `checkpoints`, given every rank's files (the manifest's
     entries, gathered by the committers); `replicas`: the memory replicas' placement, recorded."""
     store = open_store(checkpoints)
@@ -48,7 +59,7 @@ def finalizer(
         model_config_text = json.dumps(dataclasses.asdict(model_config))
     optimizer_text = json.dumps(shards.optimizer_config(optimizer, pc))
 
-    def finalize(files: dict[str, Any]) -> None:
+    def finalize(files: FileEntries) -> None:
         store.write_atomic(f"{folder}/config.yaml", yaml.dump(config_doc))
         store.write_atomic(f"{folder}/{MODEL_CONFIG_FILE_NAME}", model_config_text)
         store.write_atomic(f"{folder}/optimizer/optimizer_config.json", optimizer_text)
@@ -62,15 +73,20 @@ def finalizer(
 
 
 def memory_documents(
-    *, step: int, pc: Any, config: Any, metadata: Any, replicas: dict[str, Any] | None = None
-) -> Callable[[dict[str, Any]], dict[str, str]]:
+    *,
+    step: int,
+    pc: ParallelContext,
+    config: Config,
+    metadata: TrainingMetadata,
+    replicas: dict[str, object] | None = None,
+) -> Documents:
     """The manifest and Nanotron's training metadata of the checkpoint of `step`, given every rank's files
     (the metadata's text captured now): what a memory checkpoint keeps beside its files in the memory tier
     (tier/memory_steps.py), and what `finalizer` writes into storage's folder."""
     meta_text = shards.checkpoint_metadata_text(pc, metadata)
     topology = groups.layout_of(pc, int(config.optimizer.zero_stage))
 
-    def documents(files: dict[str, Any]) -> dict[str, str]:
+    def documents(files: FileEntries) -> dict[str, str]:
         manifest = manifest_text(make_manifest(step, topology, files, replicas))
         return {MANIFEST: manifest, CHECKPOINT_FILE_NAME: meta_text}
 

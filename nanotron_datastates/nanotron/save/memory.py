@@ -11,7 +11,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from ...engine import DataStatesEngine
 from ...engine_settings import MIN_PARSER_THREADS
@@ -29,6 +29,9 @@ from ...trainer_settings import TrainerSettings
 from .. import groups
 from .. import log as say
 
+if TYPE_CHECKING:
+    from ..types import ParallelContext
+
 
 @dataclasses.dataclass
 class Replication:
@@ -36,7 +39,7 @@ class Replication:
     whose replicas this rank keeps, and the calls its training thread makes at each step (NCCL's)."""
 
     replicator: Replicator | ReplicaProcess | None = None
-    placement: dict[str, Any] | None = None
+    placement: dict[str, object] | None = None  # {"nodes": each rank's node, "holders": of each rank's}
     sources: list[int] = dataclasses.field(default_factory=list)
     order: StepOrder | None = None  # the NCCL calls the training thread makes at each optimizer step
 
@@ -108,7 +111,7 @@ def prepare_tier(
 
 
 def prepare_replicas(
-    replication: Replication, tier: MemoryTier | None, files: list[tuple[str, SavePlan]], pc: Any
+    replication: Replication, tier: MemoryTier | None, files: list[tuple[str, SavePlan]], pc: ParallelContext
 ) -> None:
     """After the first step, with memory replicas (collective: every rank learns the sizes of the others'
     `files`, as `prepare_tier`'s): on a fresh start, the files of the first two replicas of each rank this
@@ -139,7 +142,7 @@ def prepare_replicas(
 def open_replicas(
     tier: MemoryTier | None,
     settings: TrainerSettings,
-    pc: Any,
+    pc: ParallelContext,
     engine: DataStatesEngine,
     keep: int | None,
     on_done: Callable[[Replicated], None],
@@ -188,7 +191,7 @@ def _said_removed(error: BaseException | None, seconds: float) -> None:
         say.info(f"memory replicas: the files an earlier process made ahead removed in {seconds:.2f} s")
 
 
-def process_token(settings: TrainerSettings, pc: Any) -> str | None:
+def process_token(settings: TrainerSettings, pc: ParallelContext) -> str | None:
     """The key prefix's token of the replica processes where the replicas go from a process of each rank's
     own, None where they go from the training process's threads (collective: each rank gathers every rank's
     answer, so that all take the same way); `auto` takes the process where every rank can start one."""
@@ -218,7 +221,12 @@ def process_unable(settings: TrainerSettings) -> str | None:
 
 
 def process_spec(
-    tier: MemoryTier, holders: list[list[int]], settings: TrainerSettings, engine: Any, token: str, rank: int
+    tier: MemoryTier,
+    holders: list[list[int]],
+    settings: TrainerSettings,
+    engine: DataStatesEngine,
+    token: str,
+    rank: int,
 ) -> ProcessSpec:
     """What this rank's replica process needs: the job's store from torchrun's environment (ReplicaError
     naming the setting where it is not there), its keys under the job's `token` and restart count."""

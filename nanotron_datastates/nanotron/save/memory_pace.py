@@ -6,7 +6,7 @@ of the saver's own), and taken, so that each rank counts the same checkpoints in
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as tdist
@@ -15,7 +15,7 @@ from .. import log as say
 from .saver import MAX_IN_FLIGHT, Saver
 
 
-def agreed(count: int, group: Any) -> int:
+def agreed(count: int, group: tdist.ProcessGroup | None) -> int:
     """The least `count` of the ranks of `group` (collective); `count` itself without a group."""
     if group is None:
         return count

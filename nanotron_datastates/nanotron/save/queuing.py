@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -162,5 +162,5 @@ class Queuing:
         """Waits until every checkpoint handed over is with the committer."""
         self.queuer.drain(timeout)
 
-    def close(self, timeout: float | None = None) -> Any:
+    def close(self, timeout: float | None = None) -> None:
         self.queuer.close(timeout)

@@ -7,13 +7,16 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ...engine import DataStatesEngine
 from ...save.commit import PendingCheckpoint
 from ...save.plan import SavePlan
 from ...tier.memory import MemoryTier
 from .. import shards
+
+if TYPE_CHECKING:
+    from ..types import BaseOptimizer, NanotronModel, ParallelContext
 
 Targets = tuple[list[tuple[SavePlan, str]], list[str] | None, list[Path | None] | None]
 
@@ -29,7 +32,13 @@ class RankFiles:
     optimizer_part: tuple[int, int] = (0, 1)  # (part, parts) of the optimizer state in `optimizer`
 
 
-def plan_files(engine: DataStatesEngine, model: Any, optimizer: Any, pc: Any, balance: bool) -> RankFiles:
+def plan_files(
+    engine: DataStatesEngine,
+    model: NanotronModel,
+    optimizer: BaseOptimizer,
+    pc: ParallelContext,
+    balance: bool,
+) -> RankFiles:
     """This rank's files, the weights' planned. What the replicas hold alike is shared out among them
     (`balance`: `balance_writes`; the optimizer state without ZeRO in parts, one a replica) or written by
     rank 0's replica."""

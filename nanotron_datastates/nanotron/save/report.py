@@ -7,7 +7,7 @@ thread."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from ... import telemetry
 from ...engine import DataStatesEngine
@@ -21,6 +21,9 @@ from ...trainer_settings import TrainerSettings
 from .. import groups
 from .. import log as say
 
+if TYPE_CHECKING:
+    from ..types import Documents, ParallelContext
+
 Notify = Callable[..., None]  # notify(event, **fields): tells a Saver's observers
 
 
@@ -32,7 +35,7 @@ class Reporter:
         self,
         engine: DataStatesEngine,
         settings: TrainerSettings,
-        pc: Any,
+        pc: ParallelContext,
         checkpoints: Path,
         tier: MemoryTier | None,
         notify: Notify,
@@ -41,7 +44,7 @@ class Reporter:
         self.tier, self.notify = tier, notify
         self.replicator: Replicator | ReplicaProcess | None = None
         # A memory checkpoint's documents (manifest, metadata) by step, made from every rank's files
-        self.documents: dict[int, Callable[[dict[str, Any]], dict[str, str]]] = {}
+        self.documents: dict[int, Documents] = {}
 
     def committed(self, r: CommitResult) -> None:
         """On the committer thread, for every checkpoint: the memory tier's mark, rank 0's housekeeping and

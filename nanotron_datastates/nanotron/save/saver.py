@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from ...engine import DataStatesEngine
 from ...save import staging
@@ -53,6 +53,17 @@ from .rank_files import RankFiles, cache_bytes, plan_files
 from .report import Reporter
 from .request import Request, host_values
 
+if TYPE_CHECKING:
+    from ..types import (
+        BaseOptimizer,
+        Documents,
+        FileEntries,
+        LRScheduler,
+        NanotronModel,
+        ParallelContext,
+        RandomStates,
+    )
+
 __all__ = [
     "MAX_IN_FLIGHT",
     "CheckpointError",
@@ -64,7 +75,7 @@ __all__ = [
 ]
 
 MAX_IN_FLIGHT = 2  # checkpoints being flushed at once; a third waits for the oldest
-Observer = Callable[[str, dict[str, Any]], None]
+Observer = Callable[[str, dict[str, object]], None]
 
 
 class Saver:
@@ -75,9 +86,9 @@ class Saver:
         self,
         engine: DataStatesEngine,
         settings: TrainerSettings,
-        pc: Any,
-        model: Any,
-        optimizer: Any,
+        pc: ParallelContext,
+        model: NanotronModel,
+        optimizer: BaseOptimizer,
         checkpoints: Path,
     ) -> None:
         import torch.distributed as tdist
@@ -156,11 +167,11 @@ class Saver:
     def request(
         self,
         step: int,
-        lr_scheduler: Any,
-        random_states: Any,
-        finalizer: Callable[[], Callable[[dict], None]] | None,
+        lr_scheduler: LRScheduler,
+        random_states: RandomStates,
+        finalizer: Callable[[], Callable[[FileEntries], None]] | None,
         since: float | None = None,
-        memory: Callable[[dict[str, Any]], dict[str, str]] | None = None,
+        memory: Documents | None = None,
     ) -> None:
         """Captures and queues (now or at the next step) the checkpoint of `step`. `finalizer`, rank 0's,
         makes the commit that runs once every rank's files are persisted: it is called when the files are
@@ -274,7 +285,7 @@ class Saver:
         if self.writer is not None:
             self.writer.release()
 
-    def _notify(self, event: str, **fields: Any) -> None:
+    def _notify(self, event: str, **fields: object) -> None:
         """Tells the observers of a queuing or an outcome (report.py)."""
         for observe in self.observers:
             observe(event, fields)
