@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
@@ -30,6 +30,9 @@ from ...tier.memory_steps import steps_with_manifest
 from ...tier.peer_reads import PeerReads
 from ..yaml_config import engine_for, settings_of
 from .source import asked_layout, loads, parse_config, resume_folder
+
+if TYPE_CHECKING:
+    from ...trainer_settings import TrainerSettings
 
 
 @dataclasses.dataclass
@@ -52,8 +55,12 @@ class EarlyRead:
         mine = self.source == source and self.device == device and same_large(self.reads, reads)
         return mine and not (peer is not None and peer.into)
 
+    def start(self) -> Prefetch:
+        """Starts its read-ahead (`read_ahead`)."""
+        return read_ahead(self.engine, self.manifest, self.source, self.reads, self.device, self.topology)
 
-def find(args: Sequence[Any], kwargs: dict[str, Any]) -> EarlyRead | None:
+
+def find(args: Sequence[object], kwargs: Mapping[str, object]) -> EarlyRead | None:
     """What to read ahead for the trainer built with `args, kwargs` (None: nothing, or it cannot be known
     yet); this rank's GPU set and the small files warmed in the page cache. Never raises: whatever fails
     here, `Resume.plan` meets again and reports."""
@@ -86,7 +93,7 @@ def find(args: Sequence[Any], kwargs: dict[str, Any]) -> EarlyRead | None:
     return EarlyRead(manifest, source, reads, device, asked_layout(config), engine)
 
 
-def newer_in_memory(settings: Any, folder: Path) -> bool:
+def newer_in_memory(settings: TrainerSettings, folder: Path) -> bool:
     """Whether this rank's memory tier holds a memory checkpoint newer than the checkpoint in `folder`."""
     rank = int(os.environ.get("RANK", "0"))
     tier = MemoryTier(settings.memory_tier_path, folder.parent, rank, settings.memory_tier_copies)

@@ -6,7 +6,7 @@ some node's memory, what its node lacks pulled from another's (tier/replica_rest
 
 It never dies on a damaged newest checkpoint while an older one is whole: after a Resume has loaded
 everything (reading every tensor against its checksum), the ranks agree that each read it whole
-(`everyone`); where any could not (a file missing, truncated, a flipped byte; the memory tier's copy as much
+(`confirm`); where any could not (a file missing, truncated, a flipped byte; the memory tier's copy as much
 as storage's), every rank falls back together to the next candidate: the same step from storage where it
 came from memory, then each older committed checkpoint of the folder, newest first. The log says which,
 and why.
@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...checkpoint import folder as checkpoint
-from ...checkpoint.manifest import is_datastates_checkpoint
+from ...checkpoint.manifest import ManifestError, is_datastates_checkpoint
 from ...engine import DataStatesEngine
-from ...errors import CheckpointError
+from ...errors import CheckpointError, FormatError
+from ...resume.reshard_plan import ReshardError
 from ...store import open_store
 from ...tier.held_copy import tier_copy, why_not
 from ...tier.links import open_link
@@ -30,10 +31,36 @@ from ...tier.replica_restore import restart_source
 from .. import groups
 from .. import log as say
 
+if TYPE_CHECKING:
+    from ...tier.peer_reads import PeerReads
+    from ...trainer_settings import TrainerSettings
+    from ..types import ParallelContext
 
-class Reading(Protocol):
+# What reading a checkpoint raises where a file is missing, damaged (FormatError, ChecksumError) or not of
+# the layout, or does not fit the model (ReshardError): collected on each rank, so that every rank decides.
+READ_ERRORS = (OSError, FormatError, ManifestError, ReshardError, KeyError)
+
+
+class Pulling(Protocol):
+    """What a pull from other nodes' memory reads of a resume (`Resume` is one): the checkpoint's manifest,
+    the files this rank reads and reads ahead, its engine; it sets the files served between GPUs (`peer`)."""
+
+    peer: PeerReads | None
+
+    @property
+    def manifest(self) -> dict[str, Any]: ...
+
+    def needs(self) -> set[str]: ...
+
+    def ahead(self) -> dict[str, list[str]] | None: ...  # the files read ahead onto a GPU, by kind
+
+    def get_engine(self) -> DataStatesEngine: ...
+
+
+class Reading(Pulling, Protocol):
     """What the fallback reads of a resume (`Resume` is one): the checkpoint it reads, where from, what it
-    needs and what failed. It never reads anything again itself: `Resume.confirm` does, from a Plan."""
+    needs (Pulling's too) and what failed. It never reads anything again itself: the resume does (`confirm`
+    has it `reload` each checkpoint of a Plan)."""
 
     @property
     def folder(self) -> Path | None: ...  # None only before a checkpoint is planned
@@ -42,18 +69,9 @@ class Reading(Protocol):
     def source(self) -> Path | None: ...  # None: read from `folder` itself
 
     @property
-    def manifest(self) -> dict[str, Any]: ...
-
-    @property
-    def pc(self) -> Any: ...  # Nanotron's ParallelContext
+    def pc(self) -> ParallelContext | None: ...  # None only before a checkpoint is planned
 
     def failures(self) -> list[str]: ...
-
-    def needs(self) -> set[str]: ...
-
-    def ahead(self) -> dict[str, list[str]] | None: ...  # the files read ahead onto a GPU, by kind
-
-    def get_engine(self) -> DataStatesEngine: ...
 
 
 def _planned(resume: Reading) -> Path:
@@ -63,14 +81,21 @@ def _planned(resume: Reading) -> Path:
     return resume.folder
 
 
-def memory_copy(resume: Reading, settings: Any) -> Path | None:
+def _parallel_context(resume: Reading) -> ParallelContext:
+    """The process groups of `resume`, planned with its checkpoint."""
+    if resume.pc is None:
+        raise RuntimeError("no checkpoint planned to resume from, nothing to fall back from")
+    return resume.pc
+
+
+def memory_copy(resume: Reading, settings: TrainerSettings) -> Path | None:
     """The memory tier's copy of `resume`'s checkpoint where every rank finds it whole there, else None (the
     log says which rank lacks it, and why). Collective."""
     if settings.memory_replicas:
         return _memory_of_any_node(resume, settings)
-    rank = groups.rank(resume.pc.world_pg)
+    rank = groups.rank(_parallel_context(resume).world_pg)
     reason = why_not(settings, _planned(resume), resume.manifest, rank)
-    reasons = groups.gather(reason, resume.pc)
+    reasons = groups.gather(reason, _parallel_context(resume))
     step = resume.manifest.get("step")
     if not any(reasons):
         copy = tier_copy(settings, _planned(resume), resume.manifest, rank)
@@ -81,7 +106,7 @@ def memory_copy(resume: Reading, settings: Any) -> Path | None:
     return None
 
 
-def _memory_of_any_node(resume: Reading, settings: Any) -> Path | None:
+def _memory_of_any_node(resume: Reading, settings: TrainerSettings) -> Path | None:
     """`memory_copy` with memory replicas: this rank's node's tier folder of the step once every file each
     rank reads is there (`restart_source` pulls what a node lacks), else None. Collective."""
     import torch.distributed as tdist
@@ -89,14 +114,14 @@ def _memory_of_any_node(resume: Reading, settings: Any) -> Path | None:
     step = resume.manifest.get("step")
     problem, own = None, None
     try:
-        rank = groups.rank(resume.pc.world_pg)
+        rank = groups.rank(_parallel_context(resume).world_pg)
         copies = settings.memory_tier_copies
         own = MemoryTier(settings.memory_tier_path, _planned(resume).parent, rank, copies)
     except OSError as e:
         problem = str(e)
     if not isinstance(step, int) or not tdist.is_initialized():
         problem = problem or "no process group, or the manifest names no step"
-    problems = [p for p in groups.gather(problem, resume.pc) if p]
+    problems = [p for p in groups.gather(problem, _parallel_context(resume)) if p]
     if problems or own is None:
         say.note(f"resuming step {step} from storage: the memory tier cannot serve it ({problems[0]})")
         return None
@@ -106,11 +131,11 @@ def _memory_of_any_node(resume: Reading, settings: Any) -> Path | None:
     return source
 
 
-def pull(own: MemoryTier, resume: Any, settings: Any) -> tuple[Path | None, str]:
-    """`restart_source` for `resume` (a Reading) over a link of its own (`memory_replica_transport`),
-    closed once pulled: (this rank's tier folder of the checkpoint, or None for storage; why). Where the
-    link is NCCL, the files it reads ahead and its node lacks come from the GPU of a rank reading them
-    (`resume.peer`, over the link's group: tier/peer_reads.py). Collective."""
+def pull(own: MemoryTier, resume: Pulling, settings: TrainerSettings) -> tuple[Path | None, str]:
+    """`restart_source` for `resume` over a link of its own (`memory_replica_transport`), closed once pulled:
+    (this rank's tier folder of the checkpoint, or None for storage; why). Where the link is NCCL, the files
+    it reads ahead and its node lacks come from the GPU of a rank reading them (`resume.peer`, over the
+    link's group: tier/peer_reads.py). Collective."""
     import torch.distributed as tdist
 
     t0 = time.monotonic()
@@ -130,7 +155,7 @@ def pull(own: MemoryTier, resume: Any, settings: Any) -> tuple[Path | None, str]
 
 class Plan:
     """What a resume tries once some rank could not read its checkpoint whole, in order (`fallbacks`): the
-    caller (`Resume.confirm`) reads each again until every rank reads one whole. `next(reasons)` records
+    caller (`confirm`) reads each again until every rank reads one whole. `next(reasons)` records
     why the one read last failed and gives the next (folder, source: None for the folder itself); where
     none is left it raises CheckpointError naming every one tried and why."""
 
@@ -161,12 +186,32 @@ class Plan:
             say.info(f"resumed from {self.current} instead of the newest checkpoint")
 
 
+class Confirming(Reading, Protocol):
+    """A resume whose checkpoint `confirm` checks (`Resume` is one): also where a memory checkpoint's
+    fallbacks are (`memory_of`: the checkpoints folder it is newer than), and how it loads another one."""
+
+    @property
+    def memory_of(self) -> Path | None: ...
+
+    def reload(self, folder: Path, source: Path | None) -> None: ...
+
+
+def confirm(resume: Confirming) -> None:
+    """Has the ranks agree that each read `resume`'s checkpoint whole; where any could not, every rank loads
+    the next of its fallbacks (`Plan`: CheckpointError where none is left), until one is read whole by all.
+    Collective."""
+    plan = Plan(resume.folder, resume.source, resume.memory_of)
+    while reasons := everyone(resume):
+        resume.reload(*plan.next(reasons))
+    plan.done()
+
+
 def everyone(resume: Reading) -> list[str]:
     """Every rank's reasons for not having read its checkpoint whole (each prefixed by its rank), the same
     list on every rank; empty: all read it whole. Collective."""
     return [
         f"rank {r}: {why}"
-        for r, mine in enumerate(groups.gather(resume.failures(), resume.pc))
+        for r, mine in enumerate(groups.gather(resume.failures(), _parallel_context(resume)))
         for why in mine
     ]
 

@@ -14,7 +14,7 @@ memory checkpoints. Collective.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ...checkpoint import folder as checkpoint
 from ...checkpoint.manifest import ManifestError
@@ -25,29 +25,23 @@ from .. import groups
 from .. import log as say
 from . import fallback as recovery
 
+if TYPE_CHECKING:
+    from ...trainer_settings import TrainerSettings
+    from ..types import Config, ParallelContext
 
-class Taking(Protocol):
+
+class Taking(recovery.Pulling, Protocol):
     """What this module needs of a Resume: to take a checkpoint folder (its manifest read there), and then
-    the files this rank reads of it, and its engine; where it reads them, and a memory checkpoint's
-    fallbacks (`memory_of`: the checkpoints folder it is newer than), set here."""
+    what a pull reads of it (fallback.Pulling); where it reads them, and a memory checkpoint's fallbacks
+    (`memory_of`: the checkpoints folder it is newer than), set here."""
 
     source: Path | None
     memory_of: Path | None
-    peer: Any  # the files served between GPUs at a restart (tier/peer_reads.PeerReads), set by the pull
-
-    @property
-    def manifest(self) -> dict[str, Any]: ...
 
     def take(self, folder: Path, source: Path | None = None) -> None: ...
 
-    def needs(self) -> set[str]: ...
 
-    def ahead(self) -> dict[str, list[str]] | None: ...
-
-    def get_engine(self) -> Any: ...
-
-
-def checkpoints_of(config: Any, settings: Any, folder: Path | None) -> Path | None:
+def checkpoints_of(config: Config, settings: TrainerSettings, folder: Path | None) -> Path | None:
     """The checkpoints folder whose memory checkpoints a resume may take: that of the storage checkpoint
     Nanotron found, else the config's resume path; None without the memory tier, or where the config resumes
     nothing local."""
@@ -59,7 +53,9 @@ def checkpoints_of(config: Any, settings: Any, folder: Path | None) -> Path | No
     return Path(path)
 
 
-def choose(resume: Taking, settings: Any, pc: Any, memory: Path | None, stored: Path | None) -> bool:
+def choose(
+    resume: Taking, settings: TrainerSettings, pc: ParallelContext, memory: Path | None, stored: Path | None
+) -> bool:
     """Takes what a restart resumes: the newest memory checkpoint of `memory` (the checkpoints folder; None:
     none looked for) newer than `stored` that serves every rank, else `stored` (read from the memory tier
     where every rank finds it whole there: fallback.py). False: neither (nothing taken). Collective."""
@@ -74,7 +70,9 @@ def choose(resume: Taking, settings: Any, pc: Any, memory: Path | None, stored: 
     return True
 
 
-def newest(resume: Taking, settings: Any, pc: Any, checkpoints: Path, storage: Path | None) -> Path | None:
+def newest(
+    resume: Taking, settings: TrainerSettings, pc: ParallelContext, checkpoints: Path, storage: Path | None
+) -> Path | None:
     """Takes the newest memory checkpoint of `checkpoints` newer than `storage` (the storage checkpoint to
     resume otherwise, or None) that serves every rank, and returns its folder in this rank's tier (which the
     resume reads); None: none does (nothing taken). Collective over the world."""
@@ -95,7 +93,12 @@ def newest(resume: Taking, settings: Any, pc: Any, checkpoints: Path, storage: P
 
 
 def _serves(
-    resume: Taking, settings: Any, pc: Any, tier: MemoryTier | None, step: int, have: bool
+    resume: Taking,
+    settings: TrainerSettings,
+    pc: ParallelContext,
+    tier: MemoryTier | None,
+    step: int,
+    have: bool,
 ) -> Path | None:
     """The memory checkpoint of `step`, taken where it serves every rank (its tier folder), else None."""
     problem, documents = None, None
@@ -127,7 +130,9 @@ def _serves(
     return source
 
 
-def _pull(resume: Taking, settings: Any, pc: Any, tier: MemoryTier, step: int) -> tuple[Path | None, str]:
+def _pull(
+    resume: Taking, settings: TrainerSettings, pc: ParallelContext, tier: MemoryTier, step: int
+) -> tuple[Path | None, str]:
     """(this rank's tier folder of `step` once every rank's files are in its node's memory, or None; why)."""
     if not settings.memory_replicas:
         reason = step_why_not(tier, step, resume.manifest)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -19,17 +19,44 @@ from .. import log as say
 from .. import shards
 from . import reshard
 
+if TYPE_CHECKING:
+    from ..types import BaseOptimizer, NanotronModel, ParallelContext
+
 Device = torch.device | None
+
+
+def load(
+    engine: DataStatesEngine,
+    manifest: dict[str, Any],
+    src: Path,
+    optimizer: BaseOptimizer,
+    model: NanotronModel,
+    pc: ParallelContext,
+    changed: dict[str, tuple[int | None, int]],
+    device: Device,
+    read: Callable[[Path, Device], object],
+    ahead: bool,
+) -> DeferredOptimizer | None:
+    """The optimizer state from `src`: saved on another layout (`changed`), resharded and loaded now (None);
+    else this rank's file (`deferred`), loaded at its first use where it is being read ahead (`ahead`), else
+    now."""
+    if changed:
+        load_resharded(engine, manifest, src, optimizer, model, pc, changed, device)
+        return None
+    state = deferred(optimizer, pc, src, read, device)
+    if not ahead:
+        state.load()  # not read ahead: loaded now
+    return state
 
 
 def load_resharded(
     engine: DataStatesEngine,
     manifest: dict[str, Any],
     src: Path,
-    optimizer: Any,
-    model: Any,
-    pc: Any,
-    changed: dict[str, tuple[Any, int]],
+    optimizer: BaseOptimizer,
+    model: NanotronModel,
+    pc: ParallelContext,
+    changed: dict[str, tuple[int | None, int]],
     device: Device,
 ) -> None:
     """The state saved on another layout (`changed`: what changed, from what to what), loaded now."""
@@ -40,7 +67,11 @@ def load_resharded(
 
 
 def deferred(
-    optimizer: Any, pc: Any, src: Path, read: Callable[[Path, Device], Any], device: Device
+    optimizer: BaseOptimizer,
+    pc: ParallelContext,
+    src: Path,
+    read: Callable[[Path, Device], object],
+    device: Device,
 ) -> DeferredOptimizer:
     """This rank's optimizer file, to be loaded into `optimizer` at its first use: `read(path, device)` reads
     it (`read_file`, with the resume's read-ahead and engine of the time)."""
@@ -54,7 +85,7 @@ def read_file(
     manifest: dict[str, Any],
     path: Path,
     device: Device,
-) -> Any:
+) -> object:
     """The optimizer state of the file `path` (in `manifest`'s checkpoint, or its copy in memory): as read
     ahead, or read now; put together from its parts where the replicas wrote it in parts."""
     paths = parts(manifest, path)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
@@ -30,8 +30,15 @@ from ...resume import reshard_plan
 from ...resume.reshard_plan import Need, Piece, ReshardError, Source
 from .saved_layout import MASTER, SavedFile, read_saved, saved_pieces, whole_pair, zero_ranges
 
+if TYPE_CHECKING:
+    from nanotron.parallel.parameters import NanotronParameter
 
-def load_weights(engine: DataStatesEngine, manifest: dict[str, Any], folder: Path, model: Any) -> int:
+    from ..types import BaseOptimizer, NanotronModel, ParallelContext
+
+
+def load_weights(
+    engine: DataStatesEngine, manifest: dict[str, Any], folder: Path, model: NanotronModel
+) -> int:
     """Fills this rank's parameters from the weight files of another layout; returns how many."""
     params = model_params(model)
     for name, param in params.items():
@@ -85,7 +92,7 @@ def _changed(name: str, saved: tuple[int, ...], here: tuple[int, ...]) -> Reshar
     )
 
 
-def needs(optimizer: Any, model: torch.nn.Module, pc: Any) -> dict[str, Need]:
+def needs(optimizer: BaseOptimizer, model: NanotronModel, pc: ParallelContext) -> dict[str, Need]:
     """Every parameter of this rank's optimizer, with where its state sits in the full tensor."""
     inner = optimizer
     while getattr(inner, "optimizer", None) is not None:
@@ -102,7 +109,9 @@ def needs(optimizer: Any, model: torch.nn.Module, pc: Any) -> dict[str, Need]:
     return out
 
 
-def _need_of(param: Any, shape: tuple[int, ...], zero: tuple[int, int] | None, index: int = -1) -> Need:
+def _need_of(
+    param: NanotronParameter, shape: tuple[int, ...], zero: tuple[int, int] | None, index: int = -1
+) -> Need:
     if param.is_sharded:
         info = param.get_sharded_info()
         full, pairs = tuple(int(n) for n in info.unsharded_shape), tuple(info.local_global_slices_pairs)
@@ -112,8 +121,13 @@ def _need_of(param: Any, shape: tuple[int, ...], zero: tuple[int, int] | None, i
 
 
 def optimizer_state(
-    engine: DataStatesEngine, manifest: dict[str, Any], folder: Path, optimizer: Any, model: Any, pc: Any
-) -> dict[str, Any]:
+    engine: DataStatesEngine,
+    manifest: dict[str, Any],
+    folder: Path,
+    optimizer: BaseOptimizer,
+    model: NanotronModel,
+    pc: ParallelContext,
+) -> dict[str, object]:
     """The state_dict this rank's `optimizer` loads, resharded from the checkpoint in `folder`."""
     saved = read_saved(manifest, folder, engine)
     wanted = needs(optimizer, model, pc)
@@ -148,7 +162,7 @@ def optimizer_state(
             masters[name] = reshard_plan.assemble(plans[(name, MASTER)], read)
         elif here_masters:  # saved without fp32 masters: Nanotron's own start, from the weights just loaded
             masters[name] = _cut_local(model_params(model)[name].detach().float(), need)
-    out = {
+    out: dict[str, object] = {
         "state": state,
         "param_groups": _groups(optimizer, saved, wanted),
         "names": {need.index: name for name, need in wanted.items()},
@@ -158,7 +172,7 @@ def optimizer_state(
     return out
 
 
-def _has_masters(optimizer: Any) -> bool:
+def _has_masters(optimizer: object) -> bool:
     """Whether this optimizer keeps fp32 master weights (Nanotron's `accumulate_grad_in_fp32`)."""
     while optimizer is not None:
         if getattr(optimizer, "gradient_accumulator", None) is not None:
@@ -167,7 +181,7 @@ def _has_masters(optimizer: Any) -> bool:
     return False
 
 
-def model_params(model: Any) -> dict[str, Any]:
+def model_params(model: NanotronModel) -> dict[str, NanotronParameter]:
     return dict(model.get_named_params_with_correct_tied())
 
 
@@ -212,7 +226,7 @@ def _cut_local(local: torch.Tensor, need: Need) -> torch.Tensor:
     return flat.clone().view(need.shape)
 
 
-def _group_firsts(optimizer: Any, wanted: dict[str, Need]) -> list[tuple[str | None, int]]:
+def _group_firsts(optimizer: BaseOptimizer, wanted: dict[str, Need]) -> list[tuple[str | None, int]]:
     """For each of this optimizer's param groups: its first parameter's name (None: empty here, as a ZeRO
     rank's group may be), and how many parameters it holds."""
     inner = optimizer
@@ -237,7 +251,9 @@ def _saved_groups(saved: list[SavedFile]) -> dict[str, tuple[SavedFile, int]]:
     return out
 
 
-def _groups(optimizer: Any, saved: list[SavedFile], wanted: dict[str, Need]) -> list[dict[str, Any]]:
+def _groups(
+    optimizer: BaseOptimizer, saved: list[SavedFile], wanted: dict[str, Need]
+) -> list[dict[str, object]]:
     """This optimizer's param groups (their parameters, in its order), each with the hyperparameters of the
     saved group that held its first parameter: groups follow parameters, and their number varies with the
     layout (Nanotron's groups per parameter spread over pipeline stages)."""
@@ -255,15 +271,20 @@ GROUP_LISTS = ("base_lrs", "_last_lr", "lr_lambdas")  # a torch scheduler's entr
 
 
 def scheduler_state(
-    engine: DataStatesEngine, manifest: dict[str, Any], folder: Path, optimizer: Any, model: Any, pc: Any
-) -> dict[str, Any]:
+    engine: DataStatesEngine,
+    manifest: dict[str, Any],
+    folder: Path,
+    optimizer: BaseOptimizer,
+    model: NanotronModel,
+    pc: ParallelContext,
+) -> dict[str, object]:
     """The LR scheduler's state for this rank's optimizer: the schedule (step, counts) is the same for every
     rank; its entries per param group are those of each group's first parameter in the saved layout (each
     pipeline stage saved the scheduler of its own groups)."""
     saved = read_saved(manifest, folder, engine)
     wanted = needs(optimizer, model, pc)
     where = _saved_groups(saved)
-    schedules: dict[tuple[int, int], Any] = {}
+    schedules: dict[tuple[int, int], dict[str, Any]] = {}  # each a torch scheduler's state_dict
     for rel in sorted(f for f in manifest["files"] if f.startswith("lr_scheduler/")):
         m = re.fullmatch(r"lr_scheduler_pp-(\d+)-of-\d+_tp-(\d+)-of-\d+_exp-\d+-of-\d+", Path(rel).stem)
         if m is not None:
@@ -272,7 +293,7 @@ def scheduler_state(
         raise ReshardError(f"{folder}: the checkpoint holds no LR scheduler file")
     first = next(iter(schedules.values()))
     out = {k: v for k, v in first.items() if k not in GROUP_LISTS}
-    lists: dict[str, list[Any]] = {k: [] for k in GROUP_LISTS if k in first}
+    lists: dict[str, list[object]] = {k: [] for k in GROUP_LISTS if k in first}
     for g, (name, _) in enumerate(_group_firsts(optimizer, wanted)):
         f, k = where[name] if name is not None else (saved[0], g)
         schedule = schedules.get((f.pp, f.tp[0]), first)

@@ -33,16 +33,15 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from ...checkpoint.manifest import ManifestError, read_manifest
+from ...checkpoint.manifest import read_manifest
 from ...checkpoint.names import MANIFEST
 from ...checkpoint.reads import ReadSet, files_to_read, needed, optimizer_files, relative
 from ...checkpoint.topology import topology_changes
 from ...engine import DataStatesEngine
-from ...errors import FormatError
 from ...resume.deferred_optimizer import DeferredOptimizer
 from ...resume.read_ahead import PageCacheWarmer, Prefetch, warm_for_reshard, warm_page_cache
 from ...tier.peer_reads import PeerReads
@@ -53,13 +52,15 @@ from . import fallback as recovery
 from . import from_memory, optimizer_state, saved_layout, weights
 from . import scheduler_and_rng as rest
 from .early import EarlyRead, find, read_ahead
+from .fallback import READ_ERRORS
 from .source import loads
 
-__all__ = ["READ_ERRORS", "Resume"]
+if TYPE_CHECKING:
+    from nanotron.serialize.metadata import TrainingMetadata
 
-# What reading a checkpoint raises where a file is missing, damaged (FormatError, ChecksumError) or not of
-# the layout, or does not fit the model (ReshardError): collected on each rank, so that every rank decides.
-READ_ERRORS = (OSError, FormatError, ManifestError, saved_layout.ReshardError, KeyError)
+    from ..types import BaseOptimizer, Config, LRScheduler, NanotronModel, ParallelContext, RandomStates
+
+__all__ = ["READ_ERRORS", "Resume"]
 
 
 class Resume:
@@ -77,14 +78,14 @@ class Resume:
         self.warmer: PageCacheWarmer | None = None  # another layout: the files read into the page cache
         self.early = False  # whether the read-ahead began with the trainer's construction
         self._early: EarlyRead | None = None  # what the trainer's first line read ahead, until plan
-        self._config: Any = None
-        self.pc: Any = None
+        self._config: Config | None = None  # set by plan, with the process groups
+        self.pc: ParallelContext | None = None
         self._device: torch.device | None = None
         self._flags = (False, False)  # the YAML's load_optimizer, load_lr_scheduler
         self._hold_optimizer_flag = False
         self._failures: list[str] = []  # what this rank could not read of the checkpoint (see confirm)
-        self.metadata: Any = None
-        self._targets: tuple[Any, ...] = ()  # optimizer, lr_scheduler, random_states, model
+        self.metadata: TrainingMetadata | None = None
+        self._targets: tuple[BaseOptimizer, LRScheduler, RandomStates, NanotronModel] | None = None
         self._deferred: DeferredOptimizer | None = None  # the optimizer state, loaded at the first step
 
     @property
@@ -107,26 +108,30 @@ class Resume:
     def _src(self) -> Path:
         return self.source or self._root()
 
+    def _planned(self) -> tuple[Config, ParallelContext]:
+        if self._config is None or self.pc is None:
+            raise RuntimeError("Resume.plan has not taken a config and process groups")
+        return self._config, self.pc
+
     # -- 1. the trainer's first line ------------------------------------------------------------------------
 
     @classmethod
-    def start(cls, args: Sequence[Any], kwargs: dict[str, Any]) -> Resume:
+    def start(cls, args: Sequence[object], kwargs: dict[str, object]) -> Resume:
         """Starts reading ahead what every rank reads, from the config and the manifest alone (early.py)."""
         self = cls()
-        early = find(args, kwargs)
-        if early is None:
-            return self
-        self.engine = early.engine
-        self.prefetch = read_ahead(
-            early.engine, early.manifest, early.source, early.reads, early.device, early.topology
-        )
-        self._early, self._state = early, "started"
+        self._early = find(args, kwargs)
+        if self._early is not None:
+            self.engine, self.prefetch, self._state = self._early.engine, self._early.start(), "started"
         return self
 
     # -- 2. pre_init ----------------------------------------------------------------------------------------
 
     def plan(
-        self, config: Any, pc: Any, folder: str | os.PathLike | None, device: torch.device | None = None
+        self,
+        config: Config,
+        pc: ParallelContext,
+        folder: str | os.PathLike | None,
+        device: torch.device | None = None,
     ) -> bool:
         """Whether the trainer resumes a datastates checkpoint from `folder` (Nanotron's resolution of the
         path); if so, decides where its files are read, starts or adopts the read-ahead and turns Nanotron's
@@ -172,7 +177,7 @@ class Resume:
             )
         return True
 
-    def _nothing(self, config: Any, pc: Any, folder: str | os.PathLike | None) -> bool:
+    def _nothing(self, config: Config, pc: ParallelContext, folder: str | os.PathLike | None) -> bool:
         """Nothing of ours to resume (False): a stock checkpoint refused where the engine saves."""
         self.folder = None
         self._drop_prefetch(report=False)  # not adopted: its buffers go back when its reads end
@@ -196,9 +201,9 @@ class Resume:
     def files(self) -> ReadSet | None:
         """The files this rank reads (None: the layout changed). Tensor- and pipeline-parallel ranks read
         their weight files as the model says (`shards.weight_sources`), not ahead."""
-        here = groups.layout_of(self.pc, int(self._config.optimizer.zero_stage))
-        place = groups.place(self.pc)
-        return files_to_read(self.manifest, self._src(), here, place, **loads(self._config, self._flags))
+        config, pc = self._planned()
+        here, place = groups.layout_of(pc, int(config.optimizer.zero_stage)), groups.place(pc)
+        return files_to_read(self.manifest, self._src(), here, place, **loads(config, self._flags))
 
     def needs(self) -> set[str]:
         """The manifest's files this rank reads (checkpoint/reads.needed)."""
@@ -219,13 +224,12 @@ class Resume:
 
     # -- 3. weights -----------------------------------------------------------------------------------------
 
-    def load_weights(self, model: torch.nn.Module) -> dict[str, Any]:
+    def load_weights(self, model: NanotronModel) -> dict[str, dict[str, object]]:
         """Loads this rank's weights into `model`'s parameters; returns Nanotron's `param_shard_metadata`.
         What cannot be read is collected for `confirm`."""
-        self._targets = (*self._targets[:3], model) if len(self._targets) == 4 else (None, None, None, model)
-        t0 = time.perf_counter()
+        t0, pc = time.perf_counter(), self._planned()[1]
         try:
-            names = weights.load(self.get_engine, self.manifest, self._src(), model, self.pc, self.prefetch)
+            names = weights.load(self.get_engine, self.manifest, self._src(), model, pc, self.prefetch)
         except READ_ERRORS as e:
             self._failures.append(f"weights: {e}")
             return {}
@@ -237,18 +241,24 @@ class Resume:
 
     # -- 4. scheduler, metadata, random states; the optimizer now or at the first step ---------------------
 
-    def load_rest(self, optimizer: Any, lr_scheduler: Any, random_states: Any, model: Any) -> None:
+    def load_rest(
+        self,
+        optimizer: BaseOptimizer,
+        lr_scheduler: LRScheduler,
+        random_states: RandomStates,
+        model: NanotronModel,
+    ) -> None:
         """Loads what the YAML asks for, on whatever layout (the optimizer state resharded where it changed:
         reshard.py). What cannot be read is collected for `confirm`."""
         self._targets = (optimizer, lr_scheduler, random_states, model)
         t0 = time.perf_counter()
         try:
-            self._load_rest(optimizer, lr_scheduler, random_states, model)
+            self._load_rest(self._targets)
         except READ_ERRORS as e:
             self._failures.append(str(e))
         if self.warmer is not None:  # what the reshard reads is read
             self.warmer.stop()
-        ck = self._config.checkpoints
+        ck = self._planned()[0].checkpoints
         ck.load_optimizer = self._flags[0] and not self._hold_optimizer_flag
         ck.load_lr_scheduler = self._flags[1]
         pending = self._deferred is not None and self._deferred.pending
@@ -256,52 +266,41 @@ class Resume:
         what = "scheduler" if pending else "optimizer, scheduler"
         say.info(f"resumed {what}, metadata and random states in {time.perf_counter() - t0:.2f} s")
 
-    def _load_rest(self, optimizer: Any, lr_scheduler: Any, random_states: Any, model: Any) -> None:
+    def _load_rest(self, targets: tuple[BaseOptimizer, LRScheduler, RandomStates, NanotronModel]) -> None:
+        optimizer, lr_scheduler, random_states, model = targets
         load_optimizer, load_scheduler = self._flags
-        engine, pc, src = self.get_engine(), self.pc, self._src()
-        here = groups.layout_of(pc, int(self._config.optimizer.zero_stage))
+        (config, pc), engine, src = self._planned(), self.get_engine(), self._src()
+        here = groups.layout_of(pc, int(config.optimizer.zero_stage))
         changed = topology_changes(self.manifest.get("topology", {}), here)
         # Optimizer state placed straight on the GPU (Nanotron's loader reads onto the CPU, and its first
         # step copies the state over, asserting it is on the CPU): its `load_optimizer` flag stays off until
         # that step has run.
         on_gpu = self._device is not None and self._device.type == "cuda"
         self._hold_optimizer_flag = load_optimizer and on_gpu
-        if load_optimizer and changed:  # optimizer_state.py
-            optimizer_state.load_resharded(
-                engine, self.manifest, src, optimizer, model, pc, changed, self._device
-            )
-        elif load_optimizer:
-            self._deferred = optimizer_state.deferred(optimizer, pc, src, self._read_optimizer, self._device)
-            if self.prefetch is None or not self.prefetch.reads_optimizer:
-                self._deferred.load()  # not read ahead: loaded now
+        if load_optimizer:  # optimizer_state.py
+            ahead = self.prefetch is not None and self.prefetch.reads_optimizer
+            state = (engine, self.manifest, src, optimizer, model, pc, changed, self._device)
+            self._deferred = optimizer_state.load(*state, self._read_optimizer, ahead)
         if load_scheduler:
             args = (engine, self.manifest, self._root(), src, changed, lr_scheduler, optimizer, model, pc)
-            self.metadata = rest.load_scheduler(*args)
-            if self._config.tokens.train_steps <= self.metadata.last_train_step:
-                raise ValueError(
-                    f"the checkpoint has already trained {self.metadata.last_train_step} steps; set "
-                    "tokens.train_steps higher"
-                )
+            self.metadata = rest.load_scheduler(*args, train_steps=config.tokens.train_steps)
         rest.load_random_states(engine, self.manifest, src, changed, random_states, pc)
         if self._deferred is None or not self._deferred.pending:
             self._drop_prefetch()
 
-    def _read_optimizer(self, path: Path, device: torch.device | None) -> Any:
+    def _read_optimizer(self, path: Path, device: torch.device | None) -> object:
         """The optimizer state: as read ahead, or read now (at the first step: the read-ahead of the time)."""
         return optimizer_state.read_file(self.prefetch, self.get_engine, self.manifest, path, device)
 
     # -- 5. every rank read it whole, or all fall back ------------------------------------------------------
 
-    def confirm(self) -> Any | None:
+    def confirm(self) -> TrainingMetadata | None:
         """Waits for the optimizer state read ahead, then has the ranks agree that each read the checkpoint
         whole, or fall back together (fallback.py). Returns the training metadata to resume with (None where
         the scheduler is not loaded). Collective."""
         if self.prefetch is not None:  # every rank at once, before any falls back
             self.prefetch.exchange("optimizer")
-        plan = recovery.Plan(self.folder, self.source, self.memory_of)
-        while reasons := recovery.everyone(self):
-            self.reload(*plan.next(reasons))
-        plan.done()
+        recovery.confirm(self)
         return self.metadata
 
     def failures(self) -> list[str]:
@@ -317,9 +316,9 @@ class Resume:
         """Loads everything again, from another checkpoint (or the same from storage), now."""
         self._drop_prefetch(report=False)
         self.take(folder, source)
-        optimizer, lr_scheduler, random_states, model = self._targets
-        self.load_weights(model)
-        self.load_rest(optimizer, lr_scheduler, random_states, model)
+        if self._targets is not None:  # what load_rest loaded into (confirm runs after it)
+            self.load_weights(self._targets[3])
+            self.load_rest(*self._targets)
 
     # -- 6, 7. the first step -------------------------------------------------------------------------------
 
@@ -335,7 +334,7 @@ class Resume:
         where nothing saves with it."""
         if self._hold_optimizer_flag:
             self._hold_optimizer_flag = False
-            self._config.checkpoints.load_optimizer = self._flags[0]
+            self._planned()[0].checkpoints.load_optimizer = self._flags[0]
         if self.warmer is not None:
             self.warmer.stop()
             self.warmer = None

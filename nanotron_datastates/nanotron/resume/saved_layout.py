@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ... import state_parts
 from ...checkpoint.manifest import member
@@ -20,6 +20,11 @@ from ...engine import DataStatesEngine
 from ...format import read_header
 from ...load.restore import TensorRef, read_structure
 from ...resume.reshard_plan import Piece, ReshardError
+
+if TYPE_CHECKING:
+    from nanotron.parallel.parameters import SlicesPair
+
+    from ..types import Config, ParallelContext
 
 _OPTIMIZER = re.compile(
     r"optimizer_pp-(\d+)-of-(\d+)(?:_dp-(\d+)-of-(\d+))?_tp-(\d+)-of-(\d+)_exp-\d+-of-\d+"
@@ -31,7 +36,7 @@ _NP_INT = re.compile(
 MASTER = "gradient_accumulator"  # Nanotron's key of the fp32 master weights in its optimizer's state_dict
 
 
-def refuse_stock(folder: Path, config: Any, pc: Any) -> None:
+def refuse_stock(folder: Path, config: Config, pc: ParallelContext) -> None:
     """A Nanotron checkpoint of its own (pickles, no manifest) is left to Nanotron's loaders, whose merge of
     optimizer shards across layouts is broken (its file patterns miss its own names; it drops the fp32
     master weights). Where the optimizer would be loaded on another layout, say what works instead.
@@ -85,7 +90,7 @@ class SavedFile:
     names: dict[int, str]  # the state_dict's parameter indices -> names
     state: dict[str, dict[str, TensorRef]]  # parameter name -> {state key: tensor}
     masters: dict[str, TensorRef]  # parameter name -> fp32 master weight
-    param_groups: list[dict[str, Any]]
+    param_groups: list[dict[str, Any]]  # as torch's optimizer holds them
     parts: dict[str, Path] = dataclasses.field(default_factory=dict)  # tensor -> its part's file, if in parts
 
     def file_of(self, ref: TensorRef) -> Path:
@@ -93,7 +98,7 @@ class SavedFile:
         return self.parts.get(ref.name, self.path)
 
 
-def _refs(tree: Any) -> list[TensorRef]:
+def _refs(tree: object) -> list[TensorRef]:
     if isinstance(tree, TensorRef):
         return [tree]
     items = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
@@ -167,7 +172,7 @@ def saved_pieces(
     return full, pieces
 
 
-def whole_pair(shape: tuple[int, ...]) -> Any:
+def whole_pair(shape: tuple[int, ...]) -> SlicesPair:
     from nanotron.parallel.parameters import SlicesPair
 
     every = tuple(slice(0, n) for n in shape)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ... import trust
 from ...checkpoint.checksums import file_checksums
@@ -17,20 +17,32 @@ from .. import log as say
 from .. import rng_states as states
 from . import reshard
 
+if TYPE_CHECKING:
+    from ..types import (
+        BaseOptimizer,
+        LRScheduler,
+        NanotronModel,
+        ParallelContext,
+        RandomStates,
+        TrainingMetadata,
+    )
+
 
 def load_scheduler(
     engine: DataStatesEngine,
     manifest: dict[str, Any],
     folder: Path,
     src: Path,
-    changed: dict[str, Any],
-    lr_scheduler: Any,
-    optimizer: Any,
-    model: Any,
-    pc: Any,
-) -> Any:
+    changed: dict[str, tuple[int | None, int]],
+    lr_scheduler: LRScheduler,
+    optimizer: BaseOptimizer,
+    model: NanotronModel,
+    pc: ParallelContext,
+    train_steps: int,
+) -> TrainingMetadata:
     """Loads the LR scheduler's state from `src` (resharded where the layout `changed`); returns the training
-    metadata of the checkpoint in `folder` (Nanotron's `checkpoint_metadata.json`)."""
+    metadata of the checkpoint in `folder` (Nanotron's `checkpoint_metadata.json`), ValueError where it has
+    trained `train_steps` (the config's) already."""
     from nanotron.serialize.metadata import load_meta
 
     # Unlike Nanotron's loader, no `_initial_step()` after this: it steps the schedule once more, so the
@@ -41,16 +53,20 @@ def load_scheduler(
     else:
         lr_scheduler.load_state_dict(engine.load(shards.lr_scheduler_file(pc, src)))
     os.close(trust.open_to_read(folder / NANOTRON_METADATA))  # a FIFO: an error, not Nanotron's wait
-    return load_meta(parallel_context=pc, root_folder=folder).metas
+    metadata = load_meta(parallel_context=pc, root_folder=folder).metas
+    if train_steps <= metadata.last_train_step:
+        steps = metadata.last_train_step
+        raise ValueError(f"the checkpoint has already trained {steps} steps; set tokens.train_steps higher")
+    return metadata
 
 
 def load_random_states(
     engine: DataStatesEngine,
     manifest: dict[str, Any],
     src: Path,
-    changed: dict[str, Any],
-    random_states: Any,
-    pc: Any,
+    changed: dict[str, tuple[int | None, int]],
+    random_states: RandomStates,
+    pc: ParallelContext,
 ) -> None:
     """Restores this rank's random states in place (the model holds them), and the process's generators. On
     another layout, a rank that did not exist takes those of the saved rank at its place (modulo the saved

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ...checkpoint.manifest import is_datastates_checkpoint
 from ...checkpoint.topology import topology as make_topology
 from ...store import open_store
 
+if TYPE_CHECKING:
+    from ..types import Config
 
-def parse_config(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+
+def parse_config(args: Sequence[object], kwargs: Mapping[str, object]) -> Config:
     """The config as Nanotron's trainer parses it from the same arguments (a YAML file takes ms to parse)."""
     from nanotron.config import Config, get_config_from_file
 
@@ -24,7 +27,7 @@ def parse_config(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return get_config_from_file(str(path), config_class=config_class, model_config_class=model_config_class)
 
 
-def resume_folder(config: Any) -> Path | None:
+def resume_folder(config: Config) -> Path | None:
     """The local datastates checkpoint the config resumes from, else None: Nanotron's resolution of a local
     path (`parse_ckpt_path`, which logs through the process groups, so it cannot run yet), the step named
     by latest.txt or the folder itself. `Resume.plan` compares it with Nanotron's own before adopting it."""
@@ -45,7 +48,7 @@ def resume_folder(config: Any) -> Path | None:
     return folder if is_datastates_checkpoint(folder) else None
 
 
-def asked_layout(config: Any) -> dict[str, int]:
+def asked_layout(config: Config) -> dict[str, int]:
     """The manifest's topology for the layout a config asks for (what `groups.layout_of` finds later)."""
     par = config.parallelism
     return make_topology(
@@ -58,7 +61,7 @@ def asked_layout(config: Any) -> dict[str, int]:
     )
 
 
-def loads(config: Any, flags: tuple[bool, bool] | None = None) -> dict[str, bool]:
+def loads(config: Config, flags: tuple[bool, bool] | None = None) -> dict[str, bool]:
     """What is loaded besides the weights: the config's flags, or `flags` (the flags as the YAML had them,
     once they are turned off for Nanotron's own loaders)."""
     load_optimizer, load_scheduler = flags or (

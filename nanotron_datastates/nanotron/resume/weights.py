@@ -7,9 +7,7 @@ from __future__ import annotations
 import functools
 import time
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from ...checkpoint.checksums import file_checksums
 from ...engine import DataStatesEngine
@@ -18,13 +16,16 @@ from .. import log as say
 from .. import shards
 from . import reshard
 
+if TYPE_CHECKING:
+    from ..types import NanotronModel, ParallelContext
+
 
 def load(
     engine: Callable[[], DataStatesEngine],
     manifest: dict[str, Any],
     src: Path,
-    model: torch.nn.Module,
-    pc: Any,
+    model: NanotronModel,
+    pc: ParallelContext,
     prefetch: Prefetch | None,
 ) -> list[str] | None:
     """Loads the weights of `model` from `src` (`engine()` reads them); returns the names of the parameters
