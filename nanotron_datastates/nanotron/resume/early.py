@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
@@ -40,7 +40,7 @@ class EarlyRead:
     """What the trainer's first line found to read ahead: where from, which files, onto which device, and
     the engine made to read them (the trainer saves with it too)."""
 
-    manifest: dict[str, Any]
+    manifest: Mapping[str, object]
     source: Path  # the checkpoint's folder, or the memory tier's copy
     reads: ReadSet
     device: torch.device
@@ -102,7 +102,7 @@ def newer_in_memory(settings: TrainerSettings, folder: Path) -> bool:
 
 def read_ahead(
     engine: DataStatesEngine,
-    manifest: dict[str, Any],
+    manifest: Mapping[str, object],
     folder: Path,
     reads: ReadSet,
     device: torch.device,

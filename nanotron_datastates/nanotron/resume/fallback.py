@@ -15,8 +15,9 @@ and why.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ...checkpoint import folder as checkpoint
 from ...checkpoint.manifest import ManifestError, is_datastates_checkpoint
@@ -48,7 +49,7 @@ class Pulling(Protocol):
     peer: PeerReads | None
 
     @property
-    def manifest(self) -> dict[str, Any]: ...
+    def manifest(self) -> Mapping[str, object]: ...
 
     def needs(self) -> set[str]: ...
 

@@ -5,12 +5,14 @@ deferred_optimizer.py, which logs through `log.info`), as read ahead (its read_a
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ... import state_parts
+from ...checkpoint.manifest import entries
 from ...checkpoint.reads import optimizer_files
 from ...engine import DataStatesEngine
 from ...resume.deferred_optimizer import DeferredOptimizer
@@ -27,7 +29,7 @@ Device = torch.device | None
 
 def load(
     engine: DataStatesEngine,
-    manifest: dict[str, Any],
+    manifest: Mapping[str, object],
     src: Path,
     optimizer: BaseOptimizer,
     model: NanotronModel,
@@ -51,7 +53,7 @@ def load(
 
 def load_resharded(
     engine: DataStatesEngine,
-    manifest: dict[str, Any],
+    manifest: Mapping[str, object],
     src: Path,
     optimizer: BaseOptimizer,
     model: NanotronModel,
@@ -82,7 +84,7 @@ def deferred(
 def read_file(
     prefetch: Prefetch | None,
     engine: Callable[[], DataStatesEngine],
-    manifest: dict[str, Any],
+    manifest: Mapping[str, object],
     path: Path,
     device: Device,
 ) -> object:
@@ -95,8 +97,8 @@ def read_file(
     return state
 
 
-def parts(manifest: dict[str, Any], path: Path) -> list[Path]:
+def parts(manifest: Mapping[str, object], path: Path) -> list[Path]:
     """The files that hold the optimizer file `path`: itself, or its parts (`optimizer_files`)."""
     rel = f"optimizer/{path.name}"
-    names = optimizer_files(manifest.get("files", {})).get(rel, [rel])
+    names = optimizer_files(entries(manifest)).get(rel, [rel])
     return [path.parent / Path(name).name for name in names]

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
 from ...checkpoint.checksums import file_block_checksums, file_checksums
-from ...checkpoint.manifest import member
+from ...checkpoint.manifest import entries, member
 from ...engine import DataStatesEngine
 from ...load.restore import TensorRef
 from ...resume import reshard_plan
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 
 def load_weights(
-    engine: DataStatesEngine, manifest: dict[str, Any], folder: Path, model: NanotronModel
+    engine: DataStatesEngine, manifest: Mapping[str, object], folder: Path, model: NanotronModel
 ) -> int:
     """Fills this rank's parameters from the weight files of another layout; returns how many."""
     params = model_params(model)
@@ -60,7 +61,7 @@ def load_weights(
 Sums = tuple[dict[str, int] | None, tuple[int, dict[str, list[int]]] | None]
 
 
-def _manifest_sums(manifest: dict[str, Any], folder: Path, path: Path) -> Sums:
+def _manifest_sums(manifest: Mapping[str, object], folder: Path, path: Path) -> Sums:
     """A weight file's checksums, per tensor and per block, which the manifest holds for it."""
     return file_checksums(manifest, folder, path), file_block_checksums(manifest, folder, path)
 
@@ -122,7 +123,7 @@ def _need_of(
 
 def optimizer_state(
     engine: DataStatesEngine,
-    manifest: dict[str, Any],
+    manifest: Mapping[str, object],
     folder: Path,
     optimizer: BaseOptimizer,
     model: NanotronModel,
@@ -272,7 +273,7 @@ GROUP_LISTS = ("base_lrs", "_last_lr", "lr_lambdas")  # a torch scheduler's entr
 
 def scheduler_state(
     engine: DataStatesEngine,
-    manifest: dict[str, Any],
+    manifest: Mapping[str, object],
     folder: Path,
     optimizer: BaseOptimizer,
     model: NanotronModel,
@@ -285,7 +286,7 @@ def scheduler_state(
     wanted = needs(optimizer, model, pc)
     where = _saved_groups(saved)
     schedules: dict[tuple[int, int], dict[str, Any]] = {}  # each a torch scheduler's state_dict
-    for rel in sorted(f for f in manifest["files"] if f.startswith("lr_scheduler/")):
+    for rel in sorted(f for f in entries(manifest) if f.startswith("lr_scheduler/")):
         m = re.fullmatch(r"lr_scheduler_pp-(\d+)-of-\d+_tp-(\d+)-of-\d+_exp-\d+-of-\d+", Path(rel).stem)
         if m is not None:
             schedules[(int(m[1]), int(m[2]))] = engine.load(member(folder, rel))

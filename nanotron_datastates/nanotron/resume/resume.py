@@ -33,14 +33,14 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
-from ...checkpoint.manifest import read_manifest
+from ...checkpoint.manifest import entries, read_manifest
 from ...checkpoint.names import MANIFEST
 from ...checkpoint.reads import ReadSet, files_to_read, needed, optimizer_files, relative
-from ...checkpoint.topology import topology_changes
+from ...checkpoint.topology import saved_topology, topology_changes
 from ...engine import DataStatesEngine
 from ...resume.deferred_optimizer import DeferredOptimizer
 from ...resume.read_ahead import PageCacheWarmer, Prefetch, warm_for_reshard, warm_page_cache
@@ -72,7 +72,7 @@ class Resume:
         self.source: Path | None = None  # where its files are read: the folder, or the memory tier's copy
         self.memory_of: Path | None = None  # a memory checkpoint's: the checkpoints folder it is newer than
         self.peer: PeerReads | None = None  # at a restart: files from and to other ranks' GPUs (the pull's)
-        self.manifest: dict[str, Any] = {}
+        self.manifest: Mapping[str, object] = {}
         self.engine: DataStatesEngine | None = None  # made early or at plan; the trainer saves with it too
         self.prefetch: Prefetch | None = None
         self.warmer: PageCacheWarmer | None = None  # another layout: the files read into the page cache
@@ -193,7 +193,7 @@ class Resume:
         self._deferred = None
         try:
             self.manifest = read_manifest(folder)
-            optimizer_files(self.manifest["files"])  # every part of a file written in parts listed
+            optimizer_files(entries(self.manifest))  # every part of a file written in parts listed
         except (OSError, ValueError) as e:
             self.manifest = {"files": {}, "topology": {}}
             self._failures.append(str(e))
@@ -207,7 +207,7 @@ class Resume:
 
     def needs(self) -> set[str]:
         """The manifest's files this rank reads (checkpoint/reads.needed)."""
-        return needed(self.manifest.get("files", {}), None if self._failures else self.files(), self._src())
+        return needed(entries(self.manifest), None if self._failures else self.files(), self._src())
 
     def ahead(self) -> dict[str, list[str]]:
         """The files this rank will read ahead onto its GPU, by list (`weights`, `optimizer`); none: {}."""
@@ -271,7 +271,7 @@ class Resume:
         load_optimizer, load_scheduler = self._flags
         (config, pc), engine, src = self._planned(), self.get_engine(), self._src()
         here = groups.layout_of(pc, int(config.optimizer.zero_stage))
-        changed = topology_changes(self.manifest.get("topology", {}), here)
+        changed = topology_changes(saved_topology(self.manifest), here)
         # Optimizer state placed straight on the GPU (Nanotron's loader reads onto the CPU, and its first
         # step copies the state over, asserting it is on the CPU): its `load_optimizer` flag stays off until
         # that step has run.

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ... import state_parts
-from ...checkpoint.manifest import member
+from ...checkpoint.manifest import entries, member
 from ...checkpoint.reads import optimizer_files
 from ...checkpoint.topology import stock_topology, topology_changes
 from ...engine import DataStatesEngine
@@ -105,10 +106,10 @@ def _refs(tree: object) -> list[TensorRef]:
     return [ref for item in items for ref in _refs(item)]
 
 
-def read_saved(manifest: dict[str, Any], folder: Path, engine: DataStatesEngine) -> list[SavedFile]:
+def read_saved(manifest: Mapping[str, object], folder: Path, engine: DataStatesEngine) -> list[SavedFile]:
     """Every optimizer file of the checkpoint, described from its name and skeleton (headers only)."""
     out = []
-    for rel, parts in sorted(optimizer_files(manifest["files"]).items()):
+    for rel, parts in sorted(optimizer_files(entries(manifest)).items()):
         m = _OPTIMIZER.fullmatch(Path(rel).stem)
         if m is None:
             continue
@@ -130,7 +131,7 @@ def read_saved(manifest: dict[str, Any], folder: Path, engine: DataStatesEngine)
 
 
 def saved_pieces(
-    manifest: dict[str, Any], folder: Path, name: str
+    manifest: Mapping[str, object], folder: Path, name: str
 ) -> tuple[tuple[int, ...], dict[int, Piece]]:
     """(full shape, {saved tensor-parallel rank: its piece}) of parameter `name`, from its weight files; one
     piece at rank -1 where the parameter is not sharded (every rank held all of it)."""
@@ -147,7 +148,7 @@ def saved_pieces(
         )
     )
     files = [
-        f for f in manifest["files"] if Path(f).parent == whole.parent and Path(f).stem.startswith(whole.stem)
+        f for f in entries(manifest) if Path(f).parent == whole.parent and Path(f).stem.startswith(whole.stem)
     ]
     if str(whole) in files:
         path = member(folder, str(whole))

@@ -4,11 +4,13 @@ metadata, and the random states, on the saved layout or another (reshard.py, ran
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ... import trust
 from ...checkpoint.checksums import file_checksums
+from ...checkpoint.manifest import entries
 from ...checkpoint.names import NANOTRON_METADATA
 from ...checkpoint.reads import random_states_at
 from ...engine import DataStatesEngine
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 
 def load_scheduler(
     engine: DataStatesEngine,
-    manifest: dict[str, Any],
+    manifest: Mapping[str, object],
     folder: Path,
     src: Path,
     changed: dict[str, tuple[int | None, int]],
@@ -62,7 +64,7 @@ def load_scheduler(
 
 def load_random_states(
     engine: DataStatesEngine,
-    manifest: dict[str, Any],
+    manifest: Mapping[str, object],
     src: Path,
     changed: dict[str, tuple[int | None, int]],
     random_states: RandomStates,
@@ -72,7 +74,7 @@ def load_random_states(
     another layout, a rank that did not exist takes those of the saved rank at its place (modulo the saved
     sizes)."""
     path = shards.random_states_path(pc, src)
-    listed = Path(os.path.relpath(path, src)).as_posix() in manifest["files"]
+    listed = Path(os.path.relpath(path, src)).as_posix() in entries(manifest)
     if not path.exists() and listed:
         raise FileNotFoundError(f"{path}: listed in the checkpoint's manifest, missing")
     if not path.exists() and changed:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from ...checkpoint.checksums import file_checksums
 from ...engine import DataStatesEngine
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
 def load(
     engine: Callable[[], DataStatesEngine],
-    manifest: dict[str, Any],
+    manifest: Mapping[str, object],
     src: Path,
     model: NanotronModel,
     pc: ParallelContext,
