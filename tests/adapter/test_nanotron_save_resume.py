@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as tdist
+import yaml
 from cpu_ranks import (
     differences,
     launch,
@@ -176,6 +177,10 @@ def test_commits_rotate_and_write_one_telemetry_line_each(rank0, tmp_path):
     assert [r["step"] for r in lines] == [10, 20, 30] and all(r["committed"] for r in lines)
     assert lines[-1]["removed"] == [str(root / "10")] and lines[-1]["cache_bytes"] > 0
     assert lines[-1]["bytes"] == sum(e["bytes"] for e in read_manifest(root / "30")["files"].values())
+    from nanotron.config.utils_config import serialize
+
+    # config.yaml as Nanotron's own save_as_yaml writes it (yaml.dump of the serialized config)
+    assert (root / "30" / "config.yaml").read_text() == yaml.dump(serialize(rank0[1]))
 
 
 def test_a_failed_checkpoint_raises_at_the_next_request_and_the_next_one_commits(rank0, tmp_path):
