@@ -238,6 +238,14 @@ run_step() {
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 200 --interval 2 --modes none \
         --variant memtier2:$t,memory_interval=2 --variant memtier1:$t,memory_interval=1 \
         --rounds "${MEMORY_ROUNDS:-1}" --work "$WORK/mo180" --out "$OUT/memory-often-180m") ;;
+    gil-180m) # who holds the GIL while memory checkpoints every 2 steps run beside the 180M's training: py-spy
+      # (its wheel in .gpu/wheels, gpu_prepare_main.sh) over the run, 100 samples a second, summed on this
+      # machine (micro/gil_summary.py): the raw samples are tens of MB
+      local t=checkpoint_interval=1000,memory_tier=true
+      (cd $B && py-spy record --gil --threads --subprocesses -r 100 -f raw -o "$WORK/gil.txt" -- \
+        python3 bench_nanotron.py all --model 180m --steps 200 --interval 2 --modes datastates \
+        --variant memtier2:$t,memory_interval=2 --rounds 1 --work "$WORK/gil" --out "$OUT/gil-180m" &&
+        python3 micro/gil_summary.py "$WORK/gil.txt" --rate 100 --out "$OUT/gil-180m/gil_summary.json") ;;
     restart-1b) (cd $B && python3 bench_restart.py all --model 1b --step 10 --cache-gib 16 --work "$WORK/rs1b" \
       --out "$OUT/restart-1b" ${RESTART_ONLY:+--only $RESTART_ONLY} ${TIER_COPIES:+--tier-copies $TIER_COPIES} \
       ${RESTART_REPEATS:+--repeats $RESTART_REPEATS}) ;;

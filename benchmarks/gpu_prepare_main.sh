@@ -6,6 +6,7 @@
 # - the versions main imports work with: transformers 4.52.4 (with its tokenizers and huggingface_hub; the
 #   GPU image's are too new for it), datasets 3.6.0, dill 0.3.8, multiprocess 0.70.16, torchtyping with
 #   typeguard 2;
+# - py-spy, which `gpu.sh gil-180m` runs;
 # - a grouped_gemm stand-in whose ops raise (only mixture of experts calls them);
 # - Llama's random init: main's `models/llama.py` hands its parametrizator the model's arguments where it
 #   reads the whole config (`config.model.init_method`), so a run of main's Llama from random weights raises
@@ -22,6 +23,9 @@ rm -f "$dest"/wheels/{datasets,dill,multiprocess,cmake,ninja}-*.whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$dest/wheels" datasets==3.6.0 dill==0.3.8 multiprocess==0.70.16
+# py-spy, for `gpu.sh gil-180m` (a static binary in a wheel for any Python)
+python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 -d "$dest/wheels" \
+  py-spy==0.4.3
 mkdir -p "$dest/site/grouped_gemm"
 cat >"$dest/site/grouped_gemm/__init__.py" <<'PY'
 """A stand-in for grouped_gemm (CUDA-only): Nanotron main imports it; only mixture of experts calls it."""
