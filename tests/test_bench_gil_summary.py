@@ -16,7 +16,8 @@ RAW = [
     "_run (commit.py:166);finalize (commit_files.py:63) 30\n",
     'process 7:"python3 run_train.py";thread (8): datastates-committer;Thread.run (threading.py:982);'
     "_run (commit.py:170);dump (yaml/__init__.py:248) 10\n",
-    'process 7:"python3 run_train.py";thread (7): MainThread;<module> (run_train.py:9);train (trainer.py:4) 60\n',
+    'process 7:"python3 run_train.py";thread (7): MainThread;<module> (run_train.py:9);'
+    "train (trainer.py:4) 60\n",
     "not a stack line\n",
 ]
 
