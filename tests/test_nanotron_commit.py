@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
 from nanotron_datastates.checkpoint.checksums import file_checksums
@@ -17,7 +19,7 @@ from nanotron_datastates.checkpoint.file_io import write_atomic
 from nanotron_datastates.checkpoint.manifest import manifest as make_manifest
 from nanotron_datastates.checkpoint.manifest import read_manifest
 from nanotron_datastates.checkpoint.names import LATEST, MANIFEST
-from nanotron_datastates.save.commit import Committer, PendingCheckpoint
+from nanotron_datastates.save.commit import Committer, PendingCheckpoint, _relative
 
 
 def _worker(rank: int, world: int, init: str, root: str, out: str) -> None:
@@ -104,3 +106,18 @@ def test_a_checkpoint_that_could_not_be_queued_is_reported_failed_and_the_next_c
     assert not first.committed and first.errors == ["rank 0: queuing its files failed: TypeError()"]
     assert second.committed and (root / LATEST).read_text() == "2"
     assert not (root / "1").exists()
+
+
+@given(
+    folder=st.lists(st.sampled_from(["a", "10", ".", "..", "", "b.c"]), max_size=4),
+    rest=st.lists(st.sampled_from(["x.safetensors", "m", ".", "..", "", "..x"]), min_size=1, max_size=4),
+    absolute=st.booleans(),
+)
+def test_a_files_name_in_its_folder_is_what_relpath_says(folder, rest, absolute):
+    """The manifest names each file by its path in the checkpoint folder: the fast tail where the path lies
+    below the folder as given, relpath's answer in every case."""
+    base = ("/" if absolute else "") + "/".join(folder)
+    path = "/".join([base, *rest]) if base else "/".join(rest)
+    if not path or not base:
+        return
+    assert _relative(path, base) == Path(os.path.relpath(path, base)).as_posix()

@@ -103,6 +103,16 @@ class _Outcome(TypedDict):
     files: dict[str, dict[str, Any]]  # by path in the folder: its manifest entry (checksums.file_entry)
 
 
+def _relative(path: str, folder: str | os.PathLike) -> str:
+    """`path`'s name in `folder`: its tail where it lies below `folder` as given (every file a checkpoint
+    writes), else `os.path.relpath`'s (a few microseconds a file more)."""
+    prefix = os.fspath(folder).rstrip("/") + "/"
+    tail = path[len(prefix) :] if path.startswith(prefix) else ""
+    if tail and os.path.normpath(tail) == tail and not tail.startswith(("/", "..")):
+        return tail
+    return Path(os.path.relpath(path, folder)).as_posix()
+
+
 class Committer:
     """The background committer of one rank. `group` is a gloo process group over all ranks (None: alone)."""
 
@@ -198,7 +208,7 @@ class Committer:
                 stats = h.stats
                 snapshot_s = max(snapshot_s, stats["snapshot_s"] or 0.0)
                 persisted_s = max(persisted_s, stats["persisted_s"] or 0.0)
-                rel = Path(os.path.relpath(h.path, p.folder)).as_posix()
+                rel = _relative(h.path, p.folder)
                 files[rel] = file_entry(stats["file_bytes"], h)
                 if stats["mirrored"]:
                     mirrored[rel] = files[rel]
@@ -233,15 +243,17 @@ class Committer:
             entries=all_files if p.memory and not all_errors else {},
         )
 
+    # A world of one has nothing to agree with: no pickled round trip through the group (about 2 ms of this
+    # thread's time under the GIL a checkpoint, which a one-GPU job's training thread shares).
     def _gather(self, obj: _Outcome) -> list[_Outcome]:
-        if self._group is None:
+        if self._group is None or self._world == 1:
             return [obj]
         out = [obj] * self._world  # all_gather_object puts every rank's in its place
         dist.all_gather_object(out, obj, group=self._group)
         return out
 
     def _broadcast(self, obj: _T) -> _T:
-        if self._group is None:
+        if self._group is None or self._world == 1:
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0), group=self._group)
