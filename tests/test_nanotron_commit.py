@@ -18,8 +18,8 @@ from nanotron_datastates.checkpoint.checksums import file_checksums
 from nanotron_datastates.checkpoint.file_io import write_atomic
 from nanotron_datastates.checkpoint.manifest import manifest as make_manifest
 from nanotron_datastates.checkpoint.manifest import read_manifest
-from nanotron_datastates.checkpoint.names import LATEST, MANIFEST
-from nanotron_datastates.save.commit import Committer, PendingCheckpoint, _relative
+from nanotron_datastates.checkpoint.names import LATEST, MANIFEST, name_in
+from nanotron_datastates.save.commit import Committer, PendingCheckpoint
 
 
 def _worker(rank: int, world: int, init: str, root: str, out: str) -> None:
@@ -120,4 +120,4 @@ def test_a_files_name_in_its_folder_is_what_relpath_says(folder, rest, absolute)
     path = "/".join([base, *rest]) if base else "/".join(rest)
     if not path or not base:
         return
-    assert _relative(path, base) == Path(os.path.relpath(path, base)).as_posix()
+    assert name_in(path, base) == Path(os.path.relpath(path, base)).as_posix()

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .manifest import ManifestError, entries
-from .names import MANIFEST
+from .names import MANIFEST, name_in
 
 if TYPE_CHECKING:
     from ..save.handle import SaveHandle
@@ -19,7 +18,7 @@ def file_checksums(
     doc: Mapping[str, object], folder: str | os.PathLike, path: str | os.PathLike
 ) -> dict[str, int] | None:
     """The checksums the manifest holds for `path` (a file of the checkpoint in `folder`), if any."""
-    entry = entries(doc).get(Path(os.path.relpath(path, folder)).as_posix())
+    entry = entries(doc).get(name_in(path, folder))
     sums = entry.get("crc32c") if entry else None
     if not isinstance(sums, dict):
         return None
@@ -48,7 +47,7 @@ def file_block_checksums(
     """The block checksums the manifest holds for `path`, if any (see `file_entry`)."""
     from .. import format as fmt  # here: this module stays free of torch
 
-    rel = Path(os.path.relpath(path, folder)).as_posix()
+    rel = name_in(path, folder)
     raw = (entries(doc).get(rel) or {}).get("crc32c_blocks")
     if raw is None:
         return None

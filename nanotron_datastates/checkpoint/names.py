@@ -10,13 +10,27 @@ here are spelled without importing Nanotron.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+from pathlib import Path
 
 MANIFEST = "datastates.json"  # marks a datastates checkpoint: see manifest.py
 LATEST = "latest.txt"
 NANOTRON_METADATA = "checkpoint_metadata.json"  # Nanotron's CHECKPOINT_FILE_NAME, without importing Nanotron
 
 FOLDERS = ("model", "optimizer", "lr_scheduler", "random")  # where the engine's files of a checkpoint go
+
+
+def name_in(path: str | os.PathLike, folder: str | os.PathLike) -> str:
+    """`path`'s name in the checkpoint `folder`, as the manifest names it (`os.path.relpath`'s, with `/`):
+    taken as the path's tail where it lies below `folder` as given, as every file a checkpoint writes does
+    (a committer names each of a checkpoint's files; relpath costs microseconds a file)."""
+    path = os.fspath(path)
+    prefix = os.fspath(folder).rstrip("/") + "/"
+    tail = path[len(prefix) :] if path.startswith(prefix) else ""
+    if tail and os.path.normpath(tail) == tail and not tail.startswith(("/", "..")):
+        return tail
+    return Path(os.path.relpath(path, folder)).as_posix()
 
 
 def as_safetensors(pt_name: str) -> str:

@@ -5,12 +5,11 @@ reads are named)."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from .manifest import ManifestError, entries, member
-from .names import NANOTRON_METADATA, Place, random_states_name, whole_name
+from .names import NANOTRON_METADATA, Place, name_in, random_states_name, whole_name
 from .topology import TOPOLOGY_DEFAULTS, saved_topology, topology_changes
 
 MAX_SMALL_FILES = 16  # the scheduler's and random states' files read into the page cache first, at most
@@ -87,7 +86,7 @@ def needed(names: Iterable[str], reads: ReadSet | None, root: Path) -> set[str]:
 
 def relative(paths: Iterable[Path], root: Path) -> list[str]:
     """`paths`, each relative to `root`, as the manifest names them."""
-    return [Path(os.path.relpath(p, root)).as_posix() for p in paths]
+    return [name_in(p, root) for p in paths]
 
 
 def files_to_read(

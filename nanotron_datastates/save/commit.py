@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import queue
 import threading
 import time
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 from .. import cpu_use
 from ..checkpoint.checksums import file_entry
+from ..checkpoint.names import name_in
 from ..errors import CheckpointError
 from .handle import SaveHandle, wait_handles
 
@@ -101,16 +101,6 @@ class _Outcome(TypedDict):
 
     errors: list[str]
     files: dict[str, dict[str, Any]]  # by path in the folder: its manifest entry (checksums.file_entry)
-
-
-def _relative(path: str, folder: str | os.PathLike) -> str:
-    """`path`'s name in `folder`: its tail where it lies below `folder` as given (every file a checkpoint
-    writes), else `os.path.relpath`'s (a few microseconds a file more)."""
-    prefix = os.fspath(folder).rstrip("/") + "/"
-    tail = path[len(prefix) :] if path.startswith(prefix) else ""
-    if tail and os.path.normpath(tail) == tail and not tail.startswith(("/", "..")):
-        return tail
-    return Path(os.path.relpath(path, folder)).as_posix()
 
 
 class Committer:
@@ -208,7 +198,7 @@ class Committer:
                 stats = h.stats
                 snapshot_s = max(snapshot_s, stats["snapshot_s"] or 0.0)
                 persisted_s = max(persisted_s, stats["persisted_s"] or 0.0)
-                rel = _relative(h.path, p.folder)
+                rel = name_in(h.path, p.folder)
                 files[rel] = file_entry(stats["file_bytes"], h)
                 if stats["mirrored"]:
                     mirrored[rel] = files[rel]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from ... import trust
 from ...checkpoint.checksums import file_checksums
 from ...checkpoint.manifest import entries
-from ...checkpoint.names import NANOTRON_METADATA
+from ...checkpoint.names import NANOTRON_METADATA, name_in
 from ...checkpoint.reads import random_states_at
 from ...engine import DataStatesEngine
 from .. import groups, shards
@@ -74,7 +74,7 @@ def load_random_states(
     another layout, a rank that did not exist takes those of the saved rank at its place (modulo the saved
     sizes)."""
     path = shards.random_states_path(pc, src)
-    listed = Path(os.path.relpath(path, src)).as_posix() in entries(manifest)
+    listed = name_in(path, src) in entries(manifest)
     if not path.exists() and listed:
         raise FileNotFoundError(f"{path}: listed in the checkpoint's manifest, missing")
     if not path.exists() and changed:
