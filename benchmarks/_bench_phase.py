@@ -235,8 +235,8 @@ def run_phase(args: argparse.Namespace) -> None:
             manager = self.datastates
 
             def timed() -> None:
-                saver, step = manager.saver, self.metadata.last_train_step
-                if saver is None or not manager.stepped or not saver.memory_due(step):
+                step = manager.memory_due()
+                if step is None:
                     return take()
                 book_dummy_tokens(self.metadata)
                 engine_s0, staged0 = engine_time[0], staged[0]

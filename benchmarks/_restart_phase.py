@@ -68,8 +68,8 @@ def run_phase(args: argparse.Namespace) -> None:
             manager = self.datastates
 
             def keep_then_take() -> None:
-                saver, step = manager.saver, self.metadata.last_train_step
-                if saver is not None and manager.stepped and saver.memory_due(step):
+                step = manager.memory_due()
+                if step is not None:
                     book_dummy_tokens(self.metadata)
                     if killing and step == args.step:
                         torch.cuda.synchronize()

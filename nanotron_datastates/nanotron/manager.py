@@ -160,14 +160,19 @@ class CheckpointManager:
         saver.request(step, t.lr_scheduler, t.random_states, commit, since=t0)
         return folder
 
-    def memory_checkpoint(self) -> None:
-        """A checkpoint into node memory only, where `memory_interval` makes one due: the step the metadata
-        has counted, as `save` would have taken it at the end of the last iteration."""
-        t, saver = self.trainer, self.saver
+    def memory_due(self) -> int | None:
+        """The step a memory checkpoint is due for now (`memory_interval`): the step the metadata has
+        counted, as `save` would have taken it at the end of the last iteration; None: none is due."""
+        saver = self.saver
         if saver is None or not self.stepped:  # before the first step: the state resumed, not trained
-            return
-        step = t.metadata.last_train_step
-        if not saver.memory_due(step):
+            return None
+        step = self.trainer.metadata.last_train_step
+        return step if saver.memory_due(step) else None
+
+    def memory_checkpoint(self) -> None:
+        """A checkpoint into node memory only, where one is due (`memory_due`)."""
+        t, saver, step = self.trainer, self.saver, self.memory_due()
+        if saver is None or step is None:
             return
         t0 = time.perf_counter()
         if memory_pace.skips(saver, step, self.post_save):  # never waited for: the next one is taken
