@@ -245,7 +245,7 @@ run_step() {
       (cd $B && py-spy record --gil --threads --subprocesses -r 100 -f raw -o "$WORK/gil.txt" -- \
         python3 bench_nanotron.py all --model 180m --steps 200 --interval 2 --modes none \
         --variant memtier2:$t,memory_interval=2 --rounds 1 --work "$WORK/gil" --out "$OUT/gil-180m" &&
-        python3 micro/gil_summary.py "$WORK/gil.txt" --rate 100 --out "$OUT/gil-180m/gil_summary.json") ;;
+        python3 micro/gil_summary.py "$WORK/gil.txt" --rate 100 --top 400 --out "$OUT/gil-180m/gil_summary.json") ;;
     restart-1b) (cd $B && python3 bench_restart.py all --model 1b --step 10 --cache-gib 16 --work "$WORK/rs1b" \
       --out "$OUT/restart-1b" ${RESTART_ONLY:+--only $RESTART_ONLY} ${TIER_COPIES:+--tier-copies $TIER_COPIES} \
       ${RESTART_REPEATS:+--repeats $RESTART_REPEATS}) ;;

@@ -30,3 +30,19 @@ def test_each_named_thread_is_summed_with_its_functions_once_a_stack():
     functions = dict(committer["functions"])
     assert functions["_run (commit.py)"] == 2.0  # two lines of one function: one entry, 40 samples
     assert functions["finalize (commit_files.py)"] == 1.5 and functions["dump (yaml/__init__.py)"] == 0.5
+
+
+def test_a_child_process_is_named_by_its_mode_and_its_leaves_counted():
+    # --subprocesses: a child's stack starts with its parents' process frames, then its own and its thread
+    root = 'process 1:"python3 bench_nanotron.py all --out <out>/gil-180m"'
+    child = 'process 946:"python -u bench_nanotron.py phase --mode datastates-memtier2 --interval 2"'
+    raw = [
+        f"{root};{child};thread (946): datastates-queuer;run (queuer.py:40);plan (plan.py:9) 7\n",
+        f"{root};{child};thread (946): datastates-queuer;run (queuer.py:41) 3\n",
+        f"{root};thread (1): MainThread;main (bench_nanotron.py:5) 1\n",
+    ]
+    s = summarize(raw, rate=10)
+    queuer = s["datastates-memtier2 | datastates-queuer"]
+    assert queuer["samples"] == 10 and dict(queuer["functions"])["run (queuer.py)"] == 1.0
+    assert dict(queuer["leaves"]) == {"plan (plan.py)": 0.7, "run (queuer.py)": 0.3}
+    assert s["<out>/gil-180m | MainThread"]["samples"] == 1

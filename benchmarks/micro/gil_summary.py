@@ -1,6 +1,6 @@
 """Who holds the GIL, from py-spy's raw output (`py-spy record --gil --threads --subprocesses -f raw`): per
 process and thread (by name: the engine's threads are named `datastates-*`), the seconds it held the GIL and
-the functions it held it in, inclusive, most first. The raw output of a run is tens of MB; this summary is
+the functions it held it in, inclusive, most first, and the innermost (leaves). The raw output of a run is tens of MB; this summary is
 what comes back from the GPU machine (`gpu.sh gil-180m`).
 
     python3 micro/gil_summary.py RAW --rate 100 [--out summary.json] [--top 15]
@@ -24,26 +24,50 @@ def summarize(lines: list[str], rate: float, top: int = 15) -> dict[str, dict[st
     lines (`frame;frame;... count`), `rate` samples a second."""
     samples: collections.Counter[str] = collections.Counter()
     functions: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    leaves: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for line in lines:
         stack, _, count = line.rstrip("\n").rpartition(" ")
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
-        process = next((m.group(1) for f in frames[:1] if (m := PROCESS.match(f))), "")
-        thread = next((m.group(1) or "unnamed" for f in frames[:2] if (m := THREAD.match(f))), "")
-        who = f"{process.split()[-1] if process else '?'} | {thread or '?'}"
+        # With --subprocesses, a child's stack starts with each process above it, then its thread: the
+        # innermost process and thread name who held the GIL.
+        process = thread = ""
+        start = 0
+        for start, f in enumerate(frames):
+            if m := PROCESS.match(f):
+                process = m.group(1)
+            elif m := THREAD.match(f):
+                thread = m.group(1) or "unnamed"
+            else:
+                break
+        else:
+            start = len(frames)
+        who = f"{_short(process) if process else '?'} | {thread or '?'}"
         n = int(count)
         samples[who] += n
-        for f in {LINE.sub(")", f) for f in frames[2 if process else 1 :]}:  # inclusive: once a stack
+        calls = [LINE.sub(")", f) for f in frames[start:]]
+        for f in set(calls):  # inclusive: once a stack
             functions[who][f] += n
+        if calls:
+            leaves[who][calls[-1]] += n
     return {
         who: {
             "gil_s": round(n / rate, 3),
             "samples": n,
             "functions": [[f, round(k / rate, 3)] for f, k in functions[who].most_common(top)],
+            "leaves": [[f, round(k / rate, 3)] for f, k in leaves[who].most_common(top)],
         }
         for who, n in samples.most_common()
     }
+
+
+def _short(command: str) -> str:
+    """A process by what tells it apart: bench_nanotron's `--mode`, else its command's last word."""
+    words = command.split()
+    if "--mode" in words[:-1]:
+        return words[words.index("--mode") + 1]
+    return words[-1] if words else "?"
 
 
 def main() -> None:
