@@ -6,6 +6,7 @@ count they copy.
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from typing import Any
@@ -30,14 +31,22 @@ class RawCopy:
       pieces with GPU sleeps between them, so that it takes about `pace_s`;
     * `h2d`: the other way, in one copy;
     * `host`: between two host buffers, by a thread of its own (torch's copy on 4 threads: about the rate of
-      the copy engine's writes), the GPU not involved: what the memory traffic alone costs."""
+      the copy engine's writes), the GPU not involved: what the memory traffic alone costs;
+    * `engine`: from a GPU buffer into a file in /dev/shm by the engine's core, as a memory checkpoint's copy
+      goes (pieces of `device_copy_size`, two in flight, into files made and pinned ahead, the file before
+      last's recycled; no checksums), with one Python call: the copy into the memory tier without the
+      trainer's planning, staging, queuing and commit. One due while two are in flight is skipped, as a
+      memory checkpoint is."""
 
     PIECE = 64 << 20
 
     def __init__(self, nbytes: int, way: str = "d2h", pace_s: float = 0.0) -> None:
         import torch
 
-        self.way = way
+        self.way, self.nbytes = way, nbytes
+        if way == "engine":
+            self._engine_setup(nbytes)
+            return
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=way != "host")
         if way == "host":
             torch.set_num_threads(4)  # the training runs on the GPU: its own CPU ops are few
@@ -66,9 +75,41 @@ class RawCopy:
             self.sleep_cycles = int(probe * gap_s / (begin.elapsed_time(end) / 1e3))
             self.timed.clear()
 
+    def _engine_setup(self, nbytes: int) -> None:
+        import tempfile
+        from pathlib import Path
+
+        import torch
+
+        from nanotron_datastates import DataStatesConfig, DataStatesEngine
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: to check the script
+        self.dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.timed, self.sleep_cycles, self.thread = [], 0, None
+        self.engine = DataStatesEngine(DataStatesConfig(host_cache_size=0.25, checksums=False))
+        self.plan = self.engine.plan({"bytes": self.dev})
+        folder = Path(tempfile.mkdtemp(prefix="ds-copy-engine-", dir="/dev/shm"))
+        self.files = [folder / f"{k}.safetensors" for k in range(3)]
+        self.engine.prepare_mirrors([(self.plan, f) for f in self.files[:2]])
+        self.saves: list[Any] = []  # each save's handles, oldest first
+        self.skipped = 0
+
+    def _issue_engine(self) -> None:
+        self.saves = [h for h in self.saves if not all(x.done() for x in h)]
+        if len(self.saves) >= 2:
+            self.skipped += 1
+            return
+        k = len(self.timed)
+        new, old = self.files[(k + 2) % 3], self.files[k % 3]
+        self.saves.append(self.engine.save_plans([(self.plan, new)], mirrors=[new], recycle=[old]))
+        self.timed.append(self.saves[-1])
+
     def _issue(self, paced: bool) -> None:
         import torch
 
+        if self.way == "engine":
+            self._issue_engine()
+            return
         if self.way == "host":
             self._join()
 
@@ -107,6 +148,14 @@ class RawCopy:
         if self.way == "host":
             self._join()
             return list(self.timed)
+        if self.way == "engine":  # the time to each save's snapshot: every byte in the file's memory
+            for handles in self.timed:
+                for h in handles:
+                    h.wait_persisted()
+            seconds = [max(h.stats["snapshot_s"] for h in handles) for handles in self.timed]
+            self.engine.close()
+            shutil.rmtree(self.files[0].parent, ignore_errors=True)
+            return seconds
         self.stream.synchronize()
         return [b.elapsed_time(e) / 1e3 for b, e in self.timed]
 

@@ -168,7 +168,9 @@ def run_phase(args: argparse.Namespace) -> None:
                     torch.cuda.synchronize()
                     rec["marks"]["optimizer_step_end_s"] = time.perf_counter() - t_start
                     if args.mode.startswith("copy-"):
-                        way = {"copy-h2d": "h2d", "copy-host": "host"}.get(args.mode, "d2h")
+                        way = {"copy-h2d": "h2d", "copy-host": "host", "copy-engine": "engine"}.get(
+                            args.mode, "d2h"
+                        )
                         pace = args.copy_pace_s if args.mode == "copy-paced" else 0.0
                         self._raw_copy = RawCopy(checkpoint_bytes(self), way, pace)
                 return out
@@ -204,7 +206,7 @@ def run_phase(args: argparse.Namespace) -> None:
                 memory.sample_pss()
             rec.setdefault("gc2", []).append([step, gc.get_stats()[2]["collections"]])
             if self._raw_copy is not None and args.interval and step % args.interval == 0 and step < last:
-                rec["saves"].append({"step": step, "call_s": 0.0, "bytes": self._raw_copy.host.numel()})
+                rec["saves"].append({"step": step, "call_s": 0.0, "bytes": self._raw_copy.nbytes})
                 self._raw_copy_due = True
             loss = out[1] if isinstance(out, tuple) and len(out) > 1 else None
             if isinstance(loss, torch.Tensor):
@@ -345,6 +347,7 @@ def run_phase(args: argparse.Namespace) -> None:
     trainer.train(dataloader)
     if trainer._raw_copy is not None:
         rec["raw_copy_s"] = trainer._raw_copy.seconds()
+        rec["raw_copy_skipped"] = getattr(trainer._raw_copy, "skipped", 0)
     rec["memory"] = {**memory.stop(), "gpu_max_reserved_bytes": torch.cuda.max_memory_reserved(),
                      "gpu_max_allocated_bytes": torch.cuda.max_memory_allocated()}  # fmt: skip
     if memory_prof is not None and memory_prof.blocks:

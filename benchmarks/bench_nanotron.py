@@ -21,7 +21,9 @@ Each mode trains the same model for the same steps in its own torchrun, on the s
   MiB with GPU sleeps between them that spread it over `--copy-pace-s`. What the copy to the host alone
   costs the steps it runs beside, and whether spreading it changes that cost; `copy-h2d`: the same bytes
   the other way (is it the direction?); `copy-host`: the same bytes copied between two host buffers by a
-  thread on 4 cores, no GPU involved (is it the host memory's traffic?);
+  thread on 4 cores, no GPU involved (is it the host memory's traffic?); `copy-engine`: the same bytes into
+  a file in /dev/shm by the engine's core alone, as a memory checkpoint's copy goes (what any memory
+  checkpoint of the state at that interval costs, before the trainer's Python);
 * `datastates-NAME` (`--variant NAME:key=value,...`): datastates with other `datastates:` settings, for
   ablations (`p1:parser_threads=1`); a NAME starting with `idle` asks for no checkpoint; `checkpoint_interval`
   sets storage's (memory checkpoints: `mem:checkpoint_interval=1000,memory_tier=true,memory_interval=10`);
@@ -167,6 +169,7 @@ def run_all(args: argparse.Namespace) -> int:
         ("copy-paced", config("copy-paced", "torch", args.steps, never), True),
         ("copy-h2d", config("copy-h2d", "torch", args.steps, never), True),
         ("copy-host", config("copy-host", "torch", args.steps, never), True),
+        ("copy-engine", config("copy-engine", "torch", args.steps, never), True),
         ("datastates", config("datastates", "datastates", args.steps, args.interval), False),
         (
             "restore-datastates",

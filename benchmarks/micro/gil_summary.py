@@ -1,7 +1,7 @@
 """Who holds the GIL, from py-spy's raw output (`py-spy record --gil --threads --subprocesses -f raw`): per
 process and thread (by name: the engine's threads are named `datastates-*`), the seconds it held the GIL and
-the functions it held it in, inclusive, most first, and the innermost (leaves). The raw output of a run is tens of MB; this summary is
-what comes back from the GPU machine (`gpu.sh gil-180m`).
+the functions it held it in, inclusive, most first, and the innermost (leaves). The raw output of a run is
+tens of MB; this summary is what comes back from the GPU machine (`gpu.sh gil-180m`).
 
     python3 micro/gil_summary.py RAW --rate 100 [--out summary.json] [--top 15]
 """
@@ -34,15 +34,14 @@ def summarize(lines: list[str], rate: float, top: int = 15) -> dict[str, dict[st
         # innermost process and thread name who held the GIL.
         process = thread = ""
         start = 0
-        for start, f in enumerate(frames):
-            if m := PROCESS.match(f):
+        while start < len(frames):
+            if m := PROCESS.match(frames[start]):
                 process = m.group(1)
-            elif m := THREAD.match(f):
+            elif m := THREAD.match(frames[start]):
                 thread = m.group(1) or "unnamed"
             else:
                 break
-        else:
-            start = len(frames)
+            start += 1
         who = f"{_short(process) if process else '?'} | {thread or '?'}"
         n = int(count)
         samples[who] += n

@@ -100,8 +100,9 @@ class Saver:
         self.writer = self.store.writer_lock() if groups.rank(pc.world_pg) == 0 else None
         # A gloo group of its own: the committer's collectives run on a background thread, off the GPU.
         group = tdist.new_group(backend="gloo") if tdist.is_initialized() else None
-        # Another where memory checkpoints are on: which ones all ranks skip is agreed there (memory_pace.py)
-        paced = group is not None and settings.memory_interval > 0
+        # Another where memory checkpoints are on: which ones all ranks skip is agreed there (memory_pace.py);
+        # a world of one agrees with nobody (no all-reduce at each memory checkpoint)
+        paced = group is not None and settings.memory_interval > 0 and tdist.get_world_size() > 1
         self.pace_group = tdist.new_group(backend="gloo") if paced else None
         self.gate = SnapshotGate()
         self.observers: list[Observer] = []
