@@ -240,8 +240,8 @@ run_step() {
         --rounds "${MEMORY_ROUNDS:-1}" --work "$WORK/mo180" --out "$OUT/memory-often-180m") ;;
     memory-floor-180m) # one GPU, the 180M every 2 steps: none, the engine's copy alone (copy-engine: what the
       # bytes' copy into pinned memory costs the steps beside it) and the memory checkpoints, FLOOR_ROUNDS
-      # rounds in turns (default 3); FLOOR_EXTRA: more bench_nanotron flags (--variant NAME:settings)
-      (cd $B && python3 bench_nanotron.py all --model 180m --steps 200 --interval 2 --modes none,copy-engine \
+      # rounds in turns (default 3); FLOOR_MODES, FLOOR_EXTRA: other modes, more flags (--variant NAME:settings)
+      (cd $B && python3 bench_nanotron.py all --model 180m --steps 200 --interval 2 --modes "${FLOOR_MODES:-none,copy-engine}" \
         --variant memtier2:checkpoint_interval=1000,memory_tier=true,memory_interval=2 \
         --rounds "${FLOOR_ROUNDS:-3}" --work "$WORK/mf180" --out "$OUT/memory-floor-180m" ${FLOOR_EXTRA:-}) ;;
     gil-180m) # who holds the GIL while memory checkpoints every 2 steps run beside the 180M's training: py-spy
