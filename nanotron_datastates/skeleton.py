@@ -32,13 +32,23 @@ _SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _PLAIN = (type(None), bool, int, str)  # JSON stands for them as they are
 _PLAIN_TYPES = frozenset(_PLAIN)
 _SCALAR_TYPES = _PLAIN_TYPES | {float}  # immutable leaves: a container of only these is copied flat
-_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})  # exactly these: a subclass may encode otherwise
 
 
 def encode(
-    state: object, on_tensor: Callable[[torch.Tensor, str], str], *, allow_pickle: bool = False
+    state: object,
+    on_tensor: Callable[[torch.Tensor, str], str],
+    *,
+    allow_pickle: bool = False,
+    reuse: Mapping[object, object] | None = None,
+    keep: dict[object, object] | None = None,
 ) -> str:
-    """JSON skeleton of `state`. `on_tensor(tensor, path)` returns the name the tensor is stored under."""
+    """JSON skeleton of `state`. `on_tensor(tensor, path)` returns the name the tensor is stored under.
+
+    Where `state` is a dict: `keep` is given the encoded node of each of its values that is not plain, by
+    key; `reuse` gives such nodes, from an earlier encoding, for the values not to walk again (the caller
+    vouches that they encode alike: the same keys, the same tensors under the same names)."""
+    reuse = reuse or {}
 
     # `x` dispatched on its exact type, without isinstance's cost: Any, as no narrowing follows.
     def node(x: Any, path: str, in_key: bool = False) -> object:
@@ -60,8 +70,13 @@ def encode(
                 # these, and its state dict is planned at every checkpoint).
                 if v is None or tv in _PLAIN or (tv is float and math.isfinite(v)):
                     items.append([key, v])
+                elif x is state and type(k) in _PLAIN and k in reuse:
+                    items.append([key, reuse[k]])
                 else:
-                    items.append([key, node(v, _join(path, k))])
+                    encoded = node(v, _join(path, k))
+                    if x is state and keep is not None and type(k) in _PLAIN:
+                        keep[k] = encoded
+                    items.append([key, encoded])
             return {"d" if tx is dict else "o": items}
         if tx is list or tx is tuple:
             # Fast path, e.g. the parameter names of an optimizer's param groups, or its betas (finite floats
@@ -108,7 +123,7 @@ def freeze(state: object) -> tuple[object, list[torch.Tensor]]:
         tx = type(x)
         if tx in (dict, collections.OrderedDict):
             types = set(map(type, x.values()))  # at C speed: an optimizer's state is dicts of tensors
-            if types <= _TENSOR_TYPES:
+            if types <= TENSOR_TYPES:
                 ids = set(map(id, x.values()))
                 if len(ids) == len(x) and seen.isdisjoint(ids):  # each met for the first time
                     seen.update(ids)

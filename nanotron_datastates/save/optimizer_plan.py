@@ -1,14 +1,17 @@
 """The optimizer's file, planned at each checkpoint like the last: its tensors are checked once, not at every
 checkpoint (part of 2-4 ms of the stall on an H100), and its plain values (a learning rate, a step count)
-are read at each checkpoint."""
+are read at each checkpoint. Where a staged checkpoint's tensors were found held before the step, the
+per-parameter state (dicts of tensors only) is not even walked again: its encoding is the last plan's."""
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
 from .. import skeleton, state_parts
 from ..engine import DataStatesEngine
-from .plan import SavePlan
+from .plan import SavePlan, plan_again, plan_save
 
 
 class OptimizerPlans:
@@ -18,6 +21,11 @@ class OptimizerPlans:
         self.engine, self.optimizer = engine, optimizer
         self.kept: SavePlan | None = None  # the last plan, to plan the next checkpoint's like it
         self.part = (0, 1)  # (part, parts): the part of the state this rank writes (state_parts.py)
+        # The kept plan's encoded top-level values made of dicts of tensors only, by key, with their keys
+        # (`_tensor_dicts`): what `replan_held` reuses
+        self._encoded: dict[object, object] = {}
+        self._layout: dict[object, Layout] = {}
+        self._keys: list[object] = []  # the kept plan's state's top-level keys, in order
 
     def state(self) -> object:
         """The optimizer's state this rank writes: all of it, or its part."""
@@ -51,7 +59,52 @@ class OptimizerPlans:
 
     def replan(self, state: object) -> SavePlan:
         """`state` planned like the last checkpoint's optimizer plan, kept for the next one where it is."""
-        plan = self.engine.plan(state, like=self.kept)
+        encoded: dict[object, object] = {}
+        plan = plan_save(state, like=self.kept, keep=encoded)
         if self.kept is not None:
-            self.kept = plan
+            self.kept, self._encoded, self._layout = plan, {}, {}
+            self._keys = list(state) if type(state) is dict else []
+            for key, value in state.items() if type(state) is dict else ():
+                layout = _tensor_dicts(value)
+                if layout is not None and key in encoded:
+                    self._encoded[key], self._layout[key] = encoded[key], layout[0]
         return plan
+
+    def replan_held(self, frozen: object) -> SavePlan:
+        """`replan` of a copy of the state's containers whose tensors the kept plan held (`for_checkpoint`):
+        where its dicts of tensors only are laid out as the kept plan's were, over the same tensors in the
+        same order, their encoding is reused and only the rest (the param groups) walked."""
+        kept = self.kept
+        if kept is None or not self._encoded or type(frozen) is not dict or list(frozen) != self._keys:
+            return self.replan(frozen)
+        tensors: list[torch.Tensor] = []
+        for key, layout in self._layout.items():
+            found = _tensor_dicts(frozen.get(key))
+            if found is None or found[0] != layout:
+                return self.replan(frozen)
+            tensors += found[1]
+        if len(tensors) != len(kept.sources) or not all(map(operator.is_, tensors, kept.sources)):
+            return self.replan(frozen)
+        plan = plan_again(frozen, kept, self._encoded)
+        if plan is None:
+            return self.replan(frozen)
+        self.kept = plan
+        return plan
+
+
+Layout = list[tuple[object, tuple[object, ...]]]  # a dict of dicts' keys: (key, the inner dict's keys)
+
+
+def _tensor_dicts(value: object) -> tuple[Layout, list[torch.Tensor]] | None:
+    """(the keys, the tensors in order) of a dict of dicts of tensors only (an optimizer's per-parameter
+    state), else None."""
+    if type(value) is not dict:
+        return None
+    layout: Layout = []
+    tensors: list[torch.Tensor] = []
+    for k, inner in value.items():
+        if type(inner) is not dict or not set(map(type, inner.values())) <= skeleton.TENSOR_TYPES:
+            return None
+        layout.append((k, tuple(inner)))
+        tensors += inner.values()
+    return layout, tensors

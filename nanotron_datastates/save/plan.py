@@ -21,17 +21,8 @@ from .. import format as fmt
 from .stage import Stager
 
 # Dtypes every supported torch exports through DLPack; others are exported as a same-size integer view.
-_EXPORTABLE = {
-    torch.float16,
-    torch.float32,
-    torch.float64,
-    torch.bfloat16,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-}
+_EXPORTABLE = {torch.float16, torch.float32, torch.float64, torch.bfloat16, torch.uint8}
+_EXPORTABLE |= {torch.int8, torch.int16, torch.int32, torch.int64}
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # What a tensor's entry in a plan depends on: data pointer, shape, strides, dtype, requires_grad.
 _Key = tuple[int, torch.Size, tuple[int, ...], torch.dtype, bool]
@@ -207,6 +198,7 @@ def plan_save(
     allow_pickle: bool = False,
     exact_metadata: bool = False,
     like: SavePlan | None = None,
+    keep: dict[object, object] | None = None,
 ) -> SavePlan:
     """Flattens `state`; :func:`prepare` makes a save of it. With `exact_metadata`, `state` must be a flat
     dict of str to tensor and `metadata` becomes the whole `__metadata__` (no skeleton, version or
@@ -253,7 +245,7 @@ def plan_save(
         for k, v in state.items():
             on_tensor(v, k)
     else:
-        skel = skeleton.encode(state, on_tensor, allow_pickle=allow_pickle)
+        skel = skeleton.encode(state, on_tensor, allow_pickle=allow_pickle, keep=keep)
     if not _take_whole(plan, met, like):
         for t, name, path in met:  # a refusal fails the whole plan
             _add(plan, t, name, path, devices, like)
@@ -261,6 +253,29 @@ def plan_save(
 
     plan.metadata = fmt.header_metadata(dict(metadata or {}), None if exact_metadata else skel)
     return plan
+
+
+def plan_again(state: object, like: SavePlan, reuse: Mapping[object, object]) -> SavePlan | None:
+    """`plan_save(state, like=like)` where every tensor of `state` is in the top-level values whose encoded
+    nodes `reuse` holds (`skeleton.encode`'s `keep` for `like`), as `like` planned them: the caller vouches
+    (an optimizer's per-parameter state, checked before the step). Only the rest (its param groups) is
+    walked. None where the rest holds a tensor."""
+
+    def on_tensor(t: torch.Tensor, path: str) -> str:
+        raise _TensorMet
+
+    try:
+        skel = skeleton.encode(state, on_tensor, reuse=reuse)
+    except _TensorMet:
+        return None
+    plan = SavePlan()
+    _take_entries(plan, like, like.sources)
+    plan.metadata = fmt.header_metadata({}, skel)
+    return plan
+
+
+class _TensorMet(Exception):  # a tensor outside the reused values: plan_again gives up
+    pass
 
 
 def _take_whole(plan: SavePlan, met: list[tuple[torch.Tensor, str, str]], like: SavePlan | None) -> bool:
@@ -272,10 +287,14 @@ def _take_whole(plan: SavePlan, met: list[tuple[torch.Tensor, str, str]], like: 
     tensors = [m[0] for m in met]
     if [m[1] for m in met] != like.names or not like.holds(tensors):
         return False
+    _take_entries(plan, like, tensors)
+    return True
+
+
+def _take_entries(plan: SavePlan, like: SavePlan, tensors: list[torch.Tensor]) -> None:
     plan.names, plan.dtypes, plan.arrays = list(like.names), list(like.dtypes), list(like.arrays)
     plan.sources, plan.keys, plan.gathered = tensors, list(like.keys), list(like.gathered)
     plan.nbytes, plan.devices = like.nbytes, list(like.devices)
-    return True
 
 
 def _add(

@@ -146,7 +146,7 @@ class Queuing:
         assert job.replan is not None
         index, frozen = job.replan
         job.replan = None
-        return index, self.optimizer_plans.replan(frozen)
+        return index, self.optimizer_plans.replan_held(frozen)
 
     def _queue_later(self, job: Request) -> None:
         """The request's host values (scheduler, random states), once: read as they are and never waited for

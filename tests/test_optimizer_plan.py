@@ -1,0 +1,112 @@
+"""save/optimizer_plan.py and plan.plan_again: the optimizer's file planned at each checkpoint like the last,
+its per-parameter state's encoding reused where the tensors are the kept plan's, gives the very plan (the same
+skeleton text, names, entries) that planning the state afresh gives, and falls back to that wherever the state
+changed shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanotron_datastates import DataStatesConfig, DataStatesEngine, skeleton
+from nanotron_datastates.save.optimizer_plan import OptimizerPlans
+from nanotron_datastates.save.plan import plan_again, plan_save
+
+
+def _same(a, b) -> bool:
+    fields = ("names", "dtypes", "metadata", "nbytes", "devices", "exact_metadata")
+    return all(getattr(a, f) == getattr(b, f) for f in fields) and all(
+        x is y for x, y in zip(a.sources, b.sources)
+    )
+
+
+def _trained(groups: int = 5):
+    """An AdamW over `groups` parameters, one param group each (as Nanotron makes them), stepped once, with
+    a schedule that moves the learning rate at every step."""
+    params = [torch.nn.Parameter(torch.randn(3, 2)) for _ in range(groups)]
+    opt = torch.optim.AdamW([{"params": [p]} for p in params], lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+
+    def step() -> None:
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        sched.step()
+
+    step()
+    return params, opt, step
+
+
+@pytest.fixture
+def engine():
+    with DataStatesEngine(DataStatesConfig(host_cache_size=0.0625)) as e:
+        yield e
+
+
+def test_a_held_state_is_planned_as_afresh_at_every_checkpoint_without_walking_its_tensors(engine):
+    params, opt, step = _trained()
+    plans = OptimizerPlans(engine, opt)
+    plans.first()
+    for k in range(4):
+        kept, frozen = plans.for_checkpoint(staged_before_step=True)
+        assert frozen is not None and kept is plans.kept
+        step()  # the optimizer's own containers move on; the frozen copy keeps the values of the request
+        plan = plans.replan_held(frozen)
+        assert _same(plan, plan_save(frozen)), k
+        # the kept plan's own list of tensors: its per-parameter state was not walked (a walk lists anew)
+        assert k == 0 or plan.sources is kept.sources
+    lr = frozen["param_groups"][0]["lr"]
+    assert json_value(plan, "lr") == lr and lr != opt.param_groups[0]["lr"]
+
+
+def json_value(plan, key: str) -> object:
+    import json
+
+    text = dict(plan.metadata)["datastates.skeleton"]
+    state = skeleton.decode(text, {n: torch.zeros(0) for n in plan.names})
+    assert json.loads(text)  # valid JSON
+    return state["param_groups"][0][key]
+
+
+def test_the_reused_encoding_is_the_one_a_fresh_walk_writes(engine):
+    params, opt, step = _trained(groups=3)
+    state, _ = skeleton.freeze(opt.state_dict())
+    kept: dict[object, object] = {}
+    first = plan_save(state, keep=kept)
+    assert set(kept) == {"state", "param_groups"}
+    step()
+    again, _ = skeleton.freeze(opt.state_dict())
+    plan = plan_again(again, first, {"state": kept["state"]})
+    assert plan is not None and _same(plan, plan_save(again))
+    # a tensor outside the reused values: no plan (the caller plans afresh)
+    again["param_groups"][0]["extra"] = torch.zeros(1)
+    assert plan_again(again, first, {"state": kept["state"]}) is None
+
+
+@pytest.mark.parametrize(
+    "change", ["new tensor", "new parameter", "key renamed", "keys reordered", "plain value"]
+)
+def test_a_state_that_changed_shape_is_planned_afresh(engine, change):
+    params, opt, step = _trained()
+    plans = OptimizerPlans(engine, opt)
+    plans.first()
+    _, frozen = plans.for_checkpoint(staged_before_step=True)
+    plans.replan_held(frozen)  # the encoding kept from here
+    _, frozen = plans.for_checkpoint(staged_before_step=True)
+    assert frozen is not None
+    per_param = frozen["state"]
+    first = next(iter(per_param))
+    if change == "new tensor":
+        per_param[first] = {**per_param[first], "exp_avg": torch.zeros(3, 2)}
+    elif change == "new parameter":
+        per_param[99] = {"step": torch.zeros(()), "exp_avg": torch.zeros(1)}
+    elif change == "key renamed":
+        per_param[first] = {("m" if k == "exp_avg" else k): v for k, v in per_param[first].items()}
+    elif change == "keys reordered":
+        frozen = {"param_groups": frozen["param_groups"], "state": per_param}
+    else:  # a plain value among the tensors: not a dict of tensors only
+        per_param[first] = {**per_param[first], "step": 3}
+    kept = plans.kept
+    plan = plans.replan_held(frozen)
+    assert _same(plan, plan_save(frozen))
+    assert plans.kept is plan and plan.sources is not kept.sources  # walked again
