@@ -131,7 +131,9 @@ def freeze(state: object) -> tuple[object, list[torch.Tensor]]:
                     return tx(x)
             elif types <= _SCALAR_TYPES:
                 return tx(x)
-            return tx((k, v if type(v) in _PLAIN_TYPES else node(v)) for k, v in x.items())
+            # leaves (floats too) as they are; a comprehension, not a generator: a param group a parameter
+            copied = {k: v if type(v) in _SCALAR_TYPES else node(v) for k, v in x.items()}
+            return copied if tx is dict else tx(copied)
         if tx is list or tx is tuple:
             if set(map(type, x)) <= _SCALAR_TYPES:
                 return x if tx is tuple else list(x)
