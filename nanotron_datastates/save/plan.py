@@ -261,21 +261,19 @@ def plan_again(state: object, like: SavePlan, reuse: Mapping[object, object]) ->
     (an optimizer's per-parameter state, checked before the step). Only the rest (its param groups) is
     walked. None where the rest holds a tensor."""
 
-    def on_tensor(t: torch.Tensor, path: str) -> str:
-        raise _TensorMet
+    met: list[str] = []
 
-    try:
-        skel = skeleton.encode(state, on_tensor, reuse=reuse)
-    except _TensorMet:
+    def on_tensor(t: torch.Tensor, path: str) -> str:
+        met.append(path)
+        return path
+
+    skel = skeleton.encode(state, on_tensor, reuse=reuse)
+    if met:  # a tensor outside the reused values
         return None
     plan = SavePlan()
     _take_entries(plan, like, like.sources)
     plan.metadata = fmt.header_metadata({}, skel)
     return plan
-
-
-class _TensorMet(Exception):  # a tensor outside the reused values: plan_again gives up
-    pass
 
 
 def _take_whole(plan: SavePlan, met: list[tuple[torch.Tensor, str, str]], like: SavePlan | None) -> bool:
