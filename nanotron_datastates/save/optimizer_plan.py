@@ -6,6 +6,7 @@ per-parameter state (dicts of tensors only) is not even walked again: its encodi
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
 
 import torch
 
@@ -21,11 +22,10 @@ class OptimizerPlans:
         self.engine, self.optimizer = engine, optimizer
         self.kept: SavePlan | None = None  # the last plan, to plan the next checkpoint's like it
         self.part = (0, 1)  # (part, parts): the part of the state this rank writes (state_parts.py)
-        # The kept plan's encoded top-level values made of dicts of tensors only, by key, with their keys
-        # (`_tensor_dicts`): what `replan_held` reuses
-        self._encoded: dict[object, object] = {}
-        self._layout: dict[object, Layout] = {}
-        self._keys: list[object] = []  # the kept plan's state's top-level keys, in order
+        # What `replan_held` reuses, replaced whole (never changed: the queuer's thread and the training
+        # thread may plan at once): the kept plan's state's top-level keys in order, and its values made of
+        # dicts of tensors only, encoded, with their keys (`_tensor_dicts`)
+        self._reuse = _Reuse([], {}, {})
 
     def state(self) -> object:
         """The optimizer's state this rank writes: all of it, or its part."""
@@ -62,30 +62,30 @@ class OptimizerPlans:
         encoded: dict[object, object] = {}
         plan = plan_save(state, like=self.kept, keep=encoded)
         if self.kept is not None:
-            self.kept, self._encoded, self._layout = plan, {}, {}
-            self._keys = list(state) if type(state) is dict else []
+            reuse = _Reuse(list(state) if type(state) is dict else [], {}, {})
             for key, value in state.items() if type(state) is dict else ():
                 layout = _tensor_dicts(value)
                 if layout is not None and key in encoded:
-                    self._encoded[key], self._layout[key] = encoded[key], layout[0]
+                    reuse.encoded[key], reuse.layouts[key] = encoded[key], layout[0]
+            self.kept, self._reuse = plan, reuse
         return plan
 
     def replan_held(self, frozen: object) -> SavePlan:
         """`replan` of a copy of the state's containers whose tensors the kept plan held (`for_checkpoint`):
         where its dicts of tensors only are laid out as the kept plan's were, over the same tensors in the
         same order, their encoding is reused and only the rest (the param groups) walked."""
-        kept = self.kept
-        if kept is None or not self._encoded or type(frozen) is not dict or list(frozen) != self._keys:
+        kept, reuse = self.kept, self._reuse
+        if kept is None or not reuse.encoded or type(frozen) is not dict or list(frozen) != reuse.keys:
             return self.replan(frozen)
         tensors: list[torch.Tensor] = []
-        for key, layout in self._layout.items():
+        for key, layout in reuse.layouts.items():
             found = _tensor_dicts(frozen.get(key))
             if found is None or found[0] != layout:
                 return self.replan(frozen)
             tensors += found[1]
         if len(tensors) != len(kept.sources) or not all(map(operator.is_, tensors, kept.sources)):
             return self.replan(frozen)
-        plan = plan_again(frozen, kept, self._encoded)
+        plan = plan_again(frozen, kept, reuse.encoded)
         if plan is None:
             return self.replan(frozen)
         self.kept = plan
@@ -93,6 +93,12 @@ class OptimizerPlans:
 
 
 Layout = list[tuple[object, tuple[object, ...]]]  # a dict of dicts' keys: (key, the inner dict's keys)
+
+
+class _Reuse(NamedTuple):
+    keys: list[object]
+    encoded: dict[object, object]
+    layouts: dict[object, Layout]
 
 
 def _tensor_dicts(value: object) -> tuple[Layout, list[torch.Tensor]] | None:
