@@ -36,16 +36,18 @@ class RawCopy:
       goes (pieces of `device_copy_size`, two in flight, into files made and pinned ahead, the file before
       last's recycled; no checksums), with one Python call: the copy into the memory tier without the
       trainer's planning, staging, queuing and commit. One due while two are in flight is skipped, as a
-      memory checkpoint is."""
+      memory checkpoint is. `COPY_ENGINE` adds a memory checkpoint's parts one at a time (`_engine_setup`)."""
 
     PIECE = 64 << 20
 
-    def __init__(self, nbytes: int, way: str = "d2h", pace_s: float = 0.0) -> None:
+    def __init__(
+        self, nbytes: int, way: str = "d2h", pace_s: float = 0.0, files: list[dict[str, Any]] | None = None
+    ) -> None:
         import torch
 
         self.way, self.nbytes = way, nbytes
         if way == "engine":
-            self._engine_setup(nbytes)
+            self._engine_setup(nbytes, files)
             return
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=way != "host")
         if way == "host":
@@ -75,7 +77,7 @@ class RawCopy:
             self.sleep_cycles = int(probe * gap_s / (begin.elapsed_time(end) / 1e3))
             self.timed.clear()
 
-    def _engine_setup(self, nbytes: int) -> None:
+    def _engine_setup(self, nbytes: int, files: list[dict[str, Any]] | None) -> None:
         import tempfile
         from pathlib import Path
 
@@ -83,14 +85,25 @@ class RawCopy:
 
         from nanotron_datastates import DataStatesConfig, DataStatesEngine
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: to check the script
-        self.dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        # COPY_ENGINE (comma-separated), a memory checkpoint's parts one at a time: `files` saves the
+        # trainer's own tensors in its files (one a parameter, the optimizer's state in one), `stage` stages
+        # them on the GPU first as a memory checkpoint does (into kept buffers), `checksums` sums them
+        self.options = set(filter(None, os.environ.get("COPY_ENGINE", "").split(",")))
         self.timed, self.sleep_cycles, self.thread = [], 0, None
-        self.engine = DataStatesEngine(DataStatesConfig(host_cache_size=0.25, checksums=False))
-        self.plan = self.engine.plan({"bytes": self.dev})
+        self.engine = DataStatesEngine(
+            DataStatesConfig(host_cache_size=0.25, checksums="checksums" in self.options)
+        )
+        if "files" in self.options and files:
+            self.plans = [self.engine.plan(f) for f in files]
+        else:
+            device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: to check the script
+            self.dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self.plans = [self.engine.plan({"bytes": self.dev})]
         folder = Path(tempfile.mkdtemp(prefix="ds-copy-engine-", dir="/dev/shm"))
-        self.files = [folder / f"{k}.safetensors" for k in range(3)]
-        self.engine.prepare_mirrors([(self.plan, f) for f in self.files[:2]])
+        self.files = [
+            [folder / str(k) / f"{i}.safetensors" for i in range(len(self.plans))] for k in range(3)
+        ]
+        self.engine.prepare_mirrors([(p, f) for s in self.files[:2] for p, f in zip(self.plans, s)])
         self.saves: list[Any] = []  # each save's handles, oldest first
         self.skipped = 0
 
@@ -101,7 +114,12 @@ class RawCopy:
             return
         k = len(self.timed)
         new, old = self.files[(k + 2) % 3], self.files[k % 3]
-        self.saves.append(self.engine.save_plans([(self.plan, new)], mirrors=[new], recycle=[old]))
+        if "stage" in self.options:
+            staged = self.engine.stage(self.plans, keep=True)
+            staged.target(new, mirrors=new, recycle=old)
+            self.saves.append(staged.queue())
+        else:  # nothing waits for these copies: the step may change what they read (a cost, not a checkpoint)
+            self.saves.append(self.engine.save_plans(list(zip(self.plans, new)), mirrors=new, recycle=old))
         self.timed.append(self.saves[-1])
 
     def _issue(self, paced: bool) -> None:
@@ -154,7 +172,7 @@ class RawCopy:
                     h.wait_persisted()
             seconds = [max(h.stats["snapshot_s"] for h in handles) for handles in self.timed]
             self.engine.close()
-            shutil.rmtree(self.files[0].parent, ignore_errors=True)
+            shutil.rmtree(self.files[0][0].parent.parent, ignore_errors=True)
             return seconds
         self.stream.synchronize()
         return [b.elapsed_time(e) / 1e3 for b, e in self.timed]
@@ -176,6 +194,13 @@ def checkpoint_bytes(trainer: Any) -> int:
 
     every = tensors(dict(trainer.unwrapped_model.state_dict())) + tensors(trainer.optimizer.state_dict())
     return sum(t.numel() * t.element_size() for t in {id(t): t for t in every}.values())
+
+
+def trainer_files(trainer: Any) -> list[dict[str, Any]]:
+    """The trainer's state as a checkpoint's files lay it out (`copy-engine` with COPY_ENGINE=files): one a
+    parameter, as Nanotron writes its weights, and the optimizer's state in one."""
+    weights = [{"weight": p} for _, p in trainer.unwrapped_model.named_parameters()]
+    return [*weights, trainer.optimizer.state_dict()]
 
 
 def dcp_zero_overhead_stager(pinned: bool = True) -> Any:

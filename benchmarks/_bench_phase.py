@@ -16,7 +16,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from _bench_baselines import RawCopy, checkpoint_bytes, dcp_key_prefixes, dcp_zero_overhead_stager
+from _bench_baselines import (
+    RawCopy,
+    checkpoint_bytes,
+    dcp_key_prefixes,
+    dcp_zero_overhead_stager,
+    trainer_files,
+)
 from _bench_checkpoints import prune_before
 from _bench_measure import MemorySampler, Profiled, ProfileSum, device_allocs
 from _nanotron import book_dummy_tokens, load_run_train, time_library_report
@@ -172,7 +178,8 @@ def run_phase(args: argparse.Namespace) -> None:
                             args.mode, "d2h"
                         )
                         pace = args.copy_pace_s if args.mode == "copy-paced" else 0.0
-                        self._raw_copy = RawCopy(checkpoint_bytes(self), way, pace)
+                        files = trainer_files(self) if way == "engine" else None
+                        self._raw_copy = RawCopy(checkpoint_bytes(self), way, pace, files)
                 return out
 
             self.optimizer.step = first_step

@@ -23,7 +23,8 @@ Each mode trains the same model for the same steps in its own torchrun, on the s
   the other way (is it the direction?); `copy-host`: the same bytes copied between two host buffers by a
   thread on 4 cores, no GPU involved (is it the host memory's traffic?); `copy-engine`: the same bytes into
   a file in /dev/shm by the engine's core alone, as a memory checkpoint's copy goes (what any memory
-  checkpoint of the state at that interval costs, before the trainer's Python);
+  checkpoint of the state at that interval costs, before the trainer's Python;
+  `COPY_ENGINE=files,stage,checksums` adds a memory checkpoint's parts: its files, staging, checksums);
 * `datastates-NAME` (`--variant NAME:key=value,...`): datastates with other `datastates:` settings, for
   ablations (`p1:parser_threads=1`); a NAME starting with `idle` asks for no checkpoint; `checkpoint_interval`
   sets storage's (memory checkpoints: `mem:checkpoint_interval=1000,memory_tier=true,memory_interval=10`);

@@ -240,7 +240,8 @@ run_step() {
         --rounds "${MEMORY_ROUNDS:-1}" --work "$WORK/mo180" --out "$OUT/memory-often-180m") ;;
     memory-floor-180m) # one GPU, the 180M every 2 steps: none, the engine's copy alone (copy-engine: what the
       # bytes' copy into pinned memory costs the steps beside it) and the memory checkpoints, FLOOR_ROUNDS
-      # rounds in turns (default 3); FLOOR_MODES, FLOOR_EXTRA: other modes, more flags (--variant NAME:settings)
+      # rounds in turns (default 3); FLOOR_MODES, FLOOR_EXTRA: other modes, more flags (--variant NAME:settings);
+      # COPY_ENGINE=files,stage,checksums: copy-engine grown toward a memory checkpoint (_bench_baselines.py)
       local t=checkpoint_interval=1000,memory_tier=true,memory_interval=2
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 200 --interval 2 \
         --modes "${FLOOR_MODES:-none,copy-engine}" --variant memtier2:$t \
