@@ -36,18 +36,23 @@ class RawCopy:
       goes (pieces of `device_copy_size`, two in flight, into files made and pinned ahead, the file before
       last's recycled; no checksums), with one Python call: the copy into the memory tier without the
       trainer's planning, staging, queuing and commit. One due while two are in flight is skipped, as a
-      memory checkpoint is. `COPY_ENGINE` adds a memory checkpoint's parts one at a time (`_engine_setup`)."""
+      memory checkpoint is. `parts` adds a memory checkpoint's parts one at a time (`_engine_setup`)."""
 
     PIECE = 64 << 20
 
     def __init__(
-        self, nbytes: int, way: str = "d2h", pace_s: float = 0.0, files: list[dict[str, Any]] | None = None
+        self,
+        nbytes: int,
+        way: str = "d2h",
+        pace_s: float = 0.0,
+        files: list[dict[str, Any]] | None = None,
+        parts: list[str] | None = None,
     ) -> None:
         import torch
 
         self.way, self.nbytes = way, nbytes
         if way == "engine":
-            self._engine_setup(nbytes, files)
+            self._engine_setup(nbytes, files, set(parts or ()))
             return
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=way != "host")
         if way == "host":
@@ -77,7 +82,7 @@ class RawCopy:
             self.sleep_cycles = int(probe * gap_s / (begin.elapsed_time(end) / 1e3))
             self.timed.clear()
 
-    def _engine_setup(self, nbytes: int, files: list[dict[str, Any]] | None) -> None:
+    def _engine_setup(self, nbytes: int, files: list[dict[str, Any]] | None, parts: set[str]) -> None:
         import tempfile
         from pathlib import Path
 
@@ -85,10 +90,13 @@ class RawCopy:
 
         from nanotron_datastates import DataStatesConfig, DataStatesEngine
 
-        # COPY_ENGINE (comma-separated), a memory checkpoint's parts one at a time: `files` saves the
+        # A memory checkpoint's parts (mode copy-engine-PART-...), one at a time: `files` saves the
         # trainer's own tensors in its files (one a parameter, the optimizer's state in one), `stage` stages
         # them on the GPU first as a memory checkpoint does (into kept buffers), `checksums` sums them
-        self.options = set(filter(None, os.environ.get("COPY_ENGINE", "").split(",")))
+        unknown = parts - {"files", "stage", "checksums"}
+        if unknown:
+            raise ValueError(f"copy-engine: unknown parts {sorted(unknown)} (files, stage, checksums)")
+        self.options = parts
         self.timed, self.sleep_cycles, self.thread = [], 0, None
         self.engine = DataStatesEngine(
             DataStatesConfig(host_cache_size=0.25, checksums="checksums" in self.options)
@@ -197,7 +205,7 @@ def checkpoint_bytes(trainer: Any) -> int:
 
 
 def trainer_files(trainer: Any) -> list[dict[str, Any]]:
-    """The trainer's state as a checkpoint's files lay it out (`copy-engine` with COPY_ENGINE=files): one a
+    """The trainer's state as a checkpoint's files lay it out (`copy-engine-files`): one a
     parameter, as Nanotron writes its weights, and the optimizer's state in one."""
     weights = [{"weight": p} for _, p in trainer.unwrapped_model.named_parameters()]
     return [*weights, trainer.optimizer.state_dict()]

@@ -174,12 +174,12 @@ def run_phase(args: argparse.Namespace) -> None:
                     torch.cuda.synchronize()
                     rec["marks"]["optimizer_step_end_s"] = time.perf_counter() - t_start
                     if args.mode.startswith("copy-"):
-                        way = {"copy-h2d": "h2d", "copy-host": "host", "copy-engine": "engine"}.get(
-                            args.mode, "d2h"
-                        )
+                        way = {"copy-h2d": "h2d", "copy-host": "host"}.get(args.mode, "d2h")
+                        way = "engine" if args.mode.startswith("copy-engine") else way
                         pace = args.copy_pace_s if args.mode == "copy-paced" else 0.0
                         files = trainer_files(self) if way == "engine" else None
-                        self._raw_copy = RawCopy(checkpoint_bytes(self), way, pace, files)
+                        parts = args.mode.split("-")[2:]  # copy-engine-files-stage: ["files", "stage"]
+                        self._raw_copy = RawCopy(checkpoint_bytes(self), way, pace, files, parts)
                 return out
 
             self.optimizer.step = first_step

@@ -23,8 +23,8 @@ Each mode trains the same model for the same steps in its own torchrun, on the s
   the other way (is it the direction?); `copy-host`: the same bytes copied between two host buffers by a
   thread on 4 cores, no GPU involved (is it the host memory's traffic?); `copy-engine`: the same bytes into
   a file in /dev/shm by the engine's core alone, as a memory checkpoint's copy goes (what any memory
-  checkpoint of the state at that interval costs, before the trainer's Python;
-  `COPY_ENGINE=files,stage,checksums` adds a memory checkpoint's parts: its files, staging, checksums);
+  checkpoint of the state at that interval costs, before the trainer's Python; `copy-engine-files`,
+  `-files-stage`, `-files-stage-checksums` add a memory checkpoint's parts: its files, staging, checksums);
 * `datastates-NAME` (`--variant NAME:key=value,...`): datastates with other `datastates:` settings, for
   ablations (`p1:parser_threads=1`); a NAME starting with `idle` asks for no checkpoint; `checkpoint_interval`
   sets storage's (memory checkpoints: `mem:checkpoint_interval=1000,memory_tier=true,memory_interval=10`);
@@ -171,6 +171,11 @@ def run_all(args: argparse.Namespace) -> int:
         ("copy-h2d", config("copy-h2d", "torch", args.steps, never), True),
         ("copy-host", config("copy-host", "torch", args.steps, never), True),
         ("copy-engine", config("copy-engine", "torch", args.steps, never), True),
+        *[  # copy-engine-PART-...: the engine's copy with a memory checkpoint's parts (_bench_baselines.py)
+            (m, config(m, "torch", args.steps, never), True)
+            for m in (args.modes or "").split(",")
+            if m.startswith("copy-engine-")
+        ],
         ("datastates", config("datastates", "datastates", args.steps, args.interval), False),
         (
             "restore-datastates",

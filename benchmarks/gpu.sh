@@ -241,7 +241,7 @@ run_step() {
     memory-floor-180m) # one GPU, the 180M every 2 steps: none, the engine's copy alone (copy-engine: what the
       # bytes' copy into pinned memory costs the steps beside it) and the memory checkpoints, FLOOR_ROUNDS
       # rounds in turns (default 3); FLOOR_MODES, FLOOR_EXTRA: other modes, more flags (--variant NAME:settings);
-      # COPY_ENGINE=files,stage,checksums: copy-engine grown toward a memory checkpoint (_bench_baselines.py)
+      # copy-engine-files, -files-stage, -files-stage-checksums: copy-engine grown toward a memory checkpoint
       local t=checkpoint_interval=1000,memory_tier=true,memory_interval=2
       (cd $B && python3 bench_nanotron.py all --model 180m --steps 200 --interval 2 \
         --modes "${FLOOR_MODES:-none,copy-engine}" --variant memtier2:$t \
