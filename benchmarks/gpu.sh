@@ -10,7 +10,9 @@
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder for results}
 mkdir -p "$OUT"
+connections=${CUDA_DEVICE_MAX_CONNECTIONS:-}  # the caller's, kept: the offline environment sets Nanotron's 1
 [ -f .gpu/tools/device-env.sh ] && source .gpu/tools/device-env.sh .gpu
+[ -n "$connections" ] && export CUDA_DEVICE_MAX_CONNECTIONS=$connections
 if [ -n "${NANOTRON_DIR:-}" ]; then
   NANOTRON_DIR=$(cd "$NANOTRON_DIR" && pwd)
   export PYTHONPATH=$NANOTRON_DIR/src:${PYTHONPATH:-} NANOTRON_RUN_TRAIN=$NANOTRON_DIR/run_train.py
@@ -289,6 +291,13 @@ run_step() {
       (cd $B/micro && python3 bench_d2h_wait.py --out "$OUT/d2h-wait" ${BENCH_ARGS:-}) ;;
     copy-interference) # a copy to the host beside launch-bound steps, by the way it is issued (BENCH_ARGS)
       (cd $B/micro && python3 bench_copy_interference.py --out "$OUT/copy-interference" ${BENCH_ARGS:-}) ;;
+    one-queue) # the copy's ways beside launch-bound steps, with one hardware queue for every stream (Nanotron's
+      # CUDA_DEVICE_MAX_CONNECTIONS=1) and with the driver's default of 8
+      for c in 1 8; do
+        (cd $B/micro && CUDA_DEVICE_MAX_CONNECTIONS=$c python3 bench_copy_interference.py --piece-mib 4 \
+          --events nothing,dma_one,dma_waited,dma_pair,dma_two,save --out "$OUT/one-queue/connections$c" \
+          ${BENCH_ARGS:-})
+      done ;;
     map-interference) # moving 7 GiB between tmpfs files beside training steps: mapped, or through a buffer
       (cd $B/micro && python3 bench_map_interference.py --out "$OUT/map-interference") ;;
     pinning) (cd $B/micro && python3 bench_pinning.py --cache-gib 16 --rounds 2 --out "$OUT/pinning") ;;
