@@ -291,11 +291,10 @@ run_step() {
       (cd $B/micro && python3 bench_d2h_wait.py --out "$OUT/d2h-wait" ${BENCH_ARGS:-}) ;;
     copy-interference) # a copy to the host beside launch-bound steps, by the way it is issued (BENCH_ARGS)
       (cd $B/micro && python3 bench_copy_interference.py --out "$OUT/copy-interference" ${BENCH_ARGS:-}) ;;
-    one-queue) # the copy's ways beside launch-bound steps, with one hardware queue for every stream (Nanotron's
-      # CUDA_DEVICE_MAX_CONNECTIONS=1) and with the driver's default of 8
+    one-queue) # a copy to the host beside GPU-bound kernels, by the way its pieces are queued, with one hardware
+      # queue for every stream (Nanotron's CUDA_DEVICE_MAX_CONNECTIONS=1) and with the driver's default of 8
       for c in 1 8; do
-        (cd $B/micro && CUDA_DEVICE_MAX_CONNECTIONS=$c python3 bench_copy_interference.py --piece-mib 4 \
-          --events nothing,dma_one,dma_waited,dma_pair,dma_two,save --out "$OUT/one-queue/connections$c" \
+        (cd $B/micro && CUDA_DEVICE_MAX_CONNECTIONS=$c python3 bench_one_queue.py --out "$OUT/one-queue/c$c" \
           ${BENCH_ARGS:-})
       done ;;
     map-interference) # moving 7 GiB between tmpfs files beside training steps: mapped, or through a buffer
