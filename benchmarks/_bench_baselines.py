@@ -92,15 +92,17 @@ class RawCopy:
 
         # A memory checkpoint's parts (mode copy-engine-PART-...), one at a time: `files` saves the
         # trainer's own tensors in its files (one a parameter, the optimizer's state in one), `stage` stages
-        # them on the GPU first as a memory checkpoint does (into kept buffers), `checksums` sums them
-        unknown = parts - {"files", "stage", "checksums"}
+        # them on the GPU first as a memory checkpoint does (into kept buffers), `checksums` sums them; and
+        # `poll`: the copy threads poll their copies' events (device_copy_wait). DATASTATES_* variables apply.
+        unknown = parts - {"files", "stage", "checksums", "poll"}
         if unknown:
-            raise ValueError(f"copy-engine: unknown parts {sorted(unknown)} (files, stage, checksums)")
+            raise ValueError(f"copy-engine: unknown parts {sorted(unknown)} (files, stage, checksums, poll)")
         self.options = parts
         self.timed, self.sleep_cycles, self.thread = [], 0, None
-        self.engine = DataStatesEngine(
-            DataStatesConfig(host_cache_size=0.25, checksums="checksums" in self.options)
-        )
+        settings = {"host_cache_size": 0.25, "checksums": "checksums" in parts}
+        if "poll" in parts:
+            settings["device_copy_wait"] = "poll"
+        self.engine = DataStatesEngine(DataStatesConfig.from_dict(settings))
         if "files" in self.options and files:
             self.plans = [self.engine.plan(f) for f in files]
         else:

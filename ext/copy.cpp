@@ -45,14 +45,15 @@ cuda::CUstream thread_stream(int device, Error* err) {
 // an uploader takes 1 + its own slot; a PieceCopier's copies in flight take the slots from kCopySlot on.
 constexpr int kCopySlot = 1 + DeviceUploader::kSlots;
 constexpr int kEventSlots = kCopySlot + PieceCopier::kCopiesInFlight;
-cuda::CUevent thread_event(int device, int slot, Error* err) {
+// A polled event (`poll`) is a plain one: nothing sleeps on it, and it asks for no interrupt.
+cuda::CUevent thread_event(int device, int slot, bool poll, Error* err) {
   auto& events = t_streams.events;
-  const int key = device * kEventSlots + slot;
+  const int key = (device * kEventSlots + slot) * 2 + (poll ? 1 : 0);
   auto it = events.find(key);
   if (it != events.end()) return it->second;
   cuda::CUevent ev = nullptr;
-  *err = cuda::check(cuda::api()->cuEventCreate(&ev, cuda::kEventBlockingSync | cuda::kEventDisableTiming),
-                     "cuEventCreate");
+  const unsigned flags = cuda::kEventDisableTiming | (poll ? 0u : cuda::kEventBlockingSync);
+  *err = cuda::check(cuda::api()->cuEventCreate(&ev, flags), "cuEventCreate");
   if (*err) return nullptr;
   events.emplace(key, ev);
   return ev;
@@ -108,7 +109,7 @@ Error InFlight::mark() {
   Error first;
   for (auto& [device, s] : pending_) {
     Error e = cuda::make_current(device);
-    cuda::CUevent ev = e ? nullptr : thread_event(device, slot_, &e);
+    cuda::CUevent ev = e ? nullptr : thread_event(device, slot_, poll_, &e);
     if (!e) e = cuda::check(cuda::api()->cuEventRecord(ev, s), "cuEventRecord");
     if (!e && std::none_of(marked_.begin(), marked_.end(), [&](auto& m) { return m.first == device; }))
       marked_.emplace_back(device, ev);
@@ -125,7 +126,7 @@ Error InFlight::wait() {
   Error first;
   for (auto& [device, ev] : marked_) {
     Error e = cuda::make_current(device);
-    if (!e) e = cuda::check(cuda::api()->cuEventSynchronize(ev), "cuEventSynchronize");
+    if (!e) e = wait_copy_event(ev, poll_);
     if (e && !first) first = e;
   }
   marked_.clear();
@@ -206,14 +207,26 @@ Error PieceCopier::throttle(int device) {
   }
   if (copies_ < kCopiesInFlight) return {};
   Error err;
-  cuda::CUevent ev = thread_event(device, kCopySlot + static_cast<int>(copies_ % kCopiesInFlight), &err);
+  cuda::CUevent ev =
+      thread_event(device, kCopySlot + static_cast<int>(copies_ % kCopiesInFlight), poll_, &err);
   if (err) return err;
-  return cuda::check(cuda::api()->cuEventSynchronize(ev), "cuEventSynchronize");
+  return wait_copy_event(ev, poll_);
+}
+
+Error wait_copy_event(cuda::CUevent ev, bool poll) {
+  const cuda::Api* a = cuda::api();
+  if (!poll) return cuda::check(a->cuEventSynchronize(ev), "cuEventSynchronize");
+  for (;;) {
+    const cuda::CUresult r = a->cuEventQuery(ev);
+    if (r != cuda::kErrorNotReady) return cuda::check(r, "cuEventQuery");
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
 }
 
 Error PieceCopier::mark_copy(int device, cuda::CUstream s) {
   Error err;
-  cuda::CUevent ev = thread_event(device, kCopySlot + static_cast<int>(copies_ % kCopiesInFlight), &err);
+  cuda::CUevent ev =
+      thread_event(device, kCopySlot + static_cast<int>(copies_ % kCopiesInFlight), poll_, &err);
   if (err) return err;
   if (Error e = cuda::check(cuda::api()->cuEventRecord(ev, s), "cuEventRecord")) return e;
   ++copies_;

@@ -116,7 +116,8 @@ void Engine::run_piece(const std::shared_ptr<SaveJob>& job, std::size_t i) {
   if (!chunk) chunk = cache_->acquire();  // a cache chunk: backpressure, waits for a flush to give one back
   // Paced: a checkpoint to storage, whose flush is slower than the link anyway. A file kept in memory only
   // is copied at the link's speed: how often such checkpoints can be taken depends on it.
-  PieceCopier copier(job->events(), opts_.device_copy_bytes, job->memory_only() ? nullptr : &pacer_);
+  PieceCopier copier(job->events(), opts_.device_copy_bytes, job->memory_only() ? nullptr : &pacer_,
+                     opts_.device_copy_poll);
   bool to_sum = false;
   if (IoOp* op = job->copy_piece(i, chunk, copier, &to_sum)) {
     next_flusher()->submit(op);

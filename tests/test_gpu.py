@@ -313,11 +313,16 @@ def test_a_file_in_memory_restores_to_the_gpu_through_half_chunks(shm_dir, mappe
                     assert got[path][k].is_cuda and same(got[path][k].cpu(), v.cpu()), (path, k)
 
 
-@pytest.mark.parametrize("copy_mib", [0, 1, 3])
-def test_a_chunks_bytes_go_in_copies_of_device_copy_size(tmp_path, copy_mib):
+@pytest.mark.parametrize(
+    "copy_mib,wait", [(0, "block"), (1, "block"), (3, "block"), (1, "poll"), (0, "poll")]
+)
+def test_a_chunks_bytes_go_in_copies_of_device_copy_size(tmp_path, copy_mib, wait):
     # 16 MiB chunks of 1 or 3 MiB copies (two in flight, the last one short), or one copy each; a staged
-    # save packs many tensors into one run; a tensor that straddles chunks is cut at their edge.
-    config = DataStatesConfig(host_cache_size=0.25, chunk_size=16, device_copy_size=copy_mib)
+    # save packs many tensors into one run; a tensor that straddles chunks is cut at their edge. The copy
+    # threads wait for the copies asleep or polling (device_copy_wait).
+    config = DataStatesConfig(
+        host_cache_size=0.25, chunk_size=16, device_copy_size=copy_mib, device_copy_wait=wait
+    )
     state = {
         f"t{i}": random_tensor(torch.float32, (n,), seed=i).cuda()
         for i, n in enumerate([5 << 20, 7, 3 << 18])

@@ -14,7 +14,11 @@ over and over in one of these ways:
 * `alone`: each piece on a stream of its own (a pool of two), nothing queued after it; the thread polls the
   stream (`query`, no command queued) and queues piece k once piece k-2's stream is idle;
 * `engine`: the engine's own save of the buffer into a file in /dev/shm (`device_copy_size` pieces), one
-  after the other.
+  after the other; `engine-poll`: the same, its copy thread polling the copies' events
+  (`device_copy_wait: poll`) instead of sleeping until the GPU's interrupt.
+
+`--size 256 --n 20000` makes the chain bound by its launches instead: what the copies cost the thread that
+launches the kernels, as in the 180M's training.
 
     CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/micro/bench_one_queue.py --out DIR [--repeats 7]
 
@@ -56,12 +60,12 @@ class Copier:
             self.host = torch.empty(NBYTES, dtype=torch.uint8, pin_memory=True)
             self.streams = [torch.cuda.Stream(), torch.cuda.Stream()]
             self.pieces = [(lo, min(lo + piece, NBYTES)) for lo in range(0, NBYTES, piece)]
-        elif way == "engine":
-            self.raw = RawCopy(NBYTES, "engine")
+        elif way.startswith("engine"):
+            self.raw = RawCopy(NBYTES, "engine", parts=way.split("-")[1:])
 
     def start(self) -> None:
         self._stop.clear()
-        run: Callable[[], None] = {"pair": self._pair, "alone": self._alone, "engine": self._engine}[self.way]
+        run: Callable[[], None] = {"pair": self._pair, "alone": self._alone}.get(self.way, self._engine)
         self._thread = threading.Thread(target=run, daemon=True)
         self._thread.start()
 
@@ -138,7 +142,7 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=2048, help="the products' square size")
     ap.add_argument("--n", type=int, default=3000, help="products in a chain")
     ap.add_argument("--ahead", type=int, default=3, help="batches of 20 products queued ahead of the GPU")
-    ap.add_argument("--ways", default="none,pair,alone,engine")
+    ap.add_argument("--ways", default="none,pair,alone,engine,engine-poll")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -191,9 +195,10 @@ def main() -> int:
     for w, m in med.items():
         extra = "" if m["copy_gbps"] is None else f"  copy {m['copy_gbps']:5.1f} GB/s"
         excess = "" if m["excess"] is None else f"  {100 * m['excess']:+6.1f}%"
-        print(f"connections={conn} {w:7s} chain {1e3 * m['chain_s']:7.1f} ms{excess}{extra}")
+        chain_ms = 1e3 * m["chain_s"]
+        print(f"connections={conn} size={args.size} {w:11s} chain {chain_ms:7.1f} ms{excess}{extra}")
     for cp in copiers.values():
-        if cp.way == "engine":
+        if cp.way.startswith("engine"):
             cp.raw.seconds()  # closes the engine, removes its files
     return 0
 
