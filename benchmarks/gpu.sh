@@ -293,13 +293,15 @@ run_step() {
       (cd $B/micro && python3 bench_copy_interference.py --out "$OUT/copy-interference" ${BENCH_ARGS:-}) ;;
     one-queue) # a copy to the host beside GPU-bound kernels, by the way its pieces are queued, with one hardware
       # queue for every stream (Nanotron's CUDA_DEVICE_MAX_CONNECTIONS=1) and with the driver's default of 8
-      # (c1, c8); and with the launches bounding the chain (launch), as in the 180M's steps
+      # (c1, c8)
       for c in 1 8; do
         (cd $B/micro && CUDA_DEVICE_MAX_CONNECTIONS=$c python3 bench_one_queue.py --out "$OUT/one-queue/c$c" \
           ${BENCH_ARGS:-})
-      done
-      (cd $B/micro && python3 bench_one_queue.py --size 256 --n 20000 --ways none,engine,engine-poll \
-        --out "$OUT/one-queue/launch" ${BENCH_ARGS:-}) ;;
+      done ;;
+    launch-copy) # the same copies beside a chain bound by its launches, as the 180M's steps are: one copy, the
+      # engine's pieces waited asleep or polled, and in 64 MiB copies
+      (cd $B/micro && python3 bench_one_queue.py --size 256 --n 20000 --repeats 9 \
+        --ways none,one,engine,engine-poll,engine-size64 --out "$OUT/launch-copy" ${BENCH_ARGS:-}) ;;
     map-interference) # moving 7 GiB between tmpfs files beside training steps: mapped, or through a buffer
       (cd $B/micro && python3 bench_map_interference.py --out "$OUT/map-interference") ;;
     pinning) (cd $B/micro && python3 bench_pinning.py --cache-gib 16 --rounds 2 --out "$OUT/pinning") ;;
