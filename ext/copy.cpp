@@ -45,15 +45,14 @@ cuda::CUstream thread_stream(int device, Error* err) {
 // an uploader takes 1 + its own slot; a PieceCopier's copies in flight take the slots from kCopySlot on.
 constexpr int kCopySlot = 1 + DeviceUploader::kSlots;
 constexpr int kEventSlots = kCopySlot + PieceCopier::kCopiesInFlight;
-// A polled event (`poll`) is a plain one: nothing sleeps on it, and it asks for no interrupt.
-cuda::CUevent thread_event(int device, int slot, bool poll, Error* err) {
+cuda::CUevent thread_event(int device, int slot, Error* err) {
   auto& events = t_streams.events;
-  const int key = (device * kEventSlots + slot) * 2 + (poll ? 1 : 0);
+  const int key = device * kEventSlots + slot;
   auto it = events.find(key);
   if (it != events.end()) return it->second;
   cuda::CUevent ev = nullptr;
-  const unsigned flags = cuda::kEventDisableTiming | (poll ? 0u : cuda::kEventBlockingSync);
-  *err = cuda::check(cuda::api()->cuEventCreate(&ev, flags), "cuEventCreate");
+  *err = cuda::check(cuda::api()->cuEventCreate(&ev, cuda::kEventBlockingSync | cuda::kEventDisableTiming),
+                     "cuEventCreate");
   if (*err) return nullptr;
   events.emplace(key, ev);
   return ev;
@@ -109,7 +108,7 @@ Error InFlight::mark() {
   Error first;
   for (auto& [device, s] : pending_) {
     Error e = cuda::make_current(device);
-    cuda::CUevent ev = e ? nullptr : thread_event(device, slot_, poll_, &e);
+    cuda::CUevent ev = e ? nullptr : thread_event(device, slot_, &e);
     if (!e) e = cuda::check(cuda::api()->cuEventRecord(ev, s), "cuEventRecord");
     if (!e && std::none_of(marked_.begin(), marked_.end(), [&](auto& m) { return m.first == device; }))
       marked_.emplace_back(device, ev);
@@ -126,7 +125,7 @@ Error InFlight::wait() {
   Error first;
   for (auto& [device, ev] : marked_) {
     Error e = cuda::make_current(device);
-    if (!e) e = wait_copy_event(ev, poll_);
+    if (!e) e = cuda::check(cuda::api()->cuEventSynchronize(ev), "cuEventSynchronize");
     if (e && !first) first = e;
   }
   marked_.clear();
@@ -207,26 +206,14 @@ Error PieceCopier::throttle(int device) {
   }
   if (copies_ < kCopiesInFlight) return {};
   Error err;
-  cuda::CUevent ev =
-      thread_event(device, kCopySlot + static_cast<int>(copies_ % kCopiesInFlight), poll_, &err);
+  cuda::CUevent ev = thread_event(device, kCopySlot + static_cast<int>(copies_ % kCopiesInFlight), &err);
   if (err) return err;
-  return wait_copy_event(ev, poll_);
-}
-
-Error wait_copy_event(cuda::CUevent ev, bool poll) {
-  const cuda::Api* a = cuda::api();
-  if (!poll) return cuda::check(a->cuEventSynchronize(ev), "cuEventSynchronize");
-  for (;;) {
-    const cuda::CUresult r = a->cuEventQuery(ev);
-    if (r != cuda::kErrorNotReady) return cuda::check(r, "cuEventQuery");
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
+  return cuda::check(cuda::api()->cuEventSynchronize(ev), "cuEventSynchronize");
 }
 
 Error PieceCopier::mark_copy(int device, cuda::CUstream s) {
   Error err;
-  cuda::CUevent ev =
-      thread_event(device, kCopySlot + static_cast<int>(copies_ % kCopiesInFlight), poll_, &err);
+  cuda::CUevent ev = thread_event(device, kCopySlot + static_cast<int>(copies_ % kCopiesInFlight), &err);
   if (err) return err;
   if (Error e = cuda::check(cuda::api()->cuEventRecord(ev, s), "cuEventRecord")) return e;
   ++copies_;

@@ -20,11 +20,10 @@ namespace ds {
 
 // This thread's streams with copies in flight: one non-blocking stream per device per thread, so several
 // chunks are in flight on the copy engines at once. Copies are marked with this thread's event `slot`:
-// InFlights of one thread with different slots are waited for apart. `poll`: wait by querying the events
-// (wait_copy_event) instead of sleeping in the driver until an interrupt.
+// InFlights of one thread with different slots are waited for apart.
 class InFlight {
  public:
-  explicit InFlight(int slot = 0, bool poll = false) : slot_(slot), poll_(poll) {}
+  explicit InFlight(int slot = 0) : slot_(slot) {}
   // This thread's stream for `device`, its primary context made current; `fresh`: none of its copies since
   // the last mark().
   Error stream(int device, cuda::CUstream* s, bool* fresh);
@@ -41,7 +40,6 @@ class InFlight {
 
  private:
   int slot_;
-  bool poll_;
   std::vector<std::pair<int, cuda::CUstream>> pending_;  // streams with copies issued, not yet marked
   std::vector<std::pair<int, cuda::CUevent>> marked_;    // events recorded, not yet waited for
 };
@@ -70,10 +68,10 @@ class PieceCopier {
   // training step's own reads from the GPU (`loss.item()`) queue behind the copies already on the copy
   // engine, whichever stream issued them: with at most kCopiesInFlight copies of `max_copy` bytes queued,
   // such a read waits for those, not for a whole chunk.
-  // `pacer` (may be null) paces the copies from staged buffers. `poll`: as InFlight's.
+  // `pacer` (may be null) paces the copies from staged buffers.
   PieceCopier(const std::unordered_map<int, cuda::CUevent>* events, std::size_t max_copy,
-              CopyPacer* pacer = nullptr, bool poll = false)
-      : events_(events), max_copy_(max_copy), pacer_(pacer), poll_(poll), in_flight_(0, poll) {}
+              CopyPacer* pacer = nullptr)
+      : events_(events), max_copy_(max_copy), pacer_(pacer) {}
 
   // Copies bytes [begin, end) of `t`'s row-major image to `dst` (device bytes: by finish() at the latest).
   Error copy(const TensorSrc& t, std::size_t begin, std::size_t end, char* dst);
@@ -101,7 +99,6 @@ class PieceCopier {
   const std::unordered_map<int, cuda::CUevent>* events_;
   std::size_t max_copy_;
   CopyPacer* pacer_;
-  bool poll_;
   InFlight in_flight_;
   Run run_;
   std::size_t copies_ = 0;  // copies issued and marked by this copier (max_copy_ > 0)
@@ -122,12 +119,6 @@ class DeviceUploader {
  private:
   InFlight in_flight_;
 };
-
-// Waits until `ev` (recorded) has happened: asleep in the driver until its interrupt (a blocking-sync event),
-// or (`poll`) querying it every few tens of microseconds from this thread. A copy of 4 MiB ends about every
-// 90 us: blocking, each end is an interrupt and a wake-up, delivered where the GPU's interrupts go, which
-// is often the CPU of the thread that launches the training's kernels.
-Error wait_copy_event(cuda::CUevent ev, bool poll);
 
 // Strided gather of bytes [begin, end) of a host tensor's row-major image.
 void gather_host(const TensorSrc& t, std::size_t begin, std::size_t end, char* dst);

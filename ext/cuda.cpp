@@ -42,7 +42,6 @@ const Api* load() {
   sym(a.cuEventDestroy, "cuEventDestroy_v2");
   sym(a.cuEventRecord, "cuEventRecord");
   sym(a.cuEventSynchronize, "cuEventSynchronize");
-  sym(a.cuEventQuery, "cuEventQuery");
   sym(a.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
   sym(a.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
   sym(a.cuMemHostRegister, "cuMemHostRegister_v2");

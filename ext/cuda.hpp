@@ -34,7 +34,6 @@ struct Api {
   CUresult (*cuEventDestroy)(CUevent);
   CUresult (*cuEventRecord)(CUevent, CUstream);
   CUresult (*cuEventSynchronize)(CUevent);
-  CUresult (*cuEventQuery)(CUevent);
   CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, std::size_t, CUstream);
   CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, std::size_t, CUstream);
   CUresult (*cuMemHostRegister)(void*, std::size_t, unsigned);
@@ -43,7 +42,6 @@ struct Api {
 };
 
 constexpr unsigned kStreamNonBlocking = 0x1;
-constexpr CUresult kErrorNotReady = 600;  // CUDA_ERROR_NOT_READY: cuEventQuery's "not yet"
 constexpr unsigned kEventBlockingSync = 0x1;
 constexpr unsigned kEventDisableTiming = 0x2;
 constexpr unsigned kHostRegisterPortable = 0x1;

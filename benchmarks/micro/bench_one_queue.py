@@ -16,9 +16,9 @@ over and over in one of these ways:
 * `alone`: each piece on a stream of its own (a pool of two), nothing queued after it; the thread polls the
   stream (`query`, no command queued) and queues piece k once piece k-2's stream is idle;
 * `engine`: the engine's own save of the buffer into a file in /dev/shm (`device_copy_size` pieces), one
-  after the other; `engine-poll`: the same, its copy thread polling the copies' events
-  (`device_copy_wait: poll`) instead of sleeping until the GPU's interrupt; `engine-size64`: copies of 64
-  MiB (`device_copy_size`), 16 times fewer driver calls.
+  after the other; `engine-size64`: copies of 64 MiB (`device_copy_size`), 16 times fewer driver calls;
+  `engine-stage`: staged on the GPU first (kept buffers), as a memory checkpoint is; `engine-stage-gbpsN`:
+  those copies paced at N GB/s (`memory_copy_gbps`).
 
 `--size 256 --n 20000` makes the chain bound by its launches instead: what the copies cost the thread that
 launches the kernels, as in the 180M's training.
@@ -157,7 +157,7 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=2048, help="the products' square size")
     ap.add_argument("--n", type=int, default=3000, help="products in a chain")
     ap.add_argument("--ahead", type=int, default=3, help="batches of 20 products queued ahead of the GPU")
-    ap.add_argument("--ways", default="none,pair,alone,engine,engine-poll")
+    ap.add_argument("--ways", default="none,pair,alone,engine")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
