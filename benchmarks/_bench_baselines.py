@@ -93,21 +93,17 @@ class RawCopy:
         # A memory checkpoint's parts (mode copy-engine-PART-...), one at a time: `files` saves the
         # trainer's own tensors in its files (one a parameter, the optimizer's state in one), `stage` stages
         # them on the GPU first as a memory checkpoint does (into kept buffers), `checksums` sums them; and
-        # `size<N>`: copies of N MiB (device_copy_size); `gbps<N>`: staged copies paced at N GB/s
-        # (memory_copy_gbps). DATASTATES_* variables apply.
+        # `size<N>`: copies of N MiB (device_copy_size). DATASTATES_* variables apply.
         sizes = {p for p in parts if p.startswith("size") and p[4:].isdigit()}
-        rates = {p for p in parts if p.startswith("gbps") and p[4:].isdigit()}
-        unknown = parts - {"files", "stage", "checksums"} - sizes - rates
+        unknown = parts - {"files", "stage", "checksums"} - sizes
         if unknown:
-            known = "files, stage, checksums, sizeN, gbpsN"
+            known = "files, stage, checksums, sizeN"
             raise ValueError(f"copy-engine: unknown parts {sorted(unknown)} ({known})")
         self.options = parts
         self.timed, self.sleep_cycles, self.thread = [], 0, None
         settings: dict[str, Any] = {"host_cache_size": 0.25, "checksums": "checksums" in parts}
         for p in sizes:
             settings["device_copy_size"] = int(p[4:])
-        for p in rates:
-            settings["memory_copy_gbps"] = float(p[4:])
         self.engine = DataStatesEngine(DataStatesConfig.from_dict(settings))
         if "files" in self.options and files:
             self.plans = [self.engine.plan(f) for f in files]

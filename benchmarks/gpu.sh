@@ -299,9 +299,9 @@ run_step() {
           ${BENCH_ARGS:-})
       done ;;
     launch-copy) # the same copies beside a chain bound by its launches, as the 180M's steps are: one copy, the
-      # engine's pieces, staged, and staged and paced (memory_copy_gbps); LAUNCH_WAYS: others
+      # engine's pieces, in 64 MiB copies, staged; LAUNCH_WAYS: others
       (cd $B/micro && python3 bench_one_queue.py --size 256 --n 20000 --repeats 9 \
-        --ways "${LAUNCH_WAYS:-none,one,engine,engine-stage,engine-stage-gbps12,engine-stage-gbps24,engine-stage-gbps36}" \
+        --ways "${LAUNCH_WAYS:-none,one,engine,engine-size64,engine-stage}" \
         --out "$OUT/launch-copy" ${BENCH_ARGS:-}) ;;
     map-interference) # moving 7 GiB between tmpfs files beside training steps: mapped, or through a buffer
       (cd $B/micro && python3 bench_map_interference.py --out "$OUT/map-interference") ;;

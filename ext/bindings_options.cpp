@@ -17,10 +17,10 @@ void bind_options(nb::module_& m) {
           "__init__",
           [](EngineOptions* self, std::size_t cache_bytes, std::size_t chunk_bytes, int pin_device,
              bool huge_pages, unsigned copy_threads, unsigned host_copy_threads, unsigned checksum_threads,
-             std::size_t device_copy_bytes, double device_copy_bytes_per_s, double memory_copy_bytes_per_s,
-             unsigned flush_threads, int flush_nice, unsigned flush_depth, const std::string& io_backend,
-             bool direct_io, bool fsync, bool checksums, unsigned parser_threads, unsigned queue_depth,
-             std::size_t read_bytes, bool read_direct_io, bool map_memory_files) {
+             std::size_t device_copy_bytes, double device_copy_bytes_per_s, unsigned flush_threads,
+             int flush_nice, unsigned flush_depth, const std::string& io_backend, bool direct_io, bool fsync,
+             bool checksums, unsigned parser_threads, unsigned queue_depth, std::size_t read_bytes,
+             bool read_direct_io, bool map_memory_files) {
             EngineOptions* o = new (self) EngineOptions();
             // The cache
             o->cache_bytes = cache_bytes;
@@ -33,7 +33,6 @@ void bind_options(nb::module_& m) {
             o->checksum_threads = checksum_threads;
             o->device_copy_bytes = device_copy_bytes;
             o->device_copy_bytes_per_s = device_copy_bytes_per_s;
-            o->memory_copy_bytes_per_s = memory_copy_bytes_per_s;
             o->flush_threads = flush_threads;
             o->flush_nice = flush_nice;
             o->flush_depth = flush_depth;
@@ -48,9 +47,9 @@ void bind_options(nb::module_& m) {
           },
           "cache_bytes"_a, "chunk_bytes"_a, "pin_device"_a, "huge_pages"_a, "copy_threads"_a,
           "host_copy_threads"_a, "checksum_threads"_a, "device_copy_bytes"_a, "device_copy_bytes_per_s"_a,
-          "memory_copy_bytes_per_s"_a, "flush_threads"_a, "flush_nice"_a, "flush_depth"_a, "io_backend"_a,
-          "direct_io"_a, "fsync"_a, "checksums"_a, "parser_threads"_a, "queue_depth"_a, "read_bytes"_a,
-          "read_direct_io"_a, "map_memory_files"_a,
+          "flush_threads"_a, "flush_nice"_a, "flush_depth"_a, "io_backend"_a, "direct_io"_a, "fsync"_a,
+          "checksums"_a, "parser_threads"_a, "queue_depth"_a, "read_bytes"_a, "read_direct_io"_a,
+          "map_memory_files"_a,
           "Every setting by keyword, none defaulted here: DataStatesConfig owns the defaults")
       .def_ro("cache_bytes", &EngineOptions::cache_bytes)
       .def_ro("chunk_bytes", &EngineOptions::chunk_bytes)
@@ -61,7 +60,6 @@ void bind_options(nb::module_& m) {
       .def_ro("checksum_threads", &EngineOptions::checksum_threads)
       .def_ro("device_copy_bytes", &EngineOptions::device_copy_bytes)
       .def_ro("device_copy_bytes_per_s", &EngineOptions::device_copy_bytes_per_s)
-      .def_ro("memory_copy_bytes_per_s", &EngineOptions::memory_copy_bytes_per_s)
       .def_ro("flush_threads", &EngineOptions::flush_threads)
       .def_ro("flush_nice", &EngineOptions::flush_nice)
       .def_ro("flush_depth", &EngineOptions::flush_depth)

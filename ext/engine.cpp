@@ -9,7 +9,6 @@ Engine::Engine(const EngineOptions& opts)
     : opts_(opts),
       storage_(posix_storage()),
       pacer_(opts.device_copy_bytes_per_s),
-      memory_pacer_(opts.memory_copy_bytes_per_s),
       cache_(
           std::make_unique<HostCache>(opts.cache_bytes, opts.chunk_bytes, opts.pin_device, opts.huge_pages)),
       parsers_(opts.parser_threads, "ds-parse"),
@@ -115,9 +114,9 @@ void Engine::run_piece(const std::shared_ptr<SaveJob>& job, std::size_t i) {
   }
   char* chunk = job->mirror_piece(i);     // the mirror file is the staging memory, or
   if (!chunk) chunk = cache_->acquire();  // a cache chunk: backpressure, waits for a flush to give one back
-  // Paced: a checkpoint to storage, whose flush is slower than the link anyway; a file kept in memory only
-  // at its own rate (by default the link's speed: how often such checkpoints can be taken depends on it).
-  PieceCopier copier(job->events(), opts_.device_copy_bytes, job->memory_only() ? &memory_pacer_ : &pacer_);
+  // Paced: a checkpoint to storage, whose flush is slower than the link anyway. A file kept in memory only
+  // is copied at the link's speed: how often such checkpoints can be taken depends on it.
+  PieceCopier copier(job->events(), opts_.device_copy_bytes, job->memory_only() ? nullptr : &pacer_);
   bool to_sum = false;
   if (IoOp* op = job->copy_piece(i, chunk, copier, &to_sum)) {
     next_flusher()->submit(op);

@@ -30,7 +30,6 @@ struct EngineOptions {
   std::size_t chunk_bytes = std::size_t{64} << 20;
   std::size_t device_copy_bytes = std::size_t{4} << 20;  // largest copy from a GPU (0: a chunk's run in one)
   double device_copy_bytes_per_s = 16e9;  // the pace of copies from staged GPU buffers (0: the link's)
-  double memory_copy_bytes_per_s = 0;     // the same for files kept in memory only
   int pin_device = -1;                    // CUDA ordinal whose context pins the cache; -1: do not pin
   bool huge_pages = true;          // back the cache with transparent huge pages where the kernel allows
   unsigned parser_threads = 2;     // restores
@@ -130,8 +129,7 @@ class Engine final : public JobObserver {
   // The target of every file operation (engine.cpp picks it); shared with each SaveJob, which may outlive
   // the engine (a Python handle holds it).
   const std::shared_ptr<Storage> storage_;
-  CopyPacer pacer_;         // staged copies of a checkpoint to storage
-  CopyPacer memory_pacer_;  // staged copies of a file kept in memory only (a memory checkpoint)
+  CopyPacer pacer_;
   std::unique_ptr<HostCache> cache_;
   MirrorFiles mirrors_;  // mirror files kept mapped after their saves
   std::string backend_;

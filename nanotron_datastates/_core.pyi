@@ -8,7 +8,7 @@ import torch
 
 
 class EngineOptions:
-    def __init__(self, cache_bytes: int, chunk_bytes: int, pin_device: int, huge_pages: bool, copy_threads: int, host_copy_threads: int, checksum_threads: int, device_copy_bytes: int, device_copy_bytes_per_s: float, memory_copy_bytes_per_s: float, flush_threads: int, flush_nice: int, flush_depth: int, io_backend: str, direct_io: bool, fsync: bool, checksums: bool, parser_threads: int, queue_depth: int, read_bytes: int, read_direct_io: bool, map_memory_files: bool) -> None:
+    def __init__(self, cache_bytes: int, chunk_bytes: int, pin_device: int, huge_pages: bool, copy_threads: int, host_copy_threads: int, checksum_threads: int, device_copy_bytes: int, device_copy_bytes_per_s: float, flush_threads: int, flush_nice: int, flush_depth: int, io_backend: str, direct_io: bool, fsync: bool, checksums: bool, parser_threads: int, queue_depth: int, read_bytes: int, read_direct_io: bool, map_memory_files: bool) -> None:
         """
         Every setting by keyword, none defaulted here: DataStatesConfig owns the defaults
         """
@@ -39,9 +39,6 @@ class EngineOptions:
 
     @property
     def device_copy_bytes_per_s(self) -> float: ...
-
-    @property
-    def memory_copy_bytes_per_s(self) -> float: ...
 
     @property
     def flush_threads(self) -> int: ...

@@ -30,7 +30,6 @@ def core_options(config: DataStatesConfig, pin_device: int) -> _core.EngineOptio
         checksum_threads=config.checksum_thread_count,
         device_copy_bytes=config.device_copy_bytes,
         device_copy_bytes_per_s=config.device_copy_gbps * 1e9,
-        memory_copy_bytes_per_s=config.memory_copy_gbps * 1e9,
         flush_threads=config.flush_threads,
         flush_nice=config.flush_nice,
         flush_depth=config.flush_depth,

@@ -98,7 +98,6 @@ class DataStatesConfig(Settings):
         "chunk_size": (1, 4096, "expected MiB in [1, 4096] (an integer)"),
         "device_copy_size": (0, 4096, "expected MiB in [0, 4096] (an integer; 0: one copy a chunk)"),
         "device_copy_gbps": (0, 1e4, "expected GB/s in [0, 10000] (0: the link's speed)"),
-        "memory_copy_gbps": (0, 1e4, "expected GB/s in [0, 10000] (0: the link's speed)"),
         "read_size": (1, 4096, "expected MiB in [1, 4096] (an integer)"),
     }
     CHOICES = {"io_backend": ("auto", "io_uring", "pwrite")}
@@ -160,12 +159,6 @@ class DataStatesConfig(Settings):
     that much longer (here 0.14 s instead of 0.05 s). 0: as fast as the link goes. Saves not staged are
     copied at full speed (the caller waits for them), and so is a file kept in memory only (a memory
     checkpoint), whose copy's speed bounds how often one can be taken."""
-    memory_copy_gbps: float = 0.0
-    """GB/s at most for the copies to the host of a memory checkpoint staged on the GPU (0: the link's
-    speed). A copy to the host at the link's full speed slows the thread that launches the training's
-    kernels while it runs (one H200: a chain of small kernels ran 20% slower, however the copy was issued:
-    benchmarks/NOTES.md); paced, the copy holds its staging memory longer and the next memory checkpoint
-    may find it still in flight (skipped)."""
     read_size: int = 16
     """MiB per read request on restore."""
     direct_io: bool = True

@@ -53,7 +53,7 @@ def test_the_engine_runs_with_the_very_settings_of_its_config():
         host_cache_size=1 / 64, chunk_size=2, parser_threads=3, flush_depth=5, queue_depth=7, read_size=3,
         direct_io=False, read_direct_io=True, fsync=False, checksums=False, map_memory_files=False,
         io_backend="pwrite", flush_nice=0, device_copy_size=1, device_copy_gbps=2.5, copy_threads=2,
-        checksum_threads=3, memory_copy_gbps=7.5,
+        checksum_threads=3,
     )  # fmt: skip
     with DataStatesEngine(config) as engine:
         got = engine._core.options
@@ -65,7 +65,7 @@ def test_the_engine_runs_with_the_very_settings_of_its_config():
         assert (got.direct_io, got.read_direct_io, got.fsync, got.checksums) == (False, True, False, False)
         assert (got.io_backend, got.copy_threads, got.host_copy_threads) == ("pwrite", 2, 2)
         assert got.device_copy_bytes_per_s == 2.5e9 and not got.map_memory_files
-        assert got.checksum_threads == 3 and got.memory_copy_bytes_per_s == 7.5e9
+        assert got.checksum_threads == 3
 
 
 def test_checksum_threads_0_runs_a_quarter_of_the_ranks_share_from_1_to_4():

@@ -349,26 +349,6 @@ def test_copies_of_a_staged_save_go_at_device_copy_gbps_and_others_at_full_speed
     assert times[False] < 0.25, times
 
 
-def test_a_staged_memory_checkpoint_goes_at_memory_copy_gbps(tmp_path):
-    # A file kept in memory only (its mirror is the file), staged: 64 MiB at 0.25 GB/s take at least about
-    # 0.27 s; at the default (0: the link's speed) far less. device_copy_gbps does not apply to it.
-    state = {"x": random_tensor(torch.float32, (16 << 20,), seed=5).cuda()}
-    times = {}
-    for gbps in (0.25, 0.0):
-        config = DataStatesConfig(
-            host_cache_size=0.25, chunk_size=16, memory_copy_gbps=gbps, device_copy_gbps=0.1
-        )
-        with DataStatesEngine(config) as e:
-            path = tmp_path / "mem" / f"m{gbps}.safetensors"
-            t0 = time.perf_counter()
-            h = e.save_plans([(e.plan(state), path)], stage=True, mirrors=[path])[0]
-            h.wait_copied()
-            times[gbps] = time.perf_counter() - t0
-            h.wait_persisted()
-            assert same(e.load(path, "cuda")["x"], state["x"]), gbps
-    assert times[0.25] >= 0.25 and times[0.0] < 0.25, times
-
-
 def test_kept_staging_buffers_still_read_by_a_save_are_never_written(tmp_path):
     """`stage(keep=True)` while the last save still reads its copies (paced: 64 MiB at 0.25 GB/s, about a
     quarter of a second): the new staging takes other memory, kept in place of the first; once that save has

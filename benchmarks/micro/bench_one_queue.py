@@ -17,8 +17,7 @@ over and over in one of these ways:
   stream (`query`, no command queued) and queues piece k once piece k-2's stream is idle;
 * `engine`: the engine's own save of the buffer into a file in /dev/shm (`device_copy_size` pieces), one
   after the other; `engine-size64`: copies of 64 MiB (`device_copy_size`), 16 times fewer driver calls;
-  `engine-stage`: staged on the GPU first (kept buffers), as a memory checkpoint is; `engine-stage-gbpsN`:
-  those copies paced at N GB/s (`memory_copy_gbps`).
+  `engine-stage`: staged on the GPU first (kept buffers), as a memory checkpoint is.
 
 `--size 256 --n 20000` makes the chain bound by its launches instead: what the copies cost the thread that
 launches the kernels, as in the 180M's training.
