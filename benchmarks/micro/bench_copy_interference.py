@@ -11,12 +11,6 @@ turn, one of these events starts, and the steps after it run beside it:
 * `dma_waited`: the same pieces copied one after the other by a background thread that waits for each with a
   blocking-sync event (the engine's copy thread's way);
 * `dma_polled`: the same, the thread polling each piece's event every 0.5 ms instead;
-* `dma_pair`: the same pieces, two in flight on the one stream (the engine core's way): the thread waits for
-  piece k-2 before it queues piece k behind k-1;
-* `dma_two`: two in flight on two streams in turn: piece k goes on stream k % 2 once piece k-2 ended, so no
-  piece is queued behind one still running. With one hardware queue for every stream
-  (CUDA_DEVICE_MAX_CONNECTIONS=1, which Nanotron asks for), work queued behind a command that waits blocks
-  every stream's work queued after it; run it with that variable at 1 and unset to see what the queue costs;
 * `dma_paced`: the pieces queued at once with a GPU sleep between them, so that the copy takes about
   `--pace` times as long;
 * `h2d_one`: the same bytes from the host to the GPU in one copy;
@@ -132,27 +126,6 @@ class Copies:
         self.sleep_cycles = int(probe * gap_ms / b.elapsed_time(e))
         return plain_ms
 
-    def in_turn(self, streams: int) -> None:
-        """The pieces two in flight, on `streams` streams in turn (1: each queued behind the one before)."""
-        lanes = [self.stream] + [torch.cuda.Stream() for _ in range(streams - 1)]
-
-        def run() -> None:
-            ends: list[torch.cuda.Event] = []
-            for k, (lo, hi) in enumerate(self.pieces):
-                if k >= 2:
-                    ends[k - 2].synchronize()
-                lane = lanes[k % streams]
-                with torch.cuda.stream(lane):
-                    self.host[lo:hi].copy_(self.dev[lo:hi], non_blocking=True)
-                    ends.append(torch.cuda.Event(blocking=True))
-                    ends[-1].record(lane)
-            for ev in ends[-2:]:
-                ev.synchronize()
-
-        self.timed = None
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
     def threaded(self, poll: bool) -> None:
         def run() -> None:
             with torch.cuda.stream(self.stream):
@@ -213,8 +186,6 @@ def main() -> int:
         "dma_queued": copies.queued,
         "dma_waited": lambda: copies.threaded(poll=False),
         "dma_polled": lambda: copies.threaded(poll=True),
-        "dma_pair": lambda: copies.in_turn(streams=1),
-        "dma_two": lambda: copies.in_turn(streams=2),
         "dma_paced": lambda: copies.queued(paced=True),
         "h2d_one": lambda: copies.one(to_host=False),
         **saves,
@@ -282,7 +253,6 @@ def main() -> int:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     result = {
         "command": command_info(),
-        "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "bytes": nbytes,
