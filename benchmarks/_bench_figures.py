@@ -19,6 +19,31 @@ def iteration_times(rec: dict[str, Any]) -> dict[int, float]:
     return {step: t - ends[i - 1][1] for i, (step, t) in enumerate(ends) if i > 0}
 
 
+BLOCK_LEAD = 2  # iterations at the start of a block left out: the last block's checkpoints spill into them
+
+
+def block_on(step: int, blocks: int) -> bool:
+    """`--blocks N`: whether `step` lies in a block of N steps that takes checkpoints (every other one,
+    from the second on; the first takes none and warms up)."""
+    return blocks <= 0 or (step - 1) // blocks % 2 == 1
+
+
+def blocks_figures(rec: dict[str, Any], blocks: int) -> dict[str, Any] | None:
+    """`--blocks N`: the run's mean iteration in the blocks that take checkpoints and in those that do not
+    (the first block and each block's first BLOCK_LEAD iterations left out), and the first over the second
+    less one: the checkpoints' cost measured within one run, which the drift between runs does not move."""
+    if blocks <= 0:
+        return None
+    it = iteration_times(rec)
+    kept = {s: t for s, t in it.items() if s > blocks and (s - 1) % blocks >= BLOCK_LEAD}
+    on = [t for s, t in kept.items() if block_on(s, blocks)]
+    off = [t for s, t in kept.items() if not block_on(s, blocks)]
+    if not on or not off:
+        return None
+    on_s, off_s = statistics.fmean(on), statistics.fmean(off)
+    return {"on_mean_iteration_s": on_s, "off_mean_iteration_s": off_s, "on_vs_off": on_s / off_s - 1}
+
+
 def stall_figures(rec: dict[str, Any], fallback_median: float) -> dict[str, Any]:
     """Per checkpoint, the excess of the WINDOW iterations after it over the run's own median iteration
     (iterations outside every window and past WARMUP). Where there are none (the stress run checkpoints at

@@ -24,6 +24,7 @@ from _bench_baselines import (
     trainer_files,
 )
 from _bench_checkpoints import prune_before
+from _bench_figures import block_on
 from _bench_measure import MemorySampler, Profiled, ProfileSum, device_allocs
 from _nanotron import book_dummy_tokens, load_run_train, time_library_report
 from _nodes import take_gpu_of_rank
@@ -212,7 +213,8 @@ def run_phase(args: argparse.Namespace) -> None:
             if step == last:  # no iteration after it to slow down
                 memory.sample_pss()
             rec.setdefault("gc2", []).append([step, gc.get_stats()[2]["collections"]])
-            if self._raw_copy is not None and args.interval and step % args.interval == 0 and step < last:
+            due = args.interval and step % args.interval == 0 and block_on(step + 1, args.blocks)
+            if self._raw_copy is not None and due and step < last:
                 rec["saves"].append({"step": step, "call_s": 0.0, "bytes": self._raw_copy.nbytes})
                 self._raw_copy_due = True
             loss = out[1] if isinstance(out, tuple) and len(out) > 1 else None
@@ -247,6 +249,8 @@ def run_phase(args: argparse.Namespace) -> None:
                 step = manager.memory_due()
                 if step is None:
                     return take()
+                if not block_on(step + 1, args.blocks):  # --blocks: none in this block
+                    return None
                 book_dummy_tokens(self.metadata)
                 engine_s0, staged0 = engine_time[0], staged[0]
                 t0 = time.perf_counter()

@@ -57,6 +57,7 @@ ROUND_FIGURES = (
     "stall_median_s",
     "stall_share_of_interval",
     "throughput_loss",
+    "blocks_on_vs_off",
     "mean_iteration_s",
     "overhead_total",
     "overhead_stall",

@@ -15,6 +15,7 @@ from typing import Any
 
 from _bench_figures import (
     WARMUP,
+    blocks_figures,
     excess_after,
     flush_phase_slowdown,
     iteration_times,
@@ -67,6 +68,9 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
             interval_s = args.interval * m["median_quiet_iteration_s"]
             m["stall_share_of_interval"] = m["stall_median_s"] / interval_s
         m["flush_phase_slowdown"] = flush_phase_slowdown(rec, args.interval)
+        on_off = blocks_figures(rec, getattr(args, "blocks", 0))
+        if on_off is not None:  # --blocks
+            m["blocks"], m["blocks_on_vs_off"] = on_off, on_off["on_vs_off"]
         m["excess_after_s"] = excess_after(rec, args.interval)
         overhead = overhead_vs_none(rec, records["none"], args.interval) if name != "none" else None
         m["overhead_vs_none"] = overhead
@@ -119,6 +123,7 @@ def summarize(args: argparse.Namespace, records: dict[str, Any]) -> dict[str, An
         "steps": args.steps,
         "interval": args.interval,
         "sync": getattr(args, "sync", "device"),  # results before --sync were timed with device
+        "blocks": getattr(args, "blocks", 0),
         "median_iteration_s": median,
         "modes": modes,
         "restore_to_first_step_s": restore,
@@ -166,6 +171,7 @@ def resummarize(out: Path) -> int:
         micro_batch=old.get("micro_batch"),
         no_fp32_grads=not old.get("fp32_grads", True),
         sync=old.get("sync", "device"),  # how the runs were timed: the records' clock, not today's default
+        blocks=old.get("blocks", 0),
     )
     result = summarize(args, records)
     for key in ("command", "gpu", "cold_cache"):
@@ -228,6 +234,17 @@ def table(r: dict[str, Any]) -> str:
         cells = [name, m["checkpoints"], stall, local, share_text, flush_text, mean, loss_text, persisted]
         cells += [host, gpu]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
+    on_off = {n: m["blocks"] for n, m in r["modes"].items() if m.get("blocks")}
+    if on_off:
+        lines += [
+            "",
+            "blocks that take checkpoints over those that do not, within each run (--blocks): "
+            + ", ".join(
+                f"{n} {100 * b['on_vs_off']:+.1f}% ({1e3 * b['on_mean_iteration_s']:.1f} against "
+                f"{1e3 * b['off_mean_iteration_s']:.1f} ms)"
+                for n, b in on_off.items()
+            ),
+        ]
     lines += [
         "",
         "restore to the first step, over the median scratch start: "

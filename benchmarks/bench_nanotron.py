@@ -40,6 +40,10 @@ The whole run's cost (`overhead_vs_none` of each mode): its training time over t
 steps, minus 1, and the same by the iterations' place after a checkpoint: the stall's iterations, those
 while it is persisted (to half the interval), those far from it. `--rounds N` runs the set N times in turn
 and writes `rounds_summary.md`, the median and spread of each over the rounds: the headline figure.
+`--blocks N` takes memory checkpoints and the `copy-*` copies only in every other block of N steps (from
+the second on), and reports each run's mean iteration in those blocks over that in the others
+(`blocks_on_vs_off`, each block's first 2 iterations left out): a cost measured within one run, which the
+machine's drift from run to run (10 to 20% on one H200 host) does not move.
 
 An iteration is timed from the end of one step to the end of the next, once the GPU has run the step's work,
 so a checkpoint's cost lands in the iterations after it. `--sync stream` (the default) waits for the training
@@ -216,7 +220,7 @@ def run_all(args: argparse.Namespace) -> int:
         cmd += ["--config", str(cfg)]
         cmd += ["--record", str(record)] + (["--profile"] if args.profile else [])
         cmd += ["--pss-every", str(args.pss_every), "--copy-pace-s", str(args.copy_pace_s)]
-        cmd += ["--interval", str(args.interval), "--sync", args.sync]
+        cmd += ["--interval", str(args.interval), "--sync", args.sync, "--blocks", str(args.blocks)]
         env = {**os.environ, **({"NANOTRON_DATASTATES_AUTOLOAD": "0"} if stock else {})}
         t0 = time.perf_counter()
         if args.nodes > 1:  # simulated nodes: a torchrun and a config each (_nodes.py)
@@ -322,6 +326,13 @@ def main() -> int:
     a.add_argument("--modes", help="comma-separated subset of the runs (none always runs)")
     a.add_argument("--variant", action="append", help="NAME:key=value,...: one more datastates run")
     a.add_argument("--rounds", type=int, default=1, help="repeat every run this many times, interleaved")
+    a.add_argument(
+        "--blocks",
+        type=int,
+        default=0,
+        help="memory checkpoints and copy-* copies only in every other block of N steps: each run's cost is "
+        "then also its blocks with over its blocks without (blocks_on_vs_off), within the run",
+    )
     a.add_argument("--pss-every", type=float, default=0.0, help="also read PSS every S s (0: never)")
     a.add_argument("--copy-pace-s", type=float, default=0.3, help="copy-paced: seconds its copy takes")
     a.add_argument(
@@ -345,6 +356,7 @@ def main() -> int:
     ph.add_argument("--pss-every", type=float, default=0.0)
     ph.add_argument("--copy-pace-s", type=float, default=0.3)
     ph.add_argument("--interval", type=int, default=0, help="copy-*: the steps between copies")
+    ph.add_argument("--blocks", type=int, default=0, help="checkpoints only in every other block of N steps")
     ph.add_argument("--sync", choices=("stream", "device"), default="stream")
     args = p.parse_args()
     if args.what == "phase":

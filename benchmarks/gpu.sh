@@ -243,9 +243,12 @@ run_step() {
     memory-floor-180m) # one GPU, the 180M every 2 steps: none, the engine's copy alone (copy-engine: what the
       # bytes' copy into pinned memory costs the steps beside it) and the memory checkpoints, FLOOR_ROUNDS
       # rounds in turns (default 3); FLOOR_MODES, FLOOR_EXTRA: other modes, more flags (--variant NAME:settings);
-      # copy-engine-files, -files-stage, -files-stage-checksums: copy-engine grown toward a memory checkpoint
+      # copy-engine-files, -files-stage, -files-stage-checksums: copy-engine grown toward a memory checkpoint;
+      # FLOOR_BLOCKS=N: checkpoints and copies in every other block of N steps only, each run's cost also
+      # measured within it (blocks_on_vs_off); FLOOR_STEPS: steps a run (200)
       local t=checkpoint_interval=1000,memory_tier=true,memory_interval=2
-      (cd $B && python3 bench_nanotron.py all --model 180m --steps 200 --interval 2 \
+      (cd $B && python3 bench_nanotron.py all --model 180m --steps "${FLOOR_STEPS:-200}" --interval 2 \
+        ${FLOOR_BLOCKS:+--blocks $FLOOR_BLOCKS} \
         --modes "${FLOOR_MODES:-none,copy-engine}" --variant memtier2:$t \
         --rounds "${FLOOR_ROUNDS:-3}" --work "$WORK/mf180" --out "$OUT/memory-floor-180m" ${FLOOR_EXTRA:-}) ;;
     gil-180m) # who holds the GIL while memory checkpoints every 2 steps run beside the 180M's training: py-spy

@@ -75,3 +75,22 @@ def test_rounds_recomputed_as_committed(tmp_path: Path) -> None:
     for k in range(old["rounds"]):  # each round recomputed from its own records first
         one = json.loads((folder / f"round{k}" / "bench_nanotron_1b.json").read_text())
         assert "resummarized" in one, f"round{k}/bench_nanotron_1b.json was not recomputed"
+
+
+def test_blocks_take_checkpoints_every_other_block_and_compare_within_the_run() -> None:
+    # --blocks 4: steps 1-4 take none (warm-up), 5-8 take them, 9-12 none, 13-16 them. Iterations of the
+    # blocks that take checkpoints last 11 ms, the others 10 ms, each block's first two 30 ms (left out).
+    sys.path.insert(0, str(BENCH))
+    from _bench_figures import block_on, blocks_figures
+
+    assert [s for s in range(1, 17) if block_on(s, 4)] == [5, 6, 7, 8, 13, 14, 15, 16]
+    assert all(block_on(s, 0) for s in range(1, 17))  # no blocks: every step takes them
+    t, ends = 0.0, [[0, 0.0]]
+    for s in range(1, 17):
+        t += 0.030 if (s - 1) % 4 < 2 else (0.011 if block_on(s, 4) else 0.010)
+        ends.append([s, t])
+    got = blocks_figures({"ends": ends}, 4)
+    assert got is not None and abs(got["on_vs_off"] - 0.1) < 1e-9, got
+    assert abs(got["on_mean_iteration_s"] - 0.011) < 1e-12
+    assert abs(got["off_mean_iteration_s"] - 0.010) < 1e-12
+    assert blocks_figures({"ends": ends}, 0) is None
