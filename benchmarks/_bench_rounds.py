@@ -36,6 +36,10 @@ def overhead_table(summary: dict[str, Any]) -> str:
         cells = [name] + [pct(m, f"overhead_{k}") for k in ("total", "stall", "flush", "far")]
         cells.append("-" if stall is None else f"{1e3 * stall['median']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
+    on_off = {n: pct(m, "blocks_on_vs_off") for n, m in summary["modes"].items() if "blocks_on_vs_off" in m}
+    if on_off:  # --blocks: the figure that the drift between runs does not move
+        lines += ["", "blocks with checkpoints over blocks without, within each run: "]
+        lines[-1] += ", ".join(f"{n} {v}" for n, v in on_off.items())
     excess = summary.get("excess_after_s", {})
     if excess:
         lines += [
