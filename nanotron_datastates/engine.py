@@ -30,7 +30,8 @@ from .engine_settings import DataStatesConfig
 from .load.engine_reads import EngineReads
 from .save.handle import SaveHandle, let_go_of_jobs, wait_handles
 from .save.in_flight import InFlight
-from .save.plan import SavePlan, current, plan_save, prepare_all
+from .save.plan import SavePlan, plan_save
+from .save.prepare import current, prepare_all
 from .save.stage import Stager
 from .save.staged_save import StagedSave
 

@@ -370,7 +370,7 @@ def test_the_core_refuses_a_staged_view_outside_its_buffer_and_queues_none_of_th
 
 
 def test_staged_nbytes_bounds_the_staged_buffer(engine):
-    from nanotron_datastates.save.plan import prepare_many
+    from nanotron_datastates.save.prepare import prepare_many
     from nanotron_datastates.save.stage import staged_nbytes
 
     plans = [engine.plan({"a": torch.randn(333, 7), "b": torch.arange(5)}), engine.plan({"c": torch.ones(3)})]

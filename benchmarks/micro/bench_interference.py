@@ -72,7 +72,7 @@ def saving_events(
     staged save of `files` into its folder. Returns the engines with their folders, the events and the
     files' bytes."""
     from nanotron_datastates import DataStatesConfig, DataStatesEngine
-    from nanotron_datastates.save.plan import prepare_all
+    from nanotron_datastates.save.prepare import prepare_all
 
     nbytes = sum(t.numel() * t.element_size() for s in files.values() for t in _tensors(s))
     engines = {

@@ -2,14 +2,12 @@
 
 This is the only work a save does on the caller's thread, so it does the least it can. Once per state
 (`plan_save`): walk the structure and take a reference to each tensor (so it stays alive until it is copied).
-At every save of it (`prepare`): note each CUDA device's current stream (the core records an event there),
-make CUDA views contiguous on that stream and, when staging, copy every tensor where it is. Layout, header
-and every byte copy happen on the engine's threads.
+At every save of it, prepare.py hands the plan to the core. Layout, header and every byte copy happen on the
+engine's threads.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -18,7 +16,6 @@ import torch
 
 from .. import _core, skeleton
 from .. import format as fmt
-from .stage import Stager
 
 # Dtypes every supported torch exports through DLPack; others are exported as a same-size integer view.
 _EXPORTABLE = {torch.float16, torch.float32, torch.float64, torch.bfloat16, torch.uint8}
@@ -30,21 +27,21 @@ _Key = tuple[int, torch.Size, tuple[int, ...], torch.dtype, bool]
 
 @dataclass
 class SavePlan:
-    """A flattened state. Reusable: it holds the tensors themselves, so each save (through :func:`prepare`)
-    captures their values at that time."""
+    """A flattened state. Reusable: it holds the tensors themselves, so each save (through
+    :func:`prepare.prepare`) captures their values at that time."""
 
     names: list[str] = field(default_factory=list)
     dtypes: list[str] = field(default_factory=list)
     arrays: list[torch.Tensor] = field(default_factory=list)  # what the core reads (keeps them alive)
-    streams: list[tuple[int, int]] = field(default_factory=list)  # set by prepare()
+    streams: list[tuple[int, int]] = field(default_factory=list)  # set by prepare.py
     metadata: list[tuple[str, str]] = field(default_factory=list)
     nbytes: int = 0
     exact_metadata: bool = False  # metadata verbatim: no skeleton and no checksums in the file
     devices: list[int] = field(default_factory=list)  # CUDA devices of the tensors
-    # CUDA tensors that are not contiguous, by index into `arrays`: each save copies them (prepare()).
+    # CUDA tensors that are not contiguous, by index into `arrays`: each save copies them (prepare.py).
     gathered: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    # Set by a staging prepare(): every tensor's place in the staged copies (in which of `bases`, where,
-    # element size, shape): the core takes the few buffers instead of a DLPack export per tensor.
+    # Set by a staging save (prepare.py): every tensor's place in the staged copies (in which of `bases`,
+    # where, element size, shape): the core takes the few buffers instead of a DLPack export per tensor.
     views: list[_core.StagedView] = field(default_factory=list)
     bases: list[torch.Tensor] = field(default_factory=list)  # one uint8 buffer per device
     # Each tensor as planned, in `arrays` order: the tensor given, and its `_Key` (what its entry depends
@@ -97,91 +94,6 @@ class SavePlan:
         self.streams, self.views, self.bases = [], [], []
 
 
-def current(plans: Sequence[SavePlan], paths: Sequence[str]) -> list[SavePlan]:
-    """What a save of `plans` (to `paths`) writes: each plan renewed where its tensors changed since planned
-    (`SavePlan.renew`: the check `holds` makes, then nothing more for a plan that still describes them),
-    then copied, so that a later renewal of the plan leaves this save's alone (a staged save)."""
-    out = []
-    for plan, path in zip(plans, paths):
-        plan.renew(path)
-        out.append(plan.copy())
-    return out
-
-
-def prepare(plan: SavePlan, *, stage: bool = False) -> SavePlan:
-    """What a save of `plan` hands the core now: each device's current stream, and fresh contiguous copies
-    of the CUDA views that need one. With `stage`, every tensor is copied (on its own device, in the
-    caller's stream order): the save then reads those copies, and the caller may change the originals at
-    once."""
-    return prepare_many([plan], stage=stage)[0]
-
-
-@dataclass
-class Prepared:
-    """What a save of several plans hands the core now, per file: the arrays to read (staged copies, or
-    the tensors with their non-contiguous CUDA views made contiguous), their places in the staged buffers,
-    and each CUDA device's current stream; and the staged buffers."""
-
-    arrays: list[list[torch.Tensor]]
-    views: list[list[_core.StagedView]]
-    streams: list[list[tuple[int, int]]]
-    bases: list[torch.Tensor]
-    # Per CUDA device, an event recorded right after the staging copies (where asked for): the core's
-    # copies then follow those, not what the caller launches between the staging and the queuing.
-    events: dict[int, torch.cuda.Event] = field(default_factory=dict)
-
-
-def prepare_all(
-    plans: Sequence[SavePlan],
-    *,
-    stage: bool = False,
-    stager: Stager | None = None,
-    events: bool = False,
-    keep: bool = False,
-) -> Prepared:
-    """:func:`prepare_many`'s work without a copy of each plan (what a save of a checkpoint's many files
-    does on the caller's thread). `events`: staged, an event recorded on each device's stream after the
-    copies (`Prepared.events`). `keep`: the staging's buffers kept by `stager` (`Stager.stage`)."""
-    arrays = [list(p.arrays) for p in plans]
-    views: list[list[_core.StagedView]] = [[] for _ in plans]
-    bases: list[torch.Tensor] = []
-    if stage:  # every tensor copied, the non-contiguous ones too (the plans' entries: checked by `current`)
-        bases = (stager or Stager()).stage(arrays, views, [p.keys for p in plans], keep=keep)
-    else:
-        for k, p in enumerate(plans):
-            for i, t in p.gathered:  # queued on the caller's stream, before the event the core records
-                arrays[k][i] = export_view(t.contiguous())
-    current: dict[int, tuple[int, int]] = {}  # each device's current stream, asked for once
-    streams = []
-    for p in plans:
-        for d in p.devices:
-            if d not in current:
-                current[d] = (d, torch.cuda.current_stream(d).cuda_stream)
-        streams.append([current[d] for d in p.devices])
-    recorded = {}
-    if stage and events:
-        for base in bases:
-            if base.is_cuda:
-                recorded[base.device.index] = torch.cuda.Event()
-                recorded[base.device.index].record(torch.cuda.current_stream(base.device))
-    return Prepared(arrays, views, streams, bases, recorded)
-
-
-def prepare_many(
-    plans: Sequence[SavePlan], *, stage: bool = False, stager: Stager | None = None
-) -> list[SavePlan]:
-    """:func:`prepare` for several plans saved together (a checkpoint's files). Staged, their copies share one
-    allocation per device, filled by one multi-tensor copy per dtype: a few kernel launches on the caller's
-    thread instead of an allocation and a copy per tensor (stage.py; `stager` keeps the layout for the next
-    call that stages the same tensors)."""
-    plans = current(plans, [""] * len(plans))
-    prep = prepare_all(plans, stage=stage, stager=stager)
-    return [
-        dataclasses.replace(p, arrays=a, views=v, bases=prep.bases, streams=s)
-        for p, a, v, s in zip(plans, prep.arrays, prep.views, prep.streams)
-    ]
-
-
 def export_view(t: torch.Tensor) -> torch.Tensor:
     """A tensor over the same memory that DLPack can carry, on any torch >= 2.1."""
     if t.requires_grad:  # DLPack refuses them; detach() costs microseconds, so only where needed
@@ -200,8 +112,8 @@ def plan_save(
     like: SavePlan | None = None,
     keep: dict[object, object] | None = None,
 ) -> SavePlan:
-    """Flattens `state`; :func:`prepare` makes a save of it. With `exact_metadata`, `state` must be a flat
-    dict of str to tensor and `metadata` becomes the whole `__metadata__` (no skeleton, version or
+    """Flattens `state`; :func:`prepare.prepare` makes a save of it. With `exact_metadata`, `state` must be a
+    flat dict of str to tensor and `metadata` becomes the whole `__metadata__` (no skeleton, version or
     checksums), as strict readers require.
 
     `like`: an earlier plan of a state much like this one (an optimizer's, checkpoint after checkpoint). Each
@@ -332,7 +244,7 @@ def _append(
     device = entry[1]
     if device >= 0:
         devices.add(device)
-        if not t.is_contiguous():  # made contiguous at each save (prepare())
+        if not t.is_contiguous():  # made contiguous at each save (prepare.py)
             plan.gathered.append((len(plan.arrays), t))
     plan.names.append(name)
     plan.dtypes.append(dtype)

@@ -17,7 +17,8 @@ import torch
 
 from .. import _core
 from .handle import SaveHandle
-from .plan import Prepared, SavePlan
+from .plan import SavePlan
+from .prepare import Prepared
 
 if TYPE_CHECKING:
     from ..engine import DataStatesEngine
