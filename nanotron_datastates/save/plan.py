@@ -18,8 +18,17 @@ from .. import _core, skeleton
 from .. import format as fmt
 
 # Dtypes every supported torch exports through DLPack; others are exported as a same-size integer view.
-_EXPORTABLE = {torch.float16, torch.float32, torch.float64, torch.bfloat16, torch.uint8}
-_EXPORTABLE |= {torch.int8, torch.int16, torch.int32, torch.int64}
+_EXPORTABLE = {
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+}
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # What a tensor's entry in a plan depends on: data pointer, shape, strides, dtype, requires_grad.
 _Key = tuple[int, torch.Size, tuple[int, ...], torch.dtype, bool]
