@@ -178,8 +178,8 @@ def run_phase(args: argparse.Namespace) -> None:
                         way = {"copy-h2d": "h2d", "copy-host": "host"}.get(args.mode, "d2h")
                         way = "engine" if args.mode.startswith("copy-engine") else way
                         pace = args.copy_pace_s if args.mode == "copy-paced" else 0.0
-                        files = trainer_files(self) if way == "engine" else None
                         parts = args.mode.split("-")[2:]  # copy-engine-files-stage: ["files", "stage"]
+                        files = trainer_files(self) if "files" in parts else None
                         self._raw_copy = RawCopy(checkpoint_bytes(self), way, pace, files, parts)
                 return out
 
