@@ -157,3 +157,24 @@ class Profiled:
         pstats.Stats(self.prof, stream=text).sort_stats("cumulative").print_stats(60)
         pstats.Stats(self.prof, stream=text).sort_stats("tottime").print_stats(30)
         self.path.write_text(text.getvalue())
+
+
+def threads_cpu() -> dict[str, float]:
+    """CPU seconds used so far by each thread of this process, by name: Python's own for its threads (their
+    native ids matched), the kernel's `comm` for the others (the core's `ds-<role>`, torch's, the driver's);
+    threads of one name summed. Read at each --blocks boundary: whose CPU the blocks with checkpoints add."""
+    names = {t.native_id: f"py:{t.name}" for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:  # exited
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        name = names.get(int(tid), comm)
+        out[name] = out.get(name, 0.0) + seconds
+    return out

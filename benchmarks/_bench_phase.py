@@ -12,6 +12,7 @@ import argparse
 import gc
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -25,7 +26,7 @@ from _bench_baselines import (
 )
 from _bench_checkpoints import prune_before
 from _bench_figures import block_on
-from _bench_measure import MemorySampler, Profiled, ProfileSum, device_allocs
+from _bench_measure import MemorySampler, Profiled, ProfileSum, device_allocs, threads_cpu
 from _nanotron import book_dummy_tokens, load_run_train, time_library_report
 from _nodes import take_gpu_of_rank
 
@@ -34,6 +35,8 @@ def run_phase(args: argparse.Namespace) -> None:
     import torch
 
     take_gpu_of_rank()  # a worker of a simulated node (bench_nanotron.py --nodes)
+    if args.switch_interval_ms:  # how long a thread waiting for the GIL lets the holder run (Python: 5 ms)
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     run_train = load_run_train()
     from nanotron.trainer import DistributedTrainer
 
@@ -213,6 +216,8 @@ def run_phase(args: argparse.Namespace) -> None:
             if step == last:  # no iteration after it to slow down
                 memory.sample_pss()
             rec.setdefault("gc2", []).append([step, gc.get_stats()[2]["collections"]])
+            if args.blocks and step % args.blocks == 0:  # each thread's CPU by block: which ones a block adds
+                rec.setdefault("threads", []).append([step, threads_cpu()])
             due = args.interval and step % args.interval == 0 and block_on(step + 1, args.blocks)
             if self._raw_copy is not None and due and step < last:
                 rec["saves"].append({"step": step, "call_s": 0.0, "bytes": self._raw_copy.nbytes})

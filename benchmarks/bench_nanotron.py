@@ -27,7 +27,8 @@ Each mode trains the same model for the same steps in its own torchrun, on the s
   `-files-stage`, `-files-stage-checksums` add a memory checkpoint's parts: its files, staging, checksums);
 * `datastates-NAME` (`--variant NAME:key=value,...`): datastates with other `datastates:` settings, for
   ablations (`p1:parser_threads=1`); a NAME starting with `idle` asks for no checkpoint; `checkpoint_interval`
-  sets storage's (memory checkpoints: `mem:checkpoint_interval=1000,memory_tier=true,memory_interval=10`);
+  sets storage's (memory checkpoints: `mem:checkpoint_interval=1000,memory_tier=true,memory_interval=10`),
+  `switch_interval_ms` the interpreter's switch interval in that run (`sys.setswitchinterval`);
 * `restore-torch`, `restore-datastates`: new runs that resume from the last checkpoint of `torch` /
   `datastates` with the checkpoint's files evicted from the page cache (`--cold system`: the whole page
   cache, libraries included); restore cost = their time from constructing the trainer to the end
@@ -190,9 +191,12 @@ def run_all(args: argparse.Namespace) -> int:
         # the engine on and never asked for a checkpoint: what its presence alone costs
         ("datastates-idle", config("datastates-idle", "datastates", args.steps, never), False),
     ]
+    switch_ms: dict[str, float] = {}  # a variant's `switch_interval_ms`: the interpreter's, in its run
     for name, settings in variants(args.variant):
         idle = name.startswith("datastates-idle")
         every = settings.pop("checkpoint_interval", never if idle else args.interval)
+        if "switch_interval_ms" in settings:
+            switch_ms[name] = float(settings.pop("switch_interval_ms"))
         runs.append((name, config(name, "datastates", args.steps, every, datastates=settings), False))
     if args.modes:
         wanted = set(args.modes.split(",")) | {"none"} | {n for n, _ in variants(args.variant)}
@@ -221,6 +225,7 @@ def run_all(args: argparse.Namespace) -> int:
         cmd += ["--record", str(record)] + (["--profile"] if args.profile else [])
         cmd += ["--pss-every", str(args.pss_every), "--copy-pace-s", str(args.copy_pace_s)]
         cmd += ["--interval", str(args.interval), "--sync", args.sync, "--blocks", str(args.blocks)]
+        cmd += ["--switch-interval-ms", str(switch_ms.get(name, 0.0))]
         env = {**os.environ, **({"NANOTRON_DATASTATES_AUTOLOAD": "0"} if stock else {})}
         t0 = time.perf_counter()
         if args.nodes > 1:  # simulated nodes: a torchrun and a config each (_nodes.py)
@@ -357,6 +362,7 @@ def main() -> int:
     ph.add_argument("--copy-pace-s", type=float, default=0.3)
     ph.add_argument("--interval", type=int, default=0, help="copy-*: the steps between copies")
     ph.add_argument("--blocks", type=int, default=0, help="checkpoints only in every other block of N steps")
+    ph.add_argument("--switch-interval-ms", type=float, default=0.0, help="0: Python's")
     ph.add_argument("--sync", choices=("stream", "device"), default="stream")
     args = p.parse_args()
     if args.what == "phase":
