@@ -195,8 +195,9 @@ def run_all(args: argparse.Namespace) -> int:
     for name, settings in variants(args.variant):
         idle = name.startswith("datastates-idle")
         every = settings.pop("checkpoint_interval", never if idle else args.interval)
-        if "switch_interval_ms" in settings:
-            switch_ms[name] = float(settings.pop("switch_interval_ms"))
+        own = run_settings(settings)
+        if "switch_interval_ms" in own:
+            switch_ms[name] = float(own["switch_interval_ms"])
         runs.append((name, config(name, "datastates", args.steps, every, datastates=settings), False))
     if args.modes:
         wanted = set(args.modes.split(",")) | {"none"} | {n for n, _ in variants(args.variant)}
@@ -263,6 +264,11 @@ def run_all(args: argparse.Namespace) -> int:
 
 def resumed_from(restore: str) -> str:  # the training run a restore resumes: `restore-torch-2` -> `torch`
     return restore.split("-")[1]
+
+
+def run_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """A variant's settings that are its run's, not its `datastates:` section's: taken out of `settings`."""
+    return {k: settings.pop(k) for k in ("switch_interval_ms",) if k in settings}
 
 
 def variants(specs: list[str] | None) -> list[tuple[str, dict[str, Any]]]:

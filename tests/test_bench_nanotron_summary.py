@@ -94,3 +94,45 @@ def test_blocks_take_checkpoints_every_other_block_and_compare_within_the_run() 
     assert abs(got["on_mean_iteration_s"] - 0.011) < 1e-12
     assert abs(got["off_mean_iteration_s"] - 0.010) < 1e-12
     assert blocks_figures({"ends": ends}, 0) is None
+
+
+def test_threads_cpu_names_python_threads_and_counts_their_cpu() -> None:
+    # --blocks reads each thread's CPU at every block's end: a Python thread by its name, its time counted.
+    import threading
+    import time
+
+    sys.path.insert(0, str(BENCH))
+    from _bench_measure import threads_cpu
+
+    done = threading.Event()
+
+    def spin() -> None:
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.2:
+            pass
+        done.set()
+        time.sleep(5)  # alive while it is read
+
+    worker = threading.Thread(target=spin, name="bench-spinner", daemon=True)
+    worker.start()
+    assert done.wait(30)
+    got = threads_cpu()
+    assert "py:MainThread" in got, got
+    assert got.get("py:bench-spinner", 0.0) >= 0.15, got
+
+
+def test_a_variants_switch_interval_is_the_runs_not_a_datastates_setting() -> None:
+    sys.path.insert(0, str(BENCH))
+    from bench_nanotron import run_settings, variants
+
+    from nanotron_datastates.trainer_settings import TrainerSettings
+
+    [(name, settings)] = variants(["si:memory_tier=true,switch_interval_ms=20"])
+    assert name == "datastates-si"
+    assert run_settings(settings) == {"switch_interval_ms": 20}
+    assert settings == {"memory_tier": True}
+    TrainerSettings(**settings)  # what goes into the YAML's datastates: section is valid there
+    r = subprocess.run(
+        [sys.executable, "bench_nanotron.py", "phase", "--help"], cwd=BENCH, capture_output=True, text=True
+    )
+    assert r.returncode == 0 and "--switch-interval-ms" in r.stdout, r.stderr
