@@ -160,21 +160,21 @@ class Profiled:
 
 
 def threads_cpu() -> dict[str, float]:
-    """CPU seconds used so far by each thread of this process, by name: Python's own for its threads (their
-    native ids matched), the kernel's `comm` for the others (the core's `ds-<role>`, torch's, the driver's);
-    threads of one name summed. Read at each --blocks boundary: whose CPU the blocks with checkpoints add."""
+    """CPU seconds used so far by each thread of this process (`cpu_use.thread_seconds`), by name: Python's
+    own for its threads (their native ids matched), the kernel's `comm` for the others (the core's
+    `ds-<role>`, torch's, the driver's); threads of one name summed. Read at each --blocks boundary: whose
+    CPU the blocks with checkpoints add."""
+    from nanotron_datastates.cpu_use import thread_seconds
+
     names = {t.native_id: f"py:{t.name}" for t in threading.enumerate()}
     out: dict[str, float] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
+            seconds = thread_seconds(tid)
             with open(f"/proc/self/task/{tid}/comm") as f:
                 comm = f.read().strip()
         except OSError:  # exited
             continue
-        fields = stat.rsplit(")", 1)[1].split()
-        seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
         name = names.get(int(tid), comm)
         out[name] = out.get(name, 0.0) + seconds
     return out

@@ -46,6 +46,11 @@ def thread_cpu() -> Marks:
     return out
 
 
+def thread_seconds(tid: int | str) -> float:
+    """CPU seconds used so far by thread `tid` of this process, any thread (OSError once it has exited)."""
+    return _seconds(f"{_TASKS}/{tid}")
+
+
 def _read(path: str) -> str:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:

@@ -83,3 +83,24 @@ def test_each_checkpoints_outcome_carries_the_cpu_its_saves_took(tmp_path):
         (result,) = committer.take(1)
         committer.close()
     assert result.committed and result.engine_cpu_s.get("copy-host", 0.0) > 0.0, result.engine_cpu_s
+
+
+def test_any_threads_cpu_is_read_to_below_a_tick_and_an_exited_one_raises():
+    import threading
+    import time
+
+    tid = threading.get_native_id()
+    before = cpu_use.thread_seconds(tid)
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < 0.005:  # half a clock tick: schedstat's nanoseconds see it
+        pass
+    assert cpu_use.thread_seconds(tid) - before >= 0.004
+    worker = threading.Thread(target=lambda: None)
+    worker.start()
+    gone = worker.native_id
+    worker.join()  # returns before the kernel's thread is gone: wait for its entry to go
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/self/task/{gone}") and time.monotonic() < deadline:
+        time.sleep(0.001)
+    with pytest.raises(OSError):
+        cpu_use.thread_seconds(gone)
