@@ -251,6 +251,13 @@ run_step() {
         ${FLOOR_BLOCKS:+--blocks $FLOOR_BLOCKS} \
         --modes "${FLOOR_MODES:-none,copy-engine}" --variant memtier2:$t \
         --rounds "${FLOOR_ROUNDS:-3}" --work "$WORK/mf180" --out "$OUT/memory-floor-180m" ${FLOOR_EXTRA:-}) ;;
+    memory-floor-1b) # one GPU, the 1.1B every FLOOR_INTERVAL steps (default 4): none, the engine's copy alone
+      # and the memory checkpoints, within each run (--blocks FLOOR_BLOCKS, default 40); FLOOR_STEPS (320)
+      local i=${FLOOR_INTERVAL:-4}
+      (cd $B && python3 bench_nanotron.py all --model 1b --steps "${FLOOR_STEPS:-320}" --interval "$i" \
+        --blocks "${FLOOR_BLOCKS:-40}" --cache-gib 4 --modes "${FLOOR_MODES:-none,copy-engine}" \
+        --variant "memtier$i:checkpoint_interval=1000,memory_tier=true,memory_interval=$i" \
+        --rounds "${FLOOR_ROUNDS:-1}" --work "$WORK/mf1b" --out "$OUT/memory-floor-1b-$i" ${FLOOR_EXTRA:-}) ;;
     gil-180m) # who holds the GIL while memory checkpoints every 2 steps run beside the 180M's training: py-spy
       # (its wheel in .gpu/wheels, gpu_prepare_main.sh) over the run, 100 samples a second, summed on this
       # machine (micro/gil_summary.py): the raw samples are tens of MB

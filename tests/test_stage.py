@@ -2,7 +2,9 @@
 holding none of them alive; every save staged with it holds the values of its own time."""
 
 import gc
+import os
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,3 +211,19 @@ def test_kept_buffers_lent_to_a_save_not_done_with_them_are_never_written(engine
     _loads_as(engine, tmp_path / "2", second_values)
     third = engine.stage(plans, keep=True)  # the second's buffers, kept and read by now
     assert [b.data_ptr() for b in third._prep.bases] == second_bases
+
+
+def test_a_staged_saves_paths_are_made_absolute_as_abspath_makes_them(tmp_path, monkeypatch):
+    """`absolute` skips abspath's normalization only where it would change nothing."""
+    from nanotron_datastates.save.staged_save import absolute
+
+    monkeypatch.chdir(tmp_path)
+    parts = ["", ".", "..", "a", "b.", "..c", "...", "d/"]
+    paths = {"/", "//", "///x", "/a/b/c.safetensors", str(tmp_path / "f"), "rel/x", "./x", "../x"}
+    for a in parts:
+        for b in parts:
+            for c in parts:
+                paths |= {f"/{a}/{b}/{c}", f"/{a}{b}/{c}", f"{a}/{b}/{c}", f"/{a}//{b}{c}"}
+    for p in sorted(paths):
+        assert absolute(p) == os.path.abspath(p), p
+        assert absolute(Path(p)) == os.path.abspath(p), p
