@@ -104,3 +104,35 @@ def test_any_threads_cpu_is_read_to_below_a_tick_and_an_exited_one_raises():
         time.sleep(0.001)
     with pytest.raises(OSError):
         cpu_use.thread_seconds(gone)
+
+
+def test_a_threads_name_is_read_once_and_a_thread_named_late_is_found_within_a_recheck():
+    """Each thread's name is read once (the committer reads the engine's CPU at every checkpoint); a thread
+    seen before it names itself `ds-<role>` is counted from the next recheck on."""
+    import ctypes
+    import threading
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    named, go, done = threading.Event(), threading.Event(), threading.Event()
+
+    def late() -> None:
+        go.wait()
+        assert libc.prctl(15, b"ds-late", 0, 0, 0) == 0  # PR_SET_NAME
+        named.set()
+        done.wait()
+
+    worker = threading.Thread(target=late)
+    worker.start()
+    try:
+        first = cpu_use.thread_cpu()  # the worker still bears its creator's name
+        assert worker.native_id not in first
+        go.set()
+        named.wait()
+        recheck = cpu_use._RECHECK - cpu_use._Names.calls % cpu_use._RECHECK  # the calls to the next one
+        seen = [worker.native_id in cpu_use.thread_cpu() for _ in range(recheck + 2)]
+        assert seen == [False] * (recheck - 1) + [True] * 3  # its name read again at the recheck only, kept
+        assert cpu_use.thread_cpu()[worker.native_id][0] == "late"
+    finally:
+        go.set()
+        done.set()
+        worker.join()
