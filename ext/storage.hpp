@@ -87,6 +87,13 @@ class Storage {
   // entry the file system refuses to remove, a folder changed meanwhile (a file added, swapped for a link,
   // moved away while walked). `parts` are checked by the caller: no empty, `.`, `..` or `/`-holding part.
   virtual bool remove_tree(const std::string& root, const std::vector<std::string>& parts) noexcept = 0;
+
+  // For each file (its path below `root` as parts, checked by the caller as for remove_tree; files in the
+  // same folder next to each other), whether a save may take it over: a regular file of this user's with no
+  // other name, reached without following a link. Each folder on the way is opened once for the files
+  // beside each other in it (a 1.1B rank's weight files lie eight folders deep); `root` missing: none.
+  virtual std::vector<std::uint8_t> takeable(const std::string& root,
+                                             const std::vector<std::vector<std::string>>& files) noexcept = 0;
 };
 
 // The POSIX file system target (storage_posix.cpp); the engine holds one for its saves and restores.

@@ -8,6 +8,7 @@
 #include <sys/vfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
@@ -229,6 +230,46 @@ class PosixStorage final : public Storage {
     } catch (...) {  // a listing that cannot be held in memory: not removed
       return false;
     }
+  }
+
+  std::vector<std::uint8_t> takeable(const std::string& root,
+                                     const std::vector<std::vector<std::string>>& files) noexcept override {
+    std::vector<std::uint8_t> out;
+    // The folders open below root, outermost first (-1: refused). Every allocation comes before the first
+    // descriptor is opened: nothing after it can throw.
+    std::vector<std::pair<const std::string*, int>> folders;
+    try {
+      out.assign(files.size(), 0);
+      std::size_t depth = 0;
+      for (const auto& parts : files) depth = std::max(depth, parts.size());
+      folders.reserve(depth);
+    } catch (...) {
+      return std::vector<std::uint8_t>();
+    }
+    const int top = ::open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (top < 0) return out;
+    const uid_t me = geteuid();
+    for (std::size_t k = 0; k < files.size(); ++k) {
+      const auto& parts = files[k];
+      if (parts.empty()) continue;
+      const std::size_t dirs = parts.size() - 1;
+      std::size_t keep = 0;  // the folders open already on this file's way
+      while (keep < std::min(folders.size(), dirs) && *folders[keep].first == parts[keep]) ++keep;
+      for (; folders.size() > keep; folders.pop_back())
+        if (folders.back().second >= 0) ::close(folders.back().second);
+      for (std::size_t i = keep; i < dirs; ++i) {
+        const int parent = folders.empty() ? top : folders.back().second;
+        folders.emplace_back(&parts[i], parent >= 0 ? openat(parent, parts[i].c_str(), kFolder) : -1);
+      }
+      const int at = folders.empty() ? top : folders.back().second;
+      struct stat st {};
+      out[k] = at >= 0 && fstatat(at, parts.back().c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+               S_ISREG(st.st_mode) && st.st_uid == me && st.st_nlink == 1;
+    }
+    for (const auto& folder : folders)
+      if (folder.second >= 0) ::close(folder.second);
+    ::close(top);
+    return out;
   }
 
   bool in_memory(int fd) override {

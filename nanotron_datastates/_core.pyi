@@ -81,6 +81,11 @@ def remove_tree(root: str, parts: Sequence[str]) -> bool:
     Removes root/parts... and all in it without following a link; False where it was not removed whole
     """
 
+def takeable(root: str, files: Sequence[Sequence[str]]) -> list[int]:
+    """
+    For each file (its parts below root), whether it is a regular file of this user's with one name, reached without following a link
+    """
+
 def crc32c(data: bytes, crc: int = 0) -> int:
     """CRC-32C of `data`, continuing from `crc`"""
 

@@ -1,0 +1,156 @@
+"""The engine's Python a memory checkpoint costs, thread by thread (CPU, no GPU): Nanotron's Llama of the
+adapter's tests (`tests/adapter/cpu_ranks.py`, Nanotron's real classes on a gloo world of one) with `--layers`
+layers, its real Saver with the memory tier, staged, a memory checkpoint every 2 steps and `--gap` seconds
+between steps (the forward and backward passes the engine's threads run beside). Over each round's
+checkpoints: each thread's CPU a checkpoint (/proc: the training thread, the queuer, the committer, and the
+core's threads by role), and the training thread's own time a checkpoint (capture, request and queuing, as
+the Saver reports them).
+
+    python3 benchmarks/micro/bench_saver_threads.py --out DIR [--layers 8 --steps 300 --gap 0.03 --rounds 3]
+
+Writes DIR/bench_saver_threads.json. `--nanotron-src` (default: ../shared/nanotron/7bc99232/src beside the
+checkout): the Nanotron tree, with `cpu_stand_ins.py` beside the trees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the helpers in benchmarks/
+from _common import command_info, host_info  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=300, help="steps a round (a checkpoint every 2)")
+    ap.add_argument("--gap", type=float, default=0.03, help="seconds between steps")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--nanotron-src", default=str(ROOT.parent / "shared" / "nanotron" / "7bc99232" / "src"))
+    args = ap.parse_args()
+    src = Path(args.nanotron_src).resolve()
+    sys.path[:0] = [str(src), str(src.parents[1]), str(ROOT / "tests" / "adapter"), str(ROOT / "tests")]
+    import cpu_stand_ins  # noqa: F401 - before anything imports nanotron
+
+    for k, v in (("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("RANK", "0")):
+        os.environ.setdefault(k, v)
+    with tempfile.TemporaryDirectory(prefix="ds-saver-threads-") as work:
+        rounds = run(Path(work), args)
+    per = {k: statistics.median(r["cpu_ms"].get(k, 0.0) for r in rounds) for k in rounds[0]["cpu_ms"]}
+    result = {
+        "what": "CPU a memory checkpoint by thread (ms), the median of the rounds; the training thread's own "
+        "time a checkpoint (capture, request, queuing)",
+        "command": command_info(),
+        "host": host_info([tempfile.gettempdir()]),
+        "settings": vars(args),
+        "cpu_ms_median": dict(sorted(per.items())),
+        "training_thread_ms_median": statistics.median(r["training_thread_ms"] for r in rounds),
+        "rounds": rounds,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_saver_threads.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("cpu_ms_median", "training_thread_ms_median")}, indent=1))
+
+
+def run(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The Saver driven as Nanotron's loop drives it; one record a round."""
+    import cpu_ranks
+    import torch.distributed as tdist
+
+    from nanotron_datastates import DataStatesEngine, cpu_use
+    from nanotron_datastates.nanotron.manager import CheckpointManager
+    from nanotron_datastates.nanotron.resume.resume import Resume
+    from nanotron_datastates.nanotron.save.saver import Saver
+    from nanotron_datastates.nanotron.trainer import DataStatesTrainer
+    from nanotron_datastates.trainer_settings import TrainerSettings
+
+    tdist.init_process_group("gloo", init_method=f"file://{work}/init", rank=0, world_size=1)
+    pc, c = cpu_ranks.parallel_context(), cpu_ranks.config()
+    c.model.model_config.num_hidden_layers = args.layers
+    model, optimizer, lr_scheduler, random_states = cpu_ranks.training_state(pc, c)
+    engine = DataStatesEngine(host_cache_size=1 / 16, chunk_size=1)
+    settings = TrainerSettings(
+        memory_tier=True, memory_tier_path=str(work / "shm"), memory_interval=2, device_snapshot="always"
+    )
+    t = DataStatesTrainer.__new__(DataStatesTrainer)  # as Nanotron's loop holds it (the adapter's tests)
+    t.config, t.parallel_context, t.current_dataloader = c, pc, iter(())
+    c.data_stages = None
+    t.optimizer, t.lr_scheduler, t.random_states = optimizer, lr_scheduler, random_states
+    t.iteration_step, t.s3_mover = 1, None
+    saver = Saver(engine, settings, pc, model, optimizer, work / "ckpt")
+    t.datastates = CheckpointManager(t, Resume(), saver)
+    t.datastates.stepped = True
+    queued: list[float] = []  # the training thread's seconds of each checkpoint taken
+
+    def observe(event: str, fields: dict[str, object]) -> None:
+        if event == "queued":
+            queued.append(float(fields["seconds"]))  # type: ignore[arg-type]
+
+    saver.observers.append(observe)
+    saver.start()
+    saver.after_first_step()
+
+    def iteration(at: int) -> None:
+        t.metadata = cpu_ranks.training_metadata(at)
+        t._update_dataloader_based_on_training_stages(None)  # the mixin's memory checkpoint, where due
+        saver.before_step()
+        saver.after_step()
+        time.sleep(args.gap)
+
+    def python_threads() -> dict[str, float]:
+        out = {}
+        for th in threading.enumerate():
+            if th.native_id is not None and (
+                th is threading.main_thread() or th.name.startswith("datastates")
+            ):
+                out[th.name] = cpu_use.thread_seconds(th.native_id)
+        return out
+
+    at, rounds = 1, []
+    for _ in range(20):  # the first checkpoints: the tier's files taken over from then on
+        iteration(at)
+        at += 1
+    for _ in range(args.rounds):
+        saver.take(saver.outstanding, lambda s: None)
+        n0, skipped0, py0, core0 = (
+            len(queued),
+            len(saver.memory_skipped),
+            python_threads(),
+            cpu_use.thread_cpu(),
+        )
+        for _ in range(args.steps):
+            iteration(at)
+            at += 1
+        saver.take(saver.outstanding, lambda s: None)  # their commits counted too
+        py1, core = python_threads(), cpu_use.since(core0)
+        taken = len(queued) - n0
+        cpu = {k: (py1[k] - py0.get(k, 0.0)) for k in py1}
+        cpu.update({f"ds-{k}": v for k, v in core.items()})
+        rounds.append(
+            {
+                "checkpoints": taken,
+                "skipped": len(saver.memory_skipped) - skipped0,
+                "cpu_ms": {k: round(v / taken * 1e3, 3) for k, v in sorted(cpu.items())},
+                "training_thread_ms": round(statistics.median(queued[n0:]) * 1e3, 3),
+            }
+        )
+        print(rounds[-1], flush=True)
+    saver.close()
+    engine.close()
+    return rounds
+
+
+if __name__ == "__main__":
+    main()
