@@ -6,7 +6,8 @@ checkpoints: each thread's CPU a checkpoint (/proc: the training thread, the que
 core's threads by role), and the training thread's own time a checkpoint (capture, request and queuing, as
 the Saver reports them).
 
-    python3 benchmarks/micro/bench_saver_threads.py --out DIR [--layers 8 --steps 300 --gap 0.03 --rounds 3]
+    python3 benchmarks/micro/bench_saver_threads.py --out DIR [--layers 8 --steps 300 --gap 0.03 --rounds 3
+        --idle-threads 0]
 
 Writes DIR/bench_saver_threads.json. `--nanotron-src` (default: ../shared/nanotron/7bc99232/src beside the
 checkout): the Nanotron tree, with `cpu_stand_ins.py` beside the trees.
@@ -37,6 +38,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300, help="steps a round (a checkpoint every 2)")
     ap.add_argument("--gap", type=float, default=0.03, help="seconds between steps")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--idle-threads",
+        type=int,
+        default=0,
+        help="idle threads beside, as a GPU trainer's process holds (torch's, NCCL's, CUDA's: 100 or more)",
+    )
     ap.add_argument("--nanotron-src", default=str(ROOT.parent / "shared" / "nanotron" / "7bc99232" / "src"))
     args = ap.parse_args()
     src = Path(args.nanotron_src).resolve()
@@ -45,8 +52,14 @@ def main() -> None:
 
     for k, v in (("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("RANK", "0")):
         os.environ.setdefault(k, v)
-    with tempfile.TemporaryDirectory(prefix="ds-saver-threads-") as work:
-        rounds = run(Path(work), args)
+    # the tier in node memory, as a trainer's (/dev/shm), the rest in the temporary folder
+    idle = threading.Event()
+    for _ in range(args.idle_threads):
+        threading.Thread(target=idle.wait, daemon=True).start()
+    folder, prefix = tempfile.TemporaryDirectory, "ds-saver-threads-"
+    with folder(prefix=prefix) as work, folder(prefix=prefix, dir="/dev/shm") as shm:
+        rounds = run(Path(work), Path(shm), args)
+    idle.set()
     per = {k: statistics.median(r["cpu_ms"].get(k, 0.0) for r in rounds) for k in rounds[0]["cpu_ms"]}
     result = {
         "what": "CPU a memory checkpoint by thread (ms), the median of the rounds; the training thread's own "
@@ -64,7 +77,7 @@ def main() -> None:
     print(json.dumps({k: result[k] for k in ("cpu_ms_median", "training_thread_ms_median")}, indent=1))
 
 
-def run(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(work: Path, shm: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The Saver driven as Nanotron's loop drives it; one record a round."""
     import cpu_ranks
     import torch.distributed as tdist
@@ -82,7 +95,7 @@ def run(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     model, optimizer, lr_scheduler, random_states = cpu_ranks.training_state(pc, c)
     engine = DataStatesEngine(host_cache_size=1 / 16, chunk_size=1)
     settings = TrainerSettings(
-        memory_tier=True, memory_tier_path=str(work / "shm"), memory_interval=2, device_snapshot="always"
+        memory_tier=True, memory_tier_path=str(shm), memory_interval=2, device_snapshot="always"
     )
     t = DataStatesTrainer.__new__(DataStatesTrainer)  # as Nanotron's loop holds it (the adapter's tests)
     t.config, t.parallel_context, t.current_dataloader = c, pc, iter(())
