@@ -110,3 +110,36 @@ def test_a_state_that_changed_shape_is_planned_afresh(engine, change):
     plan = plans.replan_held(frozen)
     assert _same(plan, plan_save(frozen))
     assert plans.kept is plan and plan.sources is not kept.sources  # walked again
+
+
+@pytest.mark.parametrize("change", ["data swapped", "resized", "dtype"])
+def test_a_held_tensor_changed_in_place_is_staged_and_saved_as_it_is_now(engine, tmp_path, change):
+    """The capture checks only that the optimizer still holds the kept plan's tensor objects; what the plan
+    says of them (memory, shape, dtype) is checked and renewed by the staging, as for every file."""
+    params, opt, step = _trained()
+    plans = OptimizerPlans(engine, opt)
+    plans.first()
+    plans.replan_held(plans.for_checkpoint(staged_before_step=True)[1])
+    exp_avg = opt.state[params[1]]["exp_avg"]
+    if change == "data swapped":
+        exp_avg.data = torch.randn(4, 5)
+    elif change == "resized":
+        exp_avg.resize_(7)
+        exp_avg.copy_(torch.arange(7.0))
+    else:
+        exp_avg.data = exp_avg.data.to(torch.float64)
+    kept, frozen = plans.for_checkpoint(staged_before_step=True)
+    assert kept is plans.kept and frozen is not None  # the same objects: held
+    staged = engine.stage([kept])
+    want = {k: v.clone() for k, v in frozen["state"][1].items()}
+    for v in opt.state[params[1]].values():  # the live state moves on after the staging
+        v.add_(1)
+    path = tmp_path / "optimizer.safetensors"
+    staged.target([path])
+    staged.replan(0, plans.replan_held(frozen))
+    (handle,) = staged.queue()
+    handle.wait_persisted()
+    loaded = engine.load(path)
+    for k, v in want.items():
+        got = loaded["state"][1][k]
+        assert got.dtype == v.dtype and got.shape == v.shape and torch.equal(got, v), (change, k)

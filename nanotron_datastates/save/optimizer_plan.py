@@ -12,6 +12,7 @@ import torch
 
 from .. import skeleton, state_parts
 from ..engine import DataStatesEngine
+from ..skeleton_text import Texts
 from .plan import SavePlan, plan_again, plan_save
 
 
@@ -25,7 +26,7 @@ class OptimizerPlans:
         # What `replan_held` reuses, replaced whole (never changed: the queuer's thread and the training
         # thread may plan at once): the kept plan's state's top-level keys in order, and its values made of
         # dicts of tensors only, encoded, with their keys (`_tensor_dicts`)
-        self._reuse = _Reuse([], {}, {})
+        self._reuse = _Reuse([], {}, {}, Texts())
 
     def state(self) -> object:
         """The optimizer's state this rank writes: all of it, or its part."""
@@ -53,7 +54,9 @@ class OptimizerPlans:
         state = self.state()
         if staged_before_step and kept is not None:
             frozen, tensors = skeleton.freeze(state)
-            if kept.holds(tensors):
+            # The same tensor objects, in order: the staging's `prepare.current` then checks (and renews)
+            # what the kept plan says of them, as it does for every file, so that is not done twice here.
+            if len(tensors) == len(kept.sources) and all(map(operator.is_, tensors, kept.sources)):
                 return kept, frozen
         return self.replan(state), None
 
@@ -62,7 +65,7 @@ class OptimizerPlans:
         encoded: dict[object, object] = {}
         plan = plan_save(state, like=self.kept, keep=encoded)
         if self.kept is not None:
-            reuse = _Reuse(list(state) if type(state) is dict else [], {}, {})
+            reuse = _Reuse(list(state) if type(state) is dict else [], {}, {}, Texts())
             for key, value in state.items() if type(state) is dict else ():
                 layout = _tensor_dicts(value)
                 if layout is not None and key in encoded:
@@ -85,7 +88,7 @@ class OptimizerPlans:
             tensors += found[1]
         if len(tensors) != len(kept.sources) or not all(map(operator.is_, tensors, kept.sources)):
             return self.replan(frozen)
-        plan = plan_again(frozen, kept, reuse.encoded)
+        plan = plan_again(frozen, kept, reuse.encoded, reuse.texts)
         if plan is None:
             return self.replan(frozen)
         self.kept = plan
@@ -99,6 +102,7 @@ class _Reuse(NamedTuple):
     keys: list[object]
     encoded: dict[object, object]
     layouts: dict[object, Layout]
+    texts: Texts  # the skeleton's text kept from one plan to the next (skeleton_text.py)
 
 
 def _tensor_dicts(value: object) -> tuple[Layout, list[torch.Tensor]] | None:

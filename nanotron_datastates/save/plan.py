@@ -14,8 +14,9 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .. import _core, skeleton
+from .. import _core, skeleton, skeleton_text
 from .. import format as fmt
+from ..skeleton_text import Texts
 
 # Dtypes every supported torch exports through DLPack; others are exported as a same-size integer view.
 _EXPORTABLE = {
@@ -176,11 +177,14 @@ def plan_save(
     return plan
 
 
-def plan_again(state: object, like: SavePlan, reuse: Mapping[object, object]) -> SavePlan | None:
+def plan_again(
+    state: object, like: SavePlan, reuse: Mapping[object, object], texts: Texts | None = None
+) -> SavePlan | None:
     """`plan_save(state, like=like)` where every tensor of `state` is in the top-level values whose encoded
     nodes `reuse` holds (`skeleton.encode`'s `keep` for `like`), as `like` planned them: the caller vouches
     (an optimizer's per-parameter state, checked before the step). Only the rest (its param groups) is
-    walked. None where the rest holds a tensor."""
+    walked; with `texts` (kept by the caller from one call to the next), the skeleton's text is made from
+    the last one's where only plain values changed (skeleton_text.py). None where the rest holds a tensor."""
 
     met: list[str] = []
 
@@ -188,7 +192,9 @@ def plan_again(state: object, like: SavePlan, reuse: Mapping[object, object]) ->
         met.append(path)
         return path
 
-    skel = skeleton.encode(state, on_tensor, reuse=reuse)
+    skel = skeleton_text.encode(state, reuse, texts) if texts is not None and type(state) is dict else None
+    if skel is None:
+        skel = skeleton.encode(state, on_tensor, reuse=reuse)
     if met:  # a tensor outside the reused values
         return None
     plan = SavePlan()

@@ -1,0 +1,169 @@
+"""The skeleton's text of a state planned again, made from what the last plan wrote (`plan.plan_again`).
+
+An optimizer's state planned at every checkpoint differs from the last one's in a few plain values: the
+learning rate of each param group (Nanotron makes a group a parameter: 50 for a 180M, 200 for a 1.1B). Its
+top-level values whose encoding the caller reuses (the per-parameter state) are kept as text, and each param
+group (a flat dict) as a template with its finite floats left out, written in with `%r` (the spelling JSON
+gives a float). A group whose keys, other values or their types changed is encoded afresh, and so is any
+other value. The text is the very one `skeleton.encode` writes; the tests compare them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+import uuid
+from typing import Any, Callable, Mapping
+
+import torch
+
+from . import skeleton
+
+_SEP = (",", ":")
+_PLAIN = frozenset({type(None), bool, int, str})
+_ITEMS = _PLAIN | {float}  # what a list or tuple in a template may hold
+
+
+class Texts:
+    """What `encode` keeps from one call to the next, for one state: each reused value's text (with the node
+    it was made from), and each list of param groups' templates, by key."""
+
+    def __init__(self) -> None:
+        self.reused: dict[object, tuple[object, str]] = {}
+        self.groups: dict[object, list[_Group | None]] = {}
+
+
+class _TensorMet(Exception):
+    pass
+
+
+def encode(
+    state: dict[Any, Any],
+    reuse: Mapping[object, object],
+    texts: Texts,
+) -> str | None:
+    """`skeleton.encode(state, ..., reuse=reuse)`'s text for a dict `state` whose tensors are all in the
+    values `reuse` gives nodes for; None where another value holds a tensor, or `state` is not such a dict.
+    TypeError as `skeleton.encode` raises it for a value it cannot store."""
+    if type(state) is not dict or not set(map(type, state)) <= _PLAIN:
+        return None
+    try:
+        parts = []
+        for key, value in state.items():
+            kind = type(value)
+            if value is None or kind in _PLAIN or (kind is float and math.isfinite(value)):
+                text = json.dumps(value)  # as `skeleton.encode` writes a plain value: itself, reused or not
+            elif key in reuse:
+                text = _reused(texts, key, reuse[key])
+            elif type(value) is list and value and set(map(type, value)) == {dict}:
+                text = '{"l":[' + ",".join(_groups(texts, key, value)) + "]}"
+            else:
+                text = _fresh(value)
+            parts.append(f"[{json.dumps(key)},{text}]")
+    except _TensorMet:
+        return None
+    return '{"d":[' + ",".join(parts) + "]}"
+
+
+def _reused(texts: Texts, key: object, node: object) -> str:
+    have = texts.reused.get(key)
+    if have is None or have[0] is not node:
+        have = texts.reused[key] = (node, json.dumps(node, separators=_SEP, allow_nan=False))
+    return have[1]
+
+
+def _fresh(value: object) -> str:
+    def on_tensor(t: torch.Tensor, path: str) -> str:
+        raise _TensorMet
+
+    return skeleton.encode(value, on_tensor)
+
+
+def _groups(texts: Texts, key: object, groups: list[dict[Any, Any]]) -> list[str]:
+    """Each group's text, from its template where it still fits one; the templates kept for the next call."""
+    old = texts.groups.get(key) or []
+    out: list[str] = []
+    kept: list[_Group | None] = []
+    for i, group in enumerate(groups):
+        template = old[i] if i < len(old) else None
+        text = template.text_of(group) if template is not None else None
+        if text is None:
+            text = _fresh(group)
+            template = _Group.of(group, text)
+        out.append(text)
+        kept.append(template)
+    texts.groups[key] = kept
+    return out
+
+
+def _getter(keys: list[object]) -> Callable[[dict[Any, Any]], tuple[Any, ...]]:
+    """`operator.itemgetter(*keys)`, always giving a tuple."""
+    if len(keys) == 1:
+        only = keys[0]
+        return lambda d: (d[only],)
+    if not keys:
+        return lambda d: ()
+    return operator.itemgetter(*keys)
+
+
+_Items = tuple[int, tuple[type, ...], "str | None"]  # a list's or tuple's place among the others, its items
+
+
+class _Group:
+    """A flat dict's text with its finite floats left out (`%r` in their places): it stands for a dict with
+    these keys in this order, other values equal to these and of the same types (a list's or tuple's items
+    too, and their spelling where they hold floats: -0.0 equals 0.0), and finite floats where these were."""
+
+    __slots__ = ("floats", "get_floats", "get_others", "items", "keys", "others", "text", "types")
+
+    def __init__(self, group: dict[Any, Any], floats: list[object], items: list[_Items], text: str) -> None:
+        others = [k for k in group if k not in set(floats)]
+        self.keys = tuple(group)
+        self.get_others, self.get_floats = _getter(others), _getter(floats)
+        self.others = tuple(list(v) if type(v) is list else v for v in self.get_others(group))
+        self.types = tuple(map(type, self.others))
+        self.items = tuple(items)
+        self.floats = (float,) * len(floats)
+        self.text = text
+
+    @classmethod
+    def of(cls, group: dict[Any, Any], text: str) -> _Group | None:
+        """The template of `group`, whose text is `text`; None where it holds anything but plain values and
+        flat lists or tuples of them."""
+        if not set(map(type, group)) <= _PLAIN:
+            return None
+        floats = [k for k, v in group.items() if type(v) is float and math.isfinite(v)]
+        left_out = set(floats)
+        items: list[_Items] = []
+        for i, k in enumerate(k for k in group if k not in left_out):
+            v = group[k]
+            if type(v) in (list, tuple):
+                if not set(map(type, v)) <= _ITEMS:
+                    return None
+                has_float = any(type(x) is float for x in v)
+                items.append((i, tuple(map(type, v)), repr(v) if has_float else None))
+            elif type(v) not in _PLAIN and type(v) is not float:  # a non-finite float stays: compared by ==
+                return None
+        mark = f"ds-float-{uuid.uuid4().hex}-"
+        marked = {k: (f"{mark}{floats.index(k)}" if k in left_out else v) for k, v in group.items()}
+        pieces = _fresh(marked).replace("%", "%%")
+        for i in range(len(floats)):
+            pieces = pieces.replace(json.dumps(f"{mark}{i}"), "%r", 1)
+        template = cls(group, floats, items, pieces)
+        return template if template.text_of(group) == text else None
+
+    def text_of(self, group: dict[Any, Any]) -> str | None:
+        """`group`'s text where it fits this template, else None."""
+        if type(group) is not dict or tuple(group) != self.keys:
+            return None
+        others = self.get_others(group)
+        if others != self.others or tuple(map(type, others)) != self.types:
+            return None
+        for i, types, spelled in self.items:
+            if tuple(map(type, others[i])) != types or (spelled is not None and repr(others[i]) != spelled):
+                return None
+        floats = self.get_floats(group)
+        if tuple(map(type, floats)) != self.floats or not all(map(math.isfinite, floats)):
+            return None
+        return self.text % floats
