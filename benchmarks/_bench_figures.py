@@ -161,7 +161,9 @@ def queue_split(rec: dict[str, Any]) -> dict[str, float] | None:
         out["rest"] = med(q["engine_s"] - q["plan_s"] - q["prepare_s"] - q["core_s"] for q in qs)
     if all(q.get("captured_s") is not None for q in qs):  # before the optimizer step, where deferred
         out["before_step"] = med(q["captured_s"] for q in qs)
-    for part in ("replan", "state", "targets"):  # the optimizer's plan, its copy, the tier's targets
+    # the optimizer's plan afresh, like the last (`held`, with `replan` where it fell back), its copy, the
+    # tier's targets
+    for part in ("replan", "held", "state", "targets"):
         if all(f"{part}_s" in q for q in qs):
             out[part] = med(q[f"{part}_s"] for q in qs)
     return out

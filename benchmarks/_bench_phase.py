@@ -51,8 +51,17 @@ def run_phase(args: argparse.Namespace) -> None:
 
     engine_time = [0.0]  # seconds in the engine's plan, save and save_plan (planning + queuing), summed
     # Seconds planning, staging, in the core: summed; and of those, or beside them, the optimizer's plan
-    # (`replan`), its state's copy taken before the step (`state`), the tier's targets (`targets`)
-    split = {"plan": 0.0, "prepare": 0.0, "core": 0.0, "replan": 0.0, "state": 0.0, "targets": 0.0}
+    # afresh (`replan`) or like the last from the copy taken before the step (`held`), that copy (`state`),
+    # the tier's targets (`targets`)
+    split = {
+        "plan": 0.0,
+        "prepare": 0.0,
+        "core": 0.0,
+        "replan": 0.0,
+        "held": 0.0,
+        "state": 0.0,
+        "targets": 0.0,
+    }
     # The same on the training thread's CPU clock: where it reads less than the wall clock, the thread
     # waited (for the GIL, or in a driver call), rather than ran
     split_cpu = dict.fromkeys(split, 0.0)
@@ -104,6 +113,7 @@ def run_phase(args: argparse.Namespace) -> None:
         from nanotron_datastates.save.optimizer_plan import OptimizerPlans
 
         OptimizerPlans.replan = adds_to("replan", OptimizerPlans.replan)  # type: ignore[method-assign]
+        OptimizerPlans.replan_held = adds_to("held", OptimizerPlans.replan_held)  # type: ignore[method-assign]
         OptimizerPlans.for_checkpoint = adds_to("state", OptimizerPlans.for_checkpoint)  # type: ignore
         queuing_module.targets = adds_to("targets", queuing_module.targets)
         engine_module.prepare_all = adds_to("prepare", engine_module.prepare_all)

@@ -20,11 +20,25 @@ def _same(a, b) -> bool:
     )
 
 
-def _trained(groups: int = 5):
+class _Accumulated(torch.optim.AdamW):
+    """An AdamW whose state holds fp32 weights by name beside, as Nanotron's optimizer over an fp32 gradient
+    accumulator does (`OptimizerFromGradientAccumulator.state_dict`: a dict of tensors only)."""
+
+    def state_dict(self):
+        state = super().state_dict()
+        if not hasattr(self, "fp32"):  # made once, as the accumulator's are
+            weights = [p for g in self.param_groups for p in g["params"]]
+            self.fp32 = {f"model.w{i}": p.detach().clone() for i, p in enumerate(weights)}
+        state["gradient_accumulator"] = dict(self.fp32)
+        return state
+
+
+def _trained(groups: int = 5, accumulator: bool = False):
     """An AdamW over `groups` parameters, one param group each (as Nanotron makes them), stepped once, with
-    a schedule that moves the learning rate at every step."""
+    a schedule that moves the learning rate at every step; with `accumulator`, fp32 weights in its state."""
     params = [torch.nn.Parameter(torch.randn(3, 2)) for _ in range(groups)]
-    opt = torch.optim.AdamW([{"params": [p]} for p in params], lr=1e-3)
+    kind = _Accumulated if accumulator else torch.optim.AdamW
+    opt = kind([{"params": [p]} for p in params], lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
 
     def step() -> None:
@@ -43,8 +57,11 @@ def engine():
         yield e
 
 
-def test_a_held_state_is_planned_as_afresh_at_every_checkpoint_without_walking_its_tensors(engine):
-    params, opt, step = _trained()
+@pytest.mark.parametrize("accumulator", [False, True], ids=["adamw", "fp32 accumulator"])
+def test_a_held_state_is_planned_as_afresh_at_every_checkpoint_without_walking_its_tensors(
+    engine, accumulator
+):
+    params, opt, step = _trained(accumulator=accumulator)
     plans = OptimizerPlans(engine, opt)
     plans.first()
     for k in range(4):

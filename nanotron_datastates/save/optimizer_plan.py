@@ -1,7 +1,8 @@
 """The optimizer's file, planned at each checkpoint like the last: its tensors are checked once, not at every
 checkpoint (part of 2-4 ms of the stall on an H100), and its plain values (a learning rate, a step count)
 are read at each checkpoint. Where a staged checkpoint's tensors were found held before the step, the
-per-parameter state (dicts of tensors only) is not even walked again: its encoding is the last plan's."""
+per-parameter state (dicts of tensors only) and the fp32 weights that Nanotron's gradient accumulator adds
+to it are not even walked again: their encoding is the last plan's."""
 
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ class OptimizerPlans:
         return plan
 
 
-Layout = list[tuple[object, tuple[object, ...]]]  # a dict of dicts' keys: (key, the inner dict's keys)
+# A dict of dicts' keys, (key, the inner dict's keys) each; or a dict of tensors' keys, (key, None) each
+Layout = list[tuple[object, "tuple[object, ...] | None"]]
 
 
 class _Reuse(NamedTuple):
@@ -107,9 +109,12 @@ class _Reuse(NamedTuple):
 
 def _tensor_dicts(value: object) -> tuple[Layout, list[torch.Tensor]] | None:
     """(the keys, the tensors in order) of a dict of dicts of tensors only (an optimizer's per-parameter
-    state), else None."""
-    if type(value) is not dict:
+    state), or of a dict of tensors only (Nanotron's fp32 gradient accumulator's weights, by name, which its
+    optimizer's state holds beside), else None."""
+    if type(value) is not dict or not value:
         return None
+    if set(map(type, value.values())) <= skeleton.TENSOR_TYPES:
+        return [(k, None) for k in value], list(value.values())
     layout: Layout = []
     tensors: list[torch.Tensor] = []
     for k, inner in value.items():
