@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import ctypes
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -280,6 +285,52 @@ def _victim(tmp_path: Path, name: str) -> Path:
     p.parent.mkdir(exist_ok=True)
     p.write_text("not the tier's")
     return p
+
+
+def _folder_opens(top: Path, work: Callable[[], object]) -> collections.Counter[str]:
+    """How many times `work()` opened each folder below `top` (and `top`, as "."), as inotify reports it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    in_open, in_isdir, in_nonblock = 0x20, 0x40000000, 0o4000
+    fd = libc.inotify_init1(in_nonblock)
+    assert fd >= 0, os.strerror(ctypes.get_errno())
+    try:
+        watched = {}
+        for folder, _, _ in os.walk(top):
+            watched[libc.inotify_add_watch(fd, os.fsencode(folder), in_open)] = os.path.relpath(folder, top)
+        work()
+        events = b""
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(fd, 1 << 16):
+                events += chunk
+    finally:
+        os.close(fd)
+    opens: collections.Counter[str] = collections.Counter()
+    at = 0
+    while at < len(events):
+        wd, mask, _, size = struct.unpack_from("iIII", events, at)
+        if mask & in_isdir and not events[at + 16 : at + 16 + size].strip(b"\0"):  # the watched folder itself
+            opens[watched[wd]] += 1
+        at += 16 + size
+    return opens
+
+
+def test_the_check_of_the_files_taken_over_opens_each_folder_once(tmp_path):
+    """`ours` walks the folders of the names asked, in any order, opening each folder on the way once for all
+    the names below it: a 1.1B rank's 270 weight files lie eight folders deep, and the check runs at every
+    checkpoint."""
+    from nanotron_datastates.tier.folders import ours
+
+    top = tmp_path / "donor"
+    names = [f"model/decoder/{i}/pp_block/{part}/w" for i in range(3) for part in ("attn", "mlp")]
+    names += ["model/final/w", "optimizer/o", "w"]
+    for rel in names:
+        (top / rel).parent.mkdir(parents=True, exist_ok=True)
+        (top / rel).write_bytes(b"x")
+    folders = {os.path.relpath(f, top) for f, _, _ in os.walk(top)}
+    asked = list(reversed(names)) + ["model/decoder/9/gone", "model/decoder/0/pp_block/attn/w/not-a-folder"]
+    opens = _folder_opens(top, lambda: ours(top, asked))
+    assert opens == dict.fromkeys(folders, 1)
+    assert ours(top, asked) == set(names)
 
 
 def test_only_regular_single_named_files_of_this_user_are_taken_over(tmp_path):
