@@ -3,9 +3,10 @@
 An optimizer's state planned at every checkpoint differs from the last one's in a few plain values: the
 learning rate of each param group (Nanotron makes a group a parameter: 50 for a 180M, 200 for a 1.1B). Its
 top-level values whose encoding the caller reuses (the per-parameter state) are kept as text, and each param
-group (a flat dict) as a template with its finite floats left out, written in with `%r` (the spelling JSON
-gives a float). A group whose keys, other values or their types changed is encoded afresh, and so is any
-other value. The text is the very one `skeleton.encode` writes; the tests compare them.
+group (a flat dict) as a template with its numbers (ints, finite floats) left out, written in with `%r` (the
+spelling JSON gives them). A group whose keys, other values or their types changed is encoded afresh, and so
+is any other value; a group that fits no template three calls in a row is not given one again. The text is
+the very one `skeleton.encode` writes; the tests compare them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from . import skeleton
 _SEP = (",", ":")
 _PLAIN = frozenset({type(None), bool, int, str})
 _ITEMS = _PLAIN | {float}  # what a list or tuple in a template may hold
+_MAX_MISSES = 3  # calls in a row a group fits no template before none is made for it again
 
 
 class Texts:
@@ -31,7 +33,8 @@ class Texts:
 
     def __init__(self) -> None:
         self.reused: dict[object, tuple[object, str]] = {}
-        self.groups: dict[object, list[_Group | None]] = {}
+        # (the template or None, the calls in a row it did not fit) of each group
+        self.groups: dict[object, list[tuple[_Group | None, int]]] = {}
 
 
 class _TensorMet(Exception):
@@ -84,15 +87,19 @@ def _groups(texts: Texts, key: object, groups: list[dict[Any, Any]]) -> list[str
     """Each group's text, from its template where it still fits one; the templates kept for the next call."""
     old = texts.groups.get(key) or []
     out: list[str] = []
-    kept: list[_Group | None] = []
+    kept: list[tuple[_Group | None, int]] = []
     for i, group in enumerate(groups):
-        template = old[i] if i < len(old) else None
+        template, misses = old[i] if i < len(old) else (None, 0)
         text = template.text_of(group) if template is not None else None
         if text is None:
             text = _fresh(group)
-            template = _Group.of(group, text)
+            if misses < _MAX_MISSES:  # else a group whose other values change at every call: walked only
+                template = _Group.of(group, text)
+            misses += 1
+        else:
+            misses = 0
         out.append(text)
-        kept.append(template)
+        kept.append((template, misses))
     texts.groups[key] = kept
     return out
 
@@ -111,20 +118,21 @@ _Items = tuple[int, tuple[type, ...], "str | None"]  # a list's or tuple's place
 
 
 class _Group:
-    """A flat dict's text with its finite floats left out (`%r` in their places): it stands for a dict with
-    these keys in this order, other values equal to these and of the same types (a list's or tuple's items
-    too, and their spelling where they hold floats: -0.0 equals 0.0), and finite floats where these were."""
+    """A flat dict's text with its numbers left out (`%r` in their places): it stands for a dict with these
+    keys in this order, other values equal to these and of the same types (a list's or tuple's items too,
+    and their spelling where they hold floats: -0.0 equals 0.0), and numbers of the same types where these
+    were (a float finite)."""
 
-    __slots__ = ("floats", "get_floats", "get_others", "items", "keys", "others", "text", "types")
+    __slots__ = ("get_numbers", "get_others", "items", "keys", "numbers", "others", "text", "types")
 
-    def __init__(self, group: dict[Any, Any], floats: list[object], items: list[_Items], text: str) -> None:
-        others = [k for k in group if k not in set(floats)]
+    def __init__(self, group: dict[Any, Any], numbers: list[object], items: list[_Items], text: str) -> None:
+        others = [k for k in group if k not in set(numbers)]
         self.keys = tuple(group)
-        self.get_others, self.get_floats = _getter(others), _getter(floats)
+        self.get_others, self.get_numbers = _getter(others), _getter(numbers)
         self.others = tuple(list(v) if type(v) is list else v for v in self.get_others(group))
         self.types = tuple(map(type, self.others))
         self.items = tuple(items)
-        self.floats = (float,) * len(floats)
+        self.numbers = tuple(type(group[k]) for k in numbers)
         self.text = text
 
     @classmethod
@@ -133,8 +141,8 @@ class _Group:
         flat lists or tuples of them."""
         if not set(map(type, group)) <= _PLAIN:
             return None
-        floats = [k for k, v in group.items() if type(v) is float and math.isfinite(v)]
-        left_out = set(floats)
+        numbers = [k for k, v in group.items() if type(v) is int or (type(v) is float and math.isfinite(v))]
+        left_out = set(numbers)
         items: list[_Items] = []
         for i, k in enumerate(k for k in group if k not in left_out):
             v = group[k]
@@ -145,12 +153,12 @@ class _Group:
                 items.append((i, tuple(map(type, v)), repr(v) if has_float else None))
             elif type(v) not in _PLAIN and type(v) is not float:  # a non-finite float stays: compared by ==
                 return None
-        mark = f"ds-float-{uuid.uuid4().hex}-"
-        marked = {k: (f"{mark}{floats.index(k)}" if k in left_out else v) for k, v in group.items()}
+        mark = f"ds-number-{uuid.uuid4().hex}-"
+        marked = {k: (f"{mark}{numbers.index(k)}" if k in left_out else v) for k, v in group.items()}
         pieces = _fresh(marked).replace("%", "%%")
-        for i in range(len(floats)):
+        for i in range(len(numbers)):
             pieces = pieces.replace(json.dumps(f"{mark}{i}"), "%r", 1)
-        template = cls(group, floats, items, pieces)
+        template = cls(group, numbers, items, pieces)
         return template if template.text_of(group) == text else None
 
     def text_of(self, group: dict[Any, Any]) -> str | None:
@@ -163,7 +171,9 @@ class _Group:
         for i, types, spelled in self.items:
             if tuple(map(type, others[i])) != types or (spelled is not None and repr(others[i]) != spelled):
                 return None
-        floats = self.get_floats(group)
-        if tuple(map(type, floats)) != self.floats or not all(map(math.isfinite, floats)):
+        numbers = self.get_numbers(group)
+        if tuple(map(type, numbers)) != self.numbers:
             return None
-        return self.text % floats
+        if float in self.numbers and not all(math.isfinite(x) for x in numbers if type(x) is float):
+            return None
+        return self.text % numbers

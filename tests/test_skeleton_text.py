@@ -39,6 +39,7 @@ def _state(groups: int = 4):
             "foreach": None,
             "initial_lr": 3e-4,
             "params": [i],
+            "step": 10,
         }
         for i in range(groups)
     ]
@@ -92,6 +93,10 @@ def _changes():
         ("lr bool", group("lr", True)),
         ("lr str with percent", group("lr", "%r %s %%")),
         ("eps -inf", group("eps", -math.inf)),
+        ("every step", lambda s: [g.__setitem__("step", g["step"] + 1) for g in s["param_groups"]]),
+        ("step huge", group("step", 10**400)),
+        ("step float", group("step", 11.0)),
+        ("step bool", group("step", True)),
         ("flag int", group("amsgrad", 0)),
         ("none to str", group("foreach", "x")),
         ("betas minus zero", group("betas", (-0.0, 0.95))),
@@ -128,14 +133,15 @@ def test_learning_rates_come_from_the_templates_and_spell_as_json_does():
     reuse = _reuse(state)
     texts = skeleton_text.Texts()
     skeleton_text.encode(state, reuse, texts)
-    templates = texts.groups["param_groups"]
+    templates = [t for t, _ in texts.groups["param_groups"]]
     assert all(t is not None for t in templates)
     for k in range(20):
         for g in state["param_groups"]:
             g["lr"] = 1e-3 / (k + 3) * (1 + g["params"][0])
+            g["step"] += 1
         text = skeleton_text.encode(state, reuse, texts)
         assert text == _fresh(state, reuse)
-        assert texts.groups["param_groups"][0] is templates[0]  # used, not made again
+        assert texts.groups["param_groups"][0] == (templates[0], 0)  # used, not made again
     decoded = skeleton.decode(text, {"state.0.step": 0, "state.0.exp_avg": 0} | _names(state))
     assert [g["lr"] for g in decoded["param_groups"]] == [g["lr"] for g in state["param_groups"]]
     json.loads(text)
@@ -156,3 +162,18 @@ def test_a_state_it_cannot_write_goes_back_to_the_walk():
     state["names"]["w"] = object()
     with pytest.raises(TypeError, match="names.w|cannot save"):
         skeleton_text.encode(state, reuse, texts)
+
+
+def test_a_group_that_changes_at_every_call_is_walked_without_a_template_after_three():
+    state = _state()
+    reuse = _reuse(state)
+    texts = skeleton_text.Texts()
+    for k in range(6):
+        state["param_groups"][1]["foreach"] = f"changed {k}"  # no number: the template cannot take it
+        assert skeleton_text.encode(state, reuse, texts) == _fresh(state, reuse)
+    template, misses = texts.groups["param_groups"][1]
+    assert misses == 6 and template is not None  # the last one made, at the third miss; none since
+    state["param_groups"][1]["foreach"] = "changed 2"  # that template's value again: it is used
+    assert skeleton_text.encode(state, reuse, texts) == _fresh(state, reuse)
+    assert texts.groups["param_groups"][1] == (template, 0)
+    assert all(m == 0 for _, m in texts.groups["param_groups"][2:])
