@@ -37,10 +37,6 @@ class Texts:
         self.groups: dict[object, list[tuple[_Group | None, int]]] = {}
 
 
-class _TensorMet(Exception):
-    pass
-
-
 def encode(
     state: dict[Any, Any],
     reuse: Mapping[object, object],
@@ -51,21 +47,21 @@ def encode(
     TypeError as `skeleton.encode` raises it for a value it cannot store."""
     if type(state) is not dict or not set(map(type, state)) <= _PLAIN:
         return None
-    try:
-        parts = []
-        for key, value in state.items():
-            kind = type(value)
-            if value is None or kind in _PLAIN or (kind is float and math.isfinite(value)):
-                text = json.dumps(value)  # as `skeleton.encode` writes a plain value: itself, reused or not
-            elif key in reuse:
-                text = _reused(texts, key, reuse[key])
-            elif type(value) is list and value and set(map(type, value)) == {dict}:
-                text = '{"l":[' + ",".join(_groups(texts, key, value)) + "]}"
-            else:
-                text = _fresh(value)
-            parts.append(f"[{json.dumps(key)},{text}]")
-    except _TensorMet:
-        return None
+    met: list[str] = []  # the tensors met outside the reused values
+    parts = []
+    for key, value in state.items():
+        kind = type(value)
+        if value is None or kind in _PLAIN or (kind is float and math.isfinite(value)):
+            text = json.dumps(value)  # as `skeleton.encode` writes a plain value: itself, reused or not
+        elif key in reuse:
+            text = _reused(texts, key, reuse[key])
+        elif type(value) is list and value and set(map(type, value)) == {dict}:
+            text = '{"l":[' + ",".join(_groups(texts, key, value, met)) + "]}"
+        else:
+            text = _fresh(value, met)
+        if met:
+            return None
+        parts.append(f"[{json.dumps(key)},{text}]")
     return '{"d":[' + ",".join(parts) + "]}"
 
 
@@ -76,14 +72,17 @@ def _reused(texts: Texts, key: object, node: object) -> str:
     return have[1]
 
 
-def _fresh(value: object) -> str:
+def _fresh(value: object, met: list[str]) -> str:
+    """`value`'s text, as `skeleton.encode` writes it; the paths of the tensors it holds added to `met`."""
+
     def on_tensor(t: torch.Tensor, path: str) -> str:
-        raise _TensorMet
+        met.append(path)
+        return path
 
     return skeleton.encode(value, on_tensor)
 
 
-def _groups(texts: Texts, key: object, groups: list[dict[Any, Any]]) -> list[str]:
+def _groups(texts: Texts, key: object, groups: list[dict[Any, Any]], met: list[str]) -> list[str]:
     """Each group's text, from its template where it still fits one; the templates kept for the next call."""
     old = texts.groups.get(key) or []
     out: list[str] = []
@@ -92,7 +91,9 @@ def _groups(texts: Texts, key: object, groups: list[dict[Any, Any]]) -> list[str
         template, misses = old[i] if i < len(old) else (None, 0)
         text = template.text_of(group) if template is not None else None
         if text is None:
-            text = _fresh(group)
+            text = _fresh(group, met)
+            if met:  # a tensor: the caller walks the state itself
+                return []
             if misses < _MAX_MISSES:  # else a group whose other values change at every call: walked only
                 template = _Group.of(group, text)
             misses += 1
@@ -155,7 +156,7 @@ class _Group:
                 return None
         mark = f"ds-number-{uuid.uuid4().hex}-"
         marked = {k: (f"{mark}{numbers.index(k)}" if k in left_out else v) for k, v in group.items()}
-        pieces = _fresh(marked).replace("%", "%%")
+        pieces = _fresh(marked, []).replace("%", "%%")
         for i in range(len(numbers)):
             pieces = pieces.replace(json.dumps(f"{mark}{i}"), "%r", 1)
         template = cls(group, numbers, items, pieces)
