@@ -29,7 +29,7 @@ case "${1:-}" in
     timeout "${AFTER_LIMIT:-330}" bash benchmarks/gpu.sh $after > "$OUT/after/run.log" 2>&1
     echo "after: rc=$? at $(($(date +%s) - t0)) s"
     rm -rf "${WORK:-/tmp/ds_bench}"
-    for d in before after; do  # the device tool brings back a limited count of files
+    for d in before after; do  # each side's archive and log kept, the rest of its folder removed
       (cd "$OUT/$d" && cat steps.txt 2>/dev/null; grep -h "within each run" ./*/*.md 2>/dev/null
         find . -mindepth 1 -not -name results.tgz -not -name run.log -delete 2>/dev/null)
     done ;;

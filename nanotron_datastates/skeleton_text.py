@@ -20,10 +20,12 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import skeleton
+from .skeleton import (
+    _PLAIN_TYPES as _PLAIN,  # what the skeleton writes as itself: the same sets as its walk's
+)
+from .skeleton import _SCALAR_TYPES as _ITEMS  # and what a list or tuple in a template may hold
 
 _SEP = (",", ":")
-_PLAIN = frozenset({type(None), bool, int, str})
-_ITEMS = _PLAIN | {float}  # what a list or tuple in a template may hold
 _MAX_MISSES = 3  # calls in a row a group fits no template before none is made for it again
 
 
@@ -38,7 +40,7 @@ class Texts:
 
 
 def encode(
-    state: dict[Any, Any],
+    state: object,
     reuse: Mapping[object, object],
     texts: Texts,
 ) -> str | None:
@@ -126,8 +128,14 @@ class _Group:
 
     __slots__ = ("get_numbers", "get_others", "items", "keys", "numbers", "others", "text", "types")
 
-    def __init__(self, group: dict[Any, Any], numbers: list[object], items: list[_Items], text: str) -> None:
-        others = [k for k in group if k not in set(numbers)]
+    def __init__(
+        self,
+        group: dict[Any, Any],
+        numbers: list[object],
+        others: list[object],
+        items: list[_Items],
+        text: str,
+    ) -> None:
         self.keys = tuple(group)
         self.get_others, self.get_numbers = _getter(others), _getter(numbers)
         self.others = tuple(list(v) if type(v) is list else v for v in self.get_others(group))
@@ -144,8 +152,9 @@ class _Group:
             return None
         numbers = [k for k, v in group.items() if type(v) is int or (type(v) is float and math.isfinite(v))]
         left_out = set(numbers)
+        others = [k for k in group if k not in left_out]
         items: list[_Items] = []
-        for i, k in enumerate(k for k in group if k not in left_out):
+        for i, k in enumerate(others):
             v = group[k]
             if type(v) in (list, tuple):
                 if not set(map(type, v)) <= _ITEMS:
@@ -159,7 +168,7 @@ class _Group:
         pieces = _fresh(marked, []).replace("%", "%%")
         for i in range(len(numbers)):
             pieces = pieces.replace(json.dumps(f"{mark}{i}"), "%r", 1)
-        template = cls(group, numbers, items, pieces)
+        template = cls(group, numbers, others, items, pieces)
         return template if template.text_of(group) == text else None
 
     def text_of(self, group: dict[Any, Any]) -> str | None:

@@ -16,7 +16,6 @@ import torch
 
 from .. import _core, skeleton, skeleton_text
 from .. import format as fmt
-from ..skeleton_text import Texts
 
 # Dtypes every supported torch exports through DLPack; others are exported as a same-size integer view.
 _EXPORTABLE = {
@@ -178,7 +177,7 @@ def plan_save(
 
 
 def plan_again(
-    state: object, like: SavePlan, reuse: Mapping[object, object], texts: Texts | None = None
+    state: object, like: SavePlan, reuse: Mapping[object, object], texts: skeleton_text.Texts | None = None
 ) -> SavePlan | None:
     """`plan_save(state, like=like)` where every tensor of `state` is in the top-level values whose encoded
     nodes `reuse` holds (`skeleton.encode`'s `keep` for `like`), as `like` planned them: the caller vouches
@@ -192,7 +191,7 @@ def plan_again(
         met.append(path)
         return path
 
-    skel = skeleton_text.encode(state, reuse, texts) if texts is not None and type(state) is dict else None
+    skel = skeleton_text.encode(state, reuse, texts) if texts is not None else None  # None: walked
     if skel is None:
         skel = skeleton.encode(state, on_tensor, reuse=reuse)
     if met:  # a tensor outside the reused values
