@@ -52,12 +52,12 @@ class TrainerSettings(DataStatesConfig):
     memory); 'never'. With memory checkpoints every 10 steps or fewer (`memory_interval`), the copy's
     memory stays allocated between checkpoints, and each checkpoint copies into it."""
     queue_at_step: bool = True
-    """For checkpoints copied on the GPU first: plan and copy the state's files at the start of the next
-    optimizer step instead of in `save_checkpoint` (neither the forward nor the backward pass changes them),
-    and queue every file once that step is launched. There the training thread's few milliseconds of work
-    overlap the GPU still running the backward pass and the step; in `save_checkpoint`, just after Nanotron's
-    end-of-step synchronization, the GPU waits for them. Off: everything is queued before `save_checkpoint`
-    returns."""
+    """For checkpoints copied on the GPU first: plan and copy the state's files on a thread of the saver's
+    own, beside the next forward and backward passes (neither changes them), the next optimizer step
+    waiting until that is done, and queue every file once that step is launched. The training thread then
+    spends well under a millisecond a checkpoint; in `save_checkpoint`, just after Nanotron's end-of-step
+    synchronization, the GPU would wait for the copies' launch. Off: everything is queued on the training
+    thread before `save_checkpoint` returns."""
     telemetry: bool = True
     """Append one JSON line per checkpoint to `datastates_telemetry.jsonl` in the checkpoints folder (bytes,
     stall, snapshot, persisted, throughput, cache high-water mark and waits)."""

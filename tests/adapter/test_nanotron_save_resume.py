@@ -310,13 +310,14 @@ def test_each_checkpoint_plans_the_optimizer_like_the_last_and_saves_the_values_
     assert differences(want, got) == []
 
 
-def test_a_staged_checkpoint_is_captured_before_the_step_and_queued_by_the_queuer_once_it_is_launched(
+def test_a_staged_checkpoint_is_captured_beside_the_passes_and_queued_by_the_queuer_once_the_step_is_launched(
     rank0, tmp_path
 ):
     """`queue_at_step` with the state staged (`device_snapshot: always`; without a GPU, in host memory): the
-    request only copies the random states; the step's start stages the state; rank 0's commit is made once
-    the step is launched (`after_step`, from the trainer's wrapper), on the training thread, and the files
-    are queued on the saver's queuer thread. The checkpoint holds the state of the request all the same."""
+    request copies the random states and hands the capture to the saver's queuer thread, which stages the
+    state beside the next passes; the step's start makes sure of it; rank 0's commit is made once the step
+    is launched (`after_step`, from the trainer's wrapper), on the training thread, and the files are
+    queued on the queuer thread. The checkpoint holds the state of the request all the same."""
     pc, c, state, _ = rank0
     model, optimizer, lr_scheduler, random_states = state
     saver = saver_of(rank0, tmp_path / "ckpt", device_snapshot="always")
@@ -335,22 +336,50 @@ def test_a_staged_checkpoint_is_captured_before_the_step_and_queued_by_the_queue
 
     asked = snapshot(*state)
     saver.request(5, lr_scheduler, random_states, commit)
-    assert saver.gate.deferred == 2 and events == [] and made == []
+    assert saver.gate.deferred == 2 and made == []
     torch.rand(3)  # the next forward pass draws random numbers
     saver.before_step()
     assert saver.gate.deferred == 1 and events == ["queue_start"] and made == []
     assert not (tmp_path / "ckpt" / "5").exists()  # nothing handed to the engine yet
-    step(model, optimizer)  # the step changes the state staged just before it
+    step(model, optimizer)  # the step changes the state staged before it
     saver.after_step()
     assert saver.gate.deferred == 0 and made == [1]
     saver.queuing.drain()
     assert events == ["queue_start", "queued"]
-    assert threads == {"queue_start": threading.current_thread().name, "queued": "datastates-queuer"}
+    assert threads == {"queue_start": "datastates-queuer", "queued": "datastates-queuer"}
     saver.drain(lambda s: None)
     saver.close()
     assert events[-1] == "committed"
     _, got, metadata = resumed(rank0, tmp_path / "ckpt" / "5")
     assert metadata.last_train_step == 5
+    assert differences(asked, got) == []
+
+
+def test_the_step_waits_for_a_capture_that_the_busy_queuer_has_not_run_yet(rank0, tmp_path):
+    """The queuer's thread still busy (with an older checkpoint's queuing, say) when a staged checkpoint is
+    asked for: the next optimizer step's start waits until the queuer has staged the state, and the
+    checkpoint holds the state of the request, not the step's."""
+    _, _, state, _ = rank0
+    model, optimizer, _, _ = state
+    saver = saver_of(rank0, tmp_path / "ckpt", device_snapshot="always")
+    saver.start()
+    saver.after_first_step()
+    busy, waited = threading.Event(), []
+    saver.queuing.queuer.submit(busy.wait)
+    asked = snapshot(*state)
+    ask(saver, rank0, 5)
+    before = threading.Thread(target=lambda: waited.append(saver.before_step()))
+    before.start()
+    before.join(0.5)
+    assert before.is_alive()  # a step now would change the state before it is staged
+    busy.set()
+    before.join(30)
+    assert not before.is_alive() and waited == [0.0]  # staged: no snapshot to wait for
+    step(model, optimizer)
+    saver.after_step()
+    saver.drain(lambda s: None)
+    saver.close()
+    _, got, _ = resumed(rank0, tmp_path / "ckpt" / "5")
     assert differences(asked, got) == []
 
 

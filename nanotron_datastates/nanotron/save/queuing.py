@@ -1,9 +1,11 @@
 """A checkpoint from its capture to the committer, in three parts the Saver calls in order:
 
-1. `capture(job, stage)`, on the training thread before the optimizer step that changes the state: the
-   optimizer's containers copied (`optimizer_plan.py`) and the state's tensors staged on the GPU, nothing
-   more; or, unstaged (or where staging runs out of GPU memory), every file planned and queued now, and the
-   next step gated on their snapshot;
+1. the capture: the optimizer's containers copied (`optimizer_plan.py`) and the state's tensors staged on the
+   GPU, nothing more; or, unstaged (or where staging runs out of GPU memory), every file planned and queued
+   now, and the next step gated on their snapshot. A checkpoint deferred to the next step is captured on
+   the queuer's thread from its request on, beside the forward and backward passes, and the training thread
+   only makes sure of it before the optimizer step (`capture_beside`); any other, on the training thread at
+   its request (`capture`);
 2. `hand_over(job)`, on the training thread once that step is launched: rank 0's commit made (it reads
    Nanotron's counters, which move on after the step), then the rest handed to the queuer's thread;
 3. `queue(job)`, on the queuer's thread (`save/queuer.py`): where the files go (the memory tier's checks of
@@ -11,13 +13,16 @@
    call, and the checkpoint handed to the committer, which is told of any failure here: every rank's
    committer then agrees that the checkpoint failed.
 
-What the training thread spends on a staged checkpoint is the capture and the hand-over; the rest runs while
-it trains (on a GPU-bound step, while it waits on the GPU with the GIL released).
+What the training thread spends on a staged checkpoint is the request's host values, the check before the
+step and the hand-over; the rest runs while it trains (on a GPU-bound step, while it waits on the GPU with
+the GIL released).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import time
 from typing import Callable
 
@@ -57,39 +62,84 @@ class Queuing:
     def capture(self, job: Request, stage: bool) -> None:
         """Part 1, on the training thread."""
         t0 = time.perf_counter()
-        pending = job.pending
-        self.notify("queue_start", step=pending.step, deferred=job.deferred)
-        try:
-            files = self.files()
-            job.files = list(files.weights)
-            if files.optimizer is not None:  # the same tensors each time, the learning rate of the time
-                plan, frozen = self.optimizer_plans.for_checkpoint(stage and job.deferred)
-                if frozen is not None:  # planned once the step is launched (`queue`)
-                    job.replan = (len(job.files), frozen)
-                job.files.append((files.optimizer, plan))
-            if stage:
-                try:
-                    job.staged = self.engine.stage([plan for _, plan in job.files], keep=self.keep_staging)
-                except torch.cuda.OutOfMemoryError:
-                    self.out_of_memory = True
-                    self.engine.release_staging()
-                    say.info(
-                        "out of GPU memory copying a checkpoint on the GPU: copied from the state itself"
-                    )
-            if job.staged is None:  # queued now, the request's files first; the next step waits for these
-                self.queuer.drain()  # the tier's files to recycle are drawn on one thread at a time
-                if job.replan is not None:  # planned now, before the step
-                    index, plan = self._plan_left(job)
-                    job.files[index] = (job.files[index][0], plan)
-                self._queue_later(job)
-                paths, mirrors, recycle = targets(self.tier, pending, job.files)
-                state = self.engine.save_plans(paths, mirrors=mirrors, recycle=recycle)
-                job.handles += state
-                self.gate.add(state, on_wait=functools.partial(add_stall, pending))
-        except Exception as e:
-            queuing_failed(pending, e)
+        if self._stage(job, stage, None) and job.staged is None:
+            self._queue_now(job)
         job.captured = time.perf_counter() - t0
         job.seconds += job.captured
+
+    def capture_beside(self, job: Request, stage: bool) -> Callable[[], None]:
+        """Part 1 of a checkpoint deferred to the next step, on the queuer's thread from now on, beside the
+        next forward and backward passes (which change neither the weights nor the optimizer's state); the
+        staging copies go to the training thread's current stream, in order after the step just taken.
+        Returns what the training thread runs before the optimizer step: the wait for it (done long before,
+        as a rule), then, where staging found no room on the GPU, the files queued now, as `capture` does."""
+        done = threading.Event()
+        stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
+        staged = [False]
+
+        def work() -> None:
+            t0 = time.perf_counter()
+            try:
+                staged[0] = self._stage(job, stage, stream)
+            finally:
+                job.background += time.perf_counter() - t0
+                done.set()
+
+        def before_step() -> None:
+            t0 = time.perf_counter()
+            done.wait()
+            if staged[0] and job.staged is None:
+                self._queue_now(job)
+            job.captured = time.perf_counter() - t0
+            job.seconds += job.captured
+
+        self.queuer.submit(work)
+        return before_step
+
+    def _stage(self, job: Request, stage: bool, stream: torch.cuda.Stream | None) -> bool:
+        """The optimizer's containers copied and, where `stage`, the state's tensors staged (on `stream`, if
+        given); False where this failed (reported as the checkpoint's error)."""
+        self.notify("queue_start", step=job.pending.step, deferred=job.deferred)
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                files = self.files()
+                job.files = list(files.weights)
+                if files.optimizer is not None:  # the same tensors each time, the learning rate of the time
+                    plan, frozen = self.optimizer_plans.for_checkpoint(stage and job.deferred)
+                    if frozen is not None:  # planned once the step is launched (`queue`)
+                        job.replan = (len(job.files), frozen)
+                    job.files.append((files.optimizer, plan))
+                if stage:
+                    try:
+                        plans = [plan for _, plan in job.files]
+                        job.staged = self.engine.stage(plans, keep=self.keep_staging)
+                    except torch.cuda.OutOfMemoryError:
+                        self.out_of_memory = True
+                        self.engine.release_staging()
+                        say.info(
+                            "out of GPU memory copying a checkpoint on the GPU: copied from the state itself"
+                        )
+        except Exception as e:
+            queuing_failed(job.pending, e)
+            return False
+        return True
+
+    def _queue_now(self, job: Request) -> None:
+        """An unstaged checkpoint queued on the training thread, the request's files first; the next step
+        waits for their snapshots."""
+        pending = job.pending
+        try:
+            self.queuer.drain()  # the tier's files to recycle are drawn on one thread at a time
+            if job.replan is not None:  # planned now, before the step
+                index, plan = self._plan_left(job)
+                job.files[index] = (job.files[index][0], plan)
+            self._queue_later(job)
+            paths, mirrors, recycle = targets(self.tier, pending, job.files)
+            state = self.engine.save_plans(paths, mirrors=mirrors, recycle=recycle)
+            job.handles += state
+            self.gate.add(state, on_wait=functools.partial(add_stall, pending))
+        except Exception as e:
+            queuing_failed(pending, e)
 
     def hand_over(self, job: Request) -> None:
         """Part 2, on the training thread once the step is launched; a checkpoint not staged, or one not

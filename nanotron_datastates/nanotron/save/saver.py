@@ -11,12 +11,12 @@
 2. `request(step, lr_scheduler, random_states, finalizer)` in `save_checkpoint`: backpressure first (at
    most MAX_IN_FLIGHT checkpoints in flight: a new one waits for the oldest), then what the next forward and
    backward passes change (random states, the schedule's state) is copied now; staging is decided once for
-   the whole checkpoint (`staging.decide`). A staged checkpoint's state is staged at the start of the next
-   optimizer step (`queue_at_step`: there its milliseconds on the training thread overlap the GPU's backward
-   pass) and handed, once that step is launched, to a thread of the saver's own that queues it (where the
-   optimizer's plan is made, from a copy of its state's containers taken before the step); any other is
-   planned and queued now (its copies must overlap the forward and backward passes). queuing.py has the
-   three parts: capture, hand-over, queuing.
+   the whole checkpoint (`staging.decide`). A staged checkpoint's state is staged by a thread of the saver's
+   own, beside the next forward and backward passes (`queue_at_step`), made sure of at the start of the
+   next optimizer step, and queued on that thread once that step is launched (where the optimizer's plan
+   is made, from a copy of its state's containers taken before the step); any other is planned and queued
+   now (its copies must overlap the forward and backward passes). queuing.py has the three parts: capture,
+   hand-over, queuing.
 3. `before_step()` at every optimizer step: the capture left for it, then the wait for the snapshots of the
    checkpoints just queued (gate.py). Nothing else ever waits. `after_step()` once the step is launched:
    what was captured before it handed over, queued and given to the committer.
@@ -194,8 +194,8 @@ class Saver:
         job = Request(pending, later, finalizer, stage and self.settings.queue_at_step)
         queuing = self.queuing
         if job.deferred:
-            capture = functools.partial(queuing.capture, job, stage)
-            self.gate.defer(capture, after=functools.partial(queuing.hand_over, job))
+            before_step = queuing.capture_beside(job, stage)
+            self.gate.defer(before_step, after=functools.partial(queuing.hand_over, job))
         else:  # unstaged copies must start now, to overlap the forward and backward passes
             queuing.capture(job, stage)
             queuing.hand_over(job)
