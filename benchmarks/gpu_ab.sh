@@ -26,7 +26,7 @@ case "${1:-}" in
       bash benchmarks/gpu.sh $before > "$OUT/before/run.log" 2>&1)
     echo "before ($(cat .base/.commit)): rc=$? at $(($(date +%s) - t0)) s"
     rm -rf "${WORK:-/tmp/ds_bench}"
-    timeout "${AFTER_LIMIT:-330}" bash benchmarks/gpu.sh $after > "$OUT/after/run.log" 2>&1
+    OUT=$OUT/after timeout "${AFTER_LIMIT:-330}" bash benchmarks/gpu.sh $after > "$OUT/after/run.log" 2>&1
     echo "after: rc=$? at $(($(date +%s) - t0)) s"
     rm -rf "${WORK:-/tmp/ds_bench}"
     for d in before after; do  # each side's archive and log kept, the rest of its folder removed
