@@ -12,14 +12,16 @@ if TYPE_CHECKING:
     from .types import RandomState
 
 
-def random_state_to_plain(state: RandomState) -> dict[str, object]:
-    """A nanotron.random.RandomState as nested plain values and tensors."""
+def random_state_to_plain(state: RandomState, copy: bool = False) -> dict[str, object]:
+    """A nanotron.random.RandomState as nested plain values and tensors; `copy`: its torch states cloned (the
+    rest is made anew, or immutable), so that nothing done to the RandomState later reaches the result."""
     kind, keys, *rest = state.numpy
+    cpu, cuda = state.torch_cpu, state.torch_cuda
     return {  # the engine stores tuples as tuples
         "random": state.random,
         "numpy": (kind, torch.from_numpy(np.asarray(keys).astype(np.int64)), *rest),
-        "torch_cpu": state.torch_cpu,
-        "torch_cuda": state.torch_cuda,
+        "torch_cpu": cpu.clone() if copy else cpu,
+        "torch_cuda": cuda.clone() if copy and cuda is not None else cuda,
     }
 
 
@@ -36,7 +38,8 @@ def random_state_from_plain(d: dict[str, Any]) -> RandomState:
 
 
 def global_rng_state() -> dict[str, object]:
-    """The process-wide generators (Python, NumPy, torch CPU and current CUDA device)."""
+    """The process-wide generators (Python, NumPy, torch CPU and current CUDA device), every value made anew
+    or immutable."""
     state: Any = np.random.get_state()  # the legacy tuple (its stubs also allow a dict)
     kind, keys, *rest = state
     return {

@@ -383,6 +383,26 @@ def test_the_step_waits_for_a_capture_that_the_busy_queuer_has_not_run_yet(rank0
     assert differences(asked, got) == []
 
 
+def test_the_random_states_a_request_keeps_are_copies_that_later_draws_and_changes_do_not_reach():
+    """The request's random states are made of copies: the generators' draws after it (the next forward
+    pass) and a change in place to Nanotron's RandomState tensors leave them as they were."""
+    import copy
+    import random
+
+    import numpy as np
+    from nanotron.random import RandomStates, get_current_random_state
+
+    from nanotron_datastates.nanotron.save.request import random_state
+
+    ours = RandomStates({"tp_synced": get_current_random_state()})
+    kept = random_state(ours)
+    want = copy.deepcopy(kept)
+    torch.rand(3), np.random.rand(), random.random()
+    ours["tp_synced"].torch_cpu.zero_()
+    assert differences(want, kept) == []
+    assert differences(want, random_state(ours)) != []
+
+
 def counting_steps(optimizer) -> None:
     """Each parameter's optimizer state gets a plain value that every optimizer step changes in place (as an
     optimizer that keeps its step count as a Python number does)."""

@@ -47,15 +47,17 @@ def host_values(
     """The host values of the request's moment, copied (the next forward pass draws random numbers), each
     with its file: nothing changes them, so their files are planned and queued later, when the GPU has work
     queued."""
-    later = [(files.random, host_copy(random_state(random_states)))]
+    later = [(files.random, random_state(random_states))]
     if files.lr_scheduler is not None:
         later.insert(0, (files.lr_scheduler, host_copy(lr_scheduler.state_dict())))
     return later
 
 
 def random_state(random_states: RandomStates) -> dict[str, object]:
+    """The random states, copied: each of its tensors a copy (fewer copies than `host_copy` of them makes:
+    each torch call lets the engine's threads take the GIL from the training thread)."""
     return {
-        "nanotron": {k: states.random_state_to_plain(v) for k, v in random_states.items()},
+        "nanotron": {k: states.random_state_to_plain(v, copy=True) for k, v in random_states.items()},
         "global": states.global_rng_state(),
     }
 
