@@ -278,6 +278,8 @@ run_step() {
     crash) # real Nanotron training SIGKILLed mid-checkpoint, then resumed
       (cd $B && python3 nanotron_crash.py --trials 3 --out "$OUT/crash" --work "$WORK/crash") ;;
     staging) (cd $B/micro && python3 bench_staging.py --model 180m --out "$OUT/staging") ;;
+    staging-launches) # the kept staging's copy by way of launching: foreach, cat, a copy_ each, the driver's batch
+      python3 $B/micro/bench_staging_launches.py --out "$OUT/staging-launches" ;;
     interference) (cd $B/micro && python3 bench_interference.py --dir "$WORK/interf" --out "$OUT/interference") ;;
     side-replicas) # 180M dp2 without checkpoints: alone, beside memory replicas moved over gloo between two
       # processes of their own (micro/side_replicas.py), alone again: what a replica costs from outside the job

@@ -3,10 +3,10 @@ captured (the engine's first future), and nothing else waits. Forward and backwa
 parameters or the optimizer state, so the copies overlap them (DataStates-LLM's observation).
 
 For the same reason, a checkpoint's state may be captured as late as the start of the next step (`defer`):
-there the GPU still has the backward pass to run, and the work on the training thread overlaps it, where
-just after a step (Nanotron synchronizes there) the GPU would wait for it. What needs no capture (queuing
-copies already made) waits until the step is launched (`defer(..., after=...)`, run by `run_after`), beside
-the step's own work on the GPU."""
+work deferred there runs before the wait (the Saver's: making sure that the capture its queuer ran beside
+the forward and backward passes is done). What needs no capture (queuing copies already made) waits until
+the step is launched (`defer(..., after=...)`, run by `run_after`), beside the step's own work on the
+GPU."""
 
 from __future__ import annotations
 
