@@ -383,6 +383,34 @@ def test_the_step_waits_for_a_capture_that_the_busy_queuer_has_not_run_yet(rank0
     assert differences(asked, got) == []
 
 
+def test_a_capture_the_stuck_queuer_never_runs_fails_its_checkpoint_by_name_and_training_goes_on(
+    rank0, tmp_path
+):
+    """The queuer's thread stuck past `capture_timeout`: the step waits no longer, the checkpoint is
+    reported failed with the reason (never committed half-captured), and the next one is taken."""
+    _, _, state, _ = rank0
+    model, optimizer, _, _ = state
+    saver = saver_of(rank0, tmp_path / "ckpt", device_snapshot="always")
+    saver.start()
+    saver.after_first_step()
+    saver.queuing.capture_timeout = 0.2
+    stuck = threading.Event()
+    saver.queuing.queuer.submit(stuck.wait)
+    ask(saver, rank0, 5)
+    assert saver.before_step() == 0.0
+    step(model, optimizer)
+    saver.after_step()
+    stuck.set()
+    with pytest.raises(CheckpointError, match="checkpoint 5 .*not captured within 0.2 s"):
+        saver.take(saver.outstanding, lambda s: None)
+    ask(saver, rank0, 6)
+    saver.before_step()
+    saver.after_step()
+    saver.drain(lambda s: None)
+    saver.close()
+    assert (tmp_path / "ckpt" / LATEST).read_text().strip() == "6"
+
+
 def test_the_random_states_a_request_keeps_are_copies_that_later_draws_and_changes_do_not_reach():
     """The request's random states are made of copies: the generators' draws after it (the next forward
     pass) and a change in place to Nanotron's RandomState tensors leave them as they were."""

@@ -57,6 +57,9 @@ class Queuing:
         self.gate, self.committer, self.files, self.notify = gate, committer, files, notify
         self.queuer = Queuer()
         self.out_of_memory = False  # staging ran out of GPU memory (the Saver decides again)
+        # Seconds the optimizer step waits at most for a capture on the queuer's thread (milliseconds of
+        # work): past them the checkpoint fails, named, and training goes on (a stuck thread, say)
+        self.capture_timeout = 600.0
         self.keep_staging = False  # the staging's GPU memory kept for the next checkpoint (staging.keep)
 
     def capture(self, job: Request, stage: bool) -> None:
@@ -87,8 +90,11 @@ class Queuing:
 
         def before_step() -> None:
             t0 = time.perf_counter()
-            done.wait()
-            if staged[0] and job.staged is None:
+            if not done.wait(self.capture_timeout):
+                waited = f"{self.capture_timeout:g} s"
+                why = f"its state was not captured within {waited} (the queuer's thread is busy)"
+                queuing_failed(job.pending, TimeoutError(why))
+            elif staged[0] and job.staged is None:
                 self._queue_now(job)
             job.captured = time.perf_counter() - t0
             job.seconds += job.captured

@@ -47,7 +47,7 @@ def host_values(
     """The host values of the request's moment, copied (the next forward pass draws random numbers), each
     with its file: nothing changes them, so their files are planned and queued later, when the GPU has work
     queued."""
-    later = [(files.random, random_state(random_states))]
+    later: list[tuple[Path, object]] = [(files.random, random_state(random_states))]
     if files.lr_scheduler is not None:
         later.insert(0, (files.lr_scheduler, host_copy(lr_scheduler.state_dict())))
     return later
