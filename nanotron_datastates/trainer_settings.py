@@ -57,7 +57,8 @@ class TrainerSettings(DataStatesConfig):
     waiting until that is done, and queue every file once that step is launched. The training thread then
     spends well under a millisecond a checkpoint; in `save_checkpoint`, just after Nanotron's end-of-step
     synchronization, the GPU would wait for the copies' launch. Off: everything is queued on the training
-    thread before `save_checkpoint` returns."""
+    thread before `save_checkpoint` returns (for a training step captured as CUDA graphs, which another
+    thread's launches must not meet)."""
     telemetry: bool = True
     """Append one JSON line per checkpoint to `datastates_telemetry.jsonl` in the checkpoints folder (bytes,
     stall, snapshot, persisted, throughput, cache high-water mark and waits)."""

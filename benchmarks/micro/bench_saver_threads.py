@@ -3,8 +3,9 @@ adapter's tests (`tests/adapter/cpu_ranks.py`, Nanotron's real classes on a gloo
 layers, its real Saver with the memory tier, staged, a memory checkpoint every 2 steps and `--gap` seconds
 between steps (the forward and backward passes the engine's threads run beside). Over each round's
 checkpoints: each thread's CPU a checkpoint (/proc: the training thread, the queuer, the committer, and the
-core's threads by role), and the training thread's own time a checkpoint (capture, request and queuing, as
-the Saver reports them).
+core's threads by role), and the training thread's own time a checkpoint: its queuing as the Saver reports
+it (the capture where it runs on the training thread, the hand-over) and, apart, the request (the
+manager's memory checkpoint, timed around it).
 
     python3 benchmarks/micro/bench_saver_threads.py --out DIR [--layers 8 --steps 300 --gap 0.03 --rounds 3
         --idle-threads 0]
@@ -63,18 +64,20 @@ def main() -> None:
     per = {k: statistics.median(r["cpu_ms"].get(k, 0.0) for r in rounds) for k in rounds[0]["cpu_ms"]}
     result = {
         "what": "CPU a memory checkpoint by thread (ms), the median of the rounds; the training thread's own "
-        "time a checkpoint (capture, request, queuing)",
+        "time a checkpoint: its queuing (training_thread_ms) and its request (request_ms)",
         "command": command_info(),
         "host": host_info([tempfile.gettempdir()]),
         "settings": vars(args),
         "cpu_ms_median": dict(sorted(per.items())),
         "training_thread_ms_median": statistics.median(r["training_thread_ms"] for r in rounds),
+        "request_ms_median": statistics.median(r["request_ms"] for r in rounds),
         "rounds": rounds,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_saver_threads.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("cpu_ms_median", "training_thread_ms_median")}, indent=1))
+    keys = ("cpu_ms_median", "training_thread_ms_median", "request_ms_median")
+    print(json.dumps({k: result[k] for k in keys}, indent=1))
 
 
 def run(work: Path, shm: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -112,6 +115,17 @@ def run(work: Path, shm: Path, args: argparse.Namespace) -> list[dict[str, Any]]
             queued.append(float(fields["seconds"]))  # type: ignore[arg-type]
 
     saver.observers.append(observe)
+    asked: list[float] = []  # the training thread's seconds in each memory checkpoint's request
+    take = t.datastates.memory_checkpoint
+
+    def timed_request() -> None:
+        due = t.datastates.memory_due()
+        t0 = time.perf_counter()
+        take()
+        if due is not None:
+            asked.append(time.perf_counter() - t0)
+
+    t.datastates.memory_checkpoint = timed_request  # type: ignore[method-assign]
     saver.start()
     saver.after_first_step()
 
@@ -137,6 +151,7 @@ def run(work: Path, shm: Path, args: argparse.Namespace) -> list[dict[str, Any]]
         at += 1
     for _ in range(args.rounds):
         saver.take(saver.outstanding, lambda s: None)
+        a0 = len(asked)
         n0, skipped0, py0, core0 = (
             len(queued),
             len(saver.memory_skipped),
@@ -157,6 +172,7 @@ def run(work: Path, shm: Path, args: argparse.Namespace) -> list[dict[str, Any]]
                 "skipped": len(saver.memory_skipped) - skipped0,
                 "cpu_ms": {k: round(v / taken * 1e3, 3) for k, v in sorted(cpu.items())},
                 "training_thread_ms": round(statistics.median(queued[n0:]) * 1e3, 3),
+                "request_ms": round(statistics.median(asked[a0:]) * 1e3, 3),
             }
         )
         print(rounds[-1], flush=True)
