@@ -1,7 +1,8 @@
 """The engine's Python a memory checkpoint costs, thread by thread (CPU, no GPU): Nanotron's Llama of the
 adapter's tests (`tests/adapter/cpu_ranks.py`, Nanotron's real classes on a gloo world of one) with `--layers`
 layers, its real Saver with the memory tier, staged, a memory checkpoint every 2 steps and `--gap` seconds
-between steps (the forward and backward passes the engine's threads run beside). Over each round's
+between a step's start (where Nanotron's loop asks for a memory checkpoint) and its optimizer step: the
+forward and backward passes the engine's threads run beside. Over each round's
 checkpoints: each thread's CPU a checkpoint (/proc: the training thread, the queuer, the committer, and the
 core's threads by role), and the training thread's own time a checkpoint: its queuing as the Saver reports
 it (the capture where it runs on the training thread, the hand-over) and, apart, the request (the
@@ -132,9 +133,9 @@ def run(work: Path, shm: Path, args: argparse.Namespace) -> list[dict[str, Any]]
     def iteration(at: int) -> None:
         t.metadata = cpu_ranks.training_metadata(at)
         t._update_dataloader_based_on_training_stages(None)  # the mixin's memory checkpoint, where due
+        time.sleep(args.gap)  # the forward and backward passes, between the request and the step
         saver.before_step()
         saver.after_step()
-        time.sleep(args.gap)
 
     def python_threads() -> dict[str, float]:
         out = {}
