@@ -1,10 +1,11 @@
 """The queuer: a thread that finishes queuing checkpoints the training thread has captured.
 
-A checkpoint staged on the GPU needs the training thread only for its capture (the staging copies and the
-values the step changes, before the optimizer step). Where its files go (the memory tier's checks of the
-files it recycles), the optimizer's plan from the values captured, the host values' plans and the core's
-call run here, in the order they were handed over, while the training thread goes on with its steps: on a
-GPU-bound step its Python runs while the training thread waits on the GPU with the GIL released.
+A checkpoint staged on the GPU needs the training thread only for its request (the host values of that
+moment) and a check before the next optimizer step. Its capture (the staging copies and the values the step
+changes, beside the forward and backward passes), where its files go (the memory tier's checks of the files
+it recycles), the optimizer's plan from the values captured, the host values' plans and the core's call run
+here, in the order they were handed over, while the training thread goes on with its steps: on a GPU-bound
+step its Python runs while the training thread waits on the GPU with the GIL released.
 
 Each piece of work reports its own failures (the checkpoint's errors); an exception that escapes is logged
 and the next piece runs. `drain` waits until everything handed over has run: before the training thread
