@@ -73,16 +73,16 @@ def add_stall(pending: PendingCheckpoint, seconds: float) -> None:
 
 
 def host_copy(x: object) -> object:
-    """`x` with its containers and tensors copied (a few kB here: random states, a scheduler's state), so
-    that the files made of it are read as they were at the request, whenever the engine reads them (a GPU
-    tensor's copy is made in its stream's order, before any later change)."""
+    """`x` with its containers and tensors copied (a scheduler's state here: the random states are copied by
+    `random_state`), so that the files made of it are read as they were at the request, whenever the engine
+    reads them (a GPU tensor's copy is made in its stream's order, before any later change)."""
     if isinstance(x, torch.Tensor):
         return x.clone()
     # Exactly these types: the containers a skeleton holds as data
     if isinstance(x, dict) and type(x) in (dict, collections.OrderedDict):
         return type(x)((k, host_copy(v)) for k, v in x.items())
     if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
-        if set(map(type, x)) <= _PLAIN:  # a generator's state: 625 ints, checked and copied at C speed
+        if set(map(type, x)) <= _PLAIN:  # plain values only (learning rates): checked and copied at C speed
             return x if type(x) is tuple else list(x)
         return type(x)(host_copy(v) for v in x)
     return x
