@@ -101,6 +101,7 @@ NB_MODULE(_core, m) {
           "Raises the job's error (OSError, ValueError or RuntimeError), if any")
       .def("stats", &job_stats)
       .def("mirror_error", &ds::SaveJob::mirror_error, "Why the mirror copy was dropped (empty: it was not)")
+      .def("summed", &ds::SaveJob::summed, "Whether its tensors are summed (checksums() once persisted)")
       .def("checksums", &ds::SaveJob::checksums, "[(tensor name, CRC-32C)] in file order, once persisted")
       .def("block_checksums", &ds::SaveJob::block_checksums,
            "(block size, [(tensor name, [CRC-32C per block segment])]) in file order, once persisted");

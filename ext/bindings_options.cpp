@@ -19,8 +19,8 @@ void bind_options(nb::module_& m) {
              bool huge_pages, unsigned copy_threads, unsigned host_copy_threads, unsigned checksum_threads,
              std::size_t device_copy_bytes, double device_copy_bytes_per_s, unsigned flush_threads,
              int flush_nice, unsigned flush_depth, const std::string& io_backend, bool direct_io, bool fsync,
-             bool checksums, unsigned parser_threads, unsigned queue_depth, std::size_t read_bytes,
-             bool read_direct_io, bool map_memory_files) {
+             bool checksums, bool memory_checksums, unsigned parser_threads, unsigned queue_depth,
+             std::size_t read_bytes, bool read_direct_io, bool map_memory_files) {
             EngineOptions* o = new (self) EngineOptions();
             // The cache
             o->cache_bytes = cache_bytes;
@@ -37,7 +37,7 @@ void bind_options(nb::module_& m) {
             o->flush_nice = flush_nice;
             o->flush_depth = flush_depth;
             o->io_backend = io_backend;
-            o->save = {direct_io, fsync, checksums};
+            o->save = {direct_io, fsync, checksums, memory_checksums};
             // Restores
             o->parser_threads = parser_threads;
             o->queue_depth = queue_depth;
@@ -48,8 +48,8 @@ void bind_options(nb::module_& m) {
           "cache_bytes"_a, "chunk_bytes"_a, "pin_device"_a, "huge_pages"_a, "copy_threads"_a,
           "host_copy_threads"_a, "checksum_threads"_a, "device_copy_bytes"_a, "device_copy_bytes_per_s"_a,
           "flush_threads"_a, "flush_nice"_a, "flush_depth"_a, "io_backend"_a, "direct_io"_a, "fsync"_a,
-          "checksums"_a, "parser_threads"_a, "queue_depth"_a, "read_bytes"_a, "read_direct_io"_a,
-          "map_memory_files"_a,
+          "checksums"_a, "memory_checksums"_a, "parser_threads"_a, "queue_depth"_a, "read_bytes"_a,
+          "read_direct_io"_a, "map_memory_files"_a,
           "Every setting by keyword, none defaulted here: DataStatesConfig owns the defaults")
       .def_ro("cache_bytes", &EngineOptions::cache_bytes)
       .def_ro("chunk_bytes", &EngineOptions::chunk_bytes)
@@ -67,6 +67,7 @@ void bind_options(nb::module_& m) {
       .def_prop_ro("direct_io", [](const EngineOptions& o) { return o.save.direct_io; })
       .def_prop_ro("fsync", [](const EngineOptions& o) { return o.save.fsync; })
       .def_prop_ro("checksums", [](const EngineOptions& o) { return o.save.checksums; })
+      .def_prop_ro("memory_checksums", [](const EngineOptions& o) { return o.save.memory_checksums; })
       .def_ro("parser_threads", &EngineOptions::parser_threads)
       .def_ro("queue_depth", &EngineOptions::queue_depth)
       .def_ro("read_bytes", &EngineOptions::read_bytes)

@@ -20,6 +20,17 @@
 
 namespace ds {
 
+namespace {
+
+// A file kept in memory only is summed where asked: the sums read every byte back from host memory beside
+// training, and the copy lives where the live state it copies does (the node's memory, a private file).
+SaveOptions in_memory_only(SaveOptions opts) {
+  opts.checksums = opts.checksums && opts.memory_checksums;
+  return opts;
+}
+
+}  // namespace
+
 SaveJob::SaveJob(std::shared_ptr<Storage> storage, std::string path, std::vector<TensorSrc> tensors,
                  Metadata metadata, SaveOptions opts, bool embed_checksums,
                  std::shared_ptr<const cuda::StreamEvents> events, HostCache* cache, JobObserver* observer,
@@ -32,7 +43,7 @@ SaveJob::SaveJob(std::shared_ptr<Storage> storage, std::string path, std::vector
       mirrors_(mirrors),
       tensors_(std::move(tensors)),
       metadata_(std::move(metadata)),
-      opts_(opts),
+      opts_(memory_only_ ? in_memory_only(opts) : opts),
       embed_checksums_(embed_checksums),
       cache_(cache),
       observer_(observer),

@@ -57,6 +57,7 @@ struct SaveOptions {
   bool direct_io = true;
   bool fsync = true;
   bool checksums = true;
+  bool memory_checksums = false;  // also sum a file kept in memory only (its mirror is its path)
 };
 
 struct JobStats {
@@ -120,6 +121,7 @@ class SaveJob final : public IoTarget, public std::enable_shared_from_this<SaveJ
   void on_io_prepare(IoOp& op) override;
   // Whether the file is kept in its mirror only (the mirror path is the path).
   bool memory_only() const { return memory_only_; }
+  bool summed() const { return opts_.checksums; }  // whether its tensors are summed (once persisted)
   IoOp* on_io_complete(IoOp& op, int err) override;
 
   // Waits: false on timeout (< 0: no timeout). Call without the GIL.

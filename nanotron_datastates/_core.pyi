@@ -8,7 +8,7 @@ import torch
 
 
 class EngineOptions:
-    def __init__(self, cache_bytes: int, chunk_bytes: int, pin_device: int, huge_pages: bool, copy_threads: int, host_copy_threads: int, checksum_threads: int, device_copy_bytes: int, device_copy_bytes_per_s: float, flush_threads: int, flush_nice: int, flush_depth: int, io_backend: str, direct_io: bool, fsync: bool, checksums: bool, parser_threads: int, queue_depth: int, read_bytes: int, read_direct_io: bool, map_memory_files: bool) -> None:
+    def __init__(self, cache_bytes: int, chunk_bytes: int, pin_device: int, huge_pages: bool, copy_threads: int, host_copy_threads: int, checksum_threads: int, device_copy_bytes: int, device_copy_bytes_per_s: float, flush_threads: int, flush_nice: int, flush_depth: int, io_backend: str, direct_io: bool, fsync: bool, checksums: bool, memory_checksums: bool, parser_threads: int, queue_depth: int, read_bytes: int, read_direct_io: bool, map_memory_files: bool) -> None:
         """
         Every setting by keyword, none defaulted here: DataStatesConfig owns the defaults
         """
@@ -60,6 +60,9 @@ class EngineOptions:
 
     @property
     def checksums(self) -> bool: ...
+
+    @property
+    def memory_checksums(self) -> bool: ...
 
     @property
     def parser_threads(self) -> int: ...
@@ -271,6 +274,9 @@ class Job:
 
     def mirror_error(self) -> str:
         """Why the mirror copy was dropped (empty: it was not)"""
+
+    def summed(self) -> bool:
+        """Whether its tensors are summed (checksums() once persisted)"""
 
     def checksums(self) -> list[tuple[str, int]]:
         """[(tensor name, CRC-32C)] in file order, once persisted"""

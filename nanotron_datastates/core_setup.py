@@ -37,6 +37,7 @@ def core_options(config: DataStatesConfig, pin_device: int) -> _core.EngineOptio
         direct_io=config.direct_io,
         fsync=config.fsync,
         checksums=config.checksums,
+        memory_checksums=config.memory_checksums,
         # Restores
         parser_threads=config.parser_thread_count,
         queue_depth=config.queue_depth,

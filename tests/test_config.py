@@ -35,6 +35,7 @@ BAD = {
     "fsync": [1],
     "checksums": [None],
     "verify_checksums": [0],
+    "memory_checksums": ["no"],
     "map_memory_files": ["no", 1],
     "io_backend": ["aio", 3],
     "telemetry_path": [3, None],

@@ -1,6 +1,6 @@
 """Files kept in memory only (a memory checkpoint's): a save whose mirror is its own path writes no storage
-file; the mirror holds the same bytes (header, checksums) a stored file would, is recycled like any mirror,
-and where it cannot be had the save fails, naming why, and the engine goes on."""
+file; the mirror holds the same bytes a stored file would (its checksums only with `memory_checksums`), is
+recycled like any mirror, and where it cannot be had the save fails, naming why, and the engine goes on."""
 
 import errno
 import os
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from nanotron_datastates import DataStatesEngine
+from nanotron_datastates import ChecksumError, DataStatesEngine
 
 from helpers import injected_fault, small_config
 
@@ -24,38 +24,70 @@ def save_in_memory(engine, st, path, recycle=None):
     return h
 
 
+@pytest.mark.parametrize("summed", [True, False])
 @pytest.mark.parametrize("direct_io", [True, False])
-def test_a_file_kept_in_memory_only_is_the_stored_file_byte_for_byte(tmp_path, direct_io):
-    with DataStatesEngine(small_config(direct_io=direct_io)) as engine:  # 1 MiB chunks: several pieces
+def test_a_file_kept_in_memory_only_is_the_stored_file_byte_for_byte(tmp_path, direct_io, summed):
+    """Summed (`memory_checksums`), it is the file a save to storage writes; unsummed, the file a save to
+    storage with `checksums` off writes."""
+    config = small_config(direct_io=direct_io, memory_checksums=summed)  # 1 MiB chunks: several pieces
+    with DataStatesEngine(config) as engine:
         engine.cache_stats(reset=True)
         h = save_in_memory(engine, state(), tmp_path / "mem" / "f.safetensors")
         assert h.mirrored() and h.stats["file_bytes"] == os.path.getsize(tmp_path / "mem/f.safetensors")
         assert engine.cache_stats()["high_water"] == 0  # the mapping is the staging memory
+        back = engine.load(tmp_path / "mem/f.safetensors", checksums=h.checksums() if summed else None)
+    with DataStatesEngine(small_config(direct_io=direct_io, checksums=summed)) as engine:
         stored = engine.save(state(), tmp_path / "disk" / "f.safetensors")
         stored.wait_persisted()
-        assert (tmp_path / "mem/f.safetensors").read_bytes() == (tmp_path / "disk/f.safetensors").read_bytes()
-        assert h.checksums() == stored.checksums()  # summed by the checksum threads, as the flushers sum
-        back = engine.load(tmp_path / "mem/f.safetensors", checksums=h.checksums())
+    assert (tmp_path / "mem/f.safetensors").read_bytes() == (tmp_path / "disk/f.safetensors").read_bytes()
+    assert h.checksums() == stored.checksums()  # summed by the checksum threads, as the flushers sum
+    assert bool(h.checksums()) == summed == h.summed
     assert torch.equal(back["w"], state()["w"]) and back["step"] == 3
     assert sorted(os.listdir(tmp_path / "mem")) == ["f.safetensors"]  # no temporary, no second file
 
 
-def test_a_memory_only_file_is_summed_by_the_checksum_threads_not_its_copy_thread(tmp_path):
-    """The copy threads only copy (on a GPU host they go on at the link's speed); the ds-sum threads sum."""
+@pytest.mark.parametrize("summed", [True, False])
+def test_a_memory_only_file_is_summed_by_the_checksum_threads_where_asked_never_by_its_copy_thread(
+    tmp_path, summed
+):
+    """The copy threads only copy (on a GPU host they go on at the link's speed); the ds-sum threads sum,
+    and only with `memory_checksums`: by default no byte is read back from host memory. A file saved to
+    storage beside it, and its copy in memory, are summed either way."""
     from nanotron_datastates import cpu_use
 
     big = {"w": torch.arange(48 << 20, dtype=torch.float32)}  # 192 MiB
-    config = small_config(chunk_size=16, host_cache_size=1 / 16, checksum_threads=2, copy_threads=1)
+    config = small_config(
+        chunk_size=16, host_cache_size=1 / 16, checksum_threads=2, copy_threads=1, memory_checksums=summed
+    )
     others = cpu_use.thread_cpu()  # engines other tests left to the garbage collector: not this one's threads
     with DataStatesEngine(config) as engine:
         before = cpu_use.thread_cpu()
         h = save_in_memory(engine, big, tmp_path / "mem" / "f.safetensors")
         after = cpu_use.thread_cpu()
-        back = engine.load(tmp_path / "mem/f.safetensors", checksums=h.checksums())
+        back = engine.load(tmp_path / "mem/f.safetensors", checksums=h.checksums() if summed else None)
+        small = {"w": torch.arange(1000, dtype=torch.float32)}
+        stored = engine.save(small, tmp_path / "disk/f.safetensors", mirror=tmp_path / "mem2/f.safetensors")
+        stored.wait_persisted()
+        assert stored.checksums() and engine.load(tmp_path / "mem2/f.safetensors")["w"].equal(small["w"])
     assert torch.equal(back["w"], big["w"])
     summers = {tid: cpu for tid, (role, cpu) in after.items() if role == "sum" and tid not in others}
     assert len(summers) == 2
-    assert sum(summers.values()) - sum(before[t][1] for t in summers) > 0
+    summing = sum(summers.values()) - sum(before[t][1] for t in summers)
+    assert (summing > 0) == summed and bool(h.checksums()) == summed
+
+
+def test_a_damaged_byte_of_a_summed_memory_only_file_is_named_on_load(tmp_path):
+    path = tmp_path / "mem" / "f.safetensors"
+    with DataStatesEngine(small_config(memory_checksums=True)) as engine:
+        h = save_in_memory(engine, state(), path)
+        with open(path, "r+b") as f:
+            f.seek(-100, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 1]))
+        with pytest.raises(ChecksumError, match="'w'"):
+            engine.load(path, checksums=h.checksums())
+        assert save_in_memory(engine, state(), tmp_path / "ok" / "f.safetensors").checksums()
 
 
 def test_no_storage_write_is_made_for_a_file_kept_in_memory(tmp_path):

@@ -29,11 +29,14 @@ def file_entry(nbytes: int, handle: SaveHandle) -> dict[str, object]:
     """The manifest's entry for a persisted file (a SaveHandle's): its size and its tensors' CRCs; for a
     file whose header holds none (`exact_metadata`: Nanotron's weight files), its block segments' CRCs too,
     spelled as in a header (`B:` and 8 hex digits per segment), so that a part of it can be read and
-    checked."""
+    checked. A file saved unsummed (a memory checkpoint's, `memory_checksums` off) has neither: a read of it
+    checks its structure and sizes."""
     from .. import format as fmt  # here: this module stays free of torch
 
-    sums = handle.checksums()
-    entry: dict[str, object] = {"bytes": nbytes, "crc32c": {n: f"{c:08x}" for n, c in sums.items()}}
+    entry: dict[str, object] = {"bytes": nbytes}
+    if not handle.summed:
+        return entry
+    entry["crc32c"] = {n: f"{c:08x}" for n, c in handle.checksums().items()}
     if handle.exact_metadata:
         size, blocks = handle.block_checksums()
         if size:

@@ -139,8 +139,14 @@ class SaveHandle:
         """Why the mirror copy was dropped, or None."""
         return self._job.mirror_error() or None
 
+    @property
+    def summed(self) -> bool:
+        """Whether the save sums its tensors: `checksums` on, and for a file kept in memory only
+        `memory_checksums` too."""
+        return self._job.summed()
+
     def checksums(self) -> dict[str, int]:
-        """CRC-32C of each tensor, by name, once persisted (empty when checksums are off)."""
+        """CRC-32C of each tensor, by name, once persisted (empty when not :attr:`summed`)."""
         self.wait_persisted()
         return dict(self._job.checksums())
 

@@ -14,7 +14,8 @@ one checkpoint, and a crash while one is in flight restarts from storage. Sets m
 
 A restart uses a step only where every rank finds it whole: marked, every file of the manifest present with
 its size and checksums (`holds`), the ranks agreeing before anyone reads; every tensor's checksum is checked
-as it is read. The tier is removed when training ends; `nanotron-datastates tier` lists and clears it.
+as it is read (a memory-only checkpoint's files hold none without `memory_checksums`). The tier is removed
+when training ends; `nanotron-datastates tier` lists and clears it.
 
 Layout: `<memory_tier_path>/<job>/<step>/<the checkpoint's files>`, `<job>` named after the checkpoints
 folder (its resolved path's hash); `<job>/replicas/<step>/...` holds the copies this node keeps for ranks of

@@ -207,7 +207,8 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
     state = training_state(pc, c)
     model, optimizer, lr_scheduler, random_states = state
     ckpt = work / "ckpt"
-    engine = DataStatesEngine(host_cache_size=1 / 64, chunk_size=1)
+    summed = os.environ.get("CPU_RANKS_MEMORY_CHECKSUMS") == "1"
+    engine = DataStatesEngine(host_cache_size=1 / 64, chunk_size=1, memory_checksums=summed)
     saver = Saver(engine, c.datastates, pc, model, optimizer, ckpt)
     saver.start()  # in the CheckpointManager's order
     events: list[str] = []
@@ -268,8 +269,11 @@ def roundtrip(pc: Any, c: Any, work: Path) -> dict[str, Any]:
         from nanotron_datastates.tier.memory import MemoryTier
 
         held = MemoryTier(work / f"node{node}-shm", ckpt, rank).held_steps()
+    manifest = json.loads((resume.folder / "datastates.json").read_text())
     return {
         "held": held,
+        "summed": sorted({"crc32c" in entry for entry in manifest["files"].values()}),
+        "unsummed": [n for n, e in manifest["files"].items() if "crc32c" not in e],
         "events": events,
         "differences": differences(saved, snapshot(*fresh)),
         "tensors": count_tensors(saved),

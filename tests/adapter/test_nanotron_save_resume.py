@@ -97,16 +97,21 @@ def test_a_lost_node_resumes_every_rank_from_memory_through_its_peers_replicas(
     assert any("model" in p.parts for p in pulled) and any("optimizer" in p.parts for p in pulled), pulled
 
 
-@pytest.mark.parametrize("replicas", [0, 1])
-def test_a_restart_resumes_the_newest_memory_checkpoint_the_nodes_hold_whole(tmp_path, monkeypatch, replicas):
+@pytest.mark.parametrize(("replicas", "summed"), [(0, False), (1, True)])
+def test_a_restart_resumes_the_newest_memory_checkpoint_the_nodes_hold_whole(
+    tmp_path, monkeypatch, replicas, summed
+):
     """Storage holds step 7; a memory checkpoint of step 9 (memory_interval 3) is in node memory only. The job
     crashes (with replicas: the second node is lost too) and every rank resumes step 9, bit for bit, from
-    its node's tier (what a lost node lacks pulled from its peers'); the metadata is step 9's."""
+    its node's tier (what a lost node lacks pulled from its peers'); the metadata is step 9's. Its files are
+    summed only with `memory_checksums` (the manifest's entries then hold their checksums)."""
     monkeypatch.setenv("CPU_RANKS_MEMORY", "1")
     monkeypatch.setenv("CPU_RANKS_REPLICAS", str(replicas))
+    monkeypatch.setenv("CPU_RANKS_MEMORY_CHECKSUMS", str(int(summed)))
     out = launch(tmp_path, 4 if replicas else 2, 1, 4 if replicas else 2, 1, 1, 1, roundtrip=True)
     for r in out:
         assert r["differences"] == [] and r["tensors"] > 20, r["differences"]
+        assert r["summed"] == [summed], r["unsummed"]
         assert r["last_train_step"] == 9
         here = tmp_path / f"node{r['node']}-shm"
         assert r["folder"].startswith(str(here)) and r["folder"].endswith("/9"), r
@@ -670,6 +675,25 @@ def test_a_restart_leaves_the_tiers_files_to_its_saves_and_its_first_step_pins_n
     assert anew == {9: files}  # every file mapped by its save, as before the tier's files were made ahead
     saver.close()
     engine.close()
+
+
+def test_a_checkpoint_saved_with_checksums_off_lists_none_and_resumes_bit_for_bit(rank0, tmp_path):
+    """`checksums: false`: the manifest's entries give sizes only (an empty list of checksums would not name
+    the files' tensors, and the resume would refuse them), and the resume reads the state back whole."""
+    pc, c, state, _ = rank0
+    model, optimizer = state[:2]
+    with DataStatesEngine(host_cache_size=1 / 64, chunk_size=1, checksums=False) as engine:
+        saver = Saver(engine, TrainerSettings(), pc, model, optimizer, tmp_path / "ckpt")
+        ask(saver, rank0, 7)
+        saver.take(saver.outstanding, lambda s: None)
+        saver.close()
+    saved = snapshot(*state)
+    files = read_manifest(tmp_path / "ckpt" / "7")["files"]
+    assert files and all(set(entry) == {"bytes"} for entry in files.values()), files
+    _, got, metadata = resumed(rank0, tmp_path / "ckpt" / "7")
+    assert metadata.last_train_step == 7
+    got.pop("random"), saved.pop("random")
+    assert differences(saved, got) == []
 
 
 def test_a_damaged_memory_copy_falls_back_to_storage_and_a_partial_one_is_not_used(rank0, tmp_path):
