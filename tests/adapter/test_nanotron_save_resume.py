@@ -188,6 +188,26 @@ def test_commits_rotate_and_write_one_telemetry_line_each(rank0, tmp_path):
     assert (root / "30" / "config.yaml").read_text() == yaml.dump(serialize(rank0[1]))
 
 
+def test_config_yaml_holds_the_counters_of_the_request_though_the_committer_writes_it_later(rank0, tmp_path):
+    """The committer serializes the config when it commits; the two counters Nanotron sets at a save are
+    the ones the checkpoint was asked with, though the next save has moved them on since."""
+    from nanotron.config.utils_config import serialize
+
+    _, c, state, _ = rank0
+    root = tmp_path / "ckpt"
+    saver = saver_of(rank0, root)
+    c.general.step, c.general.consumed_train_samples = 10, 80
+    ask(saver, rank0, 10)
+    saver.before_step()  # the files queued: what training changes is captured
+    expected = yaml.dump(serialize(c))
+    c.general.step, c.general.consumed_train_samples = 11, 88  # as the next save sets them
+    step(*state[:2])
+    saver.drain(lambda s: None)
+    saver.close()
+    assert (root / "10" / "config.yaml").read_text() == expected
+    assert yaml.safe_load(expected)["general"]["step"] == 10
+
+
 def test_a_failed_checkpoint_raises_at_the_next_request_and_the_next_one_commits(rank0, tmp_path):
     root = tmp_path / "ckpt"
     root.mkdir()

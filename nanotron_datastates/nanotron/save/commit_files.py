@@ -2,13 +2,15 @@
 own files (`config.yaml`, `model_config.json`, `optimizer/optimizer_config.json`, `checkpoint_metadata.json`),
 the manifest, then `latest.txt`, each written atomically through the checkpoints folder's store (`store/`).
 
-Their texts are captured when the checkpoint is asked for (`finalizer`): training moves on while the files
-are flushed, and the metadata's counters with it.
+What training changes is captured when the checkpoint's files are queued, on the training thread
+(`finalizer`): the training metadata's text and the two counters Nanotron sets in the config at a save
+(`general.step`, `general.consumed_train_samples`); training moves on while the files are flushed, and the
+counters with it. The rest, which training does not change (the config, the model's and the optimizer's
+layout), the committer writes out: the config as it is then, with the counters captured.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -56,17 +58,16 @@ def finalizer(
     store = open_store(checkpoints)
     folder = str(step)
     documents = memory_documents(step=step, pc=pc, config=config, metadata=metadata, replicas=replicas)
-    config_doc = copy.deepcopy(serialize(config))  # dumping it (ms) is left to the committer
-    if hasattr(model_config, "to_json_string"):
-        model_config_text = model_config.to_json_string()
-    else:
-        model_config_text = json.dumps(dataclasses.asdict(model_config))
-    optimizer_text = json.dumps(shards.optimizer_config(optimizer, pc))
+    counters = {"step": config.general.step, "consumed_train_samples": config.general.consumed_train_samples}
 
     def finalize(files: FileEntries) -> None:
+        config_doc = serialize(config)
+        config_doc["general"].update(counters)
         store.write_atomic(f"{folder}/config.yaml", yaml.dump(config_doc, Dumper=_DUMPER))
-        store.write_atomic(f"{folder}/{MODEL_CONFIG_FILE_NAME}", model_config_text)
-        store.write_atomic(f"{folder}/optimizer/optimizer_config.json", optimizer_text)
+        store.write_atomic(f"{folder}/{MODEL_CONFIG_FILE_NAME}", model_config_text(model_config))
+        store.write_atomic(
+            f"{folder}/optimizer/optimizer_config.json", json.dumps(shards.optimizer_config(optimizer, pc))
+        )
         texts = documents(files)
         store.write_atomic(f"{folder}/{CHECKPOINT_FILE_NAME}", texts[CHECKPOINT_FILE_NAME])
         store.write_atomic(f"{folder}/{MANIFEST}", texts[MANIFEST])  # the manifest after the files it lists
@@ -74,6 +75,13 @@ def finalizer(
         store.set_latest(step)
 
     return finalize
+
+
+def model_config_text(model_config: NanotronConfigs) -> str:
+    """`model_config.json` as Nanotron writes it."""
+    if hasattr(model_config, "to_json_string"):
+        return model_config.to_json_string()
+    return json.dumps(dataclasses.asdict(model_config))
 
 
 def memory_documents(
