@@ -179,7 +179,11 @@ def test_files_made_ahead_that_do_not_fit_are_removed_and_named(small_tmpfs):
     assert sorted(n for n in os.listdir(area.folder) if n.startswith(".warm")) == [".warm-1-0"]
     assert os.stat(area.warm(0, "optimizer/o.safetensors")).st_blocks * 512 >= 2 << 20  # memory, not a hole
     donors = area.recycle(1, ["optimizer/o.safetensors", "model/w.safetensors", "model/other.safetensors"])
-    assert donors == [area.warm(0, "optimizer/o.safetensors"), area.warm(0, "model/w.safetensors"), None]
+    assert donors == [
+        str(area.warm(0, "optimizer/o.safetensors")),
+        str(area.warm(0, "model/w.safetensors")),
+        None,
+    ]
     assert tier.folder == area.folder.parent
 
 
@@ -196,7 +200,7 @@ def test_a_link_planted_where_a_set_is_made_ahead_is_never_followed(tmp_path):
     with pytest.raises(UntrustedPath, match=r"\.warm-1-0.*a link"):
         make_ahead({1: area}, {1: [("model/w.safetensors", 4096)]})
     assert not list(elsewhere.iterdir())
-    assert area.recycle(1, ["model/w.safetensors"]) == [area.warm(1, "model/w.safetensors")]
+    assert area.recycle(1, ["model/w.safetensors"]) == [str(area.warm(1, "model/w.safetensors"))]
 
 
 @pytest.mark.slow

@@ -117,7 +117,7 @@ def test_with_two_copies_the_held_step_becomes_the_spare_the_next_save_takes_ove
     _hold(t, 2, mark=False)
     t.commit(2, _files(t, 2))
     assert t.path(1, rel).exists() and not (t.folder / "1" / ".rank-0.json").exists()
-    assert t.recycle(3, [rel, "model/other.safetensors"]) == [t.path(1, rel), None]
+    assert t.recycle(3, [rel, "model/other.safetensors"]) == [str(t.path(1, rel)), None]
     assert t.recycle(4, [rel]) == [None]  # handed out once
     t.path(1, rel).rename(t.path(2, rel).with_name("taken"))  # what the engine does with it
     _hold(t, 3, mark=False)
@@ -132,7 +132,7 @@ def test_with_one_copy_the_next_save_withdraws_the_held_step_before_taking_it_ov
     t.commit(1, _files(t, 1))
     doc = {"step": 1, "files": _files(t, 1)}
     assert holds(t, 1, doc)
-    assert t.recycle(2, [rel]) == [t.path(1, rel)]
+    assert t.recycle(2, [rel]) == [str(t.path(1, rel))]
     # a restart now reads storage
     assert not holds(t, 1, doc) and "not marked held" in step_why_not(t, 1, doc)
 
@@ -143,10 +143,10 @@ def _made_ahead(tier: MemoryTier, i: int, rel: str) -> None:
     tier.add_warm(i, [rel])
 
 
-def _taken(tier: MemoryTier, donor: Path, step: int, rel: str) -> None:
+def _taken(tier: MemoryTier, donor: str, step: int, rel: str) -> None:
     """What the engine does with a file handed to a save of `step`: renamed into the step's folder."""
     tier.path(step, rel).parent.mkdir(parents=True, exist_ok=True)
-    donor.rename(tier.path(step, rel))
+    os.rename(donor, tier.path(step, rel))
 
 
 @pytest.mark.parametrize("copies", [2, 1])
@@ -157,13 +157,13 @@ def test_the_sets_made_ahead_are_taken_over_first_then_the_steps_as_before(tmp_p
         _made_ahead(t, i, rel)
     for step in range(1, copies + 1):  # each first checkpoint takes a set made ahead, in order
         (donor,) = t.recycle(step, [rel])
-        assert donor == t.warm(step - 1, rel)
+        assert donor == str(t.warm(step - 1, rel))
         _taken(t, donor, step, rel)
         t.commit(step, _files(t, step))
         assert holds(t, step, {"step": step, "files": _files(t, step)})
         assert not t.warm(step - 1, rel).parent.exists()  # its folder, emptied, removed
     (donor,) = t.recycle(copies + 1, [rel])
-    assert donor == t.path(1, rel)  # then as without them: the spare (2 copies), the held step (1)
+    assert donor == str(t.path(1, rel))  # then as without them: the spare (2 copies), the held step (1)
     t.release()
     assert not t.folder.exists()  # the emptied sets' folders too
 
@@ -175,10 +175,10 @@ def test_after_a_restart_the_set_made_ahead_goes_first_and_the_step_held_before_
     assert t.held_steps() == [5]
     _made_ahead(t, 0, rel)  # copies less the steps held: one set
     (donor,) = t.recycle(6, [rel])
-    assert donor == t.warm(0, rel)
+    assert donor == str(t.warm(0, rel))
     _taken(t, donor, 6, rel)
     t.commit(6, _files(t, 6))
-    assert t.held_steps() == [6] and t.recycle(7, [rel]) == [t.path(5, rel)]
+    assert t.held_steps() == [6] and t.recycle(7, [rel]) == [str(t.path(5, rel))]
 
 
 def _committed(tier: MemoryTier, *steps: int) -> None:
@@ -200,7 +200,7 @@ def test_a_step_being_sent_is_never_dropped_nor_taken_over_until_sent(tmp_path):
     assert t.path(2, rel).read_bytes() == b"x" * 10  # kept, though neither held nor the newest spare
     t.busy.discard(2)
     (donor,) = t.recycle(5, [rel])
-    assert donor == t.path(2, rel)  # sent: the first spare again
+    assert donor == str(t.path(2, rel))  # sent: the first spare again
     _taken(t, donor, 5, rel)
     _committed(t, 5)
     assert t.steps() == [4, 5]
@@ -214,10 +214,10 @@ def test_with_a_second_spare_a_save_takes_files_over_while_the_other_is_sent(tmp
     _committed(t, 1, 2, 3)
     t.busy.add(3)  # the newest, sent while the next checkpoints are taken
     (donor,) = t.recycle(4, [rel])
-    assert donor == (t.path(1, rel) if spares == 2 else t.path(2, rel))
+    assert donor == str(t.path(1, rel) if spares == 2 else t.path(2, rel))
     _taken(t, donor, 4, rel)
     _committed(t, 4)  # 3 is a spare now, and being sent
-    assert t.recycle(5, [rel]) == ([t.path(2, rel)] if spares == 2 else [None])
+    assert t.recycle(5, [rel]) == ([str(t.path(2, rel))] if spares == 2 else [None])
 
 
 def test_prune_removes_the_sets_an_earlier_process_of_this_rank_made_ahead_not_other_ranks(tmp_path):

@@ -157,11 +157,12 @@ class MemoryTier:
         return [s for s in self.steps() if mine in self.markers(s)]
 
     @_locked
-    def recycle(self, step: int, rels: list[str]) -> list[Path | None]:
+    def recycle(self, step: int, rels: list[str]) -> list[str | None]:
         """The files of an earlier step (or of a set made ahead) that the save of `step` takes over (renamed
         and overwritten by the engine), one per name of `rels` (None: a new file): the rank's first spare that
         is not being read; with 1 copy and no spare, the held step's, its marker withdrawn first, so that no
-        restart reads them while they are overwritten. Every call for one step draws on the same files."""
+        restart reads them while they are overwritten. Every call for one step draws on the same files.
+        Paths as strings: a checkpoint's hundreds of files, every save, on the queuer's thread."""
         if self._given is not None and self._given[0] == step:
             return self._files_of(self._given[1], rels)
         free = (
@@ -182,10 +183,11 @@ class MemoryTier:
         self._given = (step, donor)
         return self._files_of(donor, rels)
 
-    def _files_of(self, donor: tuple[str, list[str]], rels: list[str]) -> list[Path | None]:
+    def _files_of(self, donor: tuple[str, list[str]], rels: list[str]) -> list[str | None]:
         folder, have = self.folder / donor[0], set(donor[1])
         mine = ours(folder, [rel for rel in rels if rel in have])
-        return [folder / rel if rel in mine else None for rel in rels]
+        prefix = f"{folder}/"
+        return [prefix + rel if rel in mine else None for rel in rels]
 
     @_locked
     def commit(self, step: int, files: Entries) -> None:

@@ -29,6 +29,7 @@ import os
 import queue
 import socket
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch.distributed as dist
@@ -261,7 +262,8 @@ class Replicator:
             rels = sorted(everyone[s])
             donors = self.areas[s].recycle(step, rels)
             recvs += [
-                Transfer(s, rel, entry_bytes(everyone[s][rel]), donor=d) for rel, d in zip(rels, donors)
+                Transfer(s, rel, entry_bytes(everyone[s][rel]), donor=Path(d) if d else None)
+                for rel, d in zip(rels, donors)
             ]
         area = replica_area(self.tier, self.rank).folder / str(step)
         with contextlib.ExitStack() as stack:

@@ -18,7 +18,7 @@ from .. import shards
 if TYPE_CHECKING:
     from ..types import BaseOptimizer, NanotronModel, ParallelContext
 
-Targets = tuple[list[tuple[SavePlan, str]], list[str] | None, list[Path | None] | None]
+Targets = tuple[list[tuple[SavePlan, str]], list[str] | None, list[str | None] | None]
 
 
 @dataclasses.dataclass
