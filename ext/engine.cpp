@@ -5,6 +5,16 @@
 
 namespace ds {
 
+namespace {
+
+// Only a file kept in memory only is summed on these threads, and only where asked (`memory_checksums`):
+// otherwise none is started.
+unsigned summer_count(const EngineOptions& opts) {
+  return opts.save.checksums && opts.save.memory_checksums ? std::max(1u, opts.checksum_threads) : 0;
+}
+
+}  // namespace
+
 Engine::Engine(const EngineOptions& opts)
     : opts_(opts),
       storage_(posix_storage()),
@@ -14,7 +24,7 @@ Engine::Engine(const EngineOptions& opts)
       parsers_(opts.parser_threads, "ds-parse"),
       copiers_(opts.copy_threads, "ds-copy"),
       host_copiers_(opts.host_copy_threads, "ds-copy-host"),
-      summers_(std::max(1u, opts.checksum_threads), "ds-sum", opts.flush_nice),
+      summers_(summer_count(opts), "ds-sum", opts.flush_nice),
       pinners_(std::max(1u, std::min(4u, std::thread::hardware_concurrency() / 2)), "ds-pin") {
   mirrors_.set_pool(&pinners_);
   pinned_ = cache_->pinned();

@@ -121,8 +121,8 @@ class DataStatesConfig(Settings):
     """Threads that sum (CRC-32C) the pieces of a file kept in memory only (a memory checkpoint, with
     `memory_checksums`) once they are copied, so that the copy threads go on copying at the link's speed;
     they run `flush_nice` below training. 0 (automatic): a quarter of this rank's share of the node's CPUs,
-    from 1 to 4 (`checksum_thread_count`). A file written to storage is summed by its flush worker as it is
-    written."""
+    from 1 to 4 (`checksum_thread_count`). Without `memory_checksums` (or with `checksums: false`) none is
+    started. A file written to storage is summed by its flush worker as it is written."""
     pin_host_cache: bool = True
     """Page-lock the cache for DMA from GPUs (fast device-to-host copies). Ignored without a GPU."""
     huge_pages: bool = True
@@ -197,7 +197,8 @@ class DataStatesConfig(Settings):
 
     @property
     def checksum_thread_count(self) -> int:
-        """The checksum threads the engine runs: `checksum_threads`, or where 0 the automatic count."""
+        """The checksum threads the engine runs where memory-only files are summed: `checksum_threads`, or
+        where 0 the automatic count."""
         return self.checksum_threads or auto_checksum_threads()
 
     # Derived sizes, in bytes, as the core takes them.

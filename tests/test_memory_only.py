@@ -51,7 +51,8 @@ def test_a_memory_only_file_is_summed_by_the_checksum_threads_where_asked_never_
     tmp_path, summed
 ):
     """The copy threads only copy (on a GPU host they go on at the link's speed); the ds-sum threads sum,
-    and only with `memory_checksums`: by default no byte is read back from host memory. A file saved to
+    and run only with `memory_checksums`: by default none is started and no byte is read back from host
+    memory. A file saved to
     storage beside it, and its copy in memory, are summed either way."""
     from nanotron_datastates import cpu_use
 
@@ -71,7 +72,7 @@ def test_a_memory_only_file_is_summed_by_the_checksum_threads_where_asked_never_
         assert stored.checksums() and engine.load(tmp_path / "mem2/f.safetensors")["w"].equal(small["w"])
     assert torch.equal(back["w"], big["w"])
     summers = {tid: cpu for tid, (role, cpu) in after.items() if role == "sum" and tid not in others}
-    assert len(summers) == 2
+    assert len(summers) == (2 if summed else 0)
     summing = sum(summers.values()) - sum(before[t][1] for t in summers)
     assert (summing > 0) == summed and bool(h.checksums()) == summed
 
