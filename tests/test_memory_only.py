@@ -52,8 +52,7 @@ def test_a_memory_only_file_is_summed_by_the_checksum_threads_where_asked_never_
 ):
     """The copy threads only copy (on a GPU host they go on at the link's speed); the ds-sum threads sum,
     and run only with `memory_checksums`: by default none is started and no byte is read back from host
-    memory. A file saved to
-    storage beside it, and its copy in memory, are summed either way."""
+    memory. A file saved to storage beside it, and its copy in memory, are summed either way."""
     from nanotron_datastates import cpu_use
 
     big = {"w": torch.arange(48 << 20, dtype=torch.float32)}  # 192 MiB
