@@ -8,9 +8,9 @@ namespace ds {
 namespace {
 
 // Only a file kept in memory only is summed on these threads, and only where asked (`memory_checksums`):
-// otherwise none is started.
+// otherwise none is started. The same rule decides whether such a file's pieces come to them.
 unsigned summer_count(const EngineOptions& opts) {
-  return opts.save.checksums && opts.save.memory_checksums ? std::max(1u, opts.checksum_threads) : 0;
+  return opts.save.sums_memory_only() ? std::max(1u, opts.checksum_threads) : 0;
 }
 
 }  // namespace

@@ -25,7 +25,7 @@ namespace {
 // A file kept in memory only is summed where asked: the sums read every byte back from host memory beside
 // training, and the copy lives where the live state it copies does (the node's memory, a private file).
 SaveOptions in_memory_only(SaveOptions opts) {
-  opts.checksums = opts.checksums && opts.memory_checksums;
+  opts.checksums = opts.sums_memory_only();
   return opts;
 }
 

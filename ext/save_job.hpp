@@ -58,6 +58,9 @@ struct SaveOptions {
   bool fsync = true;
   bool checksums = true;
   bool memory_checksums = false;  // also sum a file kept in memory only (its mirror is its path)
+
+  // Whether a file kept in memory only is summed (on the engine's checksum threads, which run only then).
+  bool sums_memory_only() const { return checksums && memory_checksums; }
 };
 
 struct JobStats {
