@@ -310,6 +310,10 @@ run_step() {
         (cd $B/micro && CUDA_DEVICE_MAX_CONNECTIONS=$c python3 bench_one_queue.py --out "$OUT/one-queue/c$c" \
           ${BENCH_ARGS:-})
       done ;;
+    staging-overlap) # a 1.1B-sized staging on the GPU beside GPU-bound steps: on the training stream, on a side
+      # stream (multi-tensor copies, or the driver's memcpy), with Nanotron's one hardware queue
+      (cd $B/micro && CUDA_DEVICE_MAX_CONNECTIONS=1 python3 bench_staging_overlap.py --out "$OUT/staging-overlap" \
+        ${BENCH_ARGS:-}) ;;
     launch-copy) # the same copies beside a chain bound by its launches, as the 180M's steps are: one copy, the
       # engine's pieces, in 64 MiB copies, staged; LAUNCH_WAYS: others
       (cd $B/micro && python3 bench_one_queue.py --size 256 --n 20000 --repeats 9 \
