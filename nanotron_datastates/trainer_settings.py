@@ -36,7 +36,6 @@ class TrainerSettings(DataStatesConfig):
     CHOICES = {
         **DataStatesConfig.CHOICES,
         "device_snapshot": ("auto", "always", "never"),
-        "device_snapshot_stream": ("training", "side"),
         "memory_replica_transport": ("auto", "nccl", "gloo"),
         "memory_replica_process": ("auto", "always", "never"),
     }
@@ -52,10 +51,6 @@ class TrainerSettings(DataStatesConfig):
     and 5% of the GPU to spare; 'always' whenever the memory can be had (without a GPU: a copy in host
     memory); 'never'. With memory checkpoints every 10 steps or fewer (`memory_interval`), the copy's
     memory stays allocated between checkpoints, and each checkpoint copies into it."""
-    device_snapshot_stream: str = "training"
-    """Where a checkpoint's copy on the GPU runs, when captured beside the forward and backward passes
-    (`queue_at_step`): 'training', on the training stream, in order after the step just taken; 'side', on a
-    stream of the saver's own, beside the passes' kernels, the next optimizer step waiting for its end."""
     queue_at_step: bool = True
     """For checkpoints copied on the GPU first: plan and copy the state's files on a thread of the saver's
     own, beside the next forward and backward passes (neither changes them), the next optimizer step

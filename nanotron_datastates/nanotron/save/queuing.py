@@ -61,8 +61,6 @@ class Queuing:
         # work): past them the checkpoint fails, named, and training goes on (a stuck thread, say)
         self.capture_timeout = 600.0
         self.keep_staging = False  # the staging's GPU memory kept for the next checkpoint (staging.keep)
-        self.side_stream = False  # a deferred capture staged on a stream of its own (device_snapshot_stream)
-        self._sides: dict[int, torch.cuda.Stream] = {}
 
     def capture(self, job: Request, stage: bool) -> None:
         """Part 1, on the training thread."""
@@ -81,21 +79,11 @@ class Queuing:
         done = threading.Event()
         stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
         staged = [False]
-        side = ready = None
-        if stream is not None and stage and self.side_stream:  # after the step just taken, on its own stream
-            side = self._side(stream.device.index)
-            ready = torch.cuda.Event()
-            ready.record(stream)
-        copied: list[torch.cuda.Event] = []
 
         def work() -> None:
             t0 = time.perf_counter()
             try:
-                if side is not None and ready is not None:
-                    side.wait_event(ready)
-                staged[0] = self._stage(job, stage, side or stream)
-                if side is not None:
-                    copied.append(side.record_event())
+                staged[0] = self._stage(job, stage, stream)
             finally:
                 job.background += time.perf_counter() - t0
                 done.set()
@@ -106,30 +94,13 @@ class Queuing:
                 waited = f"{self.capture_timeout:g} s"
                 why = f"its state was not captured within {waited} (the queuer's thread is busy)"
                 queuing_failed(job.pending, TimeoutError(why))
-            else:
-                if copied:  # the step changes what the side stream copies: it waits for the copies' end
-                    torch.cuda.current_stream().wait_event(copied[0])
-                if staged[0] and job.staged is None:
-                    self._queue_now(job)
+            elif staged[0] and job.staged is None:
+                self._queue_now(job)
             job.captured = time.perf_counter() - t0
             job.seconds += job.captured
 
         self.queuer.submit(work)
         return before_step
-
-    def staging_stream(self) -> contextlib.AbstractContextManager:
-        """Where the staging of a capture beside the passes allocates and copies, as a context: its side
-        stream (`side_stream`), else the caller's."""
-        if self.side_stream and torch.cuda.is_available():
-            return torch.cuda.stream(self._side(torch.cuda.current_device()))
-        return contextlib.nullcontext()
-
-    def _side(self, device: int) -> torch.cuda.Stream:
-        """The stream of the staging copies beside the passes on `device` (made once)."""
-        side = self._sides.get(device)
-        if side is None:
-            side = self._sides[device] = torch.cuda.Stream(device)
-        return side
 
     def _stage(self, job: Request, stage: bool, stream: torch.cuda.Stream | None) -> bool:
         """The optimizer's containers copied and, where `stage`, the state's tensors staged (on `stream`, if

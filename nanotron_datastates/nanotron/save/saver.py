@@ -125,7 +125,6 @@ class Saver:
             engine, self.tier, self.optimizer_plans, self.gate, self.committer, self.files, self._notify
         )
         self.queuing.keep_staging = staging.keep(settings.memory_interval)
-        self.queuing.side_stream = settings.device_snapshot_stream == "side"
 
     # -- 0. when the trainer is built ------------------------------------------------------------------------
 
@@ -154,8 +153,7 @@ class Saver:
             memory.prepare_tier(self.tier, self.engine, self.settings, named)
             memory.prepare_replicas(self.replication, self.tier, named, self.pc)  # collective
         if self._decide()[0]:
-            with self.queuing.staging_stream():  # the allocator keeps the memory for that stream
-                staging.warm(plans)
+            staging.warm(plans)
 
     def files(self) -> RankFiles:
         """This rank's files: the same files and weight tensors at every checkpoint, so planned once."""
