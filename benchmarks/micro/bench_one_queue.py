@@ -131,10 +131,17 @@ class Copier:
 
 
 def chain(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, n: int, ahead: int) -> float:
-    """Queues `n` products, never more than about `ahead` batches of 20 ahead of the GPU; seconds to the
-    last one's end."""
+    """Queues `n` products (`products`); seconds to the last one's end."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    products(a, b, c, n, ahead)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def products(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, n: int, ahead: int) -> None:
+    """Queues `n` products, never more than about `ahead` batches of 20 ahead of the GPU, as a training loop
+    keeps its kernels queued."""
     marks: list[torch.cuda.Event] = []
     for i in range(n):
         torch.mm(a, b, out=c)
@@ -144,8 +151,18 @@ def chain(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, n: int, ahead: int)
             marks.append(ev)
             if len(marks) > ahead:
                 marks[-1 - ahead].synchronize()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
+
+
+def header(args: argparse.Namespace) -> dict[str, object]:
+    """What a result of a run beside the GPU's work starts with: its command, hardware queues, GPU, torch and
+    settings."""
+    return {
+        "command": command_info(),
+        "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "settings": vars(args),
+    }
 
 
 def main() -> int:
@@ -194,11 +211,7 @@ def main() -> int:
         for w, t in times.items()
     }
     result = {
-        "command": command_info(),
-        "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
-        "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "settings": vars(args),
+        **header(args),
         "median": med,
         "raw": {"chain_s": times, "copy_bps": rates},
     }

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import threading
@@ -39,7 +38,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the helpers in benchmarks/
-from _common import command_info  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # and beside this one
+from bench_one_queue import header, products  # noqa: E402
 
 WAYS = ("none", "same", "side", "side-memcpy")
 
@@ -103,15 +103,7 @@ def step(
         state.copy(memcpy=False)
     elif way.startswith("side"):
         beside = state.stage_beside(memcpy=way == "side-memcpy")
-    marks: list[torch.cuda.Event] = []
-    for i in range(n):
-        torch.mm(a, b, out=c)
-        if i % 20 == 19:
-            ev = torch.cuda.Event()
-            ev.record()
-            marks.append(ev)
-            if len(marks) > ahead:
-                marks[-1 - ahead].synchronize()
+    products(a, b, c, n, ahead)
     if beside is not None:  # the gate: the optimizer step waits for the staging
         thread, done = beside
         thread.join()
@@ -170,11 +162,7 @@ def main() -> int:
         for w, t in times.items()
     }
     result = {
-        "command": command_info(),
-        "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
-        "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "settings": vars(args),
+        **header(args),
         "state_bytes": state.nbytes,
         "staging_alone_s": {"foreach": alone["same"], "memcpy": alone["side-memcpy"]},
         "median": med,
