@@ -93,3 +93,25 @@ def test_wheel_installs_and_works_outside_the_tree(tmp_path):
     )
     r = subprocess.run([py, "-c", script], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_a_hook_left_without_its_package_says_how_to_mend_it_and_python_still_starts(tmp_path):
+    """The post-import hook's .pth left behind where the package no longer imports (an editable install whose
+    checkout was removed, a half-uninstalled one): every Python start still succeeds, and its one line
+    names the package, the error and what to do."""
+    py = make_venv(tmp_path / "venv")
+    site = run_py(py, "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    Path(site, "nanotron_datastates.pth").write_text((ROOT / "nanotron_datastates.pth").read_text())
+    r = subprocess.run([py, "-c", "print('started')"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "started", r.stderr
+    # One line a site folder (a venv may list its folder twice, as lib and lib64)
+    (line,) = set(r.stderr.splitlines())
+    assert line.startswith("nanotron_datastates: Nanotron hook not installed (ModuleNotFoundError(")
+    assert "pip uninstall nanotron-datastates" in line and "NANOTRON_DATASTATES_AUTOLOAD=0" in line
+    quiet = subprocess.run(
+        [py, "-c", "pass"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NANOTRON_DATASTATES_AUTOLOAD": "0"},
+    )
+    assert quiet.returncode == 0 and quiet.stderr == ""
