@@ -37,15 +37,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the helpers in benchmarks/
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # and beside this one
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_one_queue, beside this one
 from bench_one_queue import header, products  # noqa: E402
 
 WAYS = ("none", "same", "side", "side-memcpy")
 
 
 class State:
-    """The state and its staging buffers; `stage(way)` queues one staging of it."""
+    """The state and its staging buffers: `copy` queues one staging of it on the current stream,
+    `stage_beside` on the side stream from another thread."""
 
     def __init__(self, bf16_gb: float, fp32_gb: float) -> None:
         def tensors(gb: float, n: int, dtype: torch.dtype) -> list[torch.Tensor]:
