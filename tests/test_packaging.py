@@ -32,18 +32,20 @@ def run_py(py: str, code: str, **env: str) -> str:
     return r.stdout.strip()
 
 
-def make_venv(where: Path) -> str:
+def make_venv(where: Path, with_torch: bool = True) -> str:
     """A fresh virtual environment whose python finds this torch (a .pth line naming the directory it is
-    installed in, which does not run that directory's .pth hooks); returns its python."""
+    installed in, which does not run that directory's .pth hooks), or nothing beyond the standard library
+    (`with_torch=False`); returns its python."""
     subprocess.run([sys.executable, "-m", "venv", str(where)], check=True)
     py = str(where / "bin" / "python")
-    site = subprocess.run(
-        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    Path(site, "host_torch.pth").write_text(str(Path(torch.__file__).parents[1]) + "\n")
+    if with_torch:
+        Path(venv_site(py), "host_torch.pth").write_text(str(Path(torch.__file__).parents[1]) + "\n")
     return py
+
+
+def venv_site(py: str) -> str:
+    """The site-packages folder of the virtual environment of `py`."""
+    return run_py(py, "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 
 
 @pytest.mark.slow
@@ -99,10 +101,10 @@ def test_a_hook_left_without_its_package_says_how_to_mend_it_and_python_still_st
     """The post-import hook's .pth left behind where the package no longer imports (an editable install whose
     checkout was removed, a half-uninstalled one): every Python start still succeeds, and its one line
     names the package, the error and what to do."""
-    py = make_venv(tmp_path / "venv")
-    site = run_py(py, "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-    Path(site, "nanotron_datastates.pth").write_text((ROOT / "nanotron_datastates.pth").read_text())
-    r = subprocess.run([py, "-c", "print('started')"], cwd=tmp_path, capture_output=True, text=True)
+    py = make_venv(tmp_path / "venv", with_torch=False)  # where no copy of the package can be found
+    Path(venv_site(py), "nanotron_datastates.pth").write_text((ROOT / "nanotron_datastates.pth").read_text())
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NANOTRON_DATASTATES_AUTOLOAD")}
+    r = subprocess.run([py, "-c", "print('started')"], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert r.returncode == 0 and r.stdout.strip() == "started", r.stderr
     # One line a site folder (a venv may list its folder twice, as lib and lib64)
     (line,) = set(r.stderr.splitlines())
@@ -112,6 +114,6 @@ def test_a_hook_left_without_its_package_says_how_to_mend_it_and_python_still_st
         [py, "-c", "pass"],
         capture_output=True,
         text=True,
-        env={**os.environ, "NANOTRON_DATASTATES_AUTOLOAD": "0"},
+        env={**env, "NANOTRON_DATASTATES_AUTOLOAD": "0"},
     )
     assert quiet.returncode == 0 and quiet.stderr == ""
