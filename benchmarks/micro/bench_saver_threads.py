@@ -9,7 +9,12 @@ it (the capture where it runs on the training thread, the hand-over) and, apart,
 manager's memory checkpoint, timed around it).
 
     python3 benchmarks/micro/bench_saver_threads.py --out DIR [--layers 8 --steps 300 --gap 0.03 --rounds 3
-        --idle-threads 0]
+        --idle-threads 0 --gil-rate 0]
+
+`--gil-rate N` (py-spy on PATH, allowed to attach to this process: root, or ptrace_scope 0): each round is
+also sampled N times a second by `py-spy record --gil`, attached for the round alone, and the milliseconds a
+checkpoint each Python thread held the GIL are added (`gil_ms`): what the training thread's own Python waits
+for, where the thread CPU also counts the system calls and core calls made off the GIL.
 
 Writes DIR/bench_saver_threads.json. `--nanotron-src` (default: ../shared/nanotron/7bc99232/src beside the
 checkout): the Nanotron tree, with `cpu_stand_ins.py` beside the trees.
@@ -20,7 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -31,6 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the helpers in benchmarks/
 from _common import command_info, host_info  # noqa: E402
+from gil_summary import summarize  # noqa: E402
 
 
 def main() -> None:
@@ -46,6 +54,7 @@ def main() -> None:
         default=0,
         help="idle threads beside, as a GPU trainer's process holds (torch's, NCCL's, CUDA's: 100 or more)",
     )
+    ap.add_argument("--gil-rate", type=float, default=0.0, help="py-spy --gil samples a second (0: none)")
     ap.add_argument("--nanotron-src", default=str(ROOT.parent / "shared" / "nanotron" / "7bc99232" / "src"))
     args = ap.parse_args()
     src = Path(args.nanotron_src).resolve()
@@ -63,6 +72,7 @@ def main() -> None:
         rounds = run(Path(work), Path(shm), args)
     idle.set()
     per = {k: statistics.median(r["cpu_ms"].get(k, 0.0) for r in rounds) for k in rounds[0]["cpu_ms"]}
+    gil = {k: statistics.median(r["gil_ms"].get(k, 0.0) for r in rounds) for k in rounds[0].get("gil_ms", {})}
     result = {
         "what": "CPU a memory checkpoint by thread (ms), the median of the rounds; the training thread's own "
         "time a checkpoint: its queuing (training_thread_ms) and its request (request_ms)",
@@ -70,6 +80,7 @@ def main() -> None:
         "host": host_info([tempfile.gettempdir()]),
         "settings": vars(args),
         "cpu_ms_median": dict(sorted(per.items())),
+        "gil_ms_median": dict(sorted(gil.items())),
         "training_thread_ms_median": statistics.median(r["training_thread_ms"] for r in rounds),
         "request_ms_median": statistics.median(r["request_ms"] for r in rounds),
         "rounds": rounds,
@@ -77,7 +88,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_saver_threads.json").write_text(json.dumps(result, indent=1) + "\n")
-    keys = ("cpu_ms_median", "training_thread_ms_median", "request_ms_median")
+    keys = ("cpu_ms_median", "gil_ms_median", "training_thread_ms_median", "request_ms_median")
     print(json.dumps({k: result[k] for k in keys}, indent=1))
 
 
@@ -159,11 +170,13 @@ def run(work: Path, shm: Path, args: argparse.Namespace) -> list[dict[str, Any]]
             python_threads(),
             cpu_use.thread_cpu(),
         )
+        sampler = GilSampler(args.gil_rate, work / f"gil-{len(rounds)}.txt") if args.gil_rate else None
         for _ in range(args.steps):
             iteration(at)
             at += 1
         saver.take(saver.outstanding, lambda s: None)  # their commits counted too
         py1, core = python_threads(), cpu_use.since(core0)
+        held = sampler.stop() if sampler is not None else None
         taken = len(queued) - n0
         cpu = {k: (py1[k] - py0.get(k, 0.0)) for k in py1}
         cpu.update({f"ds-{k}": v for k, v in core.items()})
@@ -176,10 +189,35 @@ def run(work: Path, shm: Path, args: argparse.Namespace) -> list[dict[str, Any]]
                 "request_ms": round(statistics.median(asked[a0:]) * 1e3, 3),
             }
         )
+        if held is not None:
+            rounds[-1]["gil_ms"] = {k: round(v / taken * 1e3, 3) for k, v in sorted(held.items())}
         print(rounds[-1], flush=True)
     saver.close()
     engine.close()
     return rounds
+
+
+class GilSampler:
+    """`py-spy record --gil` attached to this process from now until `stop()`, `rate` samples a second."""
+
+    def __init__(self, rate: float, raw: Path) -> None:
+        self.rate, self.raw = rate, raw
+        command = ["py-spy", "record", "--gil", "--threads", "-r", f"{rate:g}", "-f", "raw", "-o", str(raw)]
+        self.process = subprocess.Popen(
+            [*command, "--pid", str(os.getpid())], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        time.sleep(1.0)  # attached before the round starts
+        if self.process.poll() is not None:
+            why = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
+            raise RuntimeError(f"py-spy could not attach to this process: {why.strip()}")
+
+    def stop(self) -> dict[str, float]:
+        """Seconds each Python thread (by name) held the GIL while sampled."""
+        self.process.send_signal(signal.SIGINT)
+        self.process.wait(60)
+        with open(self.raw) as f:
+            summary = summarize(f.readlines(), self.rate, top=1)
+        return {who.partition(" | ")[2]: float(s["gil_s"]) for who, s in summary.items()}  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":
