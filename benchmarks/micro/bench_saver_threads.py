@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -75,7 +76,8 @@ def main() -> None:
     gil = {k: statistics.median(r["gil_ms"].get(k, 0.0) for r in rounds) for k in rounds[0].get("gil_ms", {})}
     result = {
         "what": "CPU a memory checkpoint by thread (ms), the median of the rounds; the training thread's own "
-        "time a checkpoint: its queuing (training_thread_ms) and its request (request_ms)",
+        "time a checkpoint: its queuing (training_thread_ms) and its request (request_ms); with --gil-rate, "
+        "the ms a checkpoint each Python thread held the GIL (gil_ms)",
         "command": command_info(),
         "host": host_info([tempfile.gettempdir()]),
         "settings": vars(args),
@@ -202,6 +204,8 @@ class GilSampler:
 
     def __init__(self, rate: float, raw: Path) -> None:
         self.rate, self.raw = rate, raw
+        if shutil.which("py-spy") is None:
+            raise RuntimeError("--gil-rate needs py-spy on PATH (python3 -m pip install py-spy)")
         command = ["py-spy", "record", "--gil", "--threads", "-r", f"{rate:g}", "-f", "raw", "-o", str(raw)]
         self.process = subprocess.Popen(
             [*command, "--pid", str(os.getpid())], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
