@@ -159,43 +159,45 @@ def run(work: Path, shm: Path, args: argparse.Namespace) -> list[dict[str, Any]]
                 out[th.name] = cpu_use.thread_seconds(th.native_id)
         return out
 
-    at, rounds = 1, []
-    for _ in range(20):  # the first checkpoints: the tier's files taken over from then on
-        iteration(at)
-        at += 1
-    for _ in range(args.rounds):
-        saver.take(saver.outstanding, lambda s: None)
-        a0 = len(asked)
-        n0, skipped0, py0, core0 = (
-            len(queued),
-            len(saver.memory_skipped),
-            python_threads(),
-            cpu_use.thread_cpu(),
-        )
-        sampler = GilSampler(args.gil_rate, work / f"gil-{len(rounds)}.txt") if args.gil_rate else None
-        for _ in range(args.steps):
+    try:  # a failure (py-spy unable to attach, say) stops the Saver's threads too
+        at, rounds = 1, []
+        for _ in range(20):  # the first checkpoints: the tier's files taken over from then on
             iteration(at)
             at += 1
-        saver.take(saver.outstanding, lambda s: None)  # their commits counted too
-        py1, core = python_threads(), cpu_use.since(core0)
-        held = sampler.stop() if sampler is not None else None
-        taken = len(queued) - n0
-        cpu = {k: (py1[k] - py0.get(k, 0.0)) for k in py1}
-        cpu.update({f"ds-{k}": v for k, v in core.items()})
-        rounds.append(
-            {
-                "checkpoints": taken,
-                "skipped": len(saver.memory_skipped) - skipped0,
-                "cpu_ms": {k: round(v / taken * 1e3, 3) for k, v in sorted(cpu.items())},
-                "training_thread_ms": round(statistics.median(queued[n0:]) * 1e3, 3),
-                "request_ms": round(statistics.median(asked[a0:]) * 1e3, 3),
-            }
-        )
-        if held is not None:
-            rounds[-1]["gil_ms"] = {k: round(v / taken * 1e3, 3) for k, v in sorted(held.items())}
-        print(rounds[-1], flush=True)
-    saver.close()
-    engine.close()
+        for _ in range(args.rounds):
+            saver.take(saver.outstanding, lambda s: None)
+            a0 = len(asked)
+            n0, skipped0, py0, core0 = (
+                len(queued),
+                len(saver.memory_skipped),
+                python_threads(),
+                cpu_use.thread_cpu(),
+            )
+            sampler = GilSampler(args.gil_rate, work / f"gil-{len(rounds)}.txt") if args.gil_rate else None
+            for _ in range(args.steps):
+                iteration(at)
+                at += 1
+            saver.take(saver.outstanding, lambda s: None)  # their commits counted too
+            py1, core = python_threads(), cpu_use.since(core0)
+            held = sampler.stop() if sampler is not None else None
+            taken = len(queued) - n0
+            cpu = {k: (py1[k] - py0.get(k, 0.0)) for k in py1}
+            cpu.update({f"ds-{k}": v for k, v in core.items()})
+            rounds.append(
+                {
+                    "checkpoints": taken,
+                    "skipped": len(saver.memory_skipped) - skipped0,
+                    "cpu_ms": {k: round(v / taken * 1e3, 3) for k, v in sorted(cpu.items())},
+                    "training_thread_ms": round(statistics.median(queued[n0:]) * 1e3, 3),
+                    "request_ms": round(statistics.median(asked[a0:]) * 1e3, 3),
+                }
+            )
+            if held is not None:
+                rounds[-1]["gil_ms"] = {k: round(v / taken * 1e3, 3) for k, v in sorted(held.items())}
+            print(rounds[-1], flush=True)
+    finally:
+        saver.close()
+        engine.close()
     return rounds
 
 
