@@ -9,8 +9,8 @@ nowhere else (docs/SECURITY.md says what is trusted and why).
   O_NOFOLLOW from its parent's descriptor, files created O_EXCL), never recursing on the Python stack.
 - `private_dir`: a folder only its owner can use (created 0700; refused if it is a link, has another owner,
   or lets the group or others write or enter it), under folders no other user can change.
-- `open_regular` / `read_regular`: a file opened without following a link, checked to be a regular file
-  (owned by this user, where asked), read to a bound.
+- `open_regular` / `read_regular`: a file opened without following a link (its last component, or every one
+  below a folder), checked to be a regular file (owned by this user, where asked), read to a bound.
 
 Imports neither torch nor Nanotron (the core's module, `_core`, neither).
 """
@@ -276,21 +276,28 @@ def _check_ancestors(path: Path, what: str) -> None:
     )
 
 
-def open_regular(path: str | os.PathLike, *, own: bool = False) -> int:
+def open_regular(
+    path: str | os.PathLike, *, own: bool = False, within: str | os.PathLike | None = None
+) -> int:
     """A read-only descriptor of `path`, its last component not followed if a link, checked to be a regular
-    file (and, with `own`, this user's); UntrustedPath otherwise, naming it. Never blocks on a FIFO."""
+    file (and, with `own`, this user's); UntrustedPath otherwise, naming it. Never blocks on a FIFO.
+    `within`: `path` is a name below that folder, and no link is followed anywhere below it (`walk_dir`)."""
+    shown = os.path.join(within, path) if within is not None else path
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        parts = name_parts(os.fspath(path), os.fspath(within)) if within is not None else (path,)
+        with walk_dir(within, parts[:-1]) if within is not None else contextlib.nullcontext(None) as top:
+            fd = os.open(parts[-1], flags, dir_fd=top)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise UntrustedPath(e.errno, f"{path}: a link; not followed") from None
+            raise UntrustedPath(e.errno, f"{shown}: a link; not followed") from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UntrustedPath(errno.EINVAL, f"{path}: not a regular file")
+            raise UntrustedPath(errno.EINVAL, f"{shown}: not a regular file")
         if own and st.st_uid != os.geteuid():
-            raise UntrustedPath(errno.EPERM, f"{path}: belongs to uid {st.st_uid}, not to this user")
+            raise UntrustedPath(errno.EPERM, f"{shown}: belongs to uid {st.st_uid}, not to this user")
     except BaseException:
         os.close(fd)
         raise

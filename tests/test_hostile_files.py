@@ -204,6 +204,56 @@ def test_convert_to_torch_refuses_a_fifo_naming_it(ckpt, fifo, tmp_path, capsys,
     assert not out.exists()
 
 
+def _plant_links(folder: Path, secret: Path, where: str) -> Path:
+    """A link planted in a checkpoint given to `convert`: to a file (`file`), as a weight file (`weight`), or
+    as a whole subfolder (`folder`); each leads to `secret` or its folder."""
+    if where == "file":
+        link = folder / "notes.txt"
+        link.symlink_to(secret)
+    elif where == "weight":
+        link = folder / "model" / "stolen.safetensors"
+        link.symlink_to(secret)
+    else:
+        link = folder / "extra"
+        link.symlink_to(secret.parent, target_is_directory=True)
+    return link
+
+
+@pytest.fixture
+def secret(tmp_path) -> Path:
+    """A private file of the user who runs `convert` (often root), outside the checkpoint."""
+    path = tmp_path / "private" / "id_key"
+    path.parent.mkdir()
+    path.write_bytes(b"-----BEGIN PRIVATE KEY----- not for the neighbour")
+    path.chmod(0o600)
+    return path
+
+
+def _leaked(out: Path, secret: Path) -> list[Path]:
+    data = secret.read_bytes()
+    return [p for p in out.rglob("*") if p.is_file() and data in p.read_bytes()] if out.exists() else []
+
+
+@pytest.mark.parametrize("where", ["file", "weight", "folder"])
+def test_convert_to_datastates_refuses_a_link_in_the_checkpoint_naming_it(tmp_path, capsys, secret, where):
+    stock = tmp_path / "stock"
+    stock_checkpoint(stock, with_random=False)
+    link = _plant_links(stock, secret, where)
+    out = tmp_path / "out"
+    rc, text = run(capsys, "convert", str(stock), str(out), "--to", "datastates")
+    assert rc == 1 and str(link) in text and "link" in text, text
+    assert not out.exists() and not _leaked(tmp_path / "out", secret)
+
+
+@pytest.mark.parametrize("where", ["file", "folder"])
+def test_convert_to_torch_refuses_a_link_in_the_checkpoint_naming_it(ckpt, tmp_path, capsys, secret, where):
+    link = _plant_links(ckpt, secret, where)
+    out = tmp_path / "out"
+    rc, text = run(capsys, "convert", str(ckpt), str(out), "--to", "torch")
+    assert rc == 1 and str(link) in text and "link" in text, text
+    assert not out.exists() and not _leaked(out, secret)
+
+
 # -- the core's own open, and the telemetry --------------------------------------------------------------
 
 

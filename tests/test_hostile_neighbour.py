@@ -24,6 +24,8 @@ from nanotron_datastates.checkpoint.manifest import manifest as make_manifest
 from nanotron_datastates.checkpoint.manifest import read_manifest
 from nanotron_datastates.checkpoint.names import LATEST, MANIFEST
 from nanotron_datastates.save import housekeeping
+from nanotron_datastates.store import open_store
+from nanotron_datastates.store.posix import LOCK as STORE_LOCK
 from nanotron_datastates.store.writer_lock import LOCK, WriterLock
 from nanotron_datastates.tier.memory import MemoryTier
 from nanotron_datastates.tier.replica_check import check_and_place
@@ -263,6 +265,48 @@ def test_a_writer_lock_of_our_own_keeps_working(tmp_path):
     (tmp_path / LOCK).write_text('{"host": "a much longer line than the holder writes", "pid": 1, "x": 0}')
     WriterLock(tmp_path).acquire().release()
     assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()  # the old line replaced whole
+
+
+def _set_latest_within(root: Path, seconds: float = 10.0) -> BaseException | None:
+    """What moving `latest.txt` under the store's lock raised (None: it moved); fails if it blocks."""
+    out: dict = {}
+
+    def go() -> None:
+        try:
+            open_store(root).set_latest(20)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"the lock of {root} blocked"
+    return out.get("error")
+
+
+@pytest.mark.parametrize("make", [_fifo, _device], ids=["fifo", "device"])
+def test_the_store_lock_that_is_not_a_regular_file_is_refused_at_once_naming_it(tmp_path, make):
+    make(tmp_path / STORE_LOCK)
+    error = _set_latest_within(tmp_path)
+    assert isinstance(error, trust.UntrustedPath), repr(error)
+    assert str(tmp_path / STORE_LOCK) in str(error) and "not a regular file" in str(error)
+    assert not (tmp_path / LATEST).exists()
+
+
+def test_the_store_lock_is_never_created_through_a_link(tmp_path):
+    target = tmp_path / "elsewhere" / "nologin"
+    target.parent.mkdir()
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / STORE_LOCK).symlink_to(target)
+    error = _set_latest_within(root)
+    assert isinstance(error, trust.UntrustedPath) and str(root / STORE_LOCK) in str(error), repr(error)
+    assert not target.exists() and not (root / LATEST).exists()
+
+
+def test_the_store_lock_of_our_own_keeps_working(tmp_path):
+    assert _set_latest_within(tmp_path) is None and (tmp_path / LATEST).read_text() == "20"
+    assert _set_latest_within(tmp_path) is None  # the file left by the first
 
 
 # -- 4. the memory tier writes with no link followed ---------------------------------------------------------

@@ -109,11 +109,14 @@ with open_store(sys.argv[1]).locked():
 """
 
 PROBE = """
-import sys, fasteners
+import fcntl, os, sys
 from nanotron_datastates.store.posix import LOCK
-lock = fasteners.InterProcessLock(sys.argv[1] + "/" + LOCK)
-got = lock.acquire(blocking=False)
-print("free" if got else "held", flush=True)
+fd = os.open(sys.argv[1] + "/" + LOCK, os.O_RDWR | os.O_CREAT)
+try:
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    print("free", flush=True)
+except OSError:
+    print("held", flush=True)
 """
 
 

@@ -1,23 +1,23 @@
 """`FolderStore`: the `Store` of a checkpoints folder on a POSIX file system, made of the package's existing
 pieces: atomic writes (`checkpoint/file_io.py`), the listing and `latest.txt` read strictly
 (`checkpoint/folder.py`), removal by descriptor with no link followed (`trust.py`), the inter-process lock
-file `.datastates.lock` (fasteners: a POSIX record lock) and the writer lock (`store/writer_lock.py`)."""
+file `.datastates.lock` (a POSIX record lock, its file opened as the writer lock's: no link followed, never
+a FIFO) and the writer lock (`store/writer_lock.py`)."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import threading
 from pathlib import Path
 from typing import Iterator
 
-import fasteners
-
 from .. import telemetry, trust
 from ..checkpoint import folder as listing
 from ..checkpoint.file_io import fsync_path, write_atomic
 from ..checkpoint.names import LATEST, MANIFEST, NANOTRON_METADATA
-from .writer_lock import WriterLock
+from .writer_lock import WriterLock, open_lock_file
 
 LOCK = ".datastates.lock"  # latest.txt moves, and checkpoints are removed, only under this lock
 MARKERS = (MANIFEST, NANOTRON_METADATA)  # what makes a folder a checkpoint (`is_committed`)
@@ -30,7 +30,7 @@ class FolderStore:
         self.root = Path(root)
         self._mutex = threading.RLock()  # one thread at a time in `locked`, reentrant
         self._depth = 0
-        self._lock: fasteners.InterProcessLock | None = None  # while held
+        self._fd: int | None = None  # the lock file's, while held
 
     def __repr__(self) -> str:
         return f"FolderStore({str(self.root)!r})"
@@ -58,17 +58,22 @@ class FolderStore:
     def locked(self) -> Iterator[None]:
         with self._mutex:
             if self._depth == 0:
-                self._lock = fasteners.InterProcessLock(str(self.root / LOCK))
-                self._lock.acquire()
+                self.root.mkdir(parents=True, exist_ok=True)
+                fd = open_lock_file(self.root / LOCK, "the store's lock")
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_EX)  # waits for another process's commit or rotation
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self._fd = fd
             self._depth += 1
             try:
                 yield
             finally:
                 self._depth -= 1
-                if self._depth == 0:
-                    assert self._lock is not None
-                    self._lock.release()
-                    self._lock = None
+                if self._depth == 0 and self._fd is not None:
+                    os.close(self._fd)  # drops the record lock
+                    self._fd = None
 
     def uncommit(self, step: int) -> None:
         folder = self._step(step)

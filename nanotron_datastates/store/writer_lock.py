@@ -3,7 +3,7 @@ manifest with the other's files. The rank that commits (rank 0) holds `.datastat
 checkpoints folder for the job's life; a second job on the same folder fails at its start, naming the folder
 and the holder's host and pid. Readers (resume, verify, inspect, convert) take no lock.
 
-The lock is a POSIX record lock (`fcntl.lockf`, what `fasteners` uses; it works on NFS with lockd), taken
+The lock is a POSIX record lock (`fcntl.lockf`, as the store's own lock; it works on NFS with lockd), taken
 without waiting and released by the kernel when the holder's process dies, so a job killed and restarted
 takes it again. Record locks belong to a process, not to a descriptor: a second acquisition in the same
 process is refused here, and nothing else of the package opens the file (closing any descriptor of it
@@ -51,7 +51,7 @@ class WriterLock:
                 f"{self.root}: this process already writes checkpoints there (pid {os.getpid()}); one "
                 "trainer per checkpoints folder"
             )
-        fd = _open(self.root / LOCK)
+        fd = open_lock_file(self.root / LOCK)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -65,7 +65,9 @@ class WriterLock:
             raise
         me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
         line = json.dumps(me).encode()
-        os.pwrite(fd, line, 0)  # a regular file with no other name (`_open`): only the lock's bytes change
+        os.pwrite(
+            fd, line, 0
+        )  # a regular file with no other name (`open_lock_file`): only the lock's bytes change
         os.ftruncate(fd, len(line))
         self.fd = fd
         _HELD[key] = self
@@ -80,13 +82,14 @@ class WriterLock:
         self.fd = None
 
 
-def _open(path: Path) -> int:
-    """The lock file, opened read-write without truncating it, never through a link, never blocking (a FIFO),
-    checked to be a regular file with no other name: its holder's line overwrites it, and with a second
-    name (a hard link) it would overwrite another file. trust.UntrustedPath, naming it, otherwise."""
+def open_lock_file(path: Path, what: str = "the writer lock") -> int:
+    """A lock file (`what`, for messages), opened read-write without truncating it, never through a link,
+    never blocking (a FIFO), checked to be a regular file with no other name: the writer's holder line
+    overwrites it, and with a second name (a hard link) it would overwrite another file. trust.UntrustedPath,
+    naming it, otherwise."""
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     with contextlib.suppress(FileNotFoundError):
-        _check(path, os.lstat(path))  # a device is refused before it is opened
+        _check(path, os.lstat(path), what)  # a device is refused before it is opened
     try:
         fd = os.open(path, flags, 0o644)
     except OSError as e:
@@ -94,28 +97,24 @@ def _open(path: Path) -> int:
             raise trust.UntrustedPath(e.errno, f"{path}: a link; not followed") from None
         raise
     try:
-        _check(path, os.fstat(fd))  # the file opened: what the lstat saw may have been swapped since
+        _check(path, os.fstat(fd), what)  # the file opened: what the lstat saw may have been swapped since
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def _check(path: Path, st: os.stat_result) -> None:
+def _check(path: Path, st: os.stat_result, what: str) -> None:
     """trust.UntrustedPath, naming the lock file, unless `st` is that of a regular file with one name."""
     if stat.S_ISLNK(st.st_mode):
         raise trust.UntrustedPath(errno.ELOOP, f"{path}: a link; not followed")
     if not stat.S_ISREG(st.st_mode):
         m = st.st_mode
         kind = "a FIFO" if stat.S_ISFIFO(m) else "a folder" if stat.S_ISDIR(m) else "a socket or a device"
-        raise trust.UntrustedPath(
-            errno.EINVAL, f"{path}: the writer lock is {kind}, not a regular file; remove it"
-        )
+        raise trust.UntrustedPath(errno.EINVAL, f"{path}: {what} is {kind}, not a regular file; remove it")
     if st.st_nlink > 1:
         raise trust.UntrustedPath(
-            errno.EMLINK,
-            f"{path}: the writer lock has {st.st_nlink} names (a hard link to another file, which the "
-            "holder's line would overwrite); remove it",
+            errno.EMLINK, f"{path}: {what} has {st.st_nlink} names (a hard link to another file); remove it"
         )
 
 

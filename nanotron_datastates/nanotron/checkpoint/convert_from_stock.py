@@ -72,7 +72,7 @@ def to_datastates(
             made = [(t, engine.save(plain, out / t)) for t in _random_targets(rel, topology["cp"])]
         else:
             if rel != METADATA:  # written last
-                copy_file(src / rel, out / rel)
+                copy_file(src, rel, out / rel)
             continue
         for target, h in made:
             handles.append(h)

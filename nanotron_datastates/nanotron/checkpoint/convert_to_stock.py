@@ -50,7 +50,7 @@ def to_torch(src: Path, out: Path, engine: DataStatesEngine, allow_pickle: bool)
         parts = Path(rel).parts
         if parts[0] == MODEL:
             # Same file in both layouts. The copy is what gets checked: a bad source and a bad copy both fail.
-            copy_file(path, out / rel)
+            copy_file(src, rel, out / rel)
             engine.verify(out / rel, sums)
         elif parts[0] == RANDOM:
             stock = stock_random_states(parts[-1])
@@ -120,4 +120,4 @@ def _copy_rest(src: Path, out: Path, listed: set[str]) -> None:
             (out / rel).write_text(_stock_config(read_bytes(src / rel).decode()))
             fsync_path(out / rel)
         else:
-            copy_file(src / rel, out / rel)
+            copy_file(src, rel, out / rel)
