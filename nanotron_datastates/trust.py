@@ -225,11 +225,8 @@ def private_dir(path: str | os.PathLike, what: str = "folder") -> Path:
     elif st.st_mode & 0o077:
         problem = f"has mode {stat.S_IMODE(st.st_mode):04o}: others than its owner may use it (0700 needed)"
     if problem:
-        raise UntrustedPath(
-            errno.EPERM,
-            f"the {what} {path} {problem}; another user may have planted it: remove it, or choose another "
-            "path",
-        )
+        why = "another user may have planted it: remove it, or choose another path"
+        raise UntrustedPath(errno.EPERM, f"the {what} {path} {problem}; {why}")
     return path
 
 

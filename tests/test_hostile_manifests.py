@@ -163,3 +163,27 @@ def test_a_plain_name_has_the_parts_of_its_path():
 
     for name in ("a", "model/w.safetensors", "x/y/z/.rank-0.json", "..a/b.."):
         assert trust.name_parts(name) == trust.relative_name(name).parts
+
+
+@pytest.mark.parametrize("count", ["9999999", str(10**13), "9" * 5000])
+def test_an_optimizer_part_count_a_manifest_names_is_never_trusted_to_size_anything(count):
+    """A part's name says how many parts make its file: a count of billions is a ManifestError naming the
+    file (never a list of that many built), a count of thousands of digits no part name at all."""
+    from nanotron_datastates.checkpoint.reads import optimizer_files
+
+    name = f"optimizer/optimizer_pp-0-of-1_tp-0-of-1_part-0-of-{count}.safetensors"
+    try:
+        got = optimizer_files([name, "model/w.safetensors"])
+    except ManifestError as e:
+        assert "optimizer/optimizer_pp-0-of-1_tp-0-of-1.safetensors" in str(e)
+    else:  # not taken for a part: a whole file of that name
+        assert got == {name: [name]}
+
+
+def test_an_optimizer_part_name_with_digits_other_than_ascii_is_no_part():
+    from nanotron_datastates.checkpoint.reads import optimizer_files
+
+    name = "optimizer/o_part-\u0660-of-\u0661.safetensors"  # Arabic-Indic 0 and 1
+    assert optimizer_files([name]) == {name: [name]}
+    ok = ["optimizer/o_part-0-of-2.safetensors", "optimizer/o_part-1-of-2.safetensors"]
+    assert optimizer_files(ok) == {"optimizer/o.safetensors": ok}

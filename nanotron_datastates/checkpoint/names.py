@@ -80,7 +80,8 @@ class Place:
         return random_states_name(self.tp, self.dp, self.pp, self.cp)
 
 
-_PART = re.compile(r"(.+)_part-(\d+)-of-(\d+)\.safetensors")
+# ASCII digits only, at most 7 (a manifest lists at most 2**20 files): never a number of a hostile size
+_PART = re.compile(r"(.+)_part-([0-9]{1,7})-of-([0-9]{1,7})\.safetensors")
 
 
 def part_name(name: str, part: int, count: int) -> str:
@@ -96,7 +97,9 @@ def whole_name(name: str) -> tuple[str, int, int] | None:
     return None if m is None else (m[1] + ".safetensors", int(m[2]), int(m[3]))
 
 
-_RANDOM_NAME = re.compile(r"tp-(\d+)-of-(\d+)_dp-(\d+)-of-(\d+)_pp-(\d+)-of-(\d+)(?:_cp-(\d+)-of-(\d+))?")
+_RANDOM_NAME = re.compile(
+    r"tp-([0-9]+)-of-([0-9]+)_dp-([0-9]+)-of-([0-9]+)_pp-([0-9]+)-of-([0-9]+)(?:_cp-([0-9]+)-of-([0-9]+))?"
+)
 
 
 def stock_random_states(name: str) -> tuple[str, bool] | None:

@@ -40,7 +40,7 @@ def optimizer_files(files: Iterable[str]) -> dict[str, list[str]]:
             out[name] = {-1: parts[-1]}
             continue
         count = max(counts[name])
-        if len(counts[name]) > 1 or sorted(parts) != list(range(count)):
+        if len(counts[name]) > 1 or count != len(parts) or sorted(parts) != list(range(count)):
             raise ManifestError(
                 f"{name}: the checkpoint lists parts {sorted(parts)} of it, named as parts of "
                 f"{sorted(counts[name])}: not one whole"

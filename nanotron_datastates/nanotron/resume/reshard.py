@@ -29,7 +29,7 @@ from ...engine import DataStatesEngine
 from ...load.restore import TensorRef
 from ...resume import reshard_plan
 from ...resume.reshard_plan import Need, Piece, ReshardError, Source
-from .saved_layout import MASTER, SavedFile, read_saved, saved_pieces, whole_pair, zero_ranges
+from .saved_layout import MASTER, N, SavedFile, read_saved, saved_pieces, whole_pair, zero_ranges
 
 if TYPE_CHECKING:
     from nanotron.parallel.parameters import NanotronParameter
@@ -287,9 +287,9 @@ def scheduler_state(
     where = _saved_groups(saved)
     schedules: dict[tuple[int, int], dict[str, Any]] = {}  # each a torch scheduler's state_dict
     for rel in sorted(f for f in entries(manifest) if f.startswith("lr_scheduler/")):
-        m = re.fullmatch(r"lr_scheduler_pp-(\d+)-of-\d+_tp-(\d+)-of-\d+_exp-\d+-of-\d+", Path(rel).stem)
+        m = re.fullmatch(rf"lr_scheduler_pp-{N}-of-{N}_tp-{N}-of-{N}_exp-{N}-of-{N}", Path(rel).stem)
         if m is not None:
-            schedules[(int(m[1]), int(m[2]))] = engine.load(member(folder, rel))
+            schedules[(int(m[1]), int(m[3]))] = engine.load(member(folder, rel))
     if not schedules:
         raise ReshardError(f"{folder}: the checkpoint holds no LR scheduler file")
     first = next(iter(schedules.values()))

@@ -27,10 +27,9 @@ if TYPE_CHECKING:
 
     from ..types import Config, ParallelContext
 
-_OPTIMIZER = re.compile(
-    r"optimizer_pp-(\d+)-of-(\d+)(?:_dp-(\d+)-of-(\d+))?_tp-(\d+)-of-(\d+)_exp-\d+-of-\d+"
-)
-_WEIGHT_TP = re.compile(r"_tp-rank-(\d+)-of-(\d+)")
+N = "([0-9]{1,9})"  # a rank or a count in a file's name: ASCII digits, never a number of a hostile size
+_OPTIMIZER = re.compile(rf"optimizer_pp-{N}-of-{N}(?:_dp-{N}-of-{N})?_tp-{N}-of-{N}_exp-{N}-of-{N}")
+_WEIGHT_TP = re.compile(rf"_tp-rank-{N}-of-{N}")
 _NP_INT = re.compile(
     r"np\.int\d+\((-?\d+)\)"
 )  # NumPy 2's integers in Nanotron's metadata (shards.plain_pairs)
