@@ -18,7 +18,7 @@ from .. import format as fmt
 from .. import trust
 from ..errors import DataStatesError
 from .described import CheckpointInfo, Described, FileInfo, FolderInfo, ListedFile, RootInfo, TensorInfo
-from .file_io import read_json, read_yaml
+from .file_io import read_json, read_yaml, section
 from .manifest import Entries, entries, is_datastates_checkpoint, read_manifest
 from .names import FOLDERS, LATEST, MANIFEST, NANOTRON_METADATA
 
@@ -206,11 +206,11 @@ def describe_checkpoint(folder: str | os.PathLike, tensors: bool = False) -> Che
         engine = "nanotron (torch)"
     meta = read_json(folder / NANOTRON_METADATA)
     if meta:
-        step = step if step is not None else meta.get("metas", {}).get("last_train_step")
+        step = step if step is not None else section(meta, "metas").get("last_train_step")
         for key in ("tp", "dp", "cp"):  # cp: Nanotron main's
             if key in meta:
                 topology.setdefault(key, meta[key])
-    parallelism = read_yaml(folder / "config.yaml").get("parallelism") or {}
+    parallelism = section(read_yaml(folder / "config.yaml"), "parallelism")
     topology.setdefault("pp", parallelism.get("pp"))
     root = folder.parent
     latest = _safe_latest(root)

@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from .file_io import read_json, read_yaml
+from .file_io import read_json, read_yaml, section
 from .names import NANOTRON_METADATA
 
 TOPOLOGY_KEYS = ("tp", "pp", "dp", "cp", "expert", "zero_stage")
@@ -26,20 +26,25 @@ def stock_topology(folder: str | os.PathLike) -> dict[str, int]:
     loader reads them); {} if they say nothing."""
     folder = Path(folder)
     meta, config = read_json(folder / NANOTRON_METADATA), read_yaml(folder / "config.yaml")
-    out = {k: int(meta[k]) for k in ("tp", "dp", "cp") if isinstance(meta.get(k), int)}
-    par, opt = config.get("parallelism") or {}, config.get("optimizer") or {}
-    if isinstance(par.get("pp"), int):
+    out = {k: meta[k] for k in ("tp", "dp", "cp") if _is_count(meta.get(k))}
+    par, opt = section(config, "parallelism"), section(config, "optimizer")
+    if _is_count(par.get("pp")):
         out["pp"] = par["pp"]
-    if isinstance(opt.get("zero_stage"), int):
+    if _is_count(opt.get("zero_stage")):
         out["zero_stage"] = opt["zero_stage"]
     saved_optimizer = read_json(folder / "optimizer" / "optimizer_config.json")
-    sizes = saved_optimizer.get("parallelism") or {}
+    sizes = section(saved_optimizer, "parallelism")
     pp_size = str(sizes.get("pp_size", ""))
-    if "pp" not in out and pp_size.isascii() and pp_size.isdigit():
+    if "pp" not in out and pp_size.isascii() and pp_size.isdigit() and len(pp_size) <= 9:
         out["pp"] = int(pp_size)
     if "zero_stage" not in out and isinstance(saved_optimizer.get("type"), str):
         out["zero_stage"] = int(saved_optimizer["type"] == "ZeroDistributedOptimizer")
     return out
+
+
+def _is_count(value: object) -> bool:
+    """A size or a stage as a config may give it: an int (not a bool), below 2**31."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
 
 
 def saved_topology(doc: Mapping[str, object]) -> Mapping[str, int]:

@@ -5,12 +5,13 @@ trainer commits."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from ... import trust
 from ...checkpoint.checksums import file_entry
-from ...checkpoint.file_io import read_json, read_yaml
+from ...checkpoint.file_io import load_yaml, read_json, section
 from ...checkpoint.folder_copy import (
     CONFIG,
     MODEL,
@@ -21,11 +22,12 @@ from ...checkpoint.folder_copy import (
     regular_files,
     sync_folders,
 )
+from ...checkpoint.manifest import MAX_FILES, manifest_text
 from ...checkpoint.manifest import manifest as make_manifest
-from ...checkpoint.manifest import manifest_text
 from ...checkpoint.names import MANIFEST, NANOTRON_METADATA, as_safetensors
 from ...checkpoint.topology import topology as make_topology
 from ...engine import DataStatesEngine
+from ...errors import FormatError
 from ...save.handle import SaveHandle
 from ...store import open_store
 from .stock_pickles import load_stock, nanotron_random, random_state_globals, random_states_to_plain
@@ -40,15 +42,19 @@ def to_datastates(
     appended to `handles` (for the caller to wait on if this fails)."""
     meta = read_json(src / METADATA)
     step = _step(src, meta)
-    config = read_yaml(src / CONFIG)
-    parallelism = config.get("parallelism") or {}
+    config = load_yaml(src / CONFIG) if os.path.lexists(src / CONFIG) else {}
+    parallelism, optimizer = _section(config, "parallelism", src), _section(config, "optimizer", src)
+    if meta.get("cp"):  # Nanotron main's
+        cp = _size(meta, "cp", src / METADATA)
+    else:
+        cp = _size(parallelism, "context_parallel_size", src / CONFIG)
     topology = make_topology(
-        tp=meta["tp"],
-        pp=int(parallelism.get("pp") or 1),
-        dp=meta["dp"],
-        cp=int(meta.get("cp") or parallelism.get("context_parallel_size") or 1),  # Nanotron main's
-        expert=int(parallelism.get("expert_parallel_size") or 1),
-        zero_stage=int((config.get("optimizer") or {}).get("zero_stage") or 0),
+        tp=_size(meta, "tp", src / METADATA),
+        pp=_size(parallelism, "pp", src / CONFIG),
+        dp=_size(meta, "dp", src / METADATA),
+        cp=cp,
+        expert=_size(parallelism, "expert_parallel_size", src / CONFIG),
+        zero_stage=_size(optimizer, "zero_stage", src / CONFIG, least=0),
     )
     saved: list[tuple[str, SaveHandle]] = []  # (file in `out`, its save)
     for rel in regular_files(src):
@@ -99,8 +105,28 @@ def _random_targets(rel: str, cp: int) -> list[str]:
     return [f"{stem}_cp-{r}-of-{cp}.safetensors" for r in range(cp)]
 
 
+def _section(config: dict[str, Any], key: str, src: Path) -> dict[str, Any]:
+    """The config's section `key` ({} where absent); FormatError, naming the file, where not a mapping."""
+    value = config.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise FormatError(f"{src / CONFIG}: {key} is a {type(value).__name__}, not a mapping")
+    return value or {}
+
+
+def _size(doc: dict[str, Any], key: str, path: Path, least: int = 1) -> int:
+    """A parallel size (or the ZeRO stage, from 0) as Nanotron reads it (absent or 0: the default, `least`);
+    FormatError naming the file and the key where it is anything but an integer in range (a manifest lists
+    at most MAX_FILES files: one per context-parallel rank at least)."""
+    value = doc.get(key) or least
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_FILES:
+        raise FormatError(f"{path}: {key} is {value!r:.40}, not an integer from {least}")
+    return value
+
+
 def _step(src: Path, meta: dict[str, Any]) -> int:
-    step = (meta.get("metas") or {}).get("last_train_step")
+    if not isinstance(meta.get("metas", {}), dict):
+        raise FormatError(f"{src / METADATA}: metas is a {type(meta['metas']).__name__}, not a mapping")
+    step = section(meta, "metas").get("last_train_step")
     if isinstance(step, int):
         return step
     named = trust.step_number(src.resolve().name)
