@@ -299,8 +299,9 @@ def spell_blocks(block: int, crcs: Iterable[int]) -> str:
 
 
 def _decimal(text: str) -> bool:
-    """ASCII digits only: str.isdigit also takes '²', which int() refuses."""
-    return text.isascii() and text.isdigit()
+    """ASCII digits only (str.isdigit also takes '²', which int() refuses), at most 19: int() refuses over
+    4300, and no number here needs more than 63 bits."""
+    return text.isascii() and text.isdigit() and len(text) <= 19
 
 
 def segments(begin: int, nbytes: int, block: int) -> int:

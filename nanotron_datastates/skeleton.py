@@ -199,9 +199,9 @@ def decode(
                 raise bad(f"'{tag}' must hold a list")
             items = [node(i) for i in v]
             if tag == "s":
-                sizes = [i for i in items if type(i) is int]
+                sizes = [i for i in items if type(i) is int and -(2**63) <= i < 2**63]
                 if len(sizes) != len(items):
-                    raise bad("torch.Size must hold integers")
+                    raise bad("torch.Size must hold integers of 64 bits")
                 return torch.Size(sizes)
             return items if tag == "l" else tuple(items)
         if tag == "f":

@@ -84,6 +84,7 @@ def test_reads_safetensors_written_files(tmp_path):
         ({"a": [1]}, b"", "not an object"),
         ({"__metadata__": {"datastates.version": "99"}}, b"", "newer"),
         ({"__metadata__": {"datastates.version": "\u00b2"}}, b"", "newer"),
+        ({"__metadata__": {"datastates.version": "9" * 5000}}, b"", "newer"),  # past int()'s 4300 digits
         *(
             (
                 {
@@ -99,6 +100,7 @@ def test_reads_safetensors_written_files(tmp_path):
                 "4000:" + "0" * 16,
                 "1024:" + "0" * 40,
                 "4096",
+                "4" * 5000 + ":" + "0" * 16,
             ]
         ),
         (

@@ -65,3 +65,21 @@ def test_a_lock_file_that_is_a_link_is_not_followed(tmp_path):
     with pytest.raises(trust.UntrustedPath, match="link"):
         WriterLock(root).acquire()
     assert target.read_text() == "keep"
+
+
+def test_a_holder_line_nested_too_deeply_still_names_the_folder(tmp_path):
+    """The holder's line is read back for the message only: whatever is there, the error is FolderBusy."""
+    ctx = multiprocessing.get_context("spawn")
+    held, done = ctx.Event(), ctx.Event()
+    other = ctx.Process(target=_hold, args=(str(tmp_path), held, done))
+    other.start()
+    try:
+        assert held.wait(60)
+        with open(tmp_path / LOCK, "r+b") as f:  # the same file: the other process keeps its lock
+            f.write(b"[" * 4096)
+        with pytest.raises(FolderBusy, match="holder unknown") as e:
+            WriterLock(tmp_path).acquire()
+        assert str(tmp_path) in str(e.value)
+    finally:
+        done.set()
+        other.join(30)

@@ -123,5 +123,5 @@ def _holder(fd: int) -> str:
     try:
         doc = json.loads(os.pread(fd, 4096, 0) or b"{}")
         return f"host {doc['host']}, pid {doc['pid']}, since {doc['since']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return "holder unknown"
