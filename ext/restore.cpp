@@ -24,8 +24,9 @@ namespace ds {
 
 FileMapping::FileMapping(int fd, std::size_t bytes, const std::string& path, bool read_only) : size_(bytes) {
   if (bytes == 0) return;
-  void* p = read_only ? mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0)
-                      : mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+  void* p = fd < 0      ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+            : read_only ? mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0)
+                        : mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
   if (p == MAP_FAILED) throw ErrorException(Error::os(errno, "mapping for restore", path));
   data_ = static_cast<char*>(p);
 }
@@ -45,6 +46,28 @@ int populate(char* p, std::size_t n) {
   volatile char sink = 0;                                         // kernels before 5.14: touch every page
   for (std::size_t o = 0; o < n; o += kPage) sink = sink + p[o];
   return 0;
+}
+
+// Reads [offset, offset + n) of the file into p: ENODATA where it ends first.
+int read_at(int fd, char* p, std::uint64_t offset, std::size_t n) {
+  while (n > 0) {
+    const ssize_t got = pread(fd, p, n, static_cast<off_t>(offset));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) return errno;
+    if (got == 0) return ENODATA;
+    p += got;
+    offset += static_cast<std::uint64_t>(got);
+    n -= static_cast<std::size_t>(got);
+  }
+  return 0;
+}
+
+// Whether a user other than this one (root aside) may change or shorten the file: its bytes are then read
+// into memory of the process's own, never mapped (a mapping would follow a change made after the checks,
+// and touching it past a new end is a SIGBUS).
+bool others_may_write(int fd) {
+  struct stat st {};
+  return fstat(fd, &st) != 0 || st.st_uid != geteuid() || (st.st_mode & (S_IWGRP | S_IWOTH)) != 0;
 }
 
 // Asks the kernel to read [offset, offset + n) of the file into the page cache, so that faulting those pages
@@ -116,6 +139,7 @@ struct Restore {
   const RestoreOptions& opts;
   const bool to_device;
   char* host = nullptr;       // host mode: the file mapping (file offset x at host + x)
+  bool host_copy = false;     // host mode: `host` is memory of ours that the file's bytes are read into
   char* memory = nullptr;     // device mode, from a file in memory: its read-only shared mapping
   bool part_of_file = false;  // some pieces are not read
   HostCache& cache;
@@ -219,6 +243,10 @@ struct Restore {
       for (std::size_t k = pb; k < pe && !failed(); ++k) {
         const std::size_t j = todo[k];
         for (const ReadRange& r : runs(j, host + piece_lo(j))) {
+          if (host_copy) {
+            if (int err = read_at(fd, r.dst, r.offset, r.need)) return fail(io_error(err));
+            continue;
+          }
           // Part of the file: its pages asked for first (a whole file is faulted in, readahead helping).
           if (part_of_file || r.len < piece) read_ahead(fd, r.offset, r.need);
           if (int err = populate(r.dst, r.need)) return fail(io_error(err));
@@ -317,7 +345,8 @@ RestoreResult restore_file(const std::string& path, std::uint64_t data_start, st
       memory = std::make_unique<FileMapping>(r.fd, r.file_end, path, /*read_only=*/true);
       r.memory = memory->data();
     } else if (!to_device) {
-      out.mapping = std::make_unique<FileMapping>(r.fd, r.file_end, path);
+      r.host_copy = others_may_write(r.fd);
+      out.mapping = std::make_unique<FileMapping>(r.host_copy ? -1 : r.fd, r.file_end, path);
       r.host = out.mapping->data();
     }
   } catch (...) {

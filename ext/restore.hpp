@@ -42,8 +42,8 @@ struct RestoreOptions {
   bool map_memory_files = true;  // to a device from tmpfs: through a mapping, not read(2) into chunks
 };
 
-// A mapping of a whole file, private and writable (copy on write) or shared and read-only; unmapped on
-// destruction.
+// A mapping of a whole file, private and writable (copy on write) or shared and read-only; with `fd` < 0,
+// anonymous memory of `bytes` that a file's bytes are read into. Unmapped on destruction.
 class FileMapping {
  public:
   FileMapping(int fd, std::size_t bytes, const std::string& path, bool read_only = false);

@@ -9,6 +9,8 @@ import contextlib
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -17,7 +19,7 @@ import pytest
 import torch
 from test_convert import OPTIMIZER, stock_checkpoint
 
-from nanotron_datastates import DataStatesEngine
+from nanotron_datastates import ChecksumError, DataStatesEngine
 from nanotron_datastates import format as fmt
 from nanotron_datastates.checkpoint.names import MANIFEST, NANOTRON_METADATA
 from nanotron_datastates.cli import main
@@ -114,6 +116,67 @@ def test_a_link_the_caller_chose_to_a_file_is_read(engine, tmp_path):
     (tmp_path / "link.safetensors").symlink_to(tmp_path / "real.safetensors")
     assert torch.equal(engine.load(tmp_path / "link.safetensors")["a"], torch.arange(4.0))
     assert engine.verify(tmp_path / "link.safetensors")
+
+
+# -- a CPU load of a file that others can change --------------------------------------------------------------
+
+OTHER = 12345  # another user's uid (CI runs as root, which may chown)
+ONES = 1 << 16
+
+
+def _shared_file(engine: DataStatesEngine, tmp_path: Path, who: str) -> Path:
+    """A saved file of ones that another user could rewrite: theirs, or writable by all."""
+    path = tmp_path / "shared.safetensors"
+    engine.save({"a": torch.ones(ONES)}, path).wait_persisted()
+    if who == "other-user":
+        try:
+            os.chown(path, OTHER, OTHER)
+        except PermissionError:
+            pytest.skip("no permission to give a file to another user here")
+        path.chmod(0o644)
+    else:
+        path.chmod(0o666)
+    return path
+
+
+def _rewrite_in_place(path: Path) -> None:
+    """Every 1.0 of the data section made 2.0, in the same file (the page cache the mappings share)."""
+    raw = path.read_bytes()
+    start = 8 + int.from_bytes(raw[:8], "little")
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write(raw[start:].replace(b"\x00\x00\x80\x3f", b"\x00\x00\x00\x40"))
+
+
+@pytest.mark.parametrize("who", ["other-user", "world-writable"])
+def test_a_cpu_load_of_a_file_others_can_write_is_a_copy_they_cannot_change(engine, tmp_path, who):
+    """Checked, then changed in place by its owner: the tensors loaded keep the bytes that were checked."""
+    path = _shared_file(engine, tmp_path, who)
+    got = engine.load(path)["a"]
+    _rewrite_in_place(path)
+    with pytest.raises(ChecksumError):  # the file did change: a new load finds it so
+        engine.load(path)
+    assert torch.equal(got, torch.ones(ONES))
+
+
+TRUNCATED = """
+import os, sys
+from nanotron_datastates import DataStatesEngine
+with DataStatesEngine(host_cache_size=1 / 64, chunk_size=1) as engine:
+    got = engine.load(sys.argv[1])["a"]
+    os.truncate(sys.argv[1], 0)
+    print(float(got.sum()), flush=True)
+"""
+
+
+@pytest.mark.parametrize("who", ["other-user", "world-writable"])
+def test_a_cpu_load_outlives_its_file_cut_short_by_another_user(engine, tmp_path, who):
+    """A mapping of a file cut short is a SIGBUS when touched past its new end: a copy is not."""
+    path = _shared_file(engine, tmp_path, who)
+    r = subprocess.run(
+        [sys.executable, "-c", TRUNCATED, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and r.stdout.strip() == f"{float(ONES)}", (r.returncode, r.stderr[-2000:])
 
 
 # -- the commands --------------------------------------------------------------------------------------------
