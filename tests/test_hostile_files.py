@@ -118,7 +118,7 @@ def test_a_link_the_caller_chose_to_a_file_is_read(engine, tmp_path):
     assert engine.verify(tmp_path / "link.safetensors")
 
 
-# -- a CPU load of a file that others can change --------------------------------------------------------------
+# -- a CPU load of a file that others can change -----------------------------------------------------------
 
 OTHER = 12345  # another user's uid (CI runs as root, which may chown)
 ONES = 1 << 16

@@ -5,11 +5,13 @@ takes them (the checkpoint's folder, and with `memory_tier` the file's copy in n
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...engine import DataStatesEngine
+from ...errors import UntrustedPath
 from ...save.commit import PendingCheckpoint
 from ...save.plan import SavePlan
 from ...tier.memory import MemoryTier
@@ -69,7 +71,12 @@ def targets(
     tier: MemoryTier | None, pending: PendingCheckpoint, files: list[tuple[Path, SavePlan]]
 ) -> Targets:
     """`files` (path in the checkpoint, plan) of `pending`'s checkpoint as the engine takes them: (plan,
-    path) each, with each one's memory tier copy and the earlier copy it recycles."""
+    path) each, with each one's memory tier copy and the earlier copy it recycles. UntrustedPath, naming it,
+    where the checkpoint's folder is a link (another run's step, left there): never written through."""
+    if os.path.islink(pending.folder):
+        raise UntrustedPath(
+            errno.ELOOP, f"{pending.folder}: a link where the checkpoint's folder goes; remove it"
+        )
     out = [(plan, os.path.join(str(pending.folder), path)) for path, plan in files]
     mirrors = recycle = None
     if tier is not None:  # strings: path objects cost the training thread a few µs a file
