@@ -32,7 +32,7 @@ from nanotron_datastates.tier.replica_check import check_and_place
 from nanotron_datastates.tier.replica_transfer import Transfer, _temporary
 from nanotron_datastates.tier.replicas import replica_area
 
-from helpers import small_config, write_nanotron_checkpoint
+from helpers import small_config, within, write_nanotron_checkpoint
 
 OTHER = 12345  # another user's uid (CI runs as root, which may chown)
 DEPTH = 1500  # deeper than Python's default recursion limit
@@ -267,21 +267,9 @@ def test_a_writer_lock_of_our_own_keeps_working(tmp_path):
     assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()  # the old line replaced whole
 
 
-def _set_latest_within(root: Path, seconds: float = 10.0) -> BaseException | None:
+def _set_latest_within(root: Path) -> BaseException | None:
     """What moving `latest.txt` under the store's lock raised (None: it moved); fails if it blocks."""
-    out: dict = {}
-
-    def go() -> None:
-        try:
-            open_store(root).set_latest(20)
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            out["error"] = e
-
-    thread = threading.Thread(target=go, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"the lock of {root} blocked"
-    return out.get("error")
+    return within(lambda: open_store(root).set_latest(20), 10.0, fifos=(root / STORE_LOCK,)).get("error")
 
 
 @pytest.mark.parametrize("make", [_fifo, _device], ids=["fifo", "device"])

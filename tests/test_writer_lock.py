@@ -3,9 +3,12 @@ and the holder; the lock goes with the holder's process."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import socket
+from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -20,20 +23,27 @@ def _hold(root: str, held, done) -> None:
     lock.release()
 
 
-def test_a_second_job_on_the_same_folder_fails_at_start_naming_the_holder(tmp_path):
+@contextlib.contextmanager
+def _held_elsewhere(root: Path) -> Iterator[multiprocessing.process.BaseProcess]:
+    """Another process holding the folder's writer lock, until the block ends."""
     ctx = multiprocessing.get_context("spawn")
     held, done = ctx.Event(), ctx.Event()
-    other = ctx.Process(target=_hold, args=(str(tmp_path), held, done))
+    other = ctx.Process(target=_hold, args=(str(root), held, done))
     other.start()
     try:
         assert held.wait(60)
+        yield other
+    finally:
+        done.set()
+        other.join(30)
+
+
+def test_a_second_job_on_the_same_folder_fails_at_start_naming_the_holder(tmp_path):
+    with _held_elsewhere(tmp_path) as other:
         with pytest.raises(FolderBusy) as e:
             WriterLock(tmp_path).acquire()
         message = str(e.value)
         assert str(tmp_path) in message and f"pid {other.pid}" in message and socket.gethostname() in message
-    finally:
-        done.set()
-        other.join(30)
     WriterLock(tmp_path).acquire().release()  # free once the holder is gone
 
 
@@ -69,17 +79,9 @@ def test_a_lock_file_that_is_a_link_is_not_followed(tmp_path):
 
 def test_a_holder_line_nested_too_deeply_still_names_the_folder(tmp_path):
     """The holder's line is read back for the message only: whatever is there, the error is FolderBusy."""
-    ctx = multiprocessing.get_context("spawn")
-    held, done = ctx.Event(), ctx.Event()
-    other = ctx.Process(target=_hold, args=(str(tmp_path), held, done))
-    other.start()
-    try:
-        assert held.wait(60)
+    with _held_elsewhere(tmp_path):
         with open(tmp_path / LOCK, "r+b") as f:  # the same file: the other process keeps its lock
             f.write(b"[" * 4096)
         with pytest.raises(FolderBusy, match="holder unknown") as e:
             WriterLock(tmp_path).acquire()
         assert str(tmp_path) in str(e.value)
-    finally:
-        done.set()
-        other.join(30)
