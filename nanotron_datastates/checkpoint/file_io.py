@@ -99,9 +99,10 @@ def _read_doc(
 
 
 def _read_bounded(path: str | os.PathLike) -> bytes:
+    """The file's bytes, never more than MAX_SIDE_FILE read (its size checked first, its growth after)."""
     with os.fdopen(trust.open_to_read(path), "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        data = f.read(MAX_SIDE_FILE + 1) if size <= MAX_SIDE_FILE else b""
-        if size > MAX_SIDE_FILE or len(data) > MAX_SIDE_FILE:
-            raise OSError(errno.EFBIG, f"{path}: more than the {MAX_SIDE_FILE} bytes a side file may hold")
-    return data
+        if os.fstat(f.fileno()).st_size <= MAX_SIDE_FILE:
+            data = f.read(MAX_SIDE_FILE + 1)
+            if len(data) <= MAX_SIDE_FILE:
+                return data
+    raise OSError(errno.EFBIG, f"{path}: more than the {MAX_SIDE_FILE} bytes a side file may hold")

@@ -65,9 +65,8 @@ class WriterLock:
             raise
         me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
         line = json.dumps(me).encode()
-        os.pwrite(
-            fd, line, 0
-        )  # a regular file with no other name (`open_lock_file`): only the lock's bytes change
+        # A regular file with no other name (`open_lock_file`): only the lock's bytes change
+        os.pwrite(fd, line, 0)
         os.ftruncate(fd, len(line))
         self.fd = fd
         _HELD[key] = self
