@@ -93,7 +93,7 @@ struct Frame {
 bool empty(int fd) {
   std::vector<Frame> frames;
   auto enter = [&](std::string name) {
-    struct stat st {};
+    struct stat st{};
     Frame f{0, 0, {}, std::move(name)};
     if (fstat(fd, &st) != 0 || !list(fd, f.left)) return false;
     f.dev = st.st_dev;
@@ -130,7 +130,7 @@ bool empty(int fd) {
     const int up = openat(fd, "..", kFolder);
     close(fd);
     fd = up;
-    struct stat st {};
+    struct stat st{};
     if (fd < 0 || fstat(fd, &st) != 0 || st.st_dev != frames.back().dev || st.st_ino != frames.back().ino) {
       ok = false;  // moved away meanwhile: left as it is
       break;
@@ -195,20 +195,20 @@ class PosixStorage final : public Storage {
     return unlink(left.c_str()) == 0 ? 0 : errno;
   }
 
-  // Non-blocking, so that a FIFO never holds the open; anything but a regular file is EINVAL.
+  // The path opened first as a mere handle (O_PATH: a FIFO or a device is never opened, no driver is
+  // called), its type checked on it, then opened for reading through it: what is read is what was checked.
+  // Anything but a regular file is EINVAL.
   int open_read(const std::string& path, bool direct, int same_as) override {
     if (same_as >= 0) return reopen_read(same_as, direct);
-    const int flags = O_RDONLY | O_CLOEXEC | O_NONBLOCK;
-    int fd = direct ? ::open(path.c_str(), flags | O_DIRECT) : -1;
-    if (fd < 0 && (!direct || errno == EINVAL)) fd = ::open(path.c_str(), flags);  // EINVAL: no O_DIRECT
-    if (fd < 0) return -errno;
-    struct stat st {};
-    const int mode = fcntl(fd, F_GETFL);
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || mode < 0 ||
-        fcntl(fd, F_SETFL, mode & ~O_NONBLOCK) != 0) {
-      ::close(fd);
-      return -EINVAL;
+    const int handle = ::open(path.c_str(), O_PATH | O_CLOEXEC);
+    if (handle < 0) return -errno;
+    struct stat st{};
+    int fd = -EINVAL;
+    if (fstat(handle, &st) == 0 && S_ISREG(st.st_mode)) {
+      fd = open_for_read("/proc/self/fd/" + std::to_string(handle), direct, 0);
+      if (fd == -ENOENT) fd = reopen_by_path(path, direct, st);  // no /proc
     }
+    ::close(handle);
     return fd;
   }
 
@@ -262,7 +262,7 @@ class PosixStorage final : public Storage {
         folders.emplace_back(&parts[i], parent >= 0 ? openat(parent, parts[i].c_str(), kFolder) : -1);
       }
       const int at = folders.empty() ? top : folders.back().second;
-      struct stat st {};
+      struct stat st{};
       out[k] = at >= 0 && fstatat(at, parts.back().c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
                S_ISREG(st.st_mode) && st.st_uid == me && st.st_nlink == 1;
     }
@@ -273,7 +273,7 @@ class PosixStorage final : public Storage {
   }
 
   bool in_memory(int fd) override {
-    struct statfs s {};
+    struct statfs s{};
     return fstatfs(fd, &s) == 0 && (s.f_type == TMPFS_MAGIC || s.f_type == RAMFS_MAGIC);
   }
 
@@ -281,6 +281,28 @@ class PosixStorage final : public Storage {
   // A descriptor of our own for the caller's open file `fd`: the same file, whatever the path names now.
   // With O_DIRECT, a new open of the same inode through /proc (O_DIRECT is per open file, and the caller's
   // must stay as it is); else, or where that fails, a duplicate.
+  static int open_for_read(const std::string& path, bool direct, int extra) {
+    const int flags = O_RDONLY | O_CLOEXEC | extra;
+    int fd = direct ? ::open(path.c_str(), flags | O_DIRECT) : -1;
+    if (fd < 0 && (!direct || errno == EINVAL)) fd = ::open(path.c_str(), flags);  // EINVAL: no O_DIRECT
+    return fd >= 0 ? fd : -errno;
+  }
+
+  // By path again, non-blocking (a FIFO swapped in since must not hold the open), refused unless it is the
+  // file checked.
+  static int reopen_by_path(const std::string& path, bool direct, const struct stat& checked) {
+    const int fd = open_for_read(path, direct, O_NONBLOCK);
+    if (fd < 0) return fd;
+    struct stat st{};
+    const int mode = fcntl(fd, F_GETFL);
+    if (fstat(fd, &st) != 0 || st.st_dev != checked.st_dev || st.st_ino != checked.st_ino || mode < 0 ||
+        fcntl(fd, F_SETFL, mode & ~O_NONBLOCK) != 0) {
+      ::close(fd);
+      return -EINVAL;
+    }
+    return fd;
+  }
+
   static int reopen_read(int fd, bool direct) {
     if (direct) {
       const std::string self = "/proc/self/fd/" + std::to_string(fd);

@@ -6,11 +6,13 @@ test."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -59,6 +61,32 @@ def fifo() -> Iterator[Callable[[Path], Path]]:
         time.sleep(0.05)
 
 
+@pytest.fixture
+def writer_waits() -> Iterator[Callable[[Path], threading.Event]]:
+    """A writer blocked on a FIFO until a reader opens it: its event is set if anything opened the FIFO for
+    reading, which no reader of the package ever does. Released afterwards."""
+    waiting: list[tuple[Path, threading.Thread]] = []
+
+    def start(path: Path) -> threading.Event:
+        opened = threading.Event()
+
+        def write() -> None:
+            os.close(os.open(path, os.O_WRONLY))
+            opened.set()
+
+        waiting.append((path, threading.Thread(target=write, daemon=True)))
+        waiting[-1][1].start()
+        return opened
+
+    yield start
+    for path, thread in waiting:
+        with (
+            contextlib.suppress(OSError),
+            open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NONBLOCK)),
+        ):
+            thread.join(DEADLINE)
+
+
 def outcome(fn: Callable[[], Any]) -> BaseException | None:
     """What `fn()` raised (None where it returned), on a thread that must end within DEADLINE."""
     return within(fn, DEADLINE).get("error")
@@ -87,10 +115,14 @@ READERS: dict[str, Callable[[DataStatesEngine, Path], Any]] = {
 
 
 @pytest.mark.parametrize("reader", READERS)
-def test_every_reader_refuses_a_fifo_at_once_naming_it(engine, fifo, tmp_path, reader):
+def test_every_reader_refuses_a_fifo_at_once_naming_it_and_never_opens_it(
+    engine, fifo, writer_waits, tmp_path, reader
+):
     path = fifo(tmp_path / "state.safetensors")
+    opened = writer_waits(path)
     err = fails_naming(lambda: READERS[reader](engine, path), path)
     assert "FIFO" in err.strerror and err.filename == str(path)
+    assert not opened.wait(0.2), f"{reader} opened the FIFO"
 
 
 @pytest.mark.parametrize("reader", READERS)
@@ -321,11 +353,15 @@ def test_convert_to_torch_refuses_a_link_in_the_checkpoint_naming_it(ckpt, tmp_p
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_the_core_opening_a_path_itself_refuses_a_fifo_at_once(fifo, tmp_path, direct):
+def test_the_core_opening_a_path_itself_refuses_a_fifo_at_once_and_never_opens_it(
+    fifo, writer_waits, tmp_path, direct
+):
     path = fifo(tmp_path / "state.safetensors")
+    opened = writer_waits(path)
     with DataStatesEngine(small_config(direct_io=direct)) as e:
         err = fails_naming(lambda: e._core.restore_host(str(path), 4096, 16, [0], [16], False), path)
     assert isinstance(err, OSError) and err.filename == str(path)
+    assert not opened.wait(0.2), "the core opened the FIFO"
 
 
 def test_telemetry_is_never_waited_on_where_a_fifo_takes_its_name(fifo, tmp_path):
@@ -336,3 +372,58 @@ def test_telemetry_is_never_waited_on_where_a_fifo_takes_its_name(fifo, tmp_path
     fails_naming(lambda: telemetry.read(tmp_path), path)
     rc = outcome(lambda: main(["plot", str(tmp_path), "-o", str(tmp_path / "t.png")]))
     assert rc is None  # returned (exit 1, said on stderr), never blocked
+
+
+# -- a file swapped for a FIFO between its check and its open ------------------------------------------------
+
+SWAPPED = """
+import json, os, sys, threading
+from nanotron_datastates import trust
+target, fifo, how = sys.argv[1:]
+swaps, writer_in = [], threading.Event()
+
+def neighbour(event, args):  # swaps the FIFO in just before the package's open of the file's name
+    if event == "open" and not swaps and isinstance(args[0], str) and args[0].endswith("state.bin"):
+        swaps.append(os.rename(fifo, target))
+
+def writer():  # blocks until a reader opens the FIFO: that open is what must never happen
+    os.close(os.open(fifo, os.O_WRONLY))
+    writer_in.set()
+
+threading.Thread(target=writer, daemon=True).start()
+sys.addaudithook(neighbour)
+try:
+    if how == "open_to_read":
+        os.close(trust.open_to_read(target))
+    elif how == "read_regular":
+        trust.read_regular(target, 1 << 20)
+    else:
+        os.close(trust.open_regular(os.path.basename(target), within=os.path.dirname(target)))
+    error = None
+except OSError as e:
+    error = f"{type(e).__name__}: {e}"
+opened = writer_in.wait(0.5)
+with open(target, "rb", opener=lambda p, f: os.open(p, f | os.O_NONBLOCK)):
+    pass  # releases the writer, if still waiting
+print(json.dumps({"swapped": len(swaps), "opened": opened, "error": error}))
+"""
+
+
+@pytest.mark.parametrize("how", ["open_to_read", "read_regular", "open_regular"])
+def test_a_file_swapped_for_a_fifo_after_its_check_is_never_opened(tmp_path, how):
+    """The neighbour renames a FIFO over the file at the moment of the open (an audit hook times it): the
+    package refuses it, naming it, and never opens it: a writer waiting on that FIFO stays waiting."""
+    target, fifo = tmp_path / "state.bin", tmp_path / "planted"
+    target.write_bytes(b"x" * 64)
+    os.mkfifo(fifo)
+    r = subprocess.run(
+        [sys.executable, "-c", SWAPPED, str(target), str(fifo), how],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout)
+    assert got["swapped"] == 1, got
+    assert got["error"] and "UntrustedPath" in got["error"] and str(target) in got["error"], got
+    assert not got["opened"], f"{how} opened the FIFO swapped in after its check: {got}"

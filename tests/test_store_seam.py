@@ -1,7 +1,7 @@
 """The Python side of the storage seam (nanotron_datastates/store/): every rename, every removal and every
 write of `latest.txt` or a manifest that the package does itself goes through a `Store`, so that a new
 storage target is one new module there. Read from the sources (their syntax tree): such an operation anywhere
-else fails here, naming the file and line. Outside the seam by design: `trust.py` (the checks and acts
+else fails here, naming the file and line. Outside the seam by design: `trust/` (the checks and acts
 by descriptor the store is made of), `checkpoint/file_io.py` (the atomic write), `tier/` (the node-memory
 tier's own folders, not a checkpoints folder)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "nanotron_datastates"
-EXEMPT = ("store/", "trust.py", "checkpoint/file_io.py", "tier/")
+EXEMPT = ("store/", "trust/", "checkpoint/file_io.py", "tier/")
 
 OS_CALLS = {"replace", "rename", "renames", "unlink", "remove", "rmdir", "removedirs"}  # os.<name>(...)
 SHUTIL_CALLS = {"rmtree", "move"}

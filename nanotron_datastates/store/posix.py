@@ -1,6 +1,6 @@
 """`FolderStore`: the `Store` of a checkpoints folder on a POSIX file system, made of the package's existing
 pieces: atomic writes (`checkpoint/file_io.py`), the listing and `latest.txt` read strictly
-(`checkpoint/folder.py`), removal by descriptor with no link followed (`trust.py`), the inter-process lock
+(`checkpoint/folder.py`), removal by descriptor with no link followed (`trust/`), the inter-process lock
 file `.datastates.lock` (a POSIX record lock, its file opened as the writer lock's: no link followed, never
 a FIFO) and the writer lock (`store/writer_lock.py`)."""
 
