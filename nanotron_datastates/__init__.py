@@ -14,7 +14,7 @@ TYPE_CHECKING = False  # not typing's: importing typing costs milliseconds at ev
 if TYPE_CHECKING:
     from .engine import DataStatesEngine
     from .engine_settings import DataStatesConfig
-    from .errors import ChecksumError, DataStatesError, FormatError
+    from .errors import CheckpointError, ChecksumError, DataStatesError, FormatError
     from .save.handle import SaveHandle
     from .save.plan import SavePlan
     from .save.staged_save import StagedSave
@@ -23,6 +23,7 @@ _WHERE = {
     "DataStatesConfig": "engine_settings",
     "DataStatesEngine": "engine",
     "SaveHandle": "save.handle",
+    "CheckpointError": "errors",
     "ChecksumError": "errors",
     "DataStatesError": "errors",
     "FormatError": "errors",
@@ -30,6 +31,7 @@ _WHERE = {
     "StagedSave": "save.staged_save",
 }
 __all__ = [
+    "CheckpointError",
     "ChecksumError",
     "DataStatesConfig",
     "DataStatesEngine",

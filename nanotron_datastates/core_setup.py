@@ -9,7 +9,7 @@ import os
 import torch
 
 from . import _core
-from .engine_settings import DataStatesConfig
+from .engine_settings import DataStatesConfig, node_ranks
 
 log = logging.getLogger("nanotron_datastates")
 _warned: set[str] = set()
@@ -63,15 +63,18 @@ def start_core(config: DataStatesConfig) -> _core.Engine:
 
 
 def check_memory(config: DataStatesConfig) -> None:
-    """ValueError when the host cache asks for more than 90% of this machine's memory."""
+    """ValueError when the host caches of this node's ranks (each its own) ask for more than 90% of this
+    machine's memory."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return
-    if config.cache_bytes > 0.9 * total:
+    ranks = node_ranks()
+    if config.cache_bytes * ranks > 0.9 * total:
+        each = f" per rank, for {ranks} ranks on this node (LOCAL_WORLD_SIZE)," if ranks > 1 else ""
         raise ValueError(
-            f"datastates.host_cache_size={config.host_cache_size} GiB does not fit in this machine's "
-            f"{total / 2**30:.1f} GiB of memory; use at most {0.9 * total / 2**30:.1f}"
+            f"datastates.host_cache_size={config.host_cache_size} GiB{each} does not fit in this machine's "
+            f"{total / 2**30:.1f} GiB of memory; use at most {0.9 * total / ranks / 2**30:.1f}"
         )
 
 

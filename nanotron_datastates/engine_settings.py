@@ -55,12 +55,19 @@ class Settings:
             raise ValueError(
                 f"unknown datastates key(s): {', '.join(unknown)}; known keys: {', '.join(sorted(known))}"
             )
+        from_env = {}
         if env:
             for name, f in known.items():
                 raw = os.environ.get(ENV_PREFIX + name.upper())
                 if raw is not None:
-                    d[name] = _parse_env(name, _kind(f), raw)
-        return cls(**d)
+                    d[name], from_env[name] = _parse_env(name, _kind(f), raw), raw
+        try:
+            return cls(**d)
+        except ValueError as e:  # a value the environment set: the variable named, not only the key
+            key = next((n for n in from_env if f"datastates.{n}=" in str(e)), None)
+            if key is None:
+                raise
+            raise ValueError(f"{e} (set by {ENV_PREFIX}{key.upper()}={from_env[key]!r})") from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)  # type: ignore[call-overload]
@@ -228,10 +235,13 @@ def rank_share(cpus: int | None = None, local_ranks: int | None = None) -> int:
     """The CPUs of a rank's share of the node: `cpus` (this process's) over `local_ranks` (torchrun's
     LOCAL_WORLD_SIZE, or none: one rank)."""
     cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
-    if local_ranks is None:
-        raw = os.environ.get("LOCAL_WORLD_SIZE", "1")
-        local_ranks = int(raw) if raw.isdigit() else 1
-    return cpus // max(1, local_ranks)
+    return cpus // max(1, local_ranks if local_ranks is not None else node_ranks())
+
+
+def node_ranks() -> int:
+    """The ranks on this node (torchrun's LOCAL_WORLD_SIZE; none: one)."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return max(1, int(raw)) if raw.isdigit() else 1
 
 
 def auto_parser_threads(cpus: int | None = None, local_ranks: int | None = None) -> int:
@@ -263,4 +273,5 @@ def _parse_env(name: str, kind: str, raw: str) -> Any:
             return float(raw)
         return raw
     except ValueError:
-        raise ValueError(f"environment variable {var}={raw!r} is not a valid {kind}") from None
+        allowed = " (1, true, yes, on or 0, false, no, off)" if kind == "bool" else ""
+        raise ValueError(f"environment variable {var}={raw!r} is not a valid {kind}{allowed}") from None

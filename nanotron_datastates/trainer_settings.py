@@ -72,7 +72,7 @@ class TrainerSettings(DataStatesConfig):
     so that a restart on the same node (a killed process, torchrun's restarts, a relaunch) reads it from
     memory. The tier's files are the saves' host memory (in place of host cache chunks, no second copy).
     Needs room for `memory_tier_copies` checkpoints of the node's ranks there (checked after the first step);
-    removed when training ends normally. One-node jobs."""
+    removed when training ends normally. With `memory_replicas`, a copy on the next node too."""
     memory_tier_copies: int = 2
     """Checkpoints of each rank the memory tier keeps: 2, the committed one stays whole while the next is
     taken; 1, the next overwrites it (withdrawn first: a restart never reads it half overwritten), in the

@@ -2,10 +2,12 @@
 and the Nanotron trainer's): defaults, validation naming the field, from_dict, environment overrides."""
 
 import dataclasses
+import os
 
 import pytest
 
 from nanotron_datastates import DataStatesConfig, DataStatesEngine
+from nanotron_datastates.core_setup import check_memory
 from nanotron_datastates.trainer_settings import TrainerSettings
 
 
@@ -159,3 +161,32 @@ def test_small_cache_clamps_chunks():
 def test_cache_larger_than_memory_is_refused():
     with pytest.raises(ValueError, match="host_cache_size"):
         DataStatesEngine(DataStatesConfig(host_cache_size=100_000))
+
+
+def test_a_host_cache_that_the_nodes_ranks_cannot_all_hold_is_refused_naming_the_setting(monkeypatch):
+    """Each rank allocates its own cache: a per-rank size that fits once but not once per rank of the node
+    (torchrun's LOCAL_WORLD_SIZE) is refused before anything is pinned."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    config = DataStatesConfig(host_cache_size=0.3 * total / 2**30)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    check_memory(config)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"host_cache_size=.* per rank.* 4 ranks .*LOCAL_WORLD_SIZE"):
+        check_memory(config)
+
+
+def test_an_invalid_value_from_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv("DATASTATES_HOST_CACHE_SIZE", "0")
+    with pytest.raises(ValueError, match=r"host_cache_size=0.0 .*DATASTATES_HOST_CACHE_SIZE='0'"):
+        TrainerSettings.from_dict({"host_cache_size": 16})
+    monkeypatch.setenv("DATASTATES_HOST_CACHE_SIZE", "1")
+    monkeypatch.setenv("DATASTATES_FSYNC", "maybe")
+    with pytest.raises(ValueError, match=r"DATASTATES_FSYNC='maybe'.*1, true, yes, on.*0, false, no, off"):
+        TrainerSettings.from_dict({})
+
+
+def test_the_trainers_error_is_importable_beside_the_engine():
+    from nanotron_datastates import CheckpointError
+    from nanotron_datastates.errors import CheckpointError as where
+
+    assert CheckpointError is where

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..trainer_settings import TrainerSettings
@@ -72,6 +73,8 @@ def make_classes(ncc: Any) -> tuple[type, type]:
             given: dict | TrainerSettings | None = self.datastates
             if not isinstance(given, TrainerSettings):  # a parsed config's is kept as it is
                 self.datastates = TrainerSettings.from_dict(given)  # type: ignore[assignment]
+            if not self.uses_datastates:
+                _warn_unused(self.datastates)  # type: ignore[arg-type]
 
         @property
         def uses_datastates(self) -> bool:
@@ -82,6 +85,21 @@ def make_classes(ncc: Any) -> tuple[type, type]:
     CheckpointsArgs.__qualname__ = CheckpointsArgs.__name__ = "CheckpointsArgs"
     Config.__datastates__ = True
     return Config, CheckpointsArgs
+
+
+def _warn_unused(settings: TrainerSettings) -> None:
+    """A warning naming the `datastates:` keys set away from their defaults while Nanotron's own engine
+    saves: they would take no effect. A config.yaml that Nanotron saved holds every key at its value."""
+    default = TrainerSettings.from_dict({})
+    changed = [
+        f.name for f in dataclasses.fields(settings) if getattr(settings, f.name) != getattr(default, f.name)
+    ]
+    if changed:
+        warnings.warn(
+            f"datastates: {', '.join(changed)} set, but Nanotron's own engine saves the checkpoints, so they "
+            "take no effect: set `checkpointing_engine: datastates` in `checkpoints:` to use them",
+            stacklevel=2,
+        )
 
 
 def settings_of(config: object) -> TrainerSettings:

@@ -223,3 +223,17 @@ def test_explicit_trainer_import_first_with_the_hook_on():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["True"]
+
+
+def test_a_section_set_while_nanotrons_engine_is_in_use_is_warned_of(tmp_path):
+    """`datastates:` keys take effect only with `checkpointing_engine: datastates`: set without it, they
+    are named in a warning rather than ignored in silence; the defaults (a saved config.yaml's), not."""
+    with pytest.warns(UserWarning, match=r"datastates: host_cache_size, keep_last_n .*checkpointing_engine"):
+        c = parse(tmp_path, datastates={"host_cache_size": 8, "keep_last_n": 3})
+    assert not c.uses_datastates
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse(tmp_path, datastates=TrainerSettings().to_dict())
+        parse(tmp_path, checkpoints={"checkpointing_engine": "datastates"}, datastates={"keep_last_n": 3})
