@@ -379,12 +379,15 @@ def test_telemetry_is_never_waited_on_where_a_fifo_takes_its_name(fifo, tmp_path
 SWAPPED = """
 import json, os, sys, threading
 from nanotron_datastates import trust
-target, fifo, how = sys.argv[1:]
-swaps, writer_in = [], threading.Event()
+target, fifo, how = sys.argv[1:4]
+at = int(sys.argv[4]) if len(sys.argv) > 4 else 1  # which open of the file's name the swap comes before
+opens, swaps, writer_in = [], [], threading.Event()
 
-def neighbour(event, args):  # swaps the FIFO in just before the package's open of the file's name
-    if event == "open" and not swaps and isinstance(args[0], str) and args[0].endswith("state.bin"):
-        swaps.append(os.rename(fifo, target))
+def neighbour(event, args):  # swaps the FIFO in just before the package opens the file's name
+    if event == "open" and isinstance(args[0], str) and args[0].endswith("state.bin"):
+        opens.append(args[0])
+        if len(opens) == at:
+            swaps.append(os.rename(fifo, target))
 
 def writer():  # blocks until a reader opens the FIFO: that open is what must never happen
     os.close(os.open(fifo, os.O_WRONLY))
@@ -427,3 +430,52 @@ def test_a_file_swapped_for_a_fifo_after_its_check_is_never_opened(tmp_path, how
     assert got["swapped"] == 1, got
     assert got["error"] and "UntrustedPath" in got["error"] and str(target) in got["error"], got
     assert not got["opened"], f"{how} opened the FIFO swapped in after its check: {got}"
+
+
+NO_PROC = """
+import json, os, sys
+from nanotron_datastates import DataStatesEngine, trust
+folder = sys.argv[1]
+got = {"proc": os.path.isdir("/proc/self/fd")}
+with os.fdopen(trust.open_to_read(os.path.join(folder, "state.bin")), "rb") as f:
+    got["open_to_read"] = f.read().decode()
+got["read_regular"] = trust.read_regular(os.path.join(folder, "state.bin"), 64).decode()
+with DataStatesEngine(host_cache_size=1 / 64) as e:  # the core's own open, by path
+    spans, _ = e._core.restore_host(os.path.join(folder, "state.bin"), 0, 8, [0], [8], False)
+    got["core"] = bytes(spans[0].numpy()).decode()
+fifo = os.path.join(folder, "fifo")
+for how, read in (("open_to_read", trust.open_to_read), ("open_regular", trust.open_regular)):
+    try:
+        read(fifo)
+    except OSError as e:
+        got[how + "_fifo"] = f"{type(e).__name__}: {e}"
+print(json.dumps(got))
+"""
+
+
+def test_without_proc_files_are_still_read_and_a_fifo_refused(tmp_path):
+    """Where /proc is not mounted (no /proc/self/fd to open a checked handle through), a file is opened by
+    name again and refused unless it is the file checked: reads work, a FIFO is an error naming it."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("hiding /proc takes root and unshare (CI runs as root)")
+    (tmp_path / "state.bin").write_text("datastat")
+    os.mkfifo(tmp_path / "fifo")
+    script = tmp_path / "no_proc.py"
+    script.write_text(NO_PROC)
+    hide = f"mount -t tmpfs none /proc && exec {sys.executable} {script} {tmp_path}"
+    r = subprocess.run(["unshare", "-m", "sh", "-c", hide], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["proc"] is False, got
+    assert got["open_to_read"] == got["read_regular"] == got["core"] == "datastat", got
+    for how in ("open_to_read", "open_regular"):
+        assert "UntrustedPath" in got[how + "_fifo"] and str(tmp_path / "fifo") in got[how + "_fifo"], got
+    # A FIFO swapped in after the check, before the open by name: opened (nothing else can be), then refused.
+    os.mkfifo(tmp_path / "planted")
+    script.write_text(SWAPPED)
+    args = f"{tmp_path / 'state.bin'} {tmp_path / 'planted'} open_to_read 2"
+    swap = f"mount -t tmpfs none /proc && exec {sys.executable} {script} {args}"
+    r = subprocess.run(["unshare", "-m", "sh", "-c", swap], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    swapped = json.loads(r.stdout)
+    assert swapped["swapped"] == 1 and "replaced while opened" in swapped["error"], swapped
