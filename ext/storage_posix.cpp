@@ -278,9 +278,7 @@ class PosixStorage final : public Storage {
   }
 
  private:
-  // A descriptor of our own for the caller's open file `fd`: the same file, whatever the path names now.
-  // With O_DIRECT, a new open of the same inode through /proc (O_DIRECT is per open file, and the caller's
-  // must stay as it is); else, or where that fails, a duplicate.
+  // `path` opened to read, with O_DIRECT where asked and the file system takes it; -errno on failure.
   static int open_for_read(const std::string& path, bool direct, int extra) {
     const int flags = O_RDONLY | O_CLOEXEC | extra;
     int fd = direct ? ::open(path.c_str(), flags | O_DIRECT) : -1;
@@ -303,6 +301,9 @@ class PosixStorage final : public Storage {
     return fd;
   }
 
+  // A descriptor of our own for the caller's open file `fd`: the same file, whatever the path names now.
+  // With O_DIRECT, a new open of the same inode through /proc (O_DIRECT is per open file, and the caller's
+  // must stay as it is); else, or where that fails, a duplicate.
   static int reopen_read(int fd, bool direct) {
     if (direct) {
       const std::string self = "/proc/self/fd/" + std::to_string(fd);

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .. import _core
+from ..engine_settings import rank_share
 from .replica_transfer import Arriving, Landed, Landing, Transfer, pace
 from .step_order import StepOrder
 
@@ -40,8 +40,7 @@ def default_threads() -> int:
     """Host copies at once: one thread copies about 5 GB/s between pinned and mapped memory, an NVLink or a
     400 Gb/s NIC carries tens; up to 12 a rank, from the CPUs the node's ranks (torchrun's LOCAL_WORLD_SIZE)
     share, 2 of each rank's left to training."""
-    share = len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return max(2, min(12, share - 2))
+    return max(2, min(12, rank_share() - 2))
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ...engine import DataStatesEngine
-from ...engine_settings import MIN_PARSER_THREADS
+from ...engine_settings import MIN_PARSER_THREADS, node_ranks
 from ...save.plan import SavePlan
 from ...store import open_store
 from ...tier.links import open_link
@@ -90,7 +90,7 @@ def prepare_tier(
     left to a save to make, as without it."""
     nbytes = sum(plan.nbytes for _, plan in files)
     tier.pruned()  # an earlier process's files gone: their room counted, their names free
-    check_room(tier, nbytes * int(os.environ.get("LOCAL_WORLD_SIZE", "1")), settings.memory_replicas)
+    check_room(tier, nbytes * node_ranks(), settings.memory_replicas)
     if tier.held_steps():
         return
     t0 = time.perf_counter()
